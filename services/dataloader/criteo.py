@@ -1,0 +1,441 @@
+"""Criteo TSV reader. Runs in the data loader process.
+
+One sample per line, tab-separated: a 0/1 label, 13 integer columns (I1..I13,
+may be negative or empty) and 26 categorical columns (C1..C26, usually 8 hex
+digits, may be empty). Plain or gzip-compressed (multi-member gzip works).
+
+The reader feeds a distributed trainer from a small machine, so the per-line
+work happens in one numba kernel over the raw bytes of a large block: Python
+touches a block (megabytes) at a time, never a line or a field. The partial
+last line of a block is carried over to the next one.
+
+Categorical tokens are hashed (FNV-1a over the bytes, then a splitmix64
+finaliser so that similar tokens spread over all 64 bits) and the feature
+group is put in the top 8 bits: ``id = group << 56 | hash & (2**56 - 1)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator, Sequence
+
+import numba
+import numpy as np
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
+GROUP_SHIFT = 56
+MAX_GROUP = (1 << (64 - GROUP_SHIFT)) - 1
+HASH_MASK = (1 << GROUP_SHIFT) - 1
+DEFAULT_BLOCK_BYTES = 4 << 20
+_GZIP_READ_BYTES = 1 << 20
+
+_log = logging.getLogger(__name__)
+
+
+class BadLinePolicy(str, Enum):
+    """What the reader does with a line that is not a valid sample."""
+
+    SKIP = "skip"  # count it in CriteoChunk.num_bad_lines and drop it
+    ERROR = "error"  # raise CriteoFormatError naming file:line
+
+
+class CriteoFormatError(ValueError):
+    """A line (or the gzip stream) does not follow the Criteo format."""
+
+
+@dataclass
+class CriteoChunk:
+    """Up to ``chunk_rows`` consecutive valid samples of one file."""
+
+    labels: np.ndarray
+    """float32 (n,): 0.0 or 1.0."""
+    dense: np.ndarray
+    """float32 (n, 13): log1p(max(x, 0)); an empty field reads as 0."""
+    ids: np.ndarray
+    """uint64 (n, 26): hashed tokens, feature group in the top 8 bits. An empty
+    field reads as its group's reserved id ``group << 56`` (no token hashes to
+    it), so a consumer may mask it out with ``present`` or learn a 'missing'
+    embedding."""
+    present: np.ndarray
+    """bool (n, 26): False where the categorical field was empty."""
+    path: str
+    first_line: int
+    """1-based line number of the chunk's first row (of its first line when
+    the chunk holds only bad lines)."""
+    end_offset: int
+    """Byte offset in the uncompressed stream just after the chunk: pass it
+    as ``start_offset`` (and ``end_line`` as ``start_line``) to resume."""
+    num_bad_lines: int
+    """Bad lines skipped inside this chunk (a truncated gzip tail counts as one)."""
+    end_line: int = 0
+    """1-based number of the first line after the chunk."""
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+# ---------------------------------------------------------------- kernels
+
+_TAB, _NL, _CR = 9, 10, 13
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_SM_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_SM_M2 = np.uint64(0x94D049BB133111EB)
+_HASH_MASK_U64 = np.uint64(HASH_MASK)
+
+# Kernel error codes; the Python side turns them into messages.
+_OK, _E_FIELDS, _E_LABEL, _E_INT, _E_CTRL = 0, 1, 2, 3, 4
+
+
+@numba.njit(cache=True, nogil=True)
+def _hash_field(buf, start, end):
+    """56-bit hash of buf[start:end]; never 0 (0 marks an empty field)."""
+    h = _FNV_OFFSET
+    for q in range(start, end):
+        h = (h ^ np.uint64(buf[q])) * _FNV_PRIME
+    h = (h ^ (h >> np.uint64(30))) * _SM_M1
+    h = (h ^ (h >> np.uint64(27))) * _SM_M2
+    h = (h ^ (h >> np.uint64(31))) & _HASH_MASK_U64
+    if h == np.uint64(0):
+        h = np.uint64(1)
+    return h
+
+
+@numba.njit(cache=True, nogil=True)
+def _bad(buf, s, e, code, detail):
+    """Report a wrong field count in preference to whatever it caused."""
+    num_fields = 1
+    for q in range(s, e):
+        if buf[q] == _TAB:
+            num_fields += 1
+    if num_fields != NUM_FIELDS:
+        return _E_FIELDS, num_fields
+    return code, detail
+
+
+@numba.njit(cache=True, nogil=True)
+def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
+    """Parse buf[s:e] (no newline) into row r. Returns (error code, detail)."""
+    if e - s < 2 or buf[s + 1] != _TAB:
+        return _bad(buf, s, e, _E_LABEL, 0)
+    c = buf[s]
+    if c != 48 and c != 49:
+        return _bad(buf, s, e, _E_LABEL, 0)
+    labels[r] = np.float32(c - 48)
+    p = s + 2
+    for j in range(NUM_DENSE):
+        q = p
+        neg = False
+        if q < e and (buf[q] == 45 or buf[q] == 43):
+            neg = buf[q] == 45
+            q += 1
+        num_digits = 0
+        val = 0.0
+        while q < e and buf[q] != _TAB:
+            d = np.int64(buf[q]) - 48
+            if d < 0 or d > 9:
+                return _bad(buf, s, e, _E_INT, j)
+            val = val * 10.0 + d
+            num_digits += 1
+            q += 1
+        if num_digits == 0 and q > p:  # a sign alone
+            return _bad(buf, s, e, _E_INT, j)
+        dense[r, j] = np.float32(0.0 if neg else np.log1p(val))
+        if q >= e:
+            return _bad(buf, s, e, _E_FIELDS, 0)
+        p = q + 1
+    for k in range(NUM_SPARSE):
+        q = p
+        while q < e and buf[q] != _TAB:
+            if buf[q] < 32:  # NUL or control byte: binary garbage
+                return _bad(buf, s, e, _E_CTRL, k)
+            q += 1
+        if q == p:
+            ids[r, k] = group_hi[k]
+            present[r, k] = False
+        else:
+            ids[r, k] = group_hi[k] | _hash_field(buf, p, q)
+            present[r, k] = True
+        if k < NUM_SPARSE - 1:
+            if q >= e:
+                return _bad(buf, s, e, _E_FIELDS, 0)
+            p = q + 1
+        elif q < e:
+            return _bad(buf, s, e, _E_FIELDS, 0)
+    return _OK, 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
+                 row0, max_rows, stop_on_bad):
+    """Parse whole lines of buf[pos:end] into rows row0.. until max_rows rows.
+
+    A line without a newline is parsed only when ``is_final`` (end of file);
+    otherwise it is left for the caller to carry over. Returns
+    (pos after the last consumed line, rows, lines consumed, bad lines,
+    index among consumed lines of the first row or -1,
+    error code, error detail) -- on an error with ``stop_on_bad`` the
+    returned pos is the start of the bad line, which is not consumed.
+    """
+    num_rows = 0
+    num_lines = 0
+    num_bad = 0
+    first_row = -1
+    while num_rows < max_rows and pos < end:
+        le = pos
+        while le < end and buf[le] != _NL:
+            le += 1
+        if le == end and not is_final:
+            break
+        nxt = le + 1 if le < end else end
+        if le > pos and buf[le - 1] == _CR:
+            le -= 1
+        code, detail = _parse_line(buf, pos, le, group_hi, labels, dense, ids,
+                                   present, row0 + num_rows)
+        if code != _OK:
+            if stop_on_bad:
+                return pos, num_rows, num_lines, num_bad, first_row, code, detail
+            num_bad += 1
+        else:
+            if first_row < 0:
+                first_row = num_lines
+            num_rows += 1
+        num_lines += 1
+        pos = nxt
+    return pos, num_rows, num_lines, num_bad, first_row, _OK, 0
+
+
+def hash_token(token: bytes | str, group: int) -> int:
+    """The id the reader gives ``token`` in feature ``group`` (for tests/tools)."""
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if not raw:
+        return group << GROUP_SHIFT
+    h = _hash_field(np.frombuffer(raw, dtype=np.uint8), 0, len(raw))
+    return (group << GROUP_SHIFT) | int(h)
+
+
+# ---------------------------------------------------------------- streams
+
+
+class _GzipTruncated(Exception):
+    """The compressed input ended inside a gzip member."""
+
+
+def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[bytes]:
+    """Yield the uncompressed stream from ``start_offset`` in large blocks.
+
+    gzip is decoded with zlib directly (not gzip.GzipFile) so that a
+    truncated file still yields every byte that could be decoded before
+    the damage, then raises _GzipTruncated.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(2)
+        f.seek(0)
+        if magic != b"\x1f\x8b" and not path.endswith(".gz"):
+            f.seek(start_offset)
+            while block := f.read(block_bytes):
+                yield block
+            return
+        skip = start_offset
+        dec = zlib.decompressobj(wbits=31)
+        member_has_input = False
+        pending: list[bytes] = []
+        num_pending = 0
+        while True:
+            raw = f.read(_GZIP_READ_BYTES)
+            if not raw:
+                break
+            while raw:
+                try:
+                    out = dec.decompress(raw)
+                except zlib.error as exc:
+                    raise CriteoFormatError(f"{path}: not a valid gzip stream ({exc})") from exc
+                member_has_input = True
+                raw = b""
+                if dec.eof:  # next member of a multi-member file, if any
+                    raw = dec.unused_data
+                    dec = zlib.decompressobj(wbits=31)
+                    member_has_input = False
+                if skip:
+                    cut = min(skip, len(out))
+                    out, skip = out[cut:], skip - cut
+                if out:
+                    pending.append(out)
+                    num_pending += len(out)
+            if num_pending >= block_bytes:
+                yield b"".join(pending)
+                pending, num_pending = [], 0
+        tail = dec.flush()[skip:]
+        if tail:
+            pending.append(tail)
+        if pending:
+            yield b"".join(pending)
+        if member_has_input:
+            raise _GzipTruncated()
+
+
+def _count_lines_before(path: str, offset: int) -> int:
+    """Line number (1-based) of the line starting at ``offset``."""
+    num_newlines = 0
+    seen = 0
+    try:
+        for block in _iter_blocks(path, 0, DEFAULT_BLOCK_BYTES):
+            take = min(len(block), offset - seen)
+            num_newlines += block.count(b"\n", 0, take)
+            seen += take
+            if seen >= offset:
+                break
+    except _GzipTruncated:
+        pass
+    return num_newlines + 1
+
+
+# ---------------------------------------------------------------- reader
+
+
+def _group_prefixes(groups: Sequence[int] | None) -> np.ndarray:
+    if groups is None:
+        groups = range(NUM_SPARSE)
+    groups = list(groups)
+    if len(groups) != NUM_SPARSE:
+        raise ValueError(f"groups must have {NUM_SPARSE} entries (one per C column), got {len(groups)}")
+    for i, g in enumerate(groups):
+        if not isinstance(g, (int, np.integer)) or not 0 <= g <= MAX_GROUP:
+            raise ValueError(f"groups[{i}] = {g!r}: a feature group must be an int in [0, {MAX_GROUP}]")
+    return np.array([int(g) << GROUP_SHIFT for g in groups], dtype=np.uint64)
+
+
+def _error_message(path: str, line_no: int, line: bytes, code: int, detail: int) -> str:
+    fields = line.rstrip(b"\r").split(b"\t")
+    if code == _E_FIELDS:
+        what = f"expected {NUM_FIELDS} tab-separated fields, got {detail}"
+    elif code == _E_LABEL:
+        what = f"label must be 0 or 1, got {fields[0][:20]!r}"
+    elif code == _E_INT:
+        what = f"column I{detail + 1} is not an integer: {fields[1 + detail][:20]!r}"
+    else:
+        what = f"column C{detail + 1} contains a NUL or control byte"
+    return f"{path}:{line_no}: {what}"
+
+
+def read_criteo(
+    path: str | os.PathLike,
+    *,
+    groups: Sequence[int] | None = None,
+    chunk_rows: int = 65536,
+    bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP,
+    start_offset: int = 0,
+    start_line: int | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Iterator[CriteoChunk]:
+    """Read a Criteo TSV (or .gz) file as CriteoChunks of ``chunk_rows`` rows.
+
+    ``groups[i]`` is the feature group of column C(i+1) (default i).
+    ``start_offset`` is an ``end_offset`` of an earlier chunk; ``start_line``
+    is that chunk's ``end_line`` -- if left out the reader counts the lines
+    before ``start_offset`` (exact, but reads the prefix once).
+
+    A truncated gzip stream raises CriteoFormatError under ERROR; under SKIP
+    the rows decoded before the damage are returned, the damaged tail counts
+    as one bad line, a warning is logged and the file ends there -- a data
+    loader streaming many files keeps going rather than dying on one.
+
+    Arguments are checked (and a missing file reported) when called, not on
+    the first ``next()``.
+    """
+    path_str = os.fspath(path)
+    if not os.path.isfile(path_str):
+        raise FileNotFoundError(2, f"Criteo data file not found: {path_str}", path_str)
+    policy = BadLinePolicy(bad_lines)
+    group_hi = _group_prefixes(groups)
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    if start_offset < 0:
+        raise ValueError(f"start_offset must be >= 0, got {start_offset}")
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    if start_line is None:
+        start_line = _count_lines_before(path_str, start_offset) if start_offset else 1
+    return _read(path_str, group_hi, chunk_rows, policy, start_offset, start_line, block_bytes)
+
+
+def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolicy,
+          start_offset: int, start_line: int, block_bytes: int) -> Iterator[CriteoChunk]:
+    stop_on_bad = policy is BadLinePolicy.ERROR
+    stream_pos = start_offset  # uncompressed offset of data[0]
+    line_no = start_line  # line number of data[0]'s line
+    carry = b""
+    blocks = _iter_blocks(path, start_offset, block_bytes)
+    truncated = False
+
+    def new_chunk():
+        return (np.empty(chunk_rows, np.float32), np.empty((chunk_rows, NUM_DENSE), np.float32),
+                np.empty((chunk_rows, NUM_SPARSE), np.uint64),
+                np.empty((chunk_rows, NUM_SPARSE), np.bool_))
+
+    def emit(arrays, num_rows, first_line, end_offset, num_bad, end_line):
+        labels, dense, ids, present = (a[:num_rows] for a in arrays)
+        return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=path,
+                           first_line=first_line, end_offset=end_offset,
+                           num_bad_lines=num_bad, end_line=end_line)
+
+    arrays = new_chunk()
+    # first_row_no: line number of the chunk's first row; first_any: of its
+    # first consumed line (used when the chunk ends up holding only bad lines)
+    filled, chunk_bad, first_row_no, first_any = 0, 0, -1, -1
+    while True:
+        try:
+            block = next(blocks)
+            eof = False
+        except StopIteration:
+            block, eof = b"", True
+        except _GzipTruncated:
+            block, eof, truncated = b"", True, True
+        data = carry + block if carry else block
+        buf = np.frombuffer(data, dtype=np.uint8)
+        pos = 0
+        while True:
+            (new_pos, num_rows, num_lines, num_bad, first_row, code,
+             detail) = _parse_lines(buf, pos, len(buf), eof and not truncated, group_hi,
+                                    *arrays, filled, chunk_rows - filled, stop_on_bad)
+            if code != _OK:
+                bad_no = line_no + num_lines
+                end = data.find(b"\n", new_pos)
+                line = data[new_pos:end if end >= 0 else len(data)]
+                raise CriteoFormatError(_error_message(path, bad_no, line, code, detail))
+            if first_any < 0 and num_lines:
+                first_any = line_no
+            if first_row_no < 0 and num_rows:
+                first_row_no = line_no + first_row
+            filled += num_rows
+            chunk_bad += num_bad
+            line_no += num_lines
+            pos = new_pos
+            if filled < chunk_rows:
+                break
+            yield emit(arrays, filled, first_row_no, stream_pos + pos, chunk_bad, line_no)
+            arrays = new_chunk()
+            filled, chunk_bad, first_row_no, first_any = 0, 0, -1, -1
+        carry = data[pos:]
+        stream_pos += pos
+        if eof:
+            break
+    if truncated:
+        if stop_on_bad:
+            raise CriteoFormatError(
+                f"{path}:{line_no}: gzip stream is truncated (file ends inside a compressed "
+                f"member after {stream_pos + len(carry)} uncompressed bytes)")
+        _log.warning("%s:%d: gzip stream is truncated; skipping the rest of the file",
+                     path, line_no)
+        chunk_bad += 1
+        if first_any < 0:
+            first_any = line_no
+    if filled or chunk_bad:
+        first_line = first_row_no if first_row_no >= 0 else first_any
+        yield emit(arrays, filled, first_line, stream_pos, chunk_bad, line_no)
