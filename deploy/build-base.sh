@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Build the local base image for machines that cannot pull from a registry
+# (this one, an air-gapped cluster's build host): Debian bookworm "minbase"
+# made with debootstrap from Debian's archive, plus python3 (3.11, the
+# version the wheelhouse is built for), python3-venv and ca-certificates,
+# turned into an image with `docker import`.
+#
+#     sudo bash deploy/build-base.sh            # -> hybridrec-base:bookworm
+#
+# Idempotent: does nothing when the image already exists (FORCE=1 rebuilds).
+# Needs root (debootstrap), debootstrap (installed with apt-get when
+# missing), a Docker engine, and Debian's archive ($DEBIAN_MIRROR).
+set -euo pipefail
+
+BASE_IMAGE=${BASE_IMAGE:-hybridrec-base:bookworm}
+SUITE=${SUITE:-bookworm}
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+here=$(cd "$(dirname "$0")" && pwd)
+work=${BUILD_DIR:-$here/.build}/base-rootfs
+
+say() { echo "[build-base] $*" >&2; }
+
+if [ "${FORCE:-0}" != 1 ] && docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    say "$BASE_IMAGE exists; skipping (FORCE=1 rebuilds)"
+    exit 0
+fi
+[ "$(id -u)" -eq 0 ] || { say "ERROR: debootstrap needs root"; exit 1; }
+if ! command -v debootstrap >/dev/null 2>&1; then
+    say "installing debootstrap"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null \
+        || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
+fi
+
+start=$SECONDS
+rm -rf "$work"
+mkdir -p "$work"
+say "debootstrap $SUITE minbase into $work"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    "$SUITE" "$work" "$DEBIAN_MIRROR" >"$work.log" 2>&1 \
+    || { tail -n 30 "$work.log" >&2; say "ERROR: debootstrap failed (log: $work.log)"; exit 1; }
+
+# Trim what a runtime image never reads: package caches and lists, docs,
+# man pages, translations (apt-get update refills the lists if a derived
+# image needs apt).
+rm -rf "$work"/var/cache/apt/archives/*.deb "$work"/var/lib/apt/lists/* \
+    "$work"/usr/share/doc/* "$work"/usr/share/man/* "$work"/usr/share/info/* \
+    "$work"/usr/share/locale/* "$work"/var/log/*.log "$work"/var/cache/debconf/*-old
+# The image gets its resolver config from the engine at run time.
+: >"$work/etc/resolv.conf"
+
+py=$(chroot "$work" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+say "python3 in the base is $py"
+
+say "docker import -> $BASE_IMAGE"
+tar -C "$work" --numeric-owner -c . | docker import \
+    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'ENV LANG=C.UTF-8' \
+    --change 'CMD ["python3"]' \
+    --message "debootstrap $SUITE minbase + python3 $py, python3-venv, ca-certificates" \
+    - "$BASE_IMAGE" >/dev/null
+rm -rf "$work"
+say "built $BASE_IMAGE in $((SECONDS - start))s ($(docker image inspect -f '{{.Size}}' "$BASE_IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"

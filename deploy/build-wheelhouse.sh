@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Build the wheelhouse the image installs from, on the host, so that the
+# image build itself needs no network, no pip configuration and no CA
+# certificates (the same route an air-gapped cluster's build takes):
+#
+#     bash deploy/build-wheelhouse.sh          # -> deploy/.build/wheels/
+#
+# * hybridrec itself is built fresh from the working tree every time (a
+#   clean copy, so stale build/ files never end up in the wheel);
+# * its dependencies are fetched or built only when pyproject.toml changed
+#   since the last run (a stamp file remembers its hash).
+# torch is pinned to 2.13.0 in pyproject.toml; on these machines pip's
+# find-links (/opt/wheels) holds the CPU build 2.13.0+cpu, which pip prefers
+# over the CUDA build of the same version. Elsewhere set PIP_EXTRA_INDEX_URL
+# to the PyTorch CPU index (https://download.pytorch.org/whl/cpu) to get it.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+build=${BUILD_DIR:-$here/.build}
+wheels=$build/wheels
+PYTHON=${PYTHON:-python3}
+
+say() { echo "[build-wheelhouse] $*" >&2; }
+
+pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$pyver" != "3.11" ]; then
+    say "ERROR: $PYTHON is Python $pyver; the base image's python3 is 3.11 and the wheels must match."
+    say "       Set PYTHON=/path/to/python3.11."
+    exit 1
+fi
+
+start=$SECONDS
+mkdir -p "$wheels"
+src=$(mktemp -d "$build/src.XXXXXX")
+trap 'rm -rf "$src"' EXIT
+# A clean copy of the working tree (tracked and untracked files alike, but
+# no virtualenv, VCS data, build leftovers or results).
+tar -C "$repo" \
+    --exclude=./.git --exclude=./.venv --exclude=./deploy/.build --exclude=./build \
+    --exclude=./dist --exclude='*.egg-info' --exclude=__pycache__ --exclude='*.pyc' \
+    --exclude=./runs --exclude=./data --exclude=./results --exclude=./.pytest_cache \
+    -cf - . | tar -C "$src" -xf -
+
+stamp=$wheels/.deps-stamp
+want=$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    say "fetching/building dependency wheels (pyproject.toml changed)"
+    rm -f "$wheels"/*.whl
+    "$PYTHON" -m pip wheel --quiet --wheel-dir "$wheels" "$src" 2> >(grep -v "is ignored: it is neither" >&2)
+    echo "$want" >"$stamp"
+else
+    say "dependency wheels up to date; rebuilding hybridrec only"
+    rm -f "$wheels"/hybridrec-*.whl
+    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$wheels" "$src" 2> >(grep -v "is ignored: it is neither" >&2)
+fi
+
+if ls "$wheels"/torch-*.whl | grep -qv '+cpu'; then
+    say "WARNING: the torch wheel is not a +cpu build; the image will carry CUDA libraries:"
+    ls "$wheels"/torch-*.whl >&2
+fi
+say "$(ls "$wheels"/*.whl | wc -l) wheels, $(du -sh "$wheels" | cut -f1), in $((SECONDS - start))s"
