@@ -1,0 +1,3 @@
+from hybridrec.cli import main
+
+main()

@@ -1,0 +1,190 @@
+"""The `hybridrec` command: run, serve, data, health, checkpoint.
+
+User mistakes (bad config key, missing data file, model path that does not
+import) print one clear message and exit with code 2 — no traceback wall.
+A failed run exits 1, Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hybridrec.config import Config, ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
+data_app = typer.Typer(no_args_is_help=True, help="Datasets.")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Checkpoints.")
+app.add_typer(data_app, name="data")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+EXIT_USAGE = 2
+
+SetOption = typer.Option(None, "--set", help="Override a config key: --set training.epochs=2 (repeatable).")
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> None:
+    typer.echo(f"hybridrec: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _load(path: Path, overrides: Optional[list[str]]) -> Config:
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def preflight(config: Config) -> None:
+    """Check what a run needs before starting any process: data files, the model, the feature columns."""
+    from hybridrec.models import FeatureInfo, ModelImportError, build_model
+    from services.dataloader.server import feature_columns
+
+    for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
+        for path in paths:
+            if not Path(path).is_file():
+                raise ConfigError(f"{key}: data file not found: {path}")
+    try:
+        feature_columns(config)
+        build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
+                    config.model.kwargs)
+    except (ModelImportError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _progress_printer(config: Config):
+    from hybridrec import log
+
+    logger = log.get()
+
+    def report(status) -> None:
+        if status is None:
+            logger.info("progress", phase="starting")
+            return
+        logger.info("progress", phase=status.phase, step=status.step, samples=status.samples,
+                    loss=round(status.loss, 4), samples_per_sec=round(status.samples_per_sec))
+
+    return report
+
+
+@app.command()
+def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file."),
+        overrides: Optional[list[str]] = SetOption,
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here."),
+        run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Logs and results (default runs/<time>).")):
+    """Start every service as a local process, train, evaluate, print a summary."""
+    from hybridrec import launcher, log
+
+    config = _load(config_path, overrides)
+    try:
+        preflight(config)
+    except ConfigError as exc:
+        _fail(str(exc))
+    log.setup(service="launcher")
+    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        summary = launcher.run_local(config, run_dir, progress=_progress_printer(config))
+    except launcher.LaunchError as exc:
+        _fail(str(exc), code=1)
+    except KeyboardInterrupt:
+        typer.echo("hybridrec: interrupted; every service was stopped", err=True)
+        raise typer.Exit(130)
+    if summary_json:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(json.dumps(summary, indent=2))
+    _print_summary(summary)
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="hybridrec run", show_header=False)
+    fmt = lambda v, p=4: "n/a" if v is None else (f"{v:,.{p}f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
+    rows = [("mode", summary["mode"]), ("steps", fmt(summary["steps"])), ("samples", fmt(summary["samples"])),
+            ("wall time", f"{summary['wall_s']:.1f} s"), ("train samples/s", fmt(summary["samples_per_sec"], 0)),
+            ("eval AUC", fmt(summary["auc"])), ("oracle AUC", fmt(summary.get("oracle_auc"))),
+            ("eval logloss", fmt(summary["logloss"])),
+            ("staleness p50 / max", f"{summary['staleness']['p50']} / {summary['staleness']['max']}"),
+            ("run dir", summary["run_dir"])]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    Console().print(table)
+
+
+@app.command()
+def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader"),
+          config_path: Path = typer.Option(..., "--config", help="YAML config file."),
+          replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
+                                                "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
+          overrides: Optional[list[str]] = SetOption):
+    """Run one service in this process (what a container runs)."""
+    import importlib
+
+    import uvloop
+
+    from hybridrec.service import SERVICES, default_replica
+
+    if service not in SERVICES:
+        _fail(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    config = _load(config_path, overrides)
+    try:
+        replica = default_replica() if replica is None else replica
+    except ValueError as exc:
+        _fail(str(exc))
+    module = importlib.import_module(f"services.{service}.server")
+    try:
+        uvloop.run(module.serve(config, replica))
+    except (ConfigError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+
+
+@app.command()
+def health(address: str = typer.Argument(..., help="HOST:PORT"),
+           timeout: float = typer.Option(3.0, "--timeout", help="Seconds.")):
+    """Exit 0 iff the service at ADDRESS answers the gRPC health check with SERVING."""
+    from hybridrec.rpc import is_serving
+
+    ok = asyncio.run(is_serving(address, timeout_s=timeout))
+    typer.echo("SERVING" if ok else "NOT_SERVING")
+    raise typer.Exit(0 if ok else 1)
+
+
+@data_app.command("synth")
+def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
+               rows: int = typer.Option(..., "--rows", min=1, help="Training rows."),
+               eval_rows: Optional[int] = typer.Option(None, "--eval-rows", min=1, help="Held-out rows."),
+               seed: int = typer.Option(0, "--seed"),
+               gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files.")):
+    """Write Criteo-format train/eval files drawn from a planted model, and its oracle AUC."""
+    from services.dataloader.synth import synthesize
+
+    started = time.monotonic()
+    summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
+    typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint directory.")):
+    """Print a checkpoint's manifests."""
+    from services.embedding_ps.checkpoint import inspect_checkpoint
+
+    try:
+        typer.echo(json.dumps(inspect_checkpoint(directory), indent=2))
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+
+
+def main() -> None:
+    try:
+        app()
+    except BrokenPipeError:
+        sys.exit(1)

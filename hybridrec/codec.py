@@ -1,0 +1,230 @@
+"""Tensor frames: the data-plane wire format of every hybridrec service (DESIGN §3).
+
+A frame is one bytes object:
+
+    fixed header   magic "HRF1", version, flags, tensor count, table length, meta length
+    tensor table   per tensor: name, dtype code, codec, shape, offset, stored and raw byte counts
+    meta           a small JSON object (batch_ref, step, flags...) — JSON, never pickle
+    buffers        each tensor's bytes, starting at a 64-byte-aligned offset
+
+Decoding returns numpy arrays that *view* the received bytes (`np.frombuffer`,
+no copy); only lz4-compressed buffers are materialised. Encoding makes exactly
+one copy of each tensor, into the outgoing bytes object gRPC sends.
+
+Every length and shape in an incoming frame is checked against the bytes that
+actually arrived, so a malformed or hostile frame raises `FrameError` (which
+services turn into INVALID_ARGUMENT) and never an exception from deep inside
+numpy, an over-allocation or a crash.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import lz4.block
+import numpy as np
+
+MAGIC = b"HRF1"
+VERSION = 1
+ALIGN = 64
+MAX_TENSORS = 256
+MAX_NDIM = 8
+MAX_NAME_BYTES = 64
+MAX_META_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 1 << 30
+
+# dtype code on the wire -> numpy dtype. Codes are stable; never renumber.
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<f4"),
+    2: np.dtype("<f2"),
+    3: np.dtype("<f8"),
+    4: np.dtype("<u8"),
+    5: np.dtype("<i8"),
+    6: np.dtype("<i4"),
+    7: np.dtype("<u4"),
+    8: np.dtype("<u2"),
+    9: np.dtype("<i2"),
+    10: np.dtype("u1"),
+    11: np.dtype("i1"),
+    12: np.dtype("?"),
+}
+_CODE_OF = {dt: code for code, dt in DTYPES.items()}
+
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+
+_FIXED = struct.Struct("<4sBBHII")  # magic, version, flags, n_tensors, table_len, meta_len
+_ENTRY = struct.Struct("<BBBBQQQ")  # name_len, dtype, codec, ndim, offset, stored_nbytes, raw_nbytes
+
+
+class FrameError(ValueError):
+    """A frame that does not decode: truncated, lying about its shapes, unknown dtype, oversized."""
+
+
+@dataclass
+class Frame:
+    """Decoded frame: named arrays (views of the received bytes) and a small JSON meta dict."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str, dtype: np.dtype | str | None = None, ndim: int | None = None) -> np.ndarray:
+        """The tensor `name`, checked for dtype and rank; a mismatch is a FrameError (→ INVALID_ARGUMENT)."""
+        if name not in self.tensors:
+            raise FrameError(f"frame has no tensor {name!r} (has {sorted(self.tensors)})")
+        arr = self.tensors[name]
+        if dtype is not None and arr.dtype != np.dtype(dtype):
+            raise FrameError(f"tensor {name!r} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+        if ndim is not None and arr.ndim != ndim:
+            raise FrameError(f"tensor {name!r} has {arr.ndim} dimensions, expected {ndim}")
+        return arr
+
+    def meta_int(self, key: str, *, default: int | None = None) -> int:
+        value = self.meta.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise FrameError(f"frame meta {key!r} must be an integer, got {value!r}")
+        return value
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def encode(
+    tensors: Mapping[str, np.ndarray] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    compress: frozenset[str] | set[str] = frozenset(),
+) -> bytes:
+    """Encode arrays (C-contiguous or not) and meta into one frame; names in `compress` are lz4-compressed."""
+    tensors = tensors or {}
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"a frame holds at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    meta_bytes = json.dumps(dict(meta or {}), separators=(",", ":")).encode() if meta else b""
+    if len(meta_bytes) > MAX_META_BYTES:
+        raise ValueError(f"frame meta is {len(meta_bytes)} bytes, limit {MAX_META_BYTES}")
+
+    payloads: list[tuple[bytes, np.ndarray | bytes, int, int, np.ndarray]] = []
+    table_len = 0
+    for name, arr in tensors.items():
+        arr = np.asarray(arr)
+        code = _CODE_OF.get(arr.dtype.newbyteorder("<"))
+        if code is None:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} is not supported on the wire")
+        if arr.ndim > MAX_NDIM:
+            raise ValueError(f"tensor {name!r}: {arr.ndim} dimensions, limit {MAX_NDIM}")
+        name_b = name.encode()
+        if len(name_b) > MAX_NAME_BYTES:
+            raise ValueError(f"tensor name {name!r} is longer than {MAX_NAME_BYTES} bytes")
+        arr = np.ascontiguousarray(arr, dtype=DTYPES[code])
+        codec = CODEC_LZ4 if name in compress and arr.nbytes > 0 else CODEC_RAW
+        data: np.ndarray | bytes = lz4.block.compress(arr, store_size=False) if codec == CODEC_LZ4 else arr
+        payloads.append((name_b, data, code, codec, arr))
+        table_len += _ENTRY.size + len(name_b) + 8 * arr.ndim
+
+    header_len = _FIXED.size + table_len + len(meta_bytes)
+    offset = _align(header_len)
+    parts: list[Any] = []
+    table = bytearray()
+    for name_b, data, code, codec, arr in payloads:
+        stored = len(data) if isinstance(data, bytes) else arr.nbytes
+        table += _ENTRY.pack(len(name_b), code, codec, arr.ndim, offset, stored, arr.nbytes)
+        table += name_b + struct.pack(f"<{arr.ndim}Q", *arr.shape)
+        parts.append((offset, data, stored))
+        offset = _align(offset + stored)
+    head = _FIXED.pack(MAGIC, VERSION, 0, len(payloads), len(table), len(meta_bytes)) + bytes(table) + meta_bytes
+
+    chunks: list[Any] = [head]
+    pos = len(head)
+    for off, data, stored in parts:
+        if off > pos:
+            chunks.append(b"\0" * (off - pos))
+        chunks.append(data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else data)
+        pos = off + stored
+    return b"".join(chunks)
+
+
+def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
+    """Decode a frame without copying raw buffers; raise FrameError on anything malformed."""
+    mv = memoryview(buf).cast("B")
+    size = mv.nbytes
+    if size > max_bytes:
+        raise FrameError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
+    if size < _FIXED.size:
+        raise FrameError(f"frame of {size} bytes is shorter than its fixed header ({_FIXED.size} bytes)")
+    magic, version, _flags, n_tensors, table_len, meta_len = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}; not a hybridrec frame")
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version} (this build reads {VERSION})")
+    if n_tensors > MAX_TENSORS or meta_len > MAX_META_BYTES:
+        raise FrameError(f"frame declares {n_tensors} tensors and {meta_len} meta bytes; limits are "
+                         f"{MAX_TENSORS} and {MAX_META_BYTES}")
+    header_len = _FIXED.size + table_len + meta_len
+    if header_len > size:
+        raise FrameError(f"frame header claims {header_len} bytes but the frame has {size}")
+
+    frame = Frame()
+    pos = _FIXED.size
+    table_end = _FIXED.size + table_len
+    for _ in range(n_tensors):
+        if pos + _ENTRY.size > table_end:
+            raise FrameError("tensor table is truncated")
+        name_len, code, codec, ndim, offset, stored, raw = _ENTRY.unpack_from(mv, pos)
+        pos += _ENTRY.size
+        if ndim > MAX_NDIM:
+            raise FrameError(f"tensor has {ndim} dimensions, limit {MAX_NDIM}")
+        if pos + name_len + 8 * ndim > table_end:
+            raise FrameError("tensor table is truncated")
+        try:
+            name = bytes(mv[pos:pos + name_len]).decode()
+        except UnicodeDecodeError as exc:
+            raise FrameError("tensor name is not UTF-8") from exc
+        pos += name_len
+        shape = struct.unpack_from(f"<{ndim}Q", mv, pos)
+        pos += 8 * ndim
+        frame.tensors[name] = _tensor(mv, name, code, codec, shape, offset, stored, raw, header_len, max_bytes)
+    if pos != table_end:
+        raise FrameError(f"tensor table length {table_len} does not match its {n_tensors} entries")
+    if meta_len:
+        try:
+            meta = json.loads(bytes(mv[table_end:table_end + meta_len]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FrameError(f"frame meta is not valid JSON: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise FrameError("frame meta must be a JSON object")
+        frame.meta = meta
+    return frame
+
+
+def _tensor(mv: memoryview, name: str, code: int, codec: int, shape: tuple[int, ...], offset: int,
+            stored: int, raw: int, header_len: int, max_bytes: int) -> np.ndarray:
+    dtype = DTYPES.get(code)
+    if dtype is None:
+        raise FrameError(f"tensor {name!r} has unknown dtype code {code}")
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * dtype.itemsize != raw:
+        raise FrameError(f"tensor {name!r}: shape {shape} of {dtype} needs {count * dtype.itemsize} bytes, "
+                         f"frame says {raw}")
+    if raw > max_bytes:
+        raise FrameError(f"tensor {name!r} of {raw} bytes exceeds the limit of {max_bytes}")
+    if offset % ALIGN or offset < header_len or offset + stored > mv.nbytes:
+        raise FrameError(f"tensor {name!r}: buffer [{offset}, {offset + stored}) is misaligned or outside "
+                         f"the {mv.nbytes}-byte frame")
+    if codec == CODEC_RAW:
+        if stored != raw:
+            raise FrameError(f"tensor {name!r}: stored {stored} bytes but raw size is {raw}")
+        return np.frombuffer(mv, dtype=dtype, count=count, offset=offset).reshape(shape)
+    if codec == CODEC_LZ4:
+        try:
+            data = lz4.block.decompress(mv[offset:offset + stored], uncompressed_size=raw)
+        except lz4.block.LZ4BlockError as exc:
+            raise FrameError(f"tensor {name!r}: lz4 data is corrupt: {exc}") from exc
+        if len(data) != raw:
+            raise FrameError(f"tensor {name!r}: lz4 data decompressed to {len(data)} bytes, expected {raw}")
+        return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    raise FrameError(f"tensor {name!r} has unknown codec {codec}")

@@ -1,0 +1,202 @@
+"""`hybridrec run`: the whole cluster as local processes on loopback (the embedded default).
+
+The launcher resolves the config (free ports, a private shm directory, the run
+directory), starts every replica with `hybridrec serve`, watches them, and tears
+everything down on success, on Ctrl-C and on the first failed service — which it
+names, with the last lines of its log. Children get PR_SET_PDEATHSIG, so even a
+launcher killed with SIGKILL leaves no service behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hybridrec import log
+from hybridrec.config import Config, dump_config, from_dict
+from hybridrec.proto import pb
+from hybridrec.service import SERVICES
+
+START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
+FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
+STOP_GRACE_S = 5.0
+LOG_TAIL_LINES = 25
+
+
+class LaunchError(RuntimeError):
+    """A service failed; the message names it and shows its last log lines."""
+
+
+@dataclass
+class ServiceProcess:
+    service: str
+    replica: int
+    address: str
+    metrics_address: str | None
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    finished: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.service}-{self.replica}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.service, "replica": self.replica, "pid": self.popen.pid if self.popen else None,
+                "grpc": self.address, "metrics": self.metrics_address}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launcher dies, and leave the terminal's process group."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.setsid()
+
+
+def resolve(config: Config, run_dir: Path) -> Config:
+    """The config every local service gets: loopback addresses on free ports, private shm and output dirs."""
+    tree = config.model_dump(mode="json")
+    cluster = tree["cluster"]
+    for service, (key, _) in SERVICES.items():
+        cluster[key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, key)]
+    cluster["rendezvous"] = f"127.0.0.1:{free_port()}"
+    cluster["bind_host"] = "127.0.0.1"
+    tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
+    tree["output"]["dir"] = str(run_dir)
+    return from_dict(tree, source="resolved config")
+
+
+class LocalCluster:
+    def __init__(self, config: Config, run_dir: Path):
+        self.run_dir = run_dir
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.config = resolve(config, run_dir)
+        self.config_path = run_dir / "config.yaml"
+        dump_config(self.config, self.config_path)
+        self.log = log.get()
+        self.procs: list[ServiceProcess] = []
+        for service in START_ORDER:
+            key, _ = SERVICES[service]
+            for replica, address in enumerate(getattr(self.config.cluster, key)):
+                self.procs.append(ServiceProcess(service, replica, address, f"127.0.0.1:{free_port()}",
+                                                 run_dir / "logs" / f"{service}-{replica}.log"))
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+        for proc in self.procs:
+            metrics_port = proc.metrics_address.rsplit(":", 1)[1]
+            cmd = [sys.executable, "-m", "hybridrec", "serve", proc.service, "--config", str(self.config_path),
+                   "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
+            with open(proc.log_path, "wb") as out:
+                proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                              env=env, preexec_fn=_die_with_parent, close_fds=True)
+            self.log.debug("started", service=proc.name, pid=proc.popen.pid)
+
+    def check(self) -> bool:
+        """True once every NN worker finished cleanly; LaunchError as soon as any service fails."""
+        for proc in self.procs:
+            rc = proc.popen.poll() if proc.popen else None
+            if rc is None or proc.finished:
+                continue
+            if rc == 0 and proc.service in FINISHING:
+                proc.finished = True
+                continue
+            raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
+                              f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "
+                              f"last lines of {proc.log_path}:\n{tail(proc.log_path)}")
+        return all(p.finished for p in self.procs if p.service == "nn_worker")
+
+    def status(self) -> pb.TrainingStatus | None:
+        """Rank 0's training status, or None if it does not answer right now."""
+        address = next(p.address for p in self.procs if p.service == "nn_worker" and p.replica == 0)
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
+                                       response_deserializer=pb.TrainingStatus.FromString)
+            try:
+                return call(pb.Empty(), timeout=1.0)
+            except grpc.RpcError:
+                return None
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order, SIGKILL whatever is left after a grace period."""
+        alive = [p.popen for p in reversed(self.procs) if p.popen and p.popen.poll() is None]
+        for popen in alive:
+            _signal(popen, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for popen in alive:
+            try:
+                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(popen, signal.SIGKILL)
+                popen.wait()
+        if not self.config.ps.keep_shm:
+            shutil.rmtree(self.config.ps.shm_dir, ignore_errors=True)
+
+
+def _signal(popen: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        popen.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "  (no log)"
+    return "\n".join("  " + line for line in text[-lines:]) or "  (empty log)"
+
+
+def find_oracle(config: Config) -> float | None:
+    candidates = [config.data.oracle] if config.data.oracle else [str(Path(p).parent / "oracle.json")
+                                                                  for p in config.data.train[:1]]
+    for path in candidates:
+        try:
+            return float(json.loads(Path(path).read_text())["oracle_auc"])
+        except (OSError, KeyError, ValueError, TypeError):
+            continue
+    return None
+
+
+def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]:
+    """Run the whole job locally; returns the summary. Raises LaunchError on a failed service."""
+    started = time.monotonic()
+    cluster = LocalCluster(config, run_dir)
+    interval = config.training.log_every_s
+    next_report = time.monotonic() + interval
+    try:
+        cluster.start()
+        while not cluster.check():
+            time.sleep(0.1)
+            if progress is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + interval
+                progress(cluster.status())
+    finally:
+        cluster.stop()
+    summary_path = run_dir / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
+    summary.update(wall_s=time.monotonic() - started, oracle_auc=find_oracle(config),
+                   services=[p.describe() for p in cluster.procs], run_dir=str(run_dir))
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,3 @@
+from hybridrec.proto import regenerate
+
+regenerate()

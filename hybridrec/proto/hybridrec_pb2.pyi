@@ -1,0 +1,64 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Frame(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceStats(_message.Message):
+    __slots__ = ("service", "replica", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    replica: int
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, service: _Optional[str] = ..., replica: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("directory", "step")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("directory", "rows")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    rows: int
+    def __init__(self, directory: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class TrainingStatus(_message.Message):
+    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    step: int
+    samples: int
+    loss: float
+    samples_per_sec: float
+    phase: str
+    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...

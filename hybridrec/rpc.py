@@ -1,0 +1,173 @@
+"""gRPC plumbing shared by the four services: servers, channels, raw-bytes methods, health.
+
+Services are registered from the service descriptors of protos/hybridrec.proto:
+a method whose request type is `Frame` is a data-plane method and gets identity
+(de)serializers, so the handler receives and returns the raw frame bytes and
+protobuf never touches a tensor. Every handler runs inside `_guard`, which turns
+a bad request into INVALID_ARGUMENT (and a missing batch into NOT_FOUND) with a
+readable detail, so hostile input never takes a server down.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hybridrec import log
+from hybridrec.proto import pb
+
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.enable_retries", 0),
+    # One TCP connection per channel even when several channels target the same address.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+FRAME = pb.DESCRIPTOR.message_types_by_name["Frame"]
+
+
+class NotFound(LookupError):
+    """The request names something this server does not hold (e.g. an unknown batch_ref)."""
+
+
+class Unavailable(RuntimeError):
+    """The server cannot serve this now (a dependency is down); the caller may retry."""
+
+
+def _guard(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    logger = log.get()
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except ValueError as exc:  # includes codec.FrameError
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except NotFound as exc:
+            code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
+        except Unavailable as exc:
+            code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
+            logger.exception("rpc_failed", method=method)
+            code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        await context.abort(code, detail[:2000])
+
+    return handler
+
+
+def add_service(server: grpc.aio.Server, service_name: str, impl: Any) -> None:
+    """Register `impl`'s coroutine methods for every method of the proto service `service_name`."""
+    service = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in service.methods:
+        fn = getattr(impl, method.name)
+        if method.input_type is FRAME:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard(fn, method.name))
+        else:
+            request_cls = getattr(pb, method.input_type.name)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _guard(fn, method.name),
+                request_deserializer=request_cls.FromString,
+                response_serializer=lambda msg: msg.SerializeToString(),
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def raw_method(channel: grpc.aio.Channel, service_name: str, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+    """A bytes-in, bytes-out callable for a data-plane method."""
+    return channel.unary_unary(f"/hybridrec.{service_name}/{method}")
+
+
+def control_method(channel: grpc.aio.Channel, service_name: str, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+    """A protobuf callable for a control method."""
+    descriptor = pb.DESCRIPTOR.services_by_name[service_name].methods_by_name[method]
+    return channel.unary_unary(
+        f"/hybridrec.{service_name}/{method}",
+        request_serializer=lambda msg: msg.SerializeToString(),
+        response_deserializer=getattr(pb, descriptor.output_type.name).FromString,
+    )
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def new_server(*, threads: int | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind and return the port actually bound (port 0 picks a free one)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return bound
+
+
+def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The standard grpc.health.v1 service; the overall status starts NOT_SERVING."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await servicer.set("", status)
+
+
+async def is_serving(address: str, *, timeout_s: float = 2.0) -> bool:
+    async with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: str = "services") -> None:
+    """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    delay = 0.05
+    pending = list(addresses)
+    while pending:
+        results = await asyncio.gather(*(is_serving(a) for a in pending))
+        pending = [a for a, ok in zip(pending, results) if not ok]
+        if not pending:
+            return
+        if loop.time() > deadline:
+            raise TimeoutError(f"{what} not SERVING after {timeout_s:.0f} s: {', '.join(pending)}")
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 1.0)
+
+
+async def retry(call: Callable[[], Awaitable[Any]], *, attempts: int = 5, base_delay_s: float = 0.1,
+                retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> Any:
+    """Run `call`, retrying bounded times with jittered exponential backoff on transient status codes."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in retry_on or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(base_delay_s * (2 ** attempt) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGTERM / SIGINT set `stop` so the service shuts down gracefully."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

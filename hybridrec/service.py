@@ -1,0 +1,90 @@
+"""The skeleton every hybridrec service process runs (what `hybridrec serve SERVICE` starts).
+
+A `ServiceHost` owns the grpc.aio server, the standard health service, the
+Prometheus endpoint, structured logging bound to (service, replica), and a
+graceful stop on SIGTERM/SIGINT. A service's own module only builds its
+servicer and says when it is ready, so the four services cannot diverge in how
+they start, report health or shut down.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import prometheus_client
+
+from hybridrec import log, rpc
+from hybridrec.config import Config, split_address
+
+SERVICES = {
+    # service name -> (cluster config key, proto service)
+    "embedding_ps": ("ps", "EmbeddingPS"),
+    "embedding_worker": ("embedding_workers", "EmbeddingWorker"),
+    "nn_worker": ("nn_workers", "NNWorker"),
+    "dataloader": ("dataloader", "DataLoader"),
+}
+
+
+def default_replica() -> int:
+    """HYBRIDREC_REPLICA, else the trailing -N of the hostname (StatefulSet pods: ps-1 -> 1), else 0."""
+    env = os.environ.get("HYBRIDREC_REPLICA")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"HYBRIDREC_REPLICA must be a non-negative integer, got {env!r}")
+        return int(env)
+    tail = socket.gethostname().rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+class ServiceHost:
+    """Runs one replica of one service until SIGTERM or until its main task ends."""
+
+    def __init__(self, service: str, config: Config, replica: int):
+        key, self.proto_service = SERVICES[service]
+        addresses = getattr(config.cluster, key)
+        if not 0 <= replica < len(addresses):
+            raise ValueError(f"replica {replica} of {service} does not exist: cluster.{key} lists "
+                             f"{len(addresses)} address(es)")
+        self.service, self.config, self.replica = service, config, replica
+        self.address = addresses[replica]
+        self.log = log.setup(service=service, replica=replica)
+        self.server = rpc.new_server()
+        self.health = rpc.add_health(self.server)
+        self.stop = asyncio.Event()
+        self.metrics_address: str | None = None
+
+    def add(self, impl: Any) -> None:
+        rpc.add_service(self.server, self.proto_service, impl)
+
+    async def start(self) -> None:
+        _, port = split_address(self.address)
+        bound = rpc.bind(self.server, self.config.cluster.bind_host, port)
+        await self.server.start()
+        if self.config.cluster.metrics_port:
+            prometheus_client.start_http_server(self.config.cluster.metrics_port)
+            self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
+        rpc.install_stop_handlers(self.stop)
+        self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
+
+    async def set_serving(self, serving: bool = True) -> None:
+        await rpc.set_serving(self.health, serving)
+        self.log.info("serving" if serving else "not_serving")
+
+    async def run_until_stopped(self, main: asyncio.Task | None = None) -> None:
+        """Wait for SIGTERM (or for `main` to finish, re-raising its error), then shut down gracefully."""
+        stop_wait = asyncio.ensure_future(self.stop.wait())
+        waiters = {stop_wait} | ({main} if main else set())
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if main and not main.done():
+                main.cancel()
+                await asyncio.gather(main, return_exceptions=True)
+            await rpc.set_serving(self.health, False)
+            await self.server.stop(grace=1.0)
+            self.log.info("stopped")
+        if main and main.done() and not main.cancelled() and main.exception():
+            raise main.exception()

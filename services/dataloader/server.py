@@ -1,0 +1,150 @@
+"""`hybridrec serve dataloader`: read the data, split each batch, dispatch the halves (DESIGN §1 steps 1–2).
+
+Parsing and batch preparation (per-feature dedup) run on a helper thread so the
+event loop keeps serving RPCs. For each batch the ID half goes to an embedding
+worker (round robin) which answers a batch_ref; the dense half then goes with
+that batch_ref to its NN rank through a per-rank sender, so each rank receives
+its batches in order while different ranks are fed concurrently. The process
+exits 0 after it has sent the end of evaluation to every rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import grpc
+import numpy as np
+
+from hybridrec import codec, rpc
+from hybridrec.batch import DenseBatch, SparseBatch
+from hybridrec.config import Config
+from hybridrec.proto import pb
+from hybridrec.service import ServiceHost
+from services.dataloader.batching import ReadCounters, Rows, deal_evenly, iter_batches, iter_rows
+from services.dataloader.criteo import NUM_SPARSE
+
+_DONE = object()
+
+
+def feature_columns(config: Config) -> tuple[np.ndarray, list[int]]:
+    """Criteo column index of each configured feature (named C1..C26), and the group of every column."""
+    groups = list(range(NUM_SPARSE))
+    columns = []
+    for feature in config.features:
+        name = feature.name
+        if not (name.startswith("C") and name[1:].isdigit() and 1 <= int(name[1:]) <= NUM_SPARSE):
+            raise ValueError(f"features: {name!r} is not a Criteo categorical column (C1..C{NUM_SPARSE})")
+        column = int(name[1:]) - 1
+        groups[column] = feature.group
+        columns.append(column)
+    return np.asarray(columns), groups
+
+
+class DataLoaderServicer:
+    def __init__(self, replica: int):
+        self.replica = replica
+        self.counters = {"train_batches": 0, "eval_batches": 0, "rows": 0, "bad_lines": 0}
+
+    async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
+        return pb.ServiceStats(service="dataloader", replica=self.replica,
+                               values={k: float(v) for k, v in self.counters.items()})
+
+
+class Dispatcher:
+    """Sends prepared batches to embedding workers and NN workers."""
+
+    def __init__(self, config: Config, servicer: DataLoaderServicer):
+        self.config, self.servicer = config, servicer
+        self.timeout = config.cluster.rpc_timeout_s
+        self.ew_channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
+        self.nn_channels = [rpc.channel(a) for a in config.cluster.nn_workers]
+        self.ew_put = [rpc.raw_method(ch, "EmbeddingWorker", "PutBatch") for ch in self.ew_channels]
+        self.nn_put = [rpc.raw_method(ch, "NNWorker", "PutBatch") for ch in self.nn_channels]
+        self.next_ew = itertools.cycle(range(len(self.ew_put)))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reader")
+        self.lz4 = config.training.compression.lz4_ids
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for ch in self.ew_channels + self.nn_channels:
+            await ch.close()
+
+    def _prepared(self, pairs: Iterator[tuple[int, Rows]], phase: str) -> Iterator[tuple[int, bytes, Rows]]:
+        for rank, rows in pairs:
+            yield rank, SparseBatch.from_columns(rows.ids, rows.present, phase=phase).encode(lz4=self.lz4), rows
+
+    async def run_phase(self, phase: str, pairs: Iterator[tuple[int, Rows]], end_meta) -> int:
+        """Stream one phase; returns the number of batches sent."""
+        loop = asyncio.get_running_loop()
+        prepared = self._prepared(pairs, phase)
+        queues = [asyncio.Queue(maxsize=2) for _ in self.nn_put]
+        senders = [asyncio.ensure_future(self._sender(rank, q)) for rank, q in enumerate(queues)]
+        sent = 0
+        try:
+            while (item := await loop.run_in_executor(self.executor, next, prepared, None)) is not None:
+                rank, sparse_frame, rows = item
+                reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout))
+                ref = codec.decode(reply).meta_int("batch_ref")
+                await self._put(queues[rank], senders, DenseBatch(ref, rows.dense, rows.labels, phase).encode())
+                sent += 1
+                self.servicer.counters[f"{phase}_batches"] += 1
+            for q in queues:
+                await self._put(q, senders, codec.encode(meta={"end_of": phase, **end_meta()}))
+                await self._put(q, senders, _DONE)
+            await asyncio.gather(*senders)
+        finally:
+            for task in senders:
+                task.cancel()
+        return sent
+
+    @staticmethod
+    async def _put(queue: asyncio.Queue, senders: list[asyncio.Task], item) -> None:
+        for task in senders:  # a failed sender must not leave us blocked on its full queue
+            if task.done() and task.exception():
+                raise task.exception()
+        await queue.put(item)
+
+    async def _sender(self, rank: int, queue: asyncio.Queue) -> None:
+        while (frame := await queue.get()) is not _DONE:
+            await rpc.retry(lambda: self.nn_put[rank](frame, timeout=None))
+
+
+async def serve(config: Config, replica: int) -> None:
+    host = ServiceHost("dataloader", config, replica)
+    servicer = DataLoaderServicer(replica)
+    host.add(servicer)
+    columns, groups = feature_columns(config)
+    training, data = config.training, config.data
+    num_ranks = len(config.cluster.nn_workers)
+    await host.start()
+    await host.set_serving(True)
+    dispatcher = Dispatcher(config, servicer)
+
+    async def main() -> None:
+        await rpc.wait_until_serving(config.cluster.embedding_workers + config.cluster.nn_workers,
+                                     timeout_s=config.cluster.start_timeout_s * 5, what="workers")
+        started = time.monotonic()
+        train_counts, eval_counts = ReadCounters(), ReadCounters()
+        epochs = (iter_rows(data.train, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
+                            bad_lines=data.bad_lines, counters=train_counts) for _ in range(training.epochs))
+        pairs = deal_evenly(iter_batches(itertools.chain.from_iterable(epochs), training.batch_size), num_ranks,
+                            train_counts)
+        if training.max_steps is not None:
+            pairs = itertools.islice(pairs, training.max_steps * num_ranks)
+        n = await dispatcher.run_phase("train", pairs, lambda: vars(train_counts).copy())
+        host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
+        eval_rows = iter_rows(data.eval, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
+                              bad_lines=data.bad_lines, counters=eval_counts)
+        eval_pairs = ((i % num_ranks, b) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
+        n = await dispatcher.run_phase("eval", eval_pairs, lambda: vars(eval_counts).copy())
+        servicer.counters.update(rows=train_counts.rows + eval_counts.rows,
+                                 bad_lines=train_counts.bad_lines + eval_counts.bad_lines)
+        host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
+
+    try:
+        await host.run_until_stopped(asyncio.ensure_future(main()))
+    finally:
+        await dispatcher.close()

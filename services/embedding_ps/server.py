@@ -1,0 +1,149 @@
+"""`hybridrec serve embedding_ps`: one PS shard — a store per embedding width behind gRPC.
+
+Requests are decoded on the event loop (cheap, zero-copy) and the store's
+compiled kernels run on a small thread pool: they release the GIL, so lookups
+and updates of concurrent requests use several cores while the loop keeps
+accepting RPCs.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from hybridrec import codec
+from hybridrec.compress import ValueCodec
+from hybridrec.config import Config
+from hybridrec.proto import pb
+from hybridrec.service import ServiceHost
+from hybridrec.sharding import shard_of
+from services.embedding_ps.store import EmbeddingStore, OptimizerSpec, StoreConfig
+
+
+def store_config(config: Config, dim: int) -> StoreConfig:
+    opt = config.optimizer.embedding
+    return StoreConfig(
+        dim=dim,
+        capacity=config.ps.capacity,
+        optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, eps=opt.eps,
+                                initial_accumulator_value=opt.initial_accumulator_value, beta1=opt.beta1,
+                                beta2=opt.beta2, adam_eps=opt.adam_eps, weight_decay=opt.weight_decay),
+        seed=config.training.seed,
+        init_distribution=config.ps.init.distribution,
+        init_scale=config.ps.init.scale,
+        admit_probability=config.ps.admit_probability,
+        weight_bound=config.ps.weight_bound,
+        num_stripes=config.ps.num_stripes,
+    )
+
+
+def shard_dir(config: Config, shard: int) -> Path:
+    return Path(config.ps.shm_dir) / f"shard-{shard:05d}"
+
+
+def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
+    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+            for dim in config.dims}
+
+
+class EmbeddingPSServicer:
+    def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
+                 executor: ThreadPoolExecutor):
+        self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.values, self.executor = values, executor
+
+    def _ids(self, frame: codec.Frame, dim: int) -> np.ndarray:
+        ids = frame.get(f"ids.{dim}", np.uint64, 1)
+        if ids.size and not np.all(shard_of(ids, self.num_shards) == self.shard):
+            raise ValueError(f"request holds IDs of another shard; this is shard {self.shard} of {self.num_shards}")
+        return ids
+
+    def _dims(self, frame: codec.Frame) -> list[int]:
+        dims = []
+        for name in frame.tensors:
+            if name.startswith("ids."):
+                dim = name[4:]
+                if not dim.isdigit() or int(dim) not in self.stores:
+                    raise ValueError(f"no embedding table of width {dim!r} on this PS (has {sorted(self.stores)})")
+                dims.append(int(dim))
+        return dims
+
+    async def _run(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        frame = codec.decode(request)
+        train = bool(frame.meta.get("train", False))
+        out: dict[str, np.ndarray] = {}
+        for dim in self._dims(frame):
+            rows = await self._run(self.stores[dim].lookup, self._ids(frame, dim), train=train)
+            out.update(self.values.pack(f"rows.{dim}", rows, dim))
+        return codec.encode(out)
+
+    async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        frame = codec.decode(request)
+        applied = 0
+        for dim in self._dims(frame):
+            ids = self._ids(frame, dim)
+            grads = self.values.unpack(frame.tensors, f"grads.{dim}", dim) if f"grads.{dim}" in frame.tensors \
+                else None
+            if grads is None or grads.shape != (ids.shape[0], dim):
+                raise ValueError(f"grads.{dim} must hold ({ids.shape[0]}, {dim}) values for ids.{dim}")
+            if np.unique(ids).shape[0] != ids.shape[0]:
+                raise ValueError(f"ids.{dim} of an update must be unique")
+            applied += await self._run(self.stores[dim].update, ids, grads)
+        return codec.encode(meta={"applied": int(applied)})
+
+    async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
+        values: dict[str, float] = {}
+        for dim, store in self.stores.items():
+            for key, value in store.stats().items():
+                if isinstance(value, (int, float)):
+                    values[f"dim{dim}.{key}"] = float(value)
+        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=values)
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
+        from services.embedding_ps import checkpoint
+
+        if not request.directory:
+            raise ValueError("checkpoint directory is empty")
+        await self._run(checkpoint.dump_shard, self.stores, request.directory, shard=self.shard,
+                        num_shards=self.num_shards, step=request.step)
+        rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
+        return pb.CheckpointReply(directory=request.directory, rows=rows)
+
+    async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
+        from services.embedding_ps import checkpoint
+
+        num_shards = self.num_shards
+        await self._run(checkpoint.load_shard, request.directory, self.stores, shard=self.shard,
+                        num_shards=num_shards, shard_of=lambda ids: shard_of(ids, num_shards))
+        rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
+        return pb.CheckpointReply(directory=request.directory, rows=rows)
+
+
+async def serve(config: Config, replica: int) -> None:
+    host = ServiceHost("embedding_ps", config, replica)
+    stores = open_stores(config, replica)
+    host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
+                  rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
+    values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
+    with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
+        host.add(EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor))
+        await host.start()
+        await host.set_serving(True)
+        try:
+            await host.run_until_stopped()
+        finally:
+            for store in stores.values():
+                store.close()
+
+
+def remove_shm(config: Config) -> None:
+    """Delete every shard's store files (the launcher's cleanup when keep_shm is off)."""
+    shutil.rmtree(config.ps.shm_dir, ignore_errors=True)

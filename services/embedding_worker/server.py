@@ -1,0 +1,59 @@
+"""`hybridrec serve embedding_worker`: the gRPC face of services.embedding_worker.worker."""
+from __future__ import annotations
+
+import grpc
+
+from hybridrec import codec, rpc
+from hybridrec.batch import SparseBatch
+from hybridrec.config import Config
+from hybridrec.proto import pb
+from hybridrec.rpc import Unavailable
+from hybridrec.service import ServiceHost
+from services.embedding_worker.worker import EmbeddingWorker
+
+
+class EmbeddingWorkerServicer:
+    def __init__(self, worker: EmbeddingWorker, num_features: int):
+        self.worker = worker
+        self.num_features = num_features
+
+    async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        sparse = SparseBatch.decode(codec.decode(request), self.num_features)
+        return codec.encode(meta={"batch_ref": self.worker.put(sparse)})
+
+    async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self.worker.lookup(codec.decode(request).meta_int("batch_ref"))
+
+    async def PushGradients(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        frame = codec.decode(request)
+        applied = await self.worker.push_gradients(frame.meta_int("batch_ref"), frame)
+        return codec.encode(meta={"applied": applied})
+
+    async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
+        return pb.ServiceStats(service="embedding_worker", replica=self.worker.replica, values=self.worker.stats())
+
+
+async def serve(config: Config, replica: int) -> None:
+    host = ServiceHost("embedding_worker", config, replica)
+    channels = [rpc.channel(address) for address in config.cluster.ps]
+    methods = {(s, m): rpc.raw_method(ch, "EmbeddingPS", m) for s, ch in enumerate(channels)
+               for m in ("Lookup", "Update")}
+    timeout = config.cluster.rpc_timeout_s
+
+    async def ps_call(shard: int, method: str, frame: bytes) -> bytes:
+        try:
+            return await rpc.retry(lambda: methods[(shard, method)](frame, timeout=timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"PS shard {shard} ({config.cluster.ps[shard]}) {method} failed: "
+                              f"{exc.code().name} {exc.details()}") from exc
+
+    worker = EmbeddingWorker(config, replica, ps_call)
+    host.add(EmbeddingWorkerServicer(worker, len(config.features)))
+    await host.start()
+    await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s, what="PS shards")
+    await host.set_serving(True)
+    try:
+        await host.run_until_stopped()
+    finally:
+        for ch in channels:
+            await ch.close()

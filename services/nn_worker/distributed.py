@@ -1,0 +1,96 @@
+"""On the NN worker: the torch.distributed process group and how the dense replica is kept in sync.
+
+`parallelize(model, mode, ...)` is the one place that decides how dense
+parameters are synchronised (STYLE: parallelism is a function applied to the
+user's module, not part of it):
+
+* hybrid, sync — DistributedDataParallel: gradients AllReduced every step,
+  bucketed so communication overlaps the backward pass;
+* async — each replica steps on its own gradients; replicas are averaged every
+  `sync_interval` steps (the throughput reference);
+* shadow — ShadowSync: a background thread averages replicas continuously,
+  never inside the training step (see services.nn_worker.shadow).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hybridrec.config import Mode, TrainingConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: str,
+                       timeout_s: float = 300.0) -> DistEnv:
+    """Join the NN workers' process group (rank 0 hosts the TCP store at `rendezvous`)."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("training.backend is nccl but CUDA is not available on this NN worker")
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistEnv(rank=rank, world_size=world_size, backend=backend, device=device)
+
+
+class DenseSync:
+    """Keeps dense replicas consistent; `module` is what the trainer calls forward on."""
+
+    def __init__(self, model: nn.Module, env: DistEnv, training: TrainingConfig):
+        self.env, self.training = env, training
+        self.mode = training.mode
+        broadcast_parameters(model)
+        if self.mode in (Mode.HYBRID, Mode.SYNC):
+            self.module: nn.Module = DistributedDataParallel(
+                model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        else:
+            self.module = model
+        self.model = model
+        self.shadow = None
+        if self.mode == Mode.SHADOW:
+            from services.nn_worker.shadow import ShadowSync
+
+            self.shadow = ShadowSync(model, env, algorithm=training.shadow_algorithm, alpha=training.shadow_alpha,
+                                     interval_s=training.shadow_interval_s)
+
+    def after_step(self, step: int) -> None:
+        """Called on the compute thread after each optimizer step."""
+        if self.mode == Mode.ASYNC and self.env.world_size > 1 and step % self.training.sync_interval == 0:
+            average_parameters(self.model, self.env.world_size)
+
+    def finish(self) -> None:
+        """Leave the replicas identical before evaluation."""
+        if self.shadow is not None:
+            self.shadow.stop()
+        if self.mode in (Mode.ASYNC, Mode.SHADOW) and self.env.world_size > 1:
+            average_parameters(self.model, self.env.world_size)
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def average_parameters(model: nn.Module, world_size: int, group=None) -> None:
+    with torch.no_grad():
+        flat = torch.nn.utils.parameters_to_vector(model.parameters())
+        dist.all_reduce(flat, group=group)
+        flat /= world_size
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())

@@ -1,0 +1,228 @@
+"""On the NN worker: the training loop of the hybrid algorithm (DESIGN §1 steps 3–5).
+
+Two coroutines share the event loop and one compute thread does the math:
+
+* the prefetcher takes dense batches as the data loader delivers them and starts
+  the embedding lookup of each on its embedding worker, up to `prefetch` batches
+  ahead of compute — but only while the staleness bound allows: a lookup starts
+  only when at most `staleness` earlier batches have unapplied updates
+  (a semaphore of staleness + 1 permits, released when a gradient push is acked);
+* the step loop waits for a batch's embeddings, runs forward/backward/optimizer
+  on the compute thread (DDP AllReduces dense gradients there), and sends the
+  embedding gradients back without waiting for them (hybrid) — or waits for
+  every replica's updates before the next lookup (sync).
+
+All torch and torch.distributed calls run on the single compute thread, so
+collectives are issued in the same order on every rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridrec import codec, log
+from hybridrec.batch import DenseBatch
+from hybridrec.compress import ValueCodec
+from hybridrec.config import Config, Mode
+from services.nn_worker.distributed import DenseSync, DistEnv
+
+
+@dataclass
+class EndOfPhase:
+    phase: str
+    meta: dict
+
+
+@dataclass
+class TrainStats:
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    last_loss: float = float("nan")
+    started: float | None = None
+    finished: float | None = None
+    staleness_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    pushes_failed: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+
+Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings
+Push = Callable[[int, bytes], Awaitable[int]]  # (batch_ref, gradient frame) -> rows applied
+
+
+class Trainer:
+    def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
+                 inbox: asyncio.Queue, compute: ThreadPoolExecutor):
+        self.config, self.env = config, env
+        self.training = config.training
+        self.lookup, self.push, self.inbox = lookup, push, inbox
+        self.log = log.get()
+        self.compute = compute
+        self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
+        self.names = [f.name for f in config.features]
+        self.dims = [f.dim for f in config.features]
+        self.vector_dim = int(np.gcd.reduce(self.dims))
+        self.model = model.to(env.device)
+        self.sync: DenseSync | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
+        self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
+
+    async def setup(self) -> None:
+        """Wrap the model for dense synchronisation (collectives, so on the compute thread)."""
+        self.sync = await self._on_compute(DenseSync, self.model, self.env, self.training)
+        self.optimizer = make_dense_optimizer(self.model, self.config)
+
+    async def _on_compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    def _embeddings(self, frame_bytes: bytes, batch_size: int) -> torch.Tensor:
+        frame = codec.decode(frame_bytes)
+        emb = self.values.unpack(frame.tensors, "emb", self.vector_dim)
+        if emb.shape != (batch_size, sum(self.dims)):
+            raise RuntimeError(f"embedding worker returned {emb.shape} embeddings for a batch of {batch_size}")
+        return torch.from_numpy(emb)
+
+    # -- training ----------------------------------------------------------------------------
+    async def train(self) -> dict:
+        permits = asyncio.Semaphore(self.staleness_bound + 1)
+        ready: asyncio.Queue = asyncio.Queue(maxsize=self.training.prefetch)
+        counts = {"issued": 0, "acked": 0}
+        end: dict = {}
+
+        async def prefetcher() -> None:
+            while True:
+                item = await self.inbox.get()
+                if isinstance(item, EndOfPhase):
+                    if item.phase != "train":
+                        raise RuntimeError(f"expected train batches, got the end of {item.phase}")
+                    end.update(item.meta)
+                    await ready.put(None)
+                    return
+                if item.phase != "train":
+                    raise RuntimeError("got an eval batch before the end of training")
+                await permits.acquire()
+                tau = counts["issued"] - counts["acked"]
+                self.stats.staleness_hist[min(tau, self.staleness_bound)] += 1
+                counts["issued"] += 1
+                await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
+
+        async def push(ref: int, grad: np.ndarray) -> None:
+            try:
+                frame = codec.encode(self.values.pack("grad", grad, self.vector_dim), {"batch_ref": ref})
+                await self.push(ref, frame)
+            except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
+                self.stats.pushes_failed += 1
+                self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
+            finally:
+                counts["acked"] += 1
+                permits.release()
+
+        fetch = asyncio.ensure_future(prefetcher())
+        pushes: set[asyncio.Task] = set()
+        try:
+            while (entry := await ready.get()) is not None:
+                batch, pending = entry
+                emb = self._embeddings(await pending, batch.labels.shape[0])
+                if self.stats.started is None:
+                    self.stats.started = time.monotonic()
+                loss, grad = await self._on_compute(self._train_step, batch, emb)
+                task = asyncio.ensure_future(push(batch.batch_ref, grad))
+                pushes.add(task)
+                task.add_done_callback(pushes.discard)
+                if self.training.mode == Mode.SYNC:
+                    await task
+                    await self._on_compute(dist.barrier)
+                self._account(loss, batch.labels.shape[0])
+            await fetch
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+        if pushes:
+            await asyncio.gather(*pushes)
+        await self._on_compute(self.sync.finish)
+        self.stats.finished = time.monotonic()
+        return end
+
+    def _train_step(self, batch: DenseBatch, emb: torch.Tensor) -> tuple[float, np.ndarray]:
+        device = self.env.device
+        dense = torch.from_numpy(np.array(batch.dense)).to(device)
+        labels = torch.from_numpy(np.array(batch.labels)).to(device)
+        emb = emb.to(device).requires_grad_()
+        embeddings = dict(zip(self.names, torch.split(emb, self.dims, dim=1)))
+        logits = self.sync.module(dense, embeddings).reshape(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.stats.steps += 1
+        self.sync.after_step(self.stats.steps)
+        return float(loss.detach()), emb.grad.detach().cpu().numpy()
+
+    def _account(self, loss: float, n: int) -> None:
+        self.stats.samples += n
+        self.stats.last_loss = loss
+        self.stats.loss_sum += loss
+        self.stats.loss_count += 1
+
+    # -- evaluation --------------------------------------------------------------------------
+    async def evaluate(self) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Predicted probabilities and labels of every eval batch this rank received."""
+        preds: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        ready: asyncio.Queue = asyncio.Queue(maxsize=self.training.prefetch)
+        end: dict = {}
+
+        async def prefetcher() -> None:
+            while True:
+                item = await self.inbox.get()
+                if isinstance(item, EndOfPhase):
+                    end.update(item.meta)
+                    await ready.put(None)
+                    return
+                await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
+
+        fetch = asyncio.ensure_future(prefetcher())
+        try:
+            while (entry := await ready.get()) is not None:
+                batch, pending = entry
+                emb = self._embeddings(await pending, batch.labels.shape[0])
+                preds.append(await self._on_compute(self._predict, batch, emb))
+                labels.append(np.array(batch.labels))
+            await fetch
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.float32)  # noqa: E731
+        return cat(preds), cat(labels), end
+
+    @torch.no_grad()
+    def _predict(self, batch: DenseBatch, emb: torch.Tensor) -> np.ndarray:
+        device = self.env.device
+        embeddings = dict(zip(self.names, torch.split(emb.to(device), self.dims, dim=1)))
+        logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1)
+        return torch.sigmoid(logits).float().cpu().numpy()
+
+
+def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
+    opt = config.optimizer.dense
+    params = model.parameters()
+    if opt.name == "adam":
+        return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    if opt.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
