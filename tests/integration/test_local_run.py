@@ -1,0 +1,116 @@
+"""`hybridrec run` end to end: real processes, real gRPC, real torch.distributed, real shm files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import HYBRIDREC, REPO, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def _run(args, timeout=300, **kw):
+    return subprocess.run(HYBRIDREC + args, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _port_free(address: str) -> bool:
+    """Nothing listens on the port (connections in TIME_WAIT do not hold it: servers use SO_REUSEADDR)."""
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _assert_clean(summary_or_run_dir) -> None:
+    """No service process left, no port bound, no shm files."""
+    config_path = Path(summary_or_run_dir) / "config.yaml"
+    import yaml
+    config = yaml.safe_load(config_path.read_text())
+    cluster = config["cluster"]
+    addresses = cluster["ps"] + cluster["embedding_workers"] + cluster["nn_workers"] + cluster["dataloader"]
+    deadline = time.monotonic() + 5
+    while True:
+        leftovers = [p for p in psutil.process_iter(["cmdline"])
+                     if str(config_path) in " ".join(p.info["cmdline"] or [])]
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not leftovers, f"service processes left behind: {leftovers}"
+    assert all(_port_free(a) for a in addresses), "a service port is still bound"
+    assert not Path(config["ps"]["shm_dir"]).exists(), "PS shm files were not removed"
+
+
+def test_run_trains_and_cleans_up(tmp_path, small_config):
+    summary_path = tmp_path / "summary.json"
+    result = _run(["run", str(small_config), "--run-dir", str(tmp_path / "run"), "--summary-json",
+                   str(summary_path), "--set", "training.epochs=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    for key in ("mode", "steps", "samples", "wall_s", "samples_per_sec", "auc", "logloss", "oracle_auc",
+                "staleness", "services"):
+        assert key in summary, key
+    assert summary["mode"] == "hybrid"
+    assert summary["samples"] == 120_000 and summary["eval_samples"] == 20_000
+    assert summary["auc"] > 0.65, summary
+    assert 0.7 < summary["oracle_auc"] < 0.95
+    assert summary["staleness"]["max"] <= 2
+    names = sorted((s["name"], s["replica"]) for s in summary["services"])
+    assert names == [("dataloader", 0), ("embedding_ps", 0), ("embedding_ps", 1), ("embedding_worker", 0),
+                     ("nn_worker", 0), ("nn_worker", 1)]
+    assert all(s["pid"] and s["grpc"].startswith("127.0.0.1:") for s in summary["services"])
+    _assert_clean(tmp_path / "run")
+
+
+def test_failed_service_is_named_and_everything_stops(tmp_path, small_data):
+    config = write_config(tmp_path / "c.yaml", small_data,
+                          model={"path": "tests.integration.failing_model:FailAtStep", "kwargs": {"step": 3}})
+    started = time.monotonic()
+    result = _run(["run", str(config), "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert result.returncode == 1
+    assert "service nn_worker-" in result.stderr and "exited with code" in result.stderr
+    assert "planted failure at step 3" in result.stderr  # the service's last log lines are shown
+    assert time.monotonic() - started < 90
+    _assert_clean(tmp_path / "run")
+
+
+def test_ctrl_c_stops_every_service(tmp_path, small_config):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(small_config), "--run-dir", str(run_dir),
+                                         "--set", "training.epochs=20"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until training is under way
+        logs = run_dir / "logs" / "nn_worker-0.log"
+        if logs.exists() and "serving" in logs.read_text():
+            break
+        time.sleep(0.5)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    _assert_clean(run_dir)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "training.batch_size=-1"], "training.batch_size"),
+    (["--set", "data.train=[/nonexistent/train.tsv]"], "/nonexistent/train.tsv"),
+    (["--set", "model.path=nowhere.module:Model"], "nowhere.module"),
+    (["--set", "cluster.nn_workers=[localhost]"], "cluster.nn_workers"),
+])
+def test_bad_input_exits_2_with_a_clear_message(small_config, args, message):
+    result = _run(["run", str(small_config), *args], timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
