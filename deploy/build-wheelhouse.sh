@@ -32,6 +32,7 @@ fi
 
 start=$SECONDS
 mkdir -p "$wheels"
+rm -f "$wheels"/*.whl  # layout before deps/ and app/
 src=$(mktemp -d "$build/src.XXXXXX")
 trap 'rm -rf "$src"' EXIT
 # A clean copy of the working tree (tracked and untracked files alike, but
@@ -42,21 +43,30 @@ tar -C "$repo" \
     --exclude=./runs --exclude=./data --exclude=./results --exclude=./.pytest_cache \
     -cf - . | tar -C "$src" -xf -
 
+# deps/ holds every dependency, app/ only hybridrec: the image installs them
+# in separate layers, so a code change rebuilds only a small one.
+mkdir -p "$wheels/deps" "$wheels/app"
+rm -f "$wheels"/app/*.whl
+quiet_pip() {
+    # The host's pip config names local indexes that may not exist; pip
+    # warns once per package about them.
+    "$PYTHON" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
 stamp=$wheels/.deps-stamp
 want=$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! ls "$wheels"/deps/*.whl >/dev/null 2>&1; then
     say "fetching/building dependency wheels (pyproject.toml changed)"
-    rm -f "$wheels"/*.whl
-    "$PYTHON" -m pip wheel --quiet --wheel-dir "$wheels" "$src" 2> >(grep -v "is ignored: it is neither" >&2)
+    rm -f "$wheels"/deps/*.whl
+    quiet_pip wheel --quiet --wheel-dir "$wheels/deps" "$src"
+    mv "$wheels"/deps/hybridrec-*.whl "$wheels/app/"
     echo "$want" >"$stamp"
 else
     say "dependency wheels up to date; rebuilding hybridrec only"
-    rm -f "$wheels"/hybridrec-*.whl
-    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$wheels" "$src" 2> >(grep -v "is ignored: it is neither" >&2)
+    quiet_pip wheel --quiet --no-deps --wheel-dir "$wheels/app" "$src"
 fi
 
-if ls "$wheels"/torch-*.whl | grep -qv '+cpu'; then
+if ls "$wheels"/deps/torch-*.whl | grep -qv '+cpu'; then
     say "WARNING: the torch wheel is not a +cpu build; the image will carry CUDA libraries:"
-    ls "$wheels"/torch-*.whl >&2
+    ls "$wheels"/deps/torch-*.whl >&2
 fi
-say "$(ls "$wheels"/*.whl | wc -l) wheels, $(du -sh "$wheels" | cut -f1), in $((SECONDS - start))s"
+say "$(ls "$wheels"/deps/*.whl "$wheels"/app/*.whl | wc -l) wheels, $(du -sh "$wheels" | cut -f1), in $((SECONDS - start))s"
