@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import torch
 import numpy as np
 
 from hybridrec import codec
@@ -129,6 +130,7 @@ class EmbeddingPSServicer:
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
+    torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     stores = open_stores(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import grpc
+import torch
 
 from hybridrec import codec, rpc
 from hybridrec.batch import SparseBatch
@@ -35,6 +36,7 @@ class EmbeddingWorkerServicer:
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_worker", config, replica)
+    torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     channels = [rpc.channel(address) for address in config.cluster.ps]
     methods = {(s, m): rpc.raw_method(ch, "EmbeddingPS", m) for s, ch in enumerate(channels)
                for m in ("Lookup", "Update")}
