@@ -1,18 +1,20 @@
-"""On the embedding worker: buffer a batch's IDs, look them up on the PS shards, pool, aggregate gradients.
+"""On the embedding worker: buffer a batch's IDs, look them up on the PS shards, aggregate gradients.
 
 The data loader hands a batch's ID features in (`put`) and gets a batch_ref;
-an NN worker later asks for the pooled embeddings of that batch_ref (`lookup`)
-and eventually returns the gradients of those pooled embeddings (`push_gradients`).
-All per-batch planning (global dedup per embedding width, the split by PS shard)
-happens in `put`, so the lookup on the NN worker's critical path only does the
-RPCs and the pooling. One RPC per PS shard per batch carries every width.
+an NN worker later asks for that batch's embeddings (`lookup`) and eventually
+returns their gradients (`push_gradients`).
+
+What crosses the network is deduplicated both ways (Persia §4.2.3): the NN
+worker receives each feature's *unique* rows plus the uint16 positions and bag
+lengths it needs to pool them, and sends back one gradient per unique row — not
+one vector per sample. All per-batch planning (dedup per embedding width across
+features, the split by PS shard) happens in `put`, off the NN worker's critical
+path; a lookup is then one RPC per PS shard and a gather.
 """
 from __future__ import annotations
 
 import asyncio
-import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -23,7 +25,7 @@ from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
 from hybridrec.rpc import NotFound
 from hybridrec.sharding import split_by_shard
-from services.embedding_worker.pooling import MODE_CODES, pool, unpool
+from services.embedding_worker.pooling import scatter_add_rows
 
 REF_SHIFT = 56
 
@@ -31,25 +33,13 @@ PSCall = Callable[[int, str, bytes], Awaitable[bytes]]  # (shard, method, frame)
 
 
 @dataclass
-class FeatureSlot:
-    """Where one feature's bags live: its width group, its columns in the pooled output, its row indices."""
-
-    dim: int
-    column: int
-    idx: np.ndarray  # int32 index into the width group's unique IDs, one per bag element
-    lengths: np.ndarray  # uint16 bag length per sample
-    mode: int
-
-
-@dataclass
 class BufferedBatch:
     ref: int
     phase: str
-    batch_size: int
-    uniq: dict[int, np.ndarray]  # width -> unique IDs of every feature of that width
+    sparse: SparseBatch
+    uniq: dict[int, np.ndarray]  # width -> batch-unique IDs of every feature of that width
+    gidx: dict[int, np.ndarray]  # width -> int32 index into uniq[width] of each feature-unique row, features concatenated
     by_shard: dict[int, list[np.ndarray]]  # width -> per shard, positions into uniq[width]
-    slots: list[FeatureSlot]
-    created: float = field(default_factory=time.monotonic)
 
 
 class EmbeddingWorker:
@@ -61,8 +51,10 @@ class EmbeddingWorker:
         self.replica = replica
         self.ps_call = ps_call
         self.values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
-        self.vector_dim = math.gcd(*[f.dim for f in self.features])
-        self.total_dim = sum(f.dim for f in self.features)
+        self.lz4 = config.training.compression.lz4_ids
+        self.dims = sorted({f.dim for f in self.features})
+        # Features of each width, in config order: the order of their rows in `rows.<dim>` frames.
+        self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
         self.buffer: dict[int, BufferedBatch] = {}
         self.next_seq = 0
         self.counters = {"batches_put": 0, "lookups": 0, "gradient_pushes": 0, "rows_looked_up": 0,
@@ -71,35 +63,22 @@ class EmbeddingWorker:
     # -- from the data loader -------------------------------------------------------------
     def put(self, sparse: SparseBatch) -> int:
         """Buffer a batch and return its batch_ref (this worker's replica in the top bits)."""
+        if len(sparse.uniq) != len(self.features):
+            raise ValueError(f"batch has {len(sparse.uniq)} features, the config has {len(self.features)}")
         ref = (self.replica << REF_SHIFT) | self.next_seq
         self.next_seq += 1
-        uniq: dict[int, np.ndarray] = {}
-        slots: list[FeatureSlot] = []
-        column = 0
-        for dim in sorted({f.dim for f in self.features}):
-            members = [i for i, f in enumerate(self.features) if f.dim == dim]
-            all_ids = np.concatenate([sparse.uniq[i] for i in members])
-            uniq[dim], inverse = np.unique(all_ids, return_inverse=True)
-            inverse = inverse.astype(np.int32).reshape(-1)
-            start = 0
-            for i in members:
-                n = sparse.uniq[i].shape[0]
-                idx = inverse[start:start + n][sparse.pos[i]] if n else np.zeros(0, np.int32)
-                start += n
-                slots.append((i, FeatureSlot(dim, 0, idx, sparse.lengths[i], MODE_CODES[self.features[i].pooling])))
-        # Pooled output columns follow the configured feature order.
-        ordered = [slot for _, slot in sorted(slots, key=lambda t: t[0])]
-        for slot in ordered:
-            slot.column = column
-            column += slot.dim
+        uniq, gidx = {}, {}
+        for dim, members in self.members.items():
+            uniq[dim], inverse = np.unique(np.concatenate([sparse.uniq[i] for i in members]), return_inverse=True)
+            gidx[dim] = inverse.astype(np.int32).reshape(-1)
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
-        self.buffer[ref] = BufferedBatch(ref, sparse.phase, sparse.batch_size, uniq, by_shard, ordered)
+        self.buffer[ref] = BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
         self.counters["batches_put"] += 1
         return ref
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:
-        """Pooled embeddings of a buffered batch, (batch, total width), as a frame."""
+        """Each feature's unique rows (per width, features concatenated), positions and bag lengths."""
         batch = self._get(ref)
         train = batch.phase == "train"
         rows = {dim: np.empty((ids.shape[0], dim), np.float32) for dim, ids in batch.uniq.items()}
@@ -116,28 +95,36 @@ class EmbeddingWorker:
                 rows[dim][pos[shard]] = got
 
         await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)))
-        out = np.empty((batch.batch_size, self.total_dim), np.float32)
-        for slot in batch.slots:
-            pool(rows[slot.dim], slot.idx, slot.lengths, slot.mode, out[:, slot.column:slot.column + slot.dim])
+        sparse = batch.sparse
+        tensors: dict[str, np.ndarray] = {
+            "counts": np.array([u.shape[0] for u in sparse.uniq], np.int32),
+            "pos": np.concatenate(sparse.pos) if sparse.pos else np.zeros(0, np.uint16),
+            "lengths": np.stack(sparse.lengths),
+        }
+        for dim in self.dims:
+            tensors.update(self.values.pack(f"rows.{dim}", rows[dim][batch.gidx[dim]], dim))
         if not train:
             del self.buffer[ref]
         self.counters["lookups"] += 1
         self.counters["rows_looked_up"] += sum(ids.shape[0] for ids in batch.uniq.values())
-        return codec.encode(self.values.pack("emb", out, self.vector_dim), {"batch_ref": ref})
+        compress = {"pos", "lengths"} if self.lz4 else set()
+        return codec.encode(tensors, {"batch_ref": ref, "batch_size": sparse.batch_size}, compress=compress)
 
     async def push_gradients(self, ref: int, frame: codec.Frame) -> int:
-        """Aggregate pooled gradients per unique ID and apply them on the PS shards; returns rows updated."""
+        """Sum gradients per batch-unique ID and apply them on the PS shards; returns rows updated."""
         batch = self._get(ref)
         if batch.phase != "train":
             raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
-        grads = self.values.unpack(frame.tensors, "grad", self.vector_dim) if "grad" in frame.tensors else None
-        if grads is None or grads.shape != (batch.batch_size, self.total_dim):
-            raise ValueError(f"gradients must be ({batch.batch_size}, {self.total_dim}) float for batch_ref {ref}")
+        per_dim: dict[int, np.ndarray] = {}
+        for dim in self.dims:
+            name = f"grad.{dim}"
+            grads = self.values.unpack(frame.tensors, name, dim) if name in frame.tensors else None
+            if grads is None or grads.shape != (batch.gidx[dim].shape[0], dim):
+                raise ValueError(f"{name} must hold ({batch.gidx[dim].shape[0]}, {dim}) gradients for "
+                                 f"batch_ref {ref}")
+            per_dim[dim] = np.zeros((batch.uniq[dim].shape[0], dim), np.float32)
+            scatter_add_rows(grads, batch.gidx[dim], per_dim[dim])
         del self.buffer[ref]  # the batch is consumed whatever the PS answers
-        per_dim = {dim: np.zeros((ids.shape[0], dim), np.float32) for dim, ids in batch.uniq.items()}
-        for slot in batch.slots:
-            unpool(grads[:, slot.column:slot.column + slot.dim], slot.idx, slot.lengths, slot.mode,
-                   per_dim[slot.dim])
 
         async def one_shard(shard: int) -> int:
             tensors: dict[str, np.ndarray] = {}

@@ -33,6 +33,7 @@ from hybridrec.batch import DenseBatch
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
 from services.nn_worker.distributed import DenseSync, DistEnv
+from services.nn_worker.embeddings import BatchEmbeddings, Pooler
 
 
 @dataclass
@@ -73,9 +74,7 @@ class Trainer:
         self.log = log.get()
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
-        self.names = [f.name for f in config.features]
-        self.dims = [f.dim for f in config.features]
-        self.vector_dim = int(np.gcd.reduce(self.dims))
+        self.pooler = Pooler(config.features, self.values)
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -89,13 +88,6 @@ class Trainer:
 
     async def _on_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
-
-    def _embeddings(self, frame_bytes: bytes, batch_size: int) -> torch.Tensor:
-        frame = codec.decode(frame_bytes)
-        emb = self.values.unpack(frame.tensors, "emb", self.vector_dim)
-        if emb.shape != (batch_size, sum(self.dims)):
-            raise RuntimeError(f"embedding worker returned {emb.shape} embeddings for a batch of {batch_size}")
-        return torch.from_numpy(emb)
 
     # -- training ----------------------------------------------------------------------------
     async def train(self) -> dict:
@@ -121,10 +113,12 @@ class Trainer:
                 counts["issued"] += 1
                 await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
 
-        async def push(ref: int, grad: np.ndarray) -> None:
+        async def push(ref: int, grads: dict[int, np.ndarray]) -> None:
             try:
-                frame = codec.encode(self.values.pack("grad", grad, self.vector_dim), {"batch_ref": ref})
-                await self.push(ref, frame)
+                tensors: dict[str, np.ndarray] = {}
+                for dim, grad in grads.items():
+                    tensors.update(self.values.pack(f"grad.{dim}", grad, dim))
+                await self.push(ref, codec.encode(tensors, {"batch_ref": ref}))
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -137,7 +131,7 @@ class Trainer:
         try:
             while (entry := await ready.get()) is not None:
                 batch, pending = entry
-                emb = self._embeddings(await pending, batch.labels.shape[0])
+                emb = self.pooler.decode(await pending, batch.labels.shape[0])
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
                 loss, grad = await self._on_compute(self._train_step, batch, emb)
@@ -158,12 +152,11 @@ class Trainer:
         self.stats.finished = time.monotonic()
         return end
 
-    def _train_step(self, batch: DenseBatch, emb: torch.Tensor) -> tuple[float, np.ndarray]:
+    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings) -> tuple[float, dict[int, np.ndarray]]:
         device = self.env.device
         dense = torch.from_numpy(np.array(batch.dense)).to(device)
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
-        emb = emb.to(device).requires_grad_()
-        embeddings = dict(zip(self.names, torch.split(emb, self.dims, dim=1)))
+        leaves, embeddings = self.pooler.pool(emb, device, grad=True)
         logits = self.sync.module(dense, embeddings).reshape(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,7 +164,7 @@ class Trainer:
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        return float(loss.detach()), emb.grad.detach().cpu().numpy()
+        return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() for dim, leaf in leaves.items()}
 
     def _account(self, loss: float, n: int) -> None:
         self.stats.samples += n
@@ -200,7 +193,7 @@ class Trainer:
         try:
             while (entry := await ready.get()) is not None:
                 batch, pending = entry
-                emb = self._embeddings(await pending, batch.labels.shape[0])
+                emb = self.pooler.decode(await pending, batch.labels.shape[0])
                 preds.append(await self._on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
             await fetch
@@ -211,9 +204,9 @@ class Trainer:
         return cat(preds), cat(labels), end
 
     @torch.no_grad()
-    def _predict(self, batch: DenseBatch, emb: torch.Tensor) -> np.ndarray:
+    def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
         device = self.env.device
-        embeddings = dict(zip(self.names, torch.split(emb.to(device), self.dims, dim=1)))
+        _, embeddings = self.pooler.pool(emb, device, grad=False)
         logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1)
         return torch.sigmoid(logits).float().cpu().numpy()
 

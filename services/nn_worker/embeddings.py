@@ -1,0 +1,104 @@
+"""On the NN worker: decode a batch's embeddings and pool them (differentiably) for the model.
+
+The embedding worker sends each feature's unique rows (grouped by width, the
+features of a width concatenated in config order), the uint16 position of every
+bag element in its feature's rows, and every bag's length. Pooling happens here,
+with one `embedding_bag` call per width over all (feature, sample) bags, so the
+backward pass yields exactly one gradient per unique row — what goes back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridrec import codec
+from hybridrec.compress import ValueCodec
+from hybridrec.config import FeatureConfig, Pooling
+
+
+@dataclass
+class BatchEmbeddings:
+    """One batch's embeddings as received: rows per width plus the bag structure to pool them."""
+
+    batch_size: int
+    rows: dict[int, np.ndarray]  # width -> (unique rows of its features, width) float32
+    index: dict[int, np.ndarray]  # width -> int64 row of every bag element, features of that width in order
+    offsets: dict[int, np.ndarray]  # width -> int64 start of every (feature, sample) bag
+    weights: dict[int, np.ndarray | None]  # width -> per-element weights (mean / sqrt-n pooling) or None
+
+
+class Pooler:
+    def __init__(self, features: list[FeatureConfig], values: ValueCodec):
+        self.features, self.values = features, values
+        self.dims = sorted({f.dim for f in features})
+        self.members = {d: [i for i, f in enumerate(features) if f.dim == d] for d in self.dims}
+        self.names = [f.name for f in features]
+        self.weighted = any(f.pooling != Pooling.SUM for f in features)
+
+    def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
+        """Validate and decode an embedding frame; every inconsistency is a FrameError."""
+        frame = codec.decode(frame_bytes)
+        num = len(self.features)
+        counts = frame.get("counts", np.int32, 1)
+        lengths = frame.get("lengths", np.uint16, 2)
+        pos = frame.get("pos", np.uint16, 1)
+        if counts.shape[0] != num or lengths.shape != (num, batch_size) or (counts < 0).any():
+            raise codec.FrameError(f"embedding frame does not describe {num} features of a batch of {batch_size}")
+        nnz = lengths.sum(axis=1, dtype=np.int64)
+        if int(nnz.sum()) != pos.shape[0]:
+            raise codec.FrameError(f"bag lengths add up to {int(nnz.sum())} but {pos.shape[0]} positions came")
+        pos_start = np.concatenate([[0], np.cumsum(nnz)])
+        out = BatchEmbeddings(batch_size, {}, {}, {}, {})
+        for dim, members in self.members.items():
+            rows = self.values.unpack(frame.tensors, f"rows.{dim}", dim) if f"rows.{dim}" in frame.tensors else None
+            if rows is None or rows.shape != (int(counts[members].sum()), dim):
+                raise codec.FrameError(f"rows.{dim} must hold {int(counts[members].sum())} rows of width {dim}")
+            row_start = np.concatenate([[0], np.cumsum(counts[members], dtype=np.int64)])
+            index, bag_lengths, weights = [], [], []
+            for k, f in enumerate(members):
+                p = pos[pos_start[f]:pos_start[f + 1]]
+                if p.size and int(p.max()) >= counts[f]:
+                    raise codec.FrameError(f"feature {self.names[f]}: position {int(p.max())} outside its "
+                                           f"{int(counts[f])} rows")
+                index.append(p.astype(np.int64) + row_start[k])
+                bag_lengths.append(lengths[f])
+                if self.weighted:
+                    weights.append(_bag_weights(lengths[f], self.features[f].pooling))
+            bags = np.concatenate(bag_lengths).astype(np.int64)
+            out.rows[dim] = rows
+            out.index[dim] = np.concatenate(index)
+            out.offsets[dim] = np.cumsum(bags) - bags
+            out.weights[dim] = np.concatenate(weights) if self.weighted else None
+        return out
+
+    def pool(self, emb: BatchEmbeddings, device: torch.device, *, grad: bool):
+        """(leaf tensor of rows per width, pooled embedding per feature name)."""
+        leaves: dict[int, torch.Tensor] = {}
+        pooled: dict[str, torch.Tensor] = {}
+        for dim, members in self.members.items():
+            leaf = torch.from_numpy(emb.rows[dim]).to(device)
+            if grad:
+                leaf.requires_grad_()
+            leaves[dim] = leaf
+            weights = emb.weights[dim]
+            bags = F.embedding_bag(torch.from_numpy(emb.index[dim]).to(device), leaf,
+                                   torch.from_numpy(emb.offsets[dim]).to(device), mode="sum",
+                                   per_sample_weights=None if weights is None else torch.from_numpy(weights).to(device))
+            bags = bags.view(len(members), emb.batch_size, dim)
+            for k, f in enumerate(members):
+                pooled[self.names[f]] = bags[k]
+        return leaves, {name: pooled[name] for name in self.names}
+
+
+def _bag_weights(lengths: np.ndarray, pooling: Pooling) -> np.ndarray:
+    n = lengths.astype(np.float32)
+    if pooling == Pooling.SUM:
+        per_bag = np.ones_like(n)
+    elif pooling == Pooling.MEAN:
+        per_bag = 1.0 / np.maximum(n, 1)
+    else:
+        per_bag = 1.0 / np.sqrt(np.maximum(n, 1))
+    return np.repeat(per_bag, lengths.astype(np.int64))
