@@ -21,7 +21,13 @@ from hybridrec import log
 from hybridrec.proto import pb
 
 MAX_MESSAGE_BYTES = 1 << 30
-CHANNEL_OPTIONS = [
+# Embedding frames are megabytes: large HTTP/2 frames and a large flow-control window
+# let one message go out without waiting for window updates (benchmarks/codec.py).
+HTTP2_OPTIONS = [
+    ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
+    ("grpc.http2.initial_window_size", 64 * 1024 * 1024),
+]
+CHANNEL_OPTIONS = [*HTTP2_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
@@ -29,7 +35,7 @@ CHANNEL_OPTIONS = [
     # One TCP connection per channel even when several channels target the same address.
     ("grpc.use_local_subchannel_pool", 1),
 ]
-SERVER_OPTIONS = [
+SERVER_OPTIONS = [*HTTP2_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
