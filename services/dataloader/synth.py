@@ -1,0 +1,336 @@
+"""Synthetic Criteo-format data drawn from a planted click model.
+
+Runs wherever the data is prepared (``hybridrec data synth``), not in a
+training service. It exists so that every part of the trainer can be tested
+end to end against a known answer: the true click probability of every eval
+row is known, so ``oracle.json`` records the best AUC any model can reach,
+and a training run is judged by its distance to that oracle.
+
+Planted model (logit = bias + sum of effects, label ~ Bernoulli(sigmoid)):
+
+* 26 categorical slots with Criteo-like cardinalities (log-spaced 10..10^6),
+  Zipf-distributed IDs (exponent 1.05..1.2, truncated at the cardinality),
+  some slots often empty. Each ID has a Gaussian effect; the scale shrinks
+  with the cardinality, as rare IDs of big slots cannot be learned in one
+  epoch and would only inflate the oracle with signal nobody can recover.
+* 13 integer columns drawn like Criteo counts (zero-inflated lognormal, some
+  empty, I2 sometimes negative) acting through a smooth function of
+  log1p(max(x, 0)) -- the reader's transform, under which an empty field and
+  0 coincide, so the model's view of a row loses nothing the planted
+  model uses.
+* A few low-rank pairwise interactions (dot products of small per-ID latent
+  vectors) between slots of low to medium cardinality.
+* The bias is calibrated to a CTR of about 0.25.
+
+Deterministic given the seed; rows are drawn in fixed-size blocks with their
+own random streams, so a longer file starts with the rows of a shorter one.
+"""
+
+from __future__ import annotations
+
+import gzip as gzip_module
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from services.dataloader.criteo import NUM_DENSE, NUM_SPARSE
+
+GENERATOR_VERSION = "1"
+BLOCK_ROWS = 1 << 17
+"""Rows drawn per random stream; part of the generator's definition."""
+TARGET_CTR = 0.25
+MIN_CARDINALITY, MAX_CARDINALITY = 10, 1_000_000
+LATENT_DIM = 4
+
+# Effect scales (tuned with examples/check_synth_learnable.py; see its notes).
+ID_SCALE_SMALL = 0.5
+"""Std of the per-ID effect in a slot of cardinality 10 ..."""
+ID_SCALE_LARGE = 0.15
+"""... and of cardinality 10^6 (log-linear in between)."""
+ID_TAPER_FREQ = 1e-3
+"""IDs rarer than this (probability per row) carry proportionally less signal ..."""
+ID_TAPER_POWER = 0.5
+"""... effect std * (p / ID_TAPER_FREQ) ** ID_TAPER_POWER."""
+INTERACTION_SCALE = 0.5
+"""Std of one pairwise interaction term when both slots are present."""
+NUM_INTERACTIONS = 4
+MAX_INTERACTION_CARDINALITY = 10_000
+DENSE_SCALE = 0.3
+"""Std of the linear dense coefficient of a standardised log1p feature."""
+
+# Criteo-like rates of empty integer fields (I1..I13, Kaggle train set).
+DENSE_MISSING = np.array([0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.001, 0.04,
+                          0.45, 0.04, 0.77, 0.22])
+
+
+@dataclass
+class SynthSummary:
+    """What synthesize() wrote and the oracle figures of its eval file."""
+
+    out_dir: str
+    train_path: str
+    eval_path: str
+    oracle_path: str
+    train_rows: int
+    eval_rows: int
+    seed: int
+    ctr: float
+    """Click rate of the train file."""
+    oracle_auc: float
+    """AUC of the true click probabilities on the eval file."""
+    oracle_logloss: float
+    seconds: float
+    extra: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class _PlantedModel:
+    cardinalities: np.ndarray  # (26,) int64
+    zipf_exponents: np.ndarray  # (26,)
+    missing_rates: np.ndarray  # (26,)
+    id_scales: np.ndarray  # (26,)
+    cdfs: list  # per slot: Zipf CDF over ranks 0..card-1
+    effects: list  # per slot: float64 effect per rank
+    token_keys: np.ndarray  # (26,) int64, rank -> token permutation key
+    pairs: list  # (slot_a, slot_b, latent_a, latent_b)
+    dense_mu: np.ndarray
+    dense_sigma: np.ndarray
+    dense_zero: np.ndarray
+    dense_center: np.ndarray
+    dense_spread: np.ndarray
+    dense_linear: np.ndarray
+    dense_quad: np.ndarray
+    bias: float = 0.0
+
+    def describe(self) -> dict:
+        return {
+            "cardinalities": self.cardinalities.tolist(),
+            "zipf_exponents": [round(float(a), 4) for a in self.zipf_exponents],
+            "missing_rates": [round(float(m), 4) for m in self.missing_rates],
+            "id_effect_scales": [round(float(s), 4) for s in self.id_scales],
+            "interaction_pairs": [[int(a), int(b)] for a, b, _, _ in self.pairs],
+            "dense_missing_rates": DENSE_MISSING.tolist(),
+            "bias": round(self.bias, 6),
+        }
+
+
+def _stream(seed: int, *key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, *key]))
+
+
+def _build_model(seed: int) -> _PlantedModel:
+    rng = _stream(seed, 0)
+    cards = np.round(np.logspace(math.log10(MIN_CARDINALITY), math.log10(MAX_CARDINALITY),
+                                 NUM_SPARSE)).astype(np.int64)
+    cards = cards[rng.permutation(NUM_SPARSE)]
+    exponents = rng.uniform(1.05, 1.2, NUM_SPARSE)
+    # Criteo: most slots almost always filled, a third often empty.
+    missing = np.where(rng.random(NUM_SPARSE) < 0.35, rng.uniform(0.3, 0.8, NUM_SPARSE),
+                       rng.uniform(0.0, 0.05, NUM_SPARSE))
+    frac = (np.log10(cards) - math.log10(MIN_CARDINALITY)) / (
+        math.log10(MAX_CARDINALITY) - math.log10(MIN_CARDINALITY))
+    scales = ID_SCALE_SMALL * (ID_SCALE_LARGE / ID_SCALE_SMALL) ** frac
+    cdfs, effects = [], []
+    for s in range(NUM_SPARSE):
+        w = np.arange(1, cards[s] + 1, dtype=np.float64) ** -exponents[s]
+        cdf = np.cumsum(w)
+        cdfs.append(cdf / cdf[-1])
+        taper = np.minimum(1.0, (w / cdf[-1] / ID_TAPER_FREQ) ** ID_TAPER_POWER)
+        effects.append(rng.standard_normal(cards[s]) * scales[s] * taper)
+    keys = rng.integers(0, 1 << 32, NUM_SPARSE)
+    candidates = np.flatnonzero(cards <= MAX_INTERACTION_CARDINALITY)
+    pairs = []
+    chosen = rng.choice(candidates, size=2 * NUM_INTERACTIONS, replace=False)
+    for a, b in chosen.reshape(-1, 2):
+        scale = math.sqrt(INTERACTION_SCALE) / LATENT_DIM ** 0.25
+        pairs.append((int(a), int(b), rng.standard_normal((cards[a], LATENT_DIM)) * scale,
+                      rng.standard_normal((cards[b], LATENT_DIM)) * scale))
+    model = _PlantedModel(
+        cardinalities=cards, zipf_exponents=exponents, missing_rates=missing,
+        id_scales=scales, cdfs=cdfs, effects=effects, token_keys=keys, pairs=pairs,
+        dense_mu=rng.uniform(0.0, 4.0, NUM_DENSE), dense_sigma=rng.uniform(0.7, 1.8, NUM_DENSE),
+        dense_zero=rng.uniform(0.0, 0.4, NUM_DENSE), dense_center=np.zeros(NUM_DENSE),
+        dense_spread=np.ones(NUM_DENSE), dense_linear=rng.standard_normal(NUM_DENSE) * DENSE_SCALE,
+        dense_quad=rng.standard_normal(NUM_DENSE) * DENSE_SCALE / 2)
+    # Standardise the dense features and calibrate the bias on a sample.
+    calib = _stream(seed, 3)
+    _, t = _draw_dense(model, calib, 100_000)
+    model.dense_center, model.dense_spread = t.mean(0), t.std(0) + 1e-6
+    logit, _, _, _ = _draw_rows(model, calib, 200_000)
+    lo, hi = -10.0, 10.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if np.mean(1 / (1 + np.exp(-(logit + mid)))) < TARGET_CTR else (lo, mid)
+    model.bias = (lo + hi) / 2
+    return model
+
+
+def _draw_dense(model: _PlantedModel, rng: np.random.Generator, n: int):
+    """Integer columns (with -1 meaning empty is kept apart) and their log1p view."""
+    x = np.floor(np.exp(model.dense_mu + model.dense_sigma * rng.standard_normal((n, NUM_DENSE))))
+    x[rng.random((n, NUM_DENSE)) < model.dense_zero] = 0
+    neg = rng.random(n) < 0.08  # Criteo's I2 takes small negative values
+    x[neg, 1] = -rng.integers(1, 4, int(neg.sum()))
+    empty = rng.random((n, NUM_DENSE)) < DENSE_MISSING
+    x[empty] = 0
+    t = np.log1p(np.maximum(x, 0))  # exactly what the reader gives the model
+    return (x.astype(np.int64), empty), t
+
+
+def _draw_rows(model: _PlantedModel, rng: np.random.Generator, n: int):
+    """Returns (logit without bias, ranks (-1 = empty), dense columns, dense empty mask)."""
+    ranks = np.empty((n, NUM_SPARSE), np.int32)
+    logit = np.zeros(n)
+    for s in range(NUM_SPARSE):
+        r = np.searchsorted(model.cdfs[s], rng.random(n), side="right")
+        np.minimum(r, model.cardinalities[s] - 1, out=r)
+        eff = model.effects[s][r]
+        if model.missing_rates[s] > 0:
+            empty = rng.random(n) < model.missing_rates[s]
+            r[empty] = -1
+            eff[empty] = 0.0
+        ranks[:, s] = r
+        logit += eff
+    for a, b, u, v in model.pairs:
+        ok = (ranks[:, a] >= 0) & (ranks[:, b] >= 0)
+        logit[ok] += np.einsum("ij,ij->i", u[ranks[ok, a]], v[ranks[ok, b]])
+    (ints, empty), t = _draw_dense(model, rng, n)
+    z = np.clip((t - model.dense_center) / model.dense_spread, -3, 3)
+    logit += z @ model.dense_linear + ((z * z - 1) / 2) @ model.dense_quad
+    return logit, ranks, ints, empty
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+@numba.njit(cache=True)
+def _token(rank, key):
+    """Rank -> 32-bit token: add, xorshift and odd multiplies are bijections."""
+    m = 0xFFFFFFFF
+    x = (rank + key) & m
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & m
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & m
+    return x ^ (x >> 16)
+
+
+@numba.njit(cache=True)
+def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out):
+    """Write rows as Criteo TSV bytes into ``out``; returns the byte count."""
+    p = 0
+    digits = np.empty(20, np.uint8)
+    for i in range(labels.shape[0]):
+        out[p] = 48 + labels[i]
+        p += 1
+        for j in range(ints.shape[1]):
+            out[p] = 9
+            p += 1
+            if int_empty[i, j]:
+                continue
+            v = ints[i, j]
+            if v < 0:
+                out[p] = 45
+                p += 1
+                v = -v
+            nd = 0
+            while True:
+                digits[nd] = 48 + v % 10
+                nd += 1
+                v //= 10
+                if v == 0:
+                    break
+            for d in range(nd - 1, -1, -1):
+                out[p] = digits[d]
+                p += 1
+        for k in range(ranks.shape[1]):
+            out[p] = 9
+            p += 1
+            if ranks[i, k] < 0:
+                continue
+            t = _token(np.int64(ranks[i, k]), keys[k])
+            for d in range(8):
+                out[p + d] = hexd[(t >> (28 - 4 * d)) & 15]
+            p += 8
+        out[p] = 10
+        p += 1
+    return p
+
+
+def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows: int,
+                use_gzip: bool):
+    """Write ``rows`` rows; returns (labels, click probabilities)."""
+    all_labels, all_p = [], []
+    opener = (lambda: gzip_module.open(path, "wb", compresslevel=3)) if use_gzip else (
+        lambda: open(path, "wb"))
+    with opener() as f:
+        for block, start in enumerate(range(0, rows, BLOCK_ROWS)):
+            rng = _stream(seed, file_key, block)
+            n = min(BLOCK_ROWS, rows - start)
+            logit, ranks, ints, empty = _draw_rows(model, rng, BLOCK_ROWS)
+            p = 1.0 / (1.0 + np.exp(-(logit + model.bias)))
+            labels = (rng.random(BLOCK_ROWS) < p).astype(np.int8)
+            # Full blocks are always drawn, then cut: a file's rows do not
+            # depend on its length.
+            labels, p, ranks, ints, empty = labels[:n], p[:n], ranks[:n], ints[:n], empty[:n]
+            max_int_digits = max(1, len(str(int(np.abs(ints).max())))) + 1
+            out = np.empty(n * (2 + NUM_DENSE * (1 + max_int_digits) + NUM_SPARSE * 9), np.uint8)
+            nbytes = _format_rows(labels, ints, empty, ranks, model.token_keys, _HEX, out)
+            f.write(memoryview(out[:nbytes]))
+            all_labels.append(labels)
+            all_p.append(p)
+    return np.concatenate(all_labels), np.concatenate(all_p)
+
+
+def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
+               seed: int = 0, gzip: bool = False) -> SynthSummary:
+    """Write train.tsv, eval.tsv (``.tsv.gz`` with ``gzip``) and oracle.json.
+
+    ``eval_rows`` defaults to rows // 10, at least 10,000. The eval file is
+    drawn from the same planted model as the train file, with its own
+    random streams.
+    """
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    if eval_rows is None:
+        eval_rows = max(rows // 10, 10_000)
+    if eval_rows <= 0:
+        raise ValueError(f"eval_rows must be positive, got {eval_rows}")
+    started = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = ".tsv.gz" if gzip else ".tsv"
+    train_path, eval_path = out / f"train{suffix}", out / f"eval{suffix}"
+    model = _build_model(seed)
+    train_labels, train_p = _write_file(train_path, model, seed, 1, rows, gzip)
+    eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip)
+    oracle_auc = float(roc_auc_score(eval_labels, eval_p))
+    oracle_logloss = float(log_loss(eval_labels, eval_p, labels=[0, 1]))
+    ctr = float(train_labels.mean())
+    oracle = {
+        "generator_version": GENERATOR_VERSION,
+        "seed": seed,
+        "train_rows": rows,
+        "eval_rows": eval_rows,
+        "train_file": train_path.name,
+        "eval_file": eval_path.name,
+        "ctr": round(ctr, 6),
+        "eval_ctr": round(float(eval_labels.mean()), 6),
+        "oracle_auc": round(oracle_auc, 6),
+        "oracle_logloss": round(oracle_logloss, 6),
+        "oracle_auc_train": round(float(roc_auc_score(train_labels, train_p)), 6),
+        **model.describe(),
+    }
+    oracle_path = out / "oracle.json"
+    oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")
+    return SynthSummary(
+        out_dir=str(out), train_path=str(train_path), eval_path=str(eval_path),
+        oracle_path=str(oracle_path), train_rows=rows, eval_rows=eval_rows, seed=seed,
+        ctr=ctr, oracle_auc=oracle_auc, oracle_logloss=oracle_logloss,
+        seconds=time.perf_counter() - started, extra=oracle)

@@ -1,0 +1,544 @@
+"""Numba kernels of the embedding store (run inside the embedding PS process).
+
+Every `*_stripe` kernel works on ONE stripe: it receives that stripe's own
+views of the shared arrays (index region, keys, prev/next, values, header row)
+and uses stripe-local slot numbers, so it needs no offsets and cannot touch
+another stripe. The caller holds only that stripe's lock; `nogil=True` lets two
+request threads run kernels of two stripes on two cores at once.
+
+All numba code of the store lives in this one module on purpose: numba's
+on-disk cache (`cache=True`) only checks the source file of the function it
+compiled, so a kernel calling an njit function from another module could keep
+running stale machine code after that module is edited.
+
+Crash safety relies on the order of writes when a slot changes owner
+(see `_take_slot` / `_insert`): a slot's key is cleared before its row is
+rewritten and set only once the row is complete, so a stripe rebuilt from
+`keys` after a crash never pairs a key with a half-written row.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
+"""`keys` value of a free slot; this one ID can therefore never be stored."""
+
+# Per-stripe header row (int64). Changing it means bumping LAYOUT_VERSION in store.py.
+F_DIRTY = 0          # 1 while a kernel may be mutating the stripe
+F_USED = 1           # live rows; they occupy local slots [0, used)
+F_HEAD = 2           # most recently used slot (-1: empty list)
+F_TAIL = 3           # least recently used slot, evicted next
+F_EVICTIONS = 4
+F_ADMISSION_DROPS = 5  # train lookups of new IDs that were not admitted
+F_ADMIT_DRAWS = 6    # counter feeding the admission random draws
+F_MISSING_UPDATES = 7  # update() rows whose ID was not in the store
+F_INSERTS = 8
+F_READ_MISSES = 9    # train=False lookups of absent IDs
+F_REBUILDS = 10      # times the stripe was rebuilt after a crash
+STRIPE_FIELDS = 16
+
+# Optimizer codes and the layout of the float64 hyper-parameter vector `hp`.
+OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = 0, 1, 2, 3
+HP_LR, HP_EPS, HP_BETA1, HP_BETA2, HP_ADAM_EPS, HP_WD = 0, 1, 2, 3, 4, 5
+HP_LR_POWER, HP_L1, HP_L2, HP_BOUND, HP_INIT_ACC = 6, 7, 8, 9, 10
+NUM_HP = 11
+
+_U11, _U31, _U32, _U33 = np.uint64(11), np.uint64(31), np.uint64(32), np.uint64(33)
+_FM1 = np.uint64(0xFF51AFD7ED558CCD)
+_FM2 = np.uint64(0xC4CEB9FE1A85EC53)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+# Salt of the index/stripe hash. The shard of an ID is splitmix64(id) % N; a
+# different mixer (murmur3 fmix64) of a salted ID keeps a shard's IDs spread
+# over all of its stripes and buckets.
+_INDEX_SALT = np.uint64(0x2545F4914F6CDD1D)
+_INV_2_53 = 1.0 / 9007199254740992.0
+
+
+# Software prefetch distances (in IDs): a bucket is fetched PF_FAR IDs ahead; once it
+# has arrived (PF_NEAR ahead) the key, row and LRU links of the slot it names.
+# Three dependent random accesses per ID would otherwise serialise their misses.
+PF_FAR = 16
+PF_NEAR = 8
+
+
+@intrinsic
+def prefetch(typingctx, arr, row, col):
+    """Hint the CPU to fetch &arr[row, col] (col ignored for 1-D arrays): llvm.prefetch, read, high locality."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = [args[1]] if aryty.ndim == 1 else [args[1], args[2]]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+        i8p = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p.type, i32, i32, i32]), "llvm.prefetch.p0")
+        builder.call(fn, [i8p, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, types.intp), codegen
+
+
+@njit(inline="always")
+def fmix64(x):
+    """murmur3 64-bit finaliser: a cheap bijective mixer (uint64 -> uint64)."""
+    x ^= x >> _U33
+    x *= _FM1
+    x ^= x >> _U33
+    x *= _FM2
+    x ^= x >> _U33
+    return x
+
+
+@njit(inline="always")
+def key_hash(key):
+    return fmix64(key ^ _INDEX_SALT)
+
+
+@njit(inline="always")
+def stripe_of_hash(h, num_stripes):
+    """Stripe from the high 32 bits (multiply-shift, no division); buckets use the low bits."""
+    return np.int64(((h >> _U32) * np.uint64(num_stripes)) >> _U32)
+
+
+@njit(nogil=True, cache=True)
+def mix_seed(seed, salt):
+    """Per-table key of a seed, shared by the store and `init_rows`."""
+    return fmix64(np.uint64(seed) ^ fmix64(np.uint64(salt)))
+
+
+@njit(nogil=True, cache=True)
+def partition(ids, num_stripes, perm):
+    """Counting sort of positions by stripe: perm[off[s]:off[s+1]] are stripe s's ids, in order."""
+    counts = np.zeros(num_stripes + 1, np.int64)
+    for i in range(ids.shape[0]):
+        counts[stripe_of_hash(key_hash(ids[i]), num_stripes) + 1] += 1
+    for s in range(num_stripes):
+        counts[s + 1] += counts[s]
+    pos = counts[:-1].copy()
+    for i in range(ids.shape[0]):
+        s = stripe_of_hash(key_hash(ids[i]), num_stripes)
+        perm[pos[s]] = i
+        pos[s] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- hash index
+@njit(inline="always")
+def _find(index, keys, key, h):
+    """Linear probing: (slot, position) of `key`, or (-1, first empty position)."""
+    mask = index.shape[0] - 1
+    b = np.int64(h & np.uint64(mask))
+    while True:
+        s = index[b]
+        if s < 0 or keys[s] == key:
+            return s, b
+        b = (b + 1) & mask
+
+
+@njit(inline="always")
+def _index_remove(index, keys, pos):
+    """Delete the entry at `pos` by backward shift, so no tombstones pile up under eviction."""
+    mask = index.shape[0] - 1
+    hole = pos
+    j = pos
+    while True:
+        j = (j + 1) & mask
+        s = index[j]
+        if s < 0:
+            break
+        home = np.int64(key_hash(keys[s]) & np.uint64(mask))
+        # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+        if (hole <= j and (home <= hole or home > j)) or (hole > j and home <= hole and home > j):
+            index[hole] = s
+            hole = j
+    index[hole] = -1
+
+
+# ---------------------------------------------------------------- LRU list
+@njit(inline="always")
+def _unlink(prev, nxt, hdr, s):
+    p = prev[s]
+    n = nxt[s]
+    if p >= 0:
+        nxt[p] = n
+    else:
+        hdr[F_HEAD] = n
+    if n >= 0:
+        prev[n] = p
+    else:
+        hdr[F_TAIL] = p
+
+
+@njit(inline="always")
+def _push_head(prev, nxt, hdr, s):
+    head = hdr[F_HEAD]
+    prev[s] = -1
+    nxt[s] = head
+    if head >= 0:
+        prev[head] = s
+    else:
+        hdr[F_TAIL] = s
+    hdr[F_HEAD] = s
+
+
+@njit(inline="always")
+def _touch(prev, nxt, hdr, s):
+    if hdr[F_HEAD] != s:
+        _unlink(prev, nxt, hdr, s)
+        _push_head(prev, nxt, hdr, s)
+
+
+@njit(inline="always")
+def _prefetch_ahead(ids, perm, j, hi, index, keys, prev, nxt, values, row_floats, links):
+    """Prefetch for the IDs PF_FAR / PF_NEAR positions after j (see PF_FAR)."""
+    mask = np.uint64(index.shape[0] - 1)
+    if j + PF_FAR < hi:
+        prefetch(index, np.int64(key_hash(ids[perm[j + PF_FAR]]) & mask), 0)
+    if j + PF_NEAR < hi:
+        s = index[np.int64(key_hash(ids[perm[j + PF_NEAR]]) & mask)]
+        if s >= 0:  # the slot of the first probe: the right one for most keys at load <= 0.5
+            prefetch(keys, s, 0)
+            for off in range(0, row_floats, 16):  # 16 float32 = one 64-byte line
+                prefetch(values, s, off)
+            if links:
+                prefetch(prev, s, 0)
+                prefetch(nxt, s, 0)
+
+
+# ---------------------------------------------------------------- rows
+@njit(inline="always")
+def _copy_row(dst, i, src, s, n):
+    """dst[i, :n] = src[s, :n] as an explicit loop: numba's slice assignment is ~10x slower here."""
+    for d in range(n):
+        dst[i, d] = src[s, d]
+
+
+@njit(inline="always")
+def _zero_row(dst, i):
+    for d in range(dst.shape[1]):
+        dst[i, d] = 0.0
+
+
+@njit(inline="always")
+def _init_row(values, s, key, dim, opt, init_key, normal, scale, init_acc):
+    """Deterministic initial embedding of row `s` from (seed, id), then the optimizer's initial state."""
+    row = values[s]
+    base = fmix64(key ^ init_key)
+    if normal:
+        for d in range(0, dim, 2):  # Box-Muller: one (log, sqrt) per pair of values
+            z1 = fmix64(base + np.uint64(d + 1) * _GOLDEN)
+            z2 = fmix64(base + np.uint64(d + 2) * _GOLDEN)
+            u1 = (np.float64(z1 >> _U11) + 1.0) * _INV_2_53  # (0, 1]: log is finite
+            u2 = np.float64(z2 >> _U11) * _INV_2_53
+            r = math.sqrt(-2.0 * math.log(u1)) * scale
+            row[d] = np.float32(r * math.cos(2.0 * math.pi * u2))
+            if d + 1 < dim:
+                row[d + 1] = np.float32(r * math.sin(2.0 * math.pi * u2))
+    else:
+        for d in range(dim):
+            u = np.float64(fmix64(base + np.uint64(d + 1) * _GOLDEN) >> _U11) * _INV_2_53
+            row[d] = np.float32((2.0 * u - 1.0) * scale)
+    acc = np.float32(init_acc)
+    for d in range(dim, values.shape[1]):  # adagrad: [sum]; ftrl: [accumulator | linear]; adam: zeros
+        row[d] = acc if (opt == OPT_ADAGRAD or (opt == OPT_FTRL and d < 2 * dim)) else np.float32(0.0)
+
+
+@njit(nogil=True, cache=True)
+def init_rows_kernel(ids, out, opt, init_key, normal, scale, init_acc):
+    dim = out.shape[1]
+    for i in range(ids.shape[0]):
+        _init_row(out, i, ids[i], dim, opt, init_key, normal, scale, init_acc)
+
+
+@njit(inline="always")
+def _take_slot(index, keys, prev, nxt, hdr):
+    """A free slot, or the LRU tail after removing its row from index and list.
+
+    The key is cleared before the caller rewrites the row (crash ordering)."""
+    used = hdr[F_USED]
+    if used < keys.shape[0]:
+        hdr[F_USED] = used + 1
+        return used
+    s = hdr[F_TAIL]
+    _unlink(prev, nxt, hdr, s)
+    old = keys[s]
+    _, pos = _find(index, keys, old, key_hash(old))
+    _index_remove(index, keys, pos)
+    keys[s] = EMPTY_KEY
+    hdr[F_EVICTIONS] += 1
+    return s
+
+
+@njit(inline="always")
+def _insert(index, keys, prev, nxt, hdr, key, s):
+    """Publish a fully written row: key, then index entry, then LRU head."""
+    keys[s] = key
+    _, pos = _find(index, keys, key, key_hash(key))
+    index[pos] = s
+    _push_head(prev, nxt, hdr, s)
+    hdr[F_INSERTS] += 1
+
+
+@njit(nogil=True, cache=True)
+def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
+                  train, admit_threshold, admit_key, opt, init_key, normal, scale, init_acc):
+    """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
+
+    Two passes: serve and refresh the hits (with software prefetch ahead),
+    then the misses. Refreshing hits before inserting misses means a batch
+    never evicts a row it reads itself (unless it has more new IDs than the
+    stripe has slots). A row is moved to the LRU head once per call, at its
+    first occurrence (`stamps[s] == serial` marks rows already refreshed), so
+    the call's rows end up most recent, ordered by first occurrence.
+    admit_threshold < 0 admits everything; else a new ID is admitted when a
+    53-bit draw is below it.
+    """
+    dim = out.shape[1]
+    for j in range(lo, hi):
+        _prefetch_ahead(ids, perm, j, hi, index, keys, prev, nxt, values, dim, train)
+        key = ids[perm[j]]
+        s = _find(index, keys, key, key_hash(key))[0]
+        slots[j] = s
+        if s >= 0:
+            _copy_row(out, perm[j], values, s, dim)
+            if train and stamps[s] != serial:  # refresh each row once per call
+                stamps[s] = serial
+                _touch(prev, nxt, hdr, s)
+    for j in range(lo, hi):
+        if slots[j] >= 0:
+            continue
+        i = perm[j]
+        key = ids[i]
+        if not train:
+            _zero_row(out, i)
+            hdr[F_READ_MISSES] += 1
+            continue
+        h = key_hash(key)
+        s = _find(index, keys, key, h)[0]  # an earlier duplicate in this batch may have inserted it
+        if s >= 0:
+            _copy_row(out, i, values, s, dim)
+            if stamps[s] != serial:
+                stamps[s] = serial
+                _touch(prev, nxt, hdr, s)
+            continue
+        if admit_threshold >= 0 or key == EMPTY_KEY:
+            draw = fmix64(key ^ admit_key ^ fmix64(np.uint64(hdr[F_ADMIT_DRAWS])))
+            hdr[F_ADMIT_DRAWS] += 1
+            if key == EMPTY_KEY or np.int64(draw >> _U11) >= admit_threshold:
+                _zero_row(out, i)
+                hdr[F_ADMISSION_DROPS] += 1
+                continue
+        s = _take_slot(index, keys, prev, nxt, hdr)
+        _init_row(values, s, key, dim, opt, init_key, normal, scale, init_acc)
+        _insert(index, keys, prev, nxt, hdr, key, s)
+        stamps[s] = serial
+        _copy_row(out, i, values, s, dim)
+
+
+@njit(nogil=True, cache=True)
+def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, values, hdr):
+    """Insert rows verbatim (checkpoint restore); an existing key is overwritten and refreshed."""
+    for j in range(lo, hi):
+        i = perm[j]
+        key = new_keys[i]
+        s = _find(index, keys, key, key_hash(key))[0]
+        if s >= 0:
+            _copy_row(values, s, new_values, i, values.shape[1])
+            _touch(prev, nxt, hdr, s)
+        else:
+            s = _take_slot(index, keys, prev, nxt, hdr)
+            _copy_row(values, s, new_values, i, values.shape[1])
+            _insert(index, keys, prev, nxt, hdr, key, s)
+
+
+# ---------------------------------------------------------------- optimizers
+@njit(inline="always")
+def _clip(w, bound):
+    if w > bound:
+        return bound
+    if w < -bound:
+        return -bound
+    return w
+
+
+@njit(inline="always")
+def _apply_row(row, g_row, dim, opt, hp, bounded):
+    """One optimizer step on one row, float32 arithmetic in torch's operation order.
+
+    torch computes `param.addcdiv_(g, std, value=-lr)` as param + ((-lr) * g) / std,
+    `state.addcmul_(g, g, value=c)` as state + (c * g) * g, and casts Python
+    float hyper-parameters to float32; doing the same keeps us within an ulp.
+    """
+    lr = np.float32(hp[HP_LR])
+    wd = np.float32(hp[HP_WD])
+    bound = np.float32(hp[HP_BOUND])
+    if opt == OPT_SGD:
+        for d in range(dim):
+            w = row[d]
+            g = g_row[d] + wd * w
+            w = w + (-lr) * g
+            row[d] = _clip(w, bound) if bounded else w
+    elif opt == OPT_ADAGRAD:
+        eps = np.float32(hp[HP_EPS])
+        for d in range(dim):
+            w = row[d]
+            g = g_row[d] + wd * w
+            acc = row[dim + d] + g * g
+            row[dim + d] = acc
+            w = w + ((-lr) * g) / (np.sqrt(acc) + eps)
+            row[d] = _clip(w, bound) if bounded else w
+    elif opt == OPT_ADAM:  # state: [exp_avg | exp_avg_sq | step]
+        beta1 = hp[HP_BETA1]
+        beta2 = hp[HP_BETA2]
+        step = row[3 * dim] + np.float32(1.0)  # float32 step saturates at 2**24, where bias correction is 1
+        row[3 * dim] = step
+        step_size = np.float32(hp[HP_LR] / (1.0 - beta1 ** np.float64(step)))
+        bc2_sqrt = np.float32(math.sqrt(1.0 - beta2 ** np.float64(step)))
+        c1 = np.float32(1.0 - beta1)
+        b2 = np.float32(beta2)
+        c2 = np.float32(1.0 - beta2)
+        eps = np.float32(hp[HP_ADAM_EPS])
+        small = c1 < np.float32(0.5)
+        for d in range(dim):
+            w = row[d]
+            g = g_row[d] + wd * w
+            m = row[dim + d]
+            # torch exp_avg.lerp_(g, 1 - beta1), whose formula depends on the weight
+            m = m + c1 * (g - m) if small else g - (g - m) * (np.float32(1.0) - c1)
+            v = row[2 * dim + d] * b2 + (c2 * g) * g
+            row[dim + d] = m
+            row[2 * dim + d] = v
+            w = w + ((-step_size) * m) / (np.sqrt(v) / bc2_sqrt + eps)
+            row[d] = _clip(w, bound) if bounded else w
+    else:  # FTRL-proximal as TensorFlow's ApplyFtrl, in float64; state: [accum | linear]
+        lr64 = hp[HP_LR]
+        p = -hp[HP_LR_POWER]
+        l1 = hp[HP_L1]
+        l2 = hp[HP_L2]
+        for d in range(dim):
+            w = np.float64(row[d])
+            g = np.float64(g_row[d]) + hp[HP_WD] * w
+            acc = np.float64(row[dim + d])
+            acc_new = acc + g * g
+            lin = np.float64(row[2 * dim + d]) + g - (acc_new ** p - acc ** p) / lr64 * w
+            quad = acc_new ** p / lr64 + 2.0 * l2
+            w = (math.copysign(l1, lin) - lin) / quad if abs(lin) > l1 else 0.0
+            row[dim + d] = np.float32(acc_new)
+            row[2 * dim + d] = np.float32(lin)
+            row[d] = _clip(np.float32(w), bound) if bounded else np.float32(w)
+
+
+@njit(nogil=True, cache=True)
+def update_stripe(ids, perm, lo, hi, slots, grads, index, keys, values, hdr, opt, hp):
+    """Apply one optimizer step to each present row of ids[perm[lo:hi]]; returns rows applied."""
+    dim = grads.shape[1]
+    bounded = not np.isnan(hp[HP_BOUND])
+    for j in range(lo, hi):  # resolve first: independent probes overlap their misses
+        key = ids[perm[j]]
+        slots[j] = _find(index, keys, key, key_hash(key))[0]
+    applied = 0
+    for j in range(lo, hi):
+        s = slots[j]
+        if s < 0:
+            hdr[F_MISSING_UPDATES] += 1
+            continue
+        _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
+        applied += 1
+    return applied
+
+
+# ---------------------------------------------------------------- recovery and checks
+@njit(nogil=True, cache=True)
+def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr):
+    """Recreate index, LRU list and `used` from `keys` alone (after a crash).
+
+    Live rows are compacted to slots [0, used); keys that are empty, belong to
+    another stripe or repeat are dropped. Recency is lost: the list follows slot order.
+    """
+    index[:] = -1
+    w = 0
+    for r in range(keys.shape[0]):
+        k = keys[r]
+        if k == EMPTY_KEY:
+            continue
+        h = key_hash(k)
+        if stripe_of_hash(h, num_stripes) != stripe or _find(index, keys, k, h)[0] >= 0:
+            keys[r] = EMPTY_KEY
+            continue
+        if r != w:
+            _copy_row(values, w, values, r, values.shape[1])
+            keys[w] = k
+            keys[r] = EMPTY_KEY
+        index[_find(index, keys, k, h)[1]] = w
+        w += 1
+    for s in range(w):  # head = w - 1 ... tail = 0
+        nxt[s] = s - 1
+        prev[s] = s + 1 if s + 1 < w else -1
+    hdr[F_HEAD] = w - 1
+    hdr[F_TAIL] = 0 if w > 0 else -1
+    hdr[F_USED] = w
+    return w
+
+
+@njit(nogil=True, cache=True)
+def check_stripe(stripe, num_stripes, index, keys, prev, nxt, hdr):
+    """0 when index, keys and LRU list agree, else a code naming the first violation."""
+    cap = keys.shape[0]
+    used = hdr[F_USED]
+    if used < 0 or used > cap:
+        return 1
+    for s in range(cap):
+        k = keys[s]
+        if s >= used:
+            if k != EMPTY_KEY:
+                return 2  # key beyond the used prefix
+            continue
+        if k == EMPTY_KEY:
+            return 3  # hole inside the used prefix
+        h = key_hash(k)
+        if stripe_of_hash(h, num_stripes) != stripe:
+            return 4  # key stored in the wrong stripe
+        if _find(index, keys, k, h)[0] != s:
+            return 5  # live key not found at its slot (or duplicated)
+    seen = np.zeros(cap, np.uint8)
+    n = 0
+    for b in range(index.shape[0]):
+        s = index[b]
+        if s < 0:
+            continue
+        if s >= used or seen[s]:
+            return 6  # index entry to a free slot, or two entries for one slot
+        seen[s] = 1
+        n += 1
+    if n != used:
+        return 7
+    count = 0
+    p = -1
+    s = hdr[F_HEAD]
+    while s >= 0:
+        if count >= used or s >= used or prev[s] != p:
+            return 8  # cycle, free slot in the list, or broken back link
+        p = s
+        s = nxt[s]
+        count += 1
+    if count != used or hdr[F_TAIL] != p:
+        return 9
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def lru_order(prev, hdr, out):
+    """Live slots from least to most recently used (walks back from the tail)."""
+    s = hdr[F_TAIL]
+    n = 0
+    while s >= 0 and n < out.shape[0]:
+        out[n] = s
+        n += 1
+        s = prev[s]
+    return n
