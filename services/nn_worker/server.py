@@ -173,6 +173,7 @@ async def serve(config: Config, replica: int) -> None:
                 "data": {"train": end_train, "eval": end_eval},
             }
             _write_json(Path(config.output.dir) / "summary.json", summary)
+            torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary["auc"], logloss=summary["logloss"])
         await loop.run_in_executor(compute, dist.barrier)
         servicer.phase = "done"
