@@ -29,6 +29,7 @@ if [ "$BASE_IMAGE" = hybridrec-base:bookworm ]; then
     BASE_IMAGE=$BASE_IMAGE bash "$here/build-base.sh"
 fi
 t2=$SECONDS
+old_id=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 
 say "docker build $IMAGE from $BASE_IMAGE (--network $NETWORK)"
 # The classic builder: BuildKit needs the buildx plugin, which Debian's
@@ -39,9 +40,13 @@ DOCKER_BUILDKIT=0 docker build --quiet --network "$NETWORK" \
     2> >(grep -vE 'DEPRECATED: The legacy builder|BuildKit is currently disabled|environment-variable\.$|^$' >&2)
 t3=$SECONDS
 
-# Drop the image this build replaced (dangling) so repeated builds do not
-# fill the disk.
-docker image prune -f >/dev/null 2>&1 || true
+# Drop the image this build replaced so repeated builds do not fill the
+# disk (not `docker image prune`: that also drops the untagged stage images
+# the next build reuses as its cache).
+new_id=$(docker image inspect -f '{{.Id}}' "$IMAGE")
+if [ -n "$old_id" ] && [ "$old_id" != "$new_id" ]; then
+    docker rmi "$old_id" >/dev/null 2>&1 || true
+fi
 size=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 say "built $IMAGE: $(awk -v s="$size" 'BEGIN{printf "%.0f MB", s/1e6}')" \
     "(wheelhouse $((t1 - t0))s, base $((t2 - t1))s, docker build $((t3 - t2))s, total $((t3 - t0))s)"
