@@ -31,7 +31,7 @@ import numpy as np
 
 from hybridrec import log
 from services.embedding_ps import kernels as K
-from services.embedding_ps.optimizers import OptimizerSpec
+from services.embedding_ps.optimizers import OPTIMIZER_CODES, OptimizerSpec
 
 _log = log.get(__name__)
 
@@ -105,7 +105,7 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits)."""
     ids = _as_ids(ids, "ids")
     out = np.empty((ids.shape[0], dim), np.float32)
-    K.init_rows_kernel(ids, out, K.OPT_SGD, K.mix_seed(seed, _INIT_SALT), distribution == "normal",
+    K.init_rows_kernel(ids, out, K.OPT_SGD, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal",
                        float(scale), 0.0)
     return out
 
@@ -182,8 +182,10 @@ class EmbeddingStore:
                                             ).reshape(layout.shape(name)) for name, mm in maps.items()}
         c = self.config
         self._hp = c.optimizer.hyper_parameters(c.weight_bound)
-        self._init_key = K.mix_seed(c.seed, _INIT_SALT)
-        self._admit_key = K.mix_seed(c.seed, _ADMIT_SALT)
+        # numpy scalars, not Python ints: a Python int >= 2**63 sends numba's dispatcher down its
+        # slow path (~1 ms of type inference per call).
+        self._init_key = np.uint64(K.mix_seed(c.seed, _INIT_SALT))
+        self._admit_key = np.uint64(K.mix_seed(c.seed, _ADMIT_SALT))
         self._admit_threshold = -1 if c.admit_probability >= 1.0 else int(c.admit_probability * 2.0**53)
         self._locks = [threading.Lock() for _ in range(c.num_stripes)]
         self._scratch = threading.local()
@@ -245,9 +247,12 @@ class EmbeddingStore:
             return None
         if header[H_MAGIC] != MAGIC:
             raise ValueError(f"{header_path} is not an embedding store header (bad magic)")
+        names = {code: name for name, code in OPTIMIZER_CODES.items()}
         for pos, (what, want) in layout.expected_header().items():
             if header[pos] != want:
-                raise ValueError(f"embedding store {directory} was created with {what}={int(header[pos])}, "
+                have = names.get(int(header[pos]), int(header[pos])) if pos == H_OPTIMIZER else int(header[pos])
+                want = layout.config.optimizer.name if pos == H_OPTIMIZER else want
+                raise ValueError(f"embedding store {directory} was created with {what}={have}, "
                                  f"but the config asks for {what}={want}")
         maps: dict[str, mmap.mmap] = {}
         try:

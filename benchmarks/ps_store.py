@@ -1,0 +1,215 @@
+"""Benchmark of the embedding PS store against plain numpy on the same rows.
+
+Run: python benchmarks/ps_store.py --quick --out results.json
+
+One table of --rows rows (default 4M) of width --dim (64) float32 with Adagrad
+state, in a temporary directory under --shm-dir (deleted afterwards); the same
+batches of Zipf-distributed IDs feed every measurement:
+  * lookup rows/s of `store.lookup(train=True)` vs `numpy.take` on a plain
+    (rows, dim) array holding the same rows;
+  * Adagrad update rows/s vs a numpy reference (np.unique + fancy-index update);
+  * two request threads vs one (total rows/s);
+  * streaming 10x capacity distinct IDs (train lookups that insert and evict)
+    vs inserting within capacity, and shm bytes before/after.
+Each rate is the best of --repeats runs: the machine is shared, and the best
+run is the one least disturbed by other jobs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridrec.sharding import splitmix64  # noqa: E402
+from services.embedding_ps.optimizers import OptimizerSpec  # noqa: E402
+from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
+
+LR, EPS, INIT_ACC = 0.01, 1e-10, 0.1
+
+
+def best_rate(fn, rows: int, repeats: int) -> float:
+    """Best rows/s over `repeats` timed calls of fn()."""
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = max(best, rows / (time.perf_counter() - t0))
+    return best
+
+
+def zipf_batches(rng, num_rows: int, *, exponent: float, batch: int, count: int) -> list[np.ndarray]:
+    """Row positions of Zipf(exponent) draws over num_rows ranks; hot ranks land on random rows."""
+    cdf = np.cumsum(np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent)
+    cdf /= cdf[-1]
+    where = rng.permutation(num_rows)
+    return [where[np.minimum(np.searchsorted(cdf, rng.random(batch)), num_rows - 1)] for _ in range(count)]
+
+
+def disk_bytes(directory: Path) -> int:
+    """Bytes really allocated by the store's files (st_blocks), not just their sizes."""
+    return sum(p.stat().st_blocks * 512 for p in directory.iterdir())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer batches and repeats (a few minutes)")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=65_536)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--stream-factor", type=float, default=10.0, help="distinct IDs streamed, in capacities")
+    ap.add_argument("--num-stripes", type=int, default=16)
+    ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    repeats = args.repeats or (3 if args.quick else 7)
+    num_batches = 16 if args.quick else 64
+    rng = np.random.default_rng(0)
+    n, dim = args.rows, args.dim
+    # 10% slack: stripes fill unevenly, and a full stripe would start evicting the benchmark's rows.
+    config = StoreConfig(dim=dim, capacity=int(n * 1.1), num_stripes=args.num_stripes,
+                         optimizer=OptimizerSpec("adagrad", lr=LR, eps=EPS, initial_accumulator_value=INIT_ACC))
+    results: dict = {"config": {"rows": n, "capacity": config.capacity, "dim": dim, "batch": args.batch,
+                                "zipf": args.zipf, "num_stripes": args.num_stripes, "repeats": repeats,
+                                "batches": num_batches, "cpus": os.cpu_count()}}
+    keys = splitmix64(np.arange(n, dtype=np.uint64))  # a bijection: distinct, scattered keys
+    emb = rng.random((n, dim), dtype=np.float32) * np.float32(0.02) - np.float32(0.01)
+    acc = np.full((n, dim), INIT_ACC, np.float32)
+    rows = zipf_batches(rng, n, exponent=args.zipf, batch=args.batch, count=num_batches)
+    ids = [keys[r] for r in rows]
+    uniq_rows = [np.unique(r) for r in rows]
+    uniq_ids = [keys[r] for r in uniq_rows]
+    grads = [rng.standard_normal((len(r), dim), dtype=np.float32) * np.float32(0.01) for r in uniq_rows]
+    total = sum(len(b) for b in ids)
+    total_unique = sum(len(b) for b in uniq_ids)
+    results["config"]["unique_fraction"] = total_unique / total
+    work = Path(tempfile.mkdtemp(prefix="hybridrec-bench-", dir=args.shm_dir))
+    try:
+        store = EmbeddingStore.open(work / "table", config)
+        for lo in range(0, n, 1 << 20):
+            store.load_rows(keys[lo:lo + (1 << 20)], np.hstack([emb[lo:lo + (1 << 20)], acc[lo:lo + (1 << 20)]]))
+        assert store.num_rows == n and store.stats()["evictions"] == 0
+        out = np.empty((args.batch, dim), np.float32)
+        store.lookup(ids[0], train=True, out=out)  # compile / warm up before timing
+        store.update(uniq_ids[0][:10], np.zeros((10, dim), np.float32))  # zero grads: rows unchanged
+
+        def np_lookup():
+            for r in rows:
+                np.take(emb, r, axis=0, out=out)
+
+        def store_lookup(train=True):
+            for b in ids:
+                store.lookup(b, train=train, out=out)
+
+        r = results["rates_rows_per_s"] = {}
+        r["numpy_take"] = best_rate(np_lookup, total, repeats)
+        r["store_lookup_train"] = best_rate(store_lookup, total, repeats)
+        r["store_lookup_readonly"] = best_rate(lambda: store_lookup(False), total, repeats)
+        check = np.empty_like(out)
+        store.lookup(ids[1], train=False, out=check)
+        assert np.array_equal(check, emb[rows[1]]), "store rows differ from the numpy rows"
+
+        def np_update():  # the reference a numpy PS would run: dedup, gather, update, scatter
+            for rws, g in zip(uniq_rows, grads):
+                u, first = np.unique(rws, return_index=True)
+                g = g[first]
+                w, s = emb[u], acc[u]
+                s += g * g
+                w -= np.float32(LR) * g / (np.sqrt(s) + np.float32(EPS))
+                emb[u], acc[u] = w, s
+
+        def np_update_no_unique():
+            for rws, g in zip(uniq_rows, grads):
+                w, s = emb[rws], acc[rws]
+                s += g * g
+                w -= np.float32(LR) * g / (np.sqrt(s) + np.float32(EPS))
+                emb[rws], acc[rws] = w, s
+
+        def store_update():
+            for b, g in zip(uniq_ids, grads):
+                store.update(b, g)
+
+        r["numpy_adagrad_update"] = best_rate(np_update, total_unique, repeats)
+        r["numpy_adagrad_update_no_unique"] = best_rate(np_update_no_unique, total_unique, repeats)
+        r["store_adagrad_update"] = best_rate(store_update, total_unique, repeats)
+
+        def threaded(num_threads: int, mixed: bool) -> float:
+            """Total rows/s of num_threads threads sharing the batches (lookup, or lookup+update)."""
+            outs = [np.empty_like(out) for _ in range(num_threads)]
+
+            def worker(t: int) -> None:
+                for k in range(t, num_batches, num_threads):
+                    store.lookup(ids[k], train=True, out=outs[t])
+                    if mixed:
+                        store.update(uniq_ids[k], grads[k])
+
+            threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return total / (time.perf_counter() - t0)
+
+        for mixed in (False, True):
+            name = "lookup_update" if mixed else "lookup"
+            r[f"threads1_{name}"] = max(threaded(1, mixed) for _ in range(repeats))
+            r[f"threads2_{name}"] = max(threaded(2, mixed) for _ in range(repeats))
+        store.check_consistency()
+        results["shm_overhead"] = store.shm_bytes / (config.capacity * config.row_width * 4)
+        results["shm_overhead_per_live_row"] = store.shm_bytes / (n * config.row_width * 4)
+        store.close()
+        shutil.rmtree(work / "table")
+        del emb, acc
+
+        # Streaming: a fresh table of the same shape fed only distinct IDs.
+        store = EmbeddingStore.open(work / "stream", config)
+        shm_before = disk_bytes(work / "stream")
+
+        def stream(first: int, count: int) -> float:
+            """rows/s of train lookups of `count` distinct IDs, generated before timing."""
+            fresh = splitmix64(np.arange(first, first + count, dtype=np.uint64))
+            t0 = time.perf_counter()
+            for k in range(0, count, args.batch):
+                store.lookup(fresh[k:k + args.batch], train=True, out=out)
+            return count / (time.perf_counter() - t0)
+
+        in_cap = n // args.batch * args.batch  # fill up to `rows` (capacity has 10% slack): no eviction
+        r["stream_within_capacity"] = stream(1 << 41, in_cap)
+        evict_before = store.stats()["evictions"]
+        streamed = int(args.stream_factor * config.capacity) // args.batch * args.batch
+        r["stream_evicting"] = stream(1 << 42, streamed)
+        st = store.stats()
+        results["streaming"] = {"distinct_ids": in_cap + streamed, "evictions": st["evictions"] - evict_before,
+                                "rows_after": st["rows"], "shm_bytes_before": shm_before,
+                                "shm_bytes_after": disk_bytes(work / "stream"), "store_shm_bytes": st["shm_bytes"]}
+        store.check_consistency()
+        store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    results["lookup_ratio_vs_numpy"] = r["store_lookup_train"] / r["numpy_take"]
+    results["update_ratio_vs_numpy"] = r["store_adagrad_update"] / r["numpy_adagrad_update"]
+    results["update_ratio_vs_numpy_no_unique"] = r["store_adagrad_update"] / r["numpy_adagrad_update_no_unique"]
+    results["thread_scaling"] = r["threads2_lookup"] / r["threads1_lookup"]
+    results["thread_scaling_lookup_update"] = r["threads2_lookup_update"] / r["threads1_lookup_update"]
+    results["streaming_ratio"] = r["stream_evicting"] / r["stream_within_capacity"]
+    results["streaming_vs_lookup_hits"] = r["stream_evicting"] / r["store_lookup_train"]
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
