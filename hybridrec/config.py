@@ -174,6 +174,11 @@ class ClusterConfig(_Model):
     """Prometheus HTTP port of each service (0: a free port under `hybridrec run`)."""
     bind_host: str = "0.0.0.0"
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """Deadline of one data-plane RPC."""
+    retry_s: Annotated[float, Field(gt=0)] = 120.0
+    """How long a caller keeps retrying a peer that answers UNAVAILABLE (e.g. a PS restarting in place)."""
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    """`hybridrec run`: how often a crashed PS or embedding worker is restarted in place."""
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
 
     @model_validator(mode="after")

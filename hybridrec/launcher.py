@@ -30,6 +30,7 @@ from hybridrec.service import SERVICES
 
 START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
 FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
+RESTARTABLE = ("embedding_ps", "embedding_worker")  # restarted in place when they die, like a container
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -47,6 +48,7 @@ class ServiceProcess:
     log_path: Path
     popen: subprocess.Popen | None = None
     finished: bool = False
+    restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -54,7 +56,7 @@ class ServiceProcess:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.service, "replica": self.replica, "pid": self.popen.pid if self.popen else None,
-                "grpc": self.address, "metrics": self.metrics_address}
+                "grpc": self.address, "metrics": self.metrics_address, "restarts": self.restarts}
 
 
 def free_port() -> int:
@@ -99,15 +101,18 @@ class LocalCluster:
                                                  run_dir / "logs" / f"{service}-{replica}.log"))
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
         for proc in self.procs:
-            metrics_port = proc.metrics_address.rsplit(":", 1)[1]
-            cmd = [sys.executable, "-m", "hybridrec", "serve", proc.service, "--config", str(self.config_path),
-                   "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
-            with open(proc.log_path, "wb") as out:
-                proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                              env=env, preexec_fn=_die_with_parent, close_fds=True)
-            self.log.debug("started", service=proc.name, pid=proc.popen.pid)
+            self._spawn(proc)
+
+    def _spawn(self, proc: ServiceProcess) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+        metrics_port = proc.metrics_address.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "hybridrec", "serve", proc.service, "--config", str(self.config_path),
+               "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
+        with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
+            proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          env=env, preexec_fn=_die_with_parent, close_fds=True)
+        self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
     def check(self) -> bool:
         """True once every NN worker finished cleanly; LaunchError as soon as any service fails."""
@@ -117,6 +122,12 @@ class LocalCluster:
                 continue
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
+                continue
+            if proc.service in RESTARTABLE and proc.restarts < self.config.cluster.max_restarts:
+                proc.restarts += 1
+                self.log.warning("service_restarted", service=proc.name, exit_code=rc, restarts=proc.restarts,
+                                 log=str(proc.log_path))
+                self._spawn(proc)
                 continue
             raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
                               f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "

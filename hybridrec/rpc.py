@@ -159,17 +159,26 @@ async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: st
         delay = min(delay * 2, 1.0)
 
 
-async def retry(call: Callable[[], Awaitable[Any]], *, attempts: int = 5, base_delay_s: float = 0.1,
+async def retry(call: Callable[[], Awaitable[Any]], *, deadline_s: float, base_delay_s: float = 0.05,
+                max_delay_s: float = 2.0,
                 retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> Any:
-    """Run `call`, retrying bounded times with jittered exponential backoff on transient status codes."""
-    for attempt in range(attempts):
+    """Run `call`, retrying on transient status codes with jittered exponential backoff until `deadline_s`.
+
+    A peer being restarted in place (a PS re-attaching to its shm table, an
+    embedding worker coming back) answers UNAVAILABLE for a few seconds; callers
+    wait it out instead of failing the job.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    delay = base_delay_s
+    while True:
         try:
             return await call()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in retry_on or attempt == attempts - 1:
+            if exc.code() not in retry_on or loop.time() + delay > deadline:
                 raise
-            await asyncio.sleep(base_delay_s * (2 ** attempt) * (0.5 + random.random()))
-    raise AssertionError("unreachable")
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, max_delay_s)
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:

@@ -59,6 +59,7 @@ class Dispatcher:
     def __init__(self, config: Config, servicer: DataLoaderServicer):
         self.config, self.servicer = config, servicer
         self.timeout = config.cluster.rpc_timeout_s
+        self.retry_s = config.cluster.retry_s
         self.ew_channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
         self.nn_channels = [rpc.channel(a) for a in config.cluster.nn_workers]
         self.ew_put = [rpc.raw_method(ch, "EmbeddingWorker", "PutBatch") for ch in self.ew_channels]
@@ -86,7 +87,9 @@ class Dispatcher:
         try:
             while (item := await loop.run_in_executor(self.executor, next, prepared, None)) is not None:
                 rank, sparse_frame, rows = item
-                reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout))
+                # On failure the next attempt goes to the next embedding worker: a dead one is routed around.
+                reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout),
+                                        deadline_s=self.retry_s)
                 ref = codec.decode(reply).meta_int("batch_ref")
                 await self._put(queues[rank], senders, DenseBatch(ref, rows.dense, rows.labels, phase).encode())
                 sent += 1
@@ -109,7 +112,7 @@ class Dispatcher:
 
     async def _sender(self, rank: int, queue: asyncio.Queue) -> None:
         while (frame := await queue.get()) is not _DONE:
-            await rpc.retry(lambda: self.nn_put[rank](frame, timeout=None))
+            await rpc.retry(lambda: self.nn_put[rank](frame, timeout=None), deadline_s=self.retry_s)
 
 
 async def serve(config: Config, replica: int) -> None:

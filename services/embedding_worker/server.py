@@ -44,7 +44,8 @@ async def serve(config: Config, replica: int) -> None:
 
     async def ps_call(shard: int, method: str, frame: bytes) -> bytes:
         try:
-            return await rpc.retry(lambda: methods[(shard, method)](frame, timeout=timeout))
+            return await rpc.retry(lambda: methods[(shard, method)](frame, timeout=timeout),
+                                   deadline_s=config.cluster.retry_s)
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"PS shard {shard} ({config.cluster.ps[shard]}) {method} failed: "
                               f"{exc.code().name} {exc.details()}") from exc

@@ -14,6 +14,7 @@ path; a lookup is then one RPC per PS shard and a gather.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -27,7 +28,8 @@ from hybridrec.rpc import NotFound
 from hybridrec.sharding import split_by_shard
 from services.embedding_worker.pooling import scatter_add_rows
 
-REF_SHIFT = 56
+REF_SHIFT = 56  # batch_ref = worker index (8 bits) | incarnation (16 bits) | sequence (40 bits)
+INCARNATION_SHIFT = 40
 
 PSCall = Callable[[int, str, bytes], Awaitable[bytes]]  # (shard, method, frame) -> reply frame
 
@@ -56,6 +58,9 @@ class EmbeddingWorker:
         # Features of each width, in config order: the order of their rows in `rows.<dim>` frames.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
         self.buffer: dict[int, BufferedBatch] = {}
+        # A restarted worker must never hand out a batch_ref its previous life gave out: an NN worker
+        # still holding an old ref gets NOT_FOUND, not some other batch's embeddings.
+        self.incarnation = secrets.randbelow(1 << 16)
         self.next_seq = 0
         self.counters = {"batches_put": 0, "lookups": 0, "gradient_pushes": 0, "rows_looked_up": 0,
                          "rows_updated": 0, "batches_dropped": 0}
@@ -65,7 +70,7 @@ class EmbeddingWorker:
         """Buffer a batch and return its batch_ref (this worker's replica in the top bits)."""
         if len(sparse.uniq) != len(self.features):
             raise ValueError(f"batch has {len(sparse.uniq)} features, the config has {len(self.features)}")
-        ref = (self.replica << REF_SHIFT) | self.next_seq
+        ref = (self.replica << REF_SHIFT) | (self.incarnation << INCARNATION_SHIFT) | self.next_seq
         self.next_seq += 1
         uniq, gidx = {}, {}
         for dim, members in self.members.items():

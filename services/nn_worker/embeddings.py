@@ -74,6 +74,16 @@ class Pooler:
             out.weights[dim] = np.concatenate(weights) if self.weighted else None
         return out
 
+    def empty(self, batch_size: int) -> BatchEmbeddings:
+        """Embeddings of a batch whose every bag is empty (pooled zeros): the stand-in for a lost batch."""
+        return BatchEmbeddings(
+            batch_size,
+            rows={d: np.zeros((0, d), np.float32) for d in self.dims},
+            index={d: np.zeros(0, np.int64) for d in self.dims},
+            offsets={d: np.zeros(len(m) * batch_size, np.int64) for d, m in self.members.items()},
+            weights={d: (np.zeros(0, np.float32) if self.weighted else None) for d in self.dims},
+        )
+
     def pool(self, emb: BatchEmbeddings, device: torch.device, *, grad: bool):
         """(leaf tensor of rows per width, pooled embedding per feature name)."""
         leaves: dict[int, torch.Tensor] = {}

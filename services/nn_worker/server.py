@@ -27,7 +27,7 @@ from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
 from services.nn_worker.distributed import init_process_group
-from services.nn_worker.trainer import EndOfPhase, Trainer
+from services.nn_worker.trainer import BatchLost, EndOfPhase, Trainer
 
 REF_SHIFT = 56
 
@@ -81,7 +81,8 @@ def _gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tupl
 
 def _reduce_stats(trainer: Trainer) -> dict:
     s = trainer.stats
-    totals = torch.tensor([s.samples, s.steps, s.pushes_failed, s.loss_sum, s.loss_count], dtype=torch.float64)
+    totals = torch.tensor([s.samples, s.steps, s.pushes_failed, s.loss_sum, s.loss_count, s.skipped_batches,
+                           s.skipped_eval_batches], dtype=torch.float64)
     dist.all_reduce(totals)
     hist = torch.from_numpy(s.staleness_hist.astype(np.int64))
     dist.all_reduce(hist)
@@ -89,7 +90,8 @@ def _reduce_stats(trainer: Trainer) -> dict:
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
             "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),
-            "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist()}
+            "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist(), "skipped_batches": int(totals[5]),
+            "skipped_eval_batches": int(totals[6])}
 
 
 def _staleness_summary(hist: list[int]) -> dict:
@@ -127,15 +129,22 @@ async def serve(config: Config, replica: int) -> None:
             raise ValueError(f"batch_ref {ref} names embedding worker {index}, which does not exist")
         return index
 
-    async def lookup(ref: int) -> bytes:
+    retry_s = config.cluster.retry_s
+
+    async def call(methods, ref: int, frame: bytes) -> bytes:
         try:
-            return await lookups[worker_of(ref)](codec.encode(meta={"batch_ref": ref}), timeout=timeout)
+            return await rpc.retry(lambda: methods[worker_of(ref)](frame, timeout=timeout), deadline_s=retry_s)
         except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"embedding lookup of batch_ref {ref} failed: {exc.code().name} {exc.details()}")
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise BatchLost(exc.details()) from None
+            raise Unavailable(f"embedding worker call for batch_ref {ref} failed: {exc.code().name} "
+                              f"{exc.details()}") from None
+
+    async def lookup(ref: int) -> bytes:
+        return await call(lookups, ref, codec.encode(meta={"batch_ref": ref}))
 
     async def push(ref: int, frame: bytes) -> int:
-        reply = await pushes[worker_of(ref)](frame, timeout=timeout)
-        return codec.decode(reply).meta_int("applied", default=0)
+        return codec.decode(await call(pushes, ref, frame)).meta_int("applied", default=0)
 
     await host.start()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
@@ -168,6 +177,7 @@ async def serve(config: Config, replica: int) -> None:
                 "steps": totals["steps"], "samples": totals["samples"], "train_wall_s": totals["train_wall_s"],
                 "samples_per_sec": totals["samples"] / totals["train_wall_s"] if totals["train_wall_s"] else 0.0,
                 "mean_train_loss": totals["mean_train_loss"], "lost_updates": totals["lost_updates"],
+                "skipped_batches": totals["skipped_batches"], "skipped_eval_batches": totals["skipped_eval_batches"],
                 "staleness": _staleness_summary(totals["staleness_hist"]),
                 "eval_samples": int(all_labels.shape[0]), **binary_metrics(all_labels, all_preds),
                 "data": {"train": end_train, "eval": end_eval},

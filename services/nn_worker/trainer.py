@@ -36,6 +36,10 @@ from services.nn_worker.distributed import DenseSync, DistEnv
 from services.nn_worker.embeddings import BatchEmbeddings, Pooler
 
 
+class BatchLost(LookupError):
+    """The embedding worker no longer holds this batch (it restarted): the batch is skipped and counted."""
+
+
 @dataclass
 class EndOfPhase:
     phase: str
@@ -53,6 +57,8 @@ class TrainStats:
     finished: float | None = None
     staleness_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     pushes_failed: int = 0
+    skipped_batches: int = 0
+    skipped_eval_batches: int = 0
 
     @property
     def wall_s(self) -> float:
@@ -113,7 +119,11 @@ class Trainer:
                 counts["issued"] += 1
                 await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
 
-        async def push(ref: int, grads: dict[int, np.ndarray]) -> None:
+        async def push(ref: int, grads: dict[int, np.ndarray] | None) -> None:
+            if grads is None:  # a skipped batch: nothing to send, but its permit is returned
+                counts["acked"] += 1
+                permits.release()
+                return
             try:
                 tensors: dict[str, np.ndarray] = {}
                 for dim, grad in grads.items():
@@ -131,11 +141,13 @@ class Trainer:
         try:
             while (entry := await ready.get()) is not None:
                 batch, pending = entry
-                emb = self.pooler.decode(await pending, batch.labels.shape[0])
+                emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
-                loss, grad = await self._on_compute(self._train_step, batch, emb)
-                task = asyncio.ensure_future(push(batch.batch_ref, grad))
+                # A lost batch still takes a (zero-weighted) step: every rank must run the same
+                # number of DDP all-reduces, or the group deadlocks.
+                loss, grad = await self._on_compute(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -152,19 +164,33 @@ class Trainer:
         self.stats.finished = time.monotonic()
         return end
 
-    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings) -> tuple[float, dict[int, np.ndarray]]:
+    async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:
+        """The batch's embeddings, or empty ones and True when its embedding worker lost it."""
+        try:
+            return self.pooler.decode(await pending, batch.labels.shape[0]), False
+        except BatchLost as exc:
+            self.log.warning("batch_skipped", batch_ref=batch.batch_ref, phase=batch.phase, reason=str(exc))
+            if batch.phase == "train":
+                self.stats.skipped_batches += 1
+            else:
+                self.stats.skipped_eval_batches += 1
+            return self.pooler.empty(batch.labels.shape[0]), True
+
+    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings,
+                    weight: float = 1.0) -> tuple[float, dict[int, np.ndarray]]:
         device = self.env.device
         dense = torch.from_numpy(np.array(batch.dense)).to(device)
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
         leaves, embeddings = self.pooler.pool(emb, device, grad=True)
         logits = self.sync.module(dense, embeddings).reshape(-1)
-        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        loss = F.binary_cross_entropy_with_logits(logits, labels) * weight
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() for dim, leaf in leaves.items()}
+        return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
+                                      else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
 
     def _account(self, loss: float, n: int) -> None:
         self.stats.samples += n
@@ -193,7 +219,9 @@ class Trainer:
         try:
             while (entry := await ready.get()) is not None:
                 batch, pending = entry
-                emb = self.pooler.decode(await pending, batch.labels.shape[0])
+                emb, lost = await self._receive(pending, batch)
+                if lost:
+                    continue
                 preds.append(await self._on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
             await fetch
