@@ -9,12 +9,15 @@
 #     HYBRIDREC_SYNTH_ROWS=100000 bash deploy/compose/train.sh
 #     COMPOSE_FILES="docker-compose.yml docker-compose.gpu.yml" bash deploy/compose/train.sh
 #
-# Uses Compose v2 (`docker compose`) when present, else docker-compose 1.29.
+# Uses Compose v2 (`docker compose`) when present, else docker-compose 1.29
+# (COMPOSE=docker-compose picks one).
 # Exit code: nn-worker-0's (0 when training and evaluation finished).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-if docker compose version >/dev/null 2>&1; then
+if [ -n "${COMPOSE:-}" ]; then
+    read -ra compose <<<"$COMPOSE"       # e.g. COMPOSE=docker-compose
+elif docker compose version >/dev/null 2>&1; then
     compose=(docker compose)
 elif command -v docker-compose >/dev/null 2>&1; then
     compose=(docker-compose)
