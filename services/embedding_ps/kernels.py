@@ -12,7 +12,7 @@ compiled, so a kernel calling an njit function from another module could keep
 running stale machine code after that module is edited.
 
 Crash safety relies on the order of writes when a slot changes owner
-(see `_take_slot` / `_insert`): a slot's key is cleared before its row is
+(see `_take_slot` / `_insert_misses`): a slot's key is cleared before its row is
 rewritten and set only once the row is complete, so a stripe rebuilt from
 `keys` after a crash never pairs a key with a half-written row.
 """
@@ -25,6 +25,8 @@ from numba import njit
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
+EMPTY = -1
+"""Index entry that holds no slot; a probe stops there."""
 
 # Per-stripe header row (int64). Changing it means bumping LAYOUT_VERSION in store.py.
 F_DIRTY = 0          # 1 while a kernel may be mutating the stripe
@@ -38,6 +40,7 @@ F_MISSING_UPDATES = 7  # update() rows whose ID was not in the store
 F_INSERTS = 8
 F_READ_MISSES = 9    # train=False lookups of absent IDs
 F_REBUILDS = 10      # times the stripe was rebuilt after a crash
+F_STALE = 11         # index entries left by evictions, not yet swept (an upper bound)
 STRIPE_FIELDS = 16
 
 # Optimizer codes and the layout of the float64 hyper-parameter vector `hp`.
@@ -104,7 +107,12 @@ def partition(ids, num_stripes, perm):
 # ---------------------------------------------------------------- hash index
 @njit(inline="always")
 def _find(index, keys, key, h):
-    """Linear probing: (slot, position) of `key`, or (-1, first empty position)."""
+    """Linear probing: (slot, position) of `key`, or (-1, first empty position).
+
+    An entry counts only if its slot holds `key` now, so the stale entries
+    that evictions leave behind (see `_take_slot`) are stepped over like any
+    other key's, and can never return a wrong row.
+    """
     mask = index.shape[0] - 1
     b = np.int64(h & np.uint64(mask))
     while True:
@@ -114,23 +122,30 @@ def _find(index, keys, key, h):
         b = (b + 1) & mask
 
 
-@njit(inline="always")
-def _index_remove(index, keys, pos):
-    """Delete the entry at `pos` by backward shift, so no tombstones pile up under eviction."""
+@njit(nogil=True, cache=True)
+def _reindex(index, keys, hdr):
+    """Rebuild the index from slots [0, used), dropping every stale entry.
+
+    Evictions do not delete index entries: a deletion is a random write (or,
+    with backward shift, several random reads) per evicted row, which made
+    streaming new IDs 30% slower than filling free slots. The stale entries
+    are swept here once there may be a quarter of the index of them, so
+    probes stay short; one stripe's index region stays in cache while this runs.
+    """
     mask = index.shape[0] - 1
-    hole = pos
-    j = pos
-    while True:
-        j = (j + 1) & mask
-        s = index[j]
-        if s < 0:
-            break
-        home = np.int64(key_hash(keys[s]) & np.uint64(mask))
-        # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
-        if (hole <= j and (home <= hole or home > j)) or (hole > j and home <= hole and home > j):
-            index[hole] = s
-            hole = j
-    index[hole] = -1
+    index[:] = EMPTY
+    for s in range(hdr[F_USED]):
+        b = np.int64(key_hash(keys[s]) & np.uint64(mask))
+        while index[b] != EMPTY:
+            b = (b + 1) & mask
+        index[b] = s
+    hdr[F_STALE] = 0
+
+
+@njit(inline="always")
+def _sweep_stale(index, keys, hdr):
+    if hdr[F_STALE] > index.shape[0] // 4:
+        _reindex(index, keys, hdr)
 
 
 @njit(inline="always")
@@ -233,8 +248,8 @@ def init_rows_kernel(ids, out, opt, init_key, normal, scale, init_acc):
 
 
 @njit(inline="always")
-def _take_slot(index, keys, prev, nxt, hdr):
-    """A free slot, or the LRU tail after removing its row from index and list.
+def _take_slot(keys, prev, nxt, hdr):
+    """A free slot, or the LRU tail after unlinking it; its index entry goes stale.
 
     The key is cleared before the caller rewrites the row (crash ordering)."""
     used = hdr[F_USED]
@@ -243,9 +258,7 @@ def _take_slot(index, keys, prev, nxt, hdr):
         return used
     s = hdr[F_TAIL]
     _unlink(prev, nxt, hdr, s)
-    old = keys[s]
-    _, pos = _find(index, keys, old, key_hash(old))
-    _index_remove(index, keys, pos)
+    hdr[F_STALE] += 1
     keys[s] = EMPTY_KEY
     hdr[F_EVICTIONS] += 1
     return s
@@ -253,10 +266,12 @@ def _take_slot(index, keys, prev, nxt, hdr):
 
 @njit(inline="always")
 def _insert(index, keys, prev, nxt, hdr, key, s):
-    """Publish a fully written row: key, then index entry, then LRU head."""
+    """Publish a fully written row: key, then index entry, then LRU head.
+
+    The probe may meet a stale entry that already points to s (s held
+    another key before): it then becomes s's entry again."""
     keys[s] = key
-    _, pos = _find(index, keys, key, key_hash(key))
-    index[pos] = s
+    index[_find(index, keys, key, key_hash(key))[1]] = s
     _push_head(prev, nxt, hdr, s)
     hdr[F_INSERTS] += 1
 
@@ -304,35 +319,100 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 head = s
         hdr[F_HEAD] = head
         hdr[F_TAIL] = tail
+    if not train:
+        for j in range(lo, hi):
+            if slots[j] < 0:
+                _zero_row(out, perm[j])
+                hdr[F_READ_MISSES] += 1
+        return
+    _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
+                   admit_threshold, admit_key, opt, init_key, normal, scale, init_acc)
+
+
+@njit(nogil=True, cache=True)
+def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
+                   admit_threshold, admit_key, opt, init_key, normal, scale, init_acc):
+    """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
+
+    Done in batches rather than ID by ID, so that the random index accesses of
+    all evictions, then of all inserts, sit in tight loops whose cache misses
+    overlap: (1) pick the distinct admitted new keys, in order of first
+    occurrence (a small local hash set dedups them); (2) take that many slots:
+    free ones, then the LRU tail's, removing the evicted keys from the index;
+    (3) write each new row, then publish its key; (4) index and link the new
+    rows; (5) copy them out. The result is the same as inserting one by one.
+    """
+    dim = out.shape[1]
+    cap = keys.shape[0]
+    m = 0
     for j in range(lo, hi):
+        if slots[j] < 0:
+            m += 1
+    if m == 0:
+        return
+    size = 2
+    while size < 2 * m:  # local set at load factor <= 0.5
+        size *= 2
+    local_keys = np.empty(size, np.uint64)
+    local_pos = np.full(size, -1, np.int64)
+    new_keys = np.empty(m, np.uint64)
+    n = 0
+    for j in range(lo, hi):  # (1) slots[j] becomes -1 (dropped) or -2 - q for the q-th new key
         if slots[j] >= 0:
             continue
-        i = perm[j]
-        key = ids[i]
-        if not train:
-            _zero_row(out, i)
-            hdr[F_READ_MISSES] += 1
+        key = ids[perm[j]]
+        b = np.int64(key_hash(key) & np.uint64(size - 1))
+        while local_pos[b] >= 0 and local_keys[b] != key:
+            b = (b + 1) & (size - 1)
+        if local_pos[b] >= 0:
+            slots[j] = -2 - local_pos[b]
             continue
-        h = key_hash(key)
-        s = _find(index, keys, key, h)[0]  # an earlier duplicate in this batch may have inserted it
-        if s >= 0:
-            _copy_row(out, i, values, s, dim)
-            if stamps[s] != serial:
-                stamps[s] = serial
-                _touch(prev, nxt, hdr, s)
-            continue
-        if admit_threshold >= 0 or key == EMPTY_KEY:
+        if admit_threshold >= 0 or key == EMPTY_KEY:  # each occurrence of a new ID gets a draw
             draw = fmix64(key ^ admit_key ^ fmix64(np.uint64(hdr[F_ADMIT_DRAWS])))
             hdr[F_ADMIT_DRAWS] += 1
             if key == EMPTY_KEY or np.int64(draw >> _U11) >= admit_threshold:
-                _zero_row(out, i)
+                slots[j] = -1
                 hdr[F_ADMISSION_DROPS] += 1
                 continue
-        s = _take_slot(index, keys, prev, nxt, hdr)
-        _init_row(values, s, key, dim, opt, init_key, normal, scale, init_acc)
-        _insert(index, keys, prev, nxt, hdr, key, s)
+        local_keys[b] = key
+        local_pos[b] = n
+        new_keys[n] = key
+        slots[j] = -2 - n
+        n += 1
+    # More new keys than slots (tiny stores): the first ones would be inserted and evicted again
+    # within this call; they are served from a scratch row and counted as such.
+    ghosts = max(0, n - cap)
+    width = values.shape[1]
+    ghost_rows = np.empty((ghosts, width), np.float32)
+    for q in range(ghosts):
+        _init_row(ghost_rows, q, new_keys[q], dim, opt, init_key, normal, scale, init_acc)
+    hdr[F_INSERTS] += ghosts
+    hdr[F_EVICTIONS] += ghosts
+    new_slots = np.empty(n, np.int32)
+    for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail
+        new_slots[q] = _take_slot(keys, prev, nxt, hdr)
+    for q in range(ghosts, n):  # (3) rows are complete before their key is published (crash ordering)
+        s = new_slots[q]
+        _init_row(values, s, new_keys[q], dim, opt, init_key, normal, scale, init_acc)
+        keys[s] = new_keys[q]
+    for q in range(ghosts, n):  # (4)
+        s = new_slots[q]
+        key = new_keys[q]
+        index[_find(index, keys, key, key_hash(key))[1]] = s
+        _push_head(prev, nxt, hdr, s)
         stamps[s] = serial
-        _copy_row(out, i, values, s, dim)
+    hdr[F_INSERTS] += n - ghosts
+    _sweep_stale(index, keys, hdr)
+    for j in range(lo, hi):  # (5)
+        c = slots[j]
+        if c == -1:
+            _zero_row(out, perm[j])
+        elif c < -1:
+            q = -2 - c
+            if q < ghosts:
+                _copy_row(out, perm[j], ghost_rows, q, dim)
+            else:
+                _copy_row(out, perm[j], values, new_slots[q], dim)
 
 
 @njit(nogil=True, cache=True)
@@ -346,9 +426,10 @@ def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, valu
             _copy_row(values, s, new_values, i, values.shape[1])
             _touch(prev, nxt, hdr, s)
         else:
-            s = _take_slot(index, keys, prev, nxt, hdr)
+            s = _take_slot(keys, prev, nxt, hdr)
             _copy_row(values, s, new_values, i, values.shape[1])
             _insert(index, keys, prev, nxt, hdr, key, s)
+            _sweep_stale(index, keys, hdr)
 
 
 # ---------------------------------------------------------------- optimizers
@@ -453,28 +534,30 @@ def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr):
     Live rows are compacted to slots [0, used); keys that are empty, belong to
     another stripe or repeat are dropped. Recency is lost: the list follows slot order.
     """
-    index[:] = -1
+    index[:] = EMPTY
     w = 0
     for r in range(keys.shape[0]):
         k = keys[r]
         if k == EMPTY_KEY:
             continue
         h = key_hash(k)
-        if stripe_of_hash(h, num_stripes) != stripe or _find(index, keys, k, h)[0] >= 0:
+        found, b = _find(index, keys, k, h)  # the index holds the keys kept so far: detects repeats
+        if stripe_of_hash(h, num_stripes) != stripe or found >= 0:
             keys[r] = EMPTY_KEY
             continue
         if r != w:
             _copy_row(values, w, values, r, values.shape[1])
             keys[w] = k
             keys[r] = EMPTY_KEY
-        index[_find(index, keys, k, h)[1]] = w
+        index[b] = w
         w += 1
+    hdr[F_USED] = w
+    _reindex(index, keys, hdr)
     for s in range(w):  # head = w - 1 ... tail = 0
         nxt[s] = s - 1
         prev[s] = s + 1 if s + 1 < w else -1
     hdr[F_HEAD] = w - 1
     hdr[F_TAIL] = 0 if w > 0 else -1
-    hdr[F_USED] = w
     return w
 
 
@@ -498,18 +581,14 @@ def check_stripe(stripe, num_stripes, index, keys, prev, nxt, hdr):
             return 4  # key stored in the wrong stripe
         if _find(index, keys, k, h)[0] != s:
             return 5  # live key not found at its slot (or duplicated)
-    seen = np.zeros(cap, np.uint8)
     n = 0
     for b in range(index.shape[0]):
         s = index[b]
-        if s < 0:
-            continue
-        if s >= used or seen[s]:
-            return 6  # index entry to a free slot, or two entries for one slot
-        seen[s] = 1
-        n += 1
-    if n != used:
-        return 7
+        if s < EMPTY or s >= used:
+            return 6  # garbage, or an entry to a slot not in use
+        n += s >= 0
+    if n < used or n - used > hdr[F_STALE]:
+        return 7  # every live row has an entry; the others are at most the evictions since the sweep
     count = 0
     p = -1
     s = hdr[F_HEAD]

@@ -38,7 +38,7 @@ _log = log.get(__name__)
 DEFAULT_SHM_ROOT = Path("/dev/shm/hybridrec")
 """Where the PS puts its stores unless configured otherwise (tmpfs: RAM, survives a process restart)."""
 MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
 H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS = range(9)
 GLOBAL_FIELDS = 16
@@ -47,7 +47,8 @@ _INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
 _CHECK_MESSAGES = {
     1: "used row count out of range", 2: "key stored beyond the used slots", 3: "empty key inside the used slots",
     4: "key stored in the wrong stripe", 5: "live key not found at its slot by the index (or duplicated)",
-    6: "index entry points to a free slot or twice to one slot", 7: "index entry count differs from rows",
+    6: "index entry is garbage or points to a free slot",
+    7: "index entries missing, or more stale entries than evictions since the last sweep",
     8: "LRU list has a cycle, a free slot or a broken prev link", 9: "LRU list length or tail differs from rows",
 }
 
@@ -469,8 +470,7 @@ class EmbeddingStore:
         offsets = K.partition(keys, self.config.num_stripes, perm)
 
         def run(s: int, lo: int, hi: int) -> int:
-            index, skeys, prev, nxt, svalues, hdr = self._stripes[s]
-            K.load_stripe(keys, values, perm, lo, hi, index, skeys, prev, nxt, svalues, hdr)
+            K.load_stripe(keys, values, perm, lo, hi, *self._stripes[s])
             return 0
 
         self._run_stripes(offsets, run, mutates=True)
@@ -506,5 +506,6 @@ class EmbeddingStore:
             "evictions": int(rows[K.F_EVICTIONS]), "inserts": int(rows[K.F_INSERTS]),
             "admission_drops": int(rows[K.F_ADMISSION_DROPS]), "missing_updates": int(rows[K.F_MISSING_UPDATES]),
             "read_misses": int(rows[K.F_READ_MISSES]), "rebuilds": int(rows[K.F_REBUILDS]),
+            "index_stale_entries": int(rows[K.F_STALE]),
             "stripe_rows_min": min(used), "stripe_rows_max": max(used), "shm_bytes": self.shm_bytes,
         }

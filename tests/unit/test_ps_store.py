@@ -172,6 +172,26 @@ def test_lru_matches_reference_model_under_churn(open_store):
     store.check_consistency()
 
 
+def test_call_with_more_new_ids_than_slots_keeps_the_last_ones(open_store):
+    store = open_store(config(capacity=4, num_stripes=1))
+    store.lookup(ids(100, 101), train=True)
+    batch = np.arange(10, dtype=np.uint64)
+    rows = store.lookup(np.concatenate([batch, batch[:3]]), train=True)
+    np.testing.assert_array_equal(rows[:10], init_rows(batch, dim=4, seed=0, distribution="uniform", scale=0.01))
+    np.testing.assert_array_equal(rows[10:], rows[:3])
+    assert lru_keys(store) == [6, 7, 8, 9]
+    stats = store.stats()
+    assert stats["inserts"] == 12 and stats["evictions"] == 8
+    store.check_consistency()
+    rng = np.random.default_rng(5)
+    calls = [rng.integers(0, 40, rng.integers(1, 30)).astype(np.uint64) for _ in range(100)]
+    store2 = open_store(config(capacity=8, num_stripes=1), "small")
+    for call in calls:
+        store2.lookup(call, train=True)
+    assert lru_keys(store2) == reference_lru(calls, 8)
+    store2.check_consistency()
+
+
 def test_striped_store_stays_consistent_and_returns_right_rows_under_eviction(open_store):
     rng = np.random.default_rng(1)
     store = open_store(config(capacity=256, num_stripes=8))
