@@ -425,7 +425,7 @@ class EmbeddingStore:
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
-            return K.update_stripe(ids, perm, lo, hi, slots, grads, index, keys, values, hdr, code, hp)
+            return K.update_stripe(ids, perm, lo, hi, slots, grads, index, keys, values, hdr, code, hp, dim)
 
         return self._run_stripes(offsets, run, mutates=True)
 
