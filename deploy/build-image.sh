@@ -47,6 +47,8 @@ new_id=$(docker image inspect -f '{{.Id}}' "$IMAGE")
 if [ -n "$old_id" ] && [ "$old_id" != "$new_id" ]; then
     docker rmi "$old_id" >/dev/null 2>&1 || true
 fi
+# Stage images a day old are unlikely to be reused as cache: drop them.
+docker image prune -f --filter until=24h >/dev/null 2>&1 || true
 size=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 say "built $IMAGE: $(awk -v s="$size" 'BEGIN{printf "%.0f MB", s/1e6}')" \
     "(wheelhouse $((t1 - t0))s, base $((t2 - t1))s, docker build $((t3 - t2))s, total $((t3 - t0))s)"
