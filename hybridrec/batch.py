@@ -85,10 +85,15 @@ class DenseBatch:
     dense: np.ndarray  # float32 (B, num_dense)
     labels: np.ndarray  # float32 (B,)
     phase: str = "train"
+    seq: int = 0
+    """Index of the batch in the job's training stream (all ranks together)."""
+    position: tuple[int, ...] = ()
+    """Where the data loader resumes reading after this batch (epoch, file, byte offset, line)."""
 
     def encode(self) -> bytes:
         return codec.encode({"dense": self.dense, "labels": self.labels},
-                            {"batch_ref": self.batch_ref, "phase": self.phase})
+                            {"batch_ref": self.batch_ref, "phase": self.phase, "seq": self.seq,
+                             "position": list(self.position)})
 
     @classmethod
     def decode(cls, frame: codec.Frame, num_dense: int) -> "DenseBatch":
@@ -100,4 +105,8 @@ class DenseBatch:
         phase = frame.meta.get("phase", "train")
         if phase not in PHASES:
             raise codec.FrameError(f"phase {phase!r} is not one of {PHASES}")
-        return cls(batch_ref=frame.meta_int("batch_ref"), dense=dense, labels=labels, phase=phase)
+        position = frame.meta.get("position", [])
+        if not isinstance(position, list) or not all(isinstance(v, int) and v >= 0 for v in position):
+            raise codec.FrameError(f"position must be a list of non-negative integers, got {position!r}")
+        return cls(batch_ref=frame.meta_int("batch_ref"), dense=dense, labels=labels, phase=phase,
+                   seq=frame.meta_int("seq", default=0), position=tuple(position))

@@ -199,7 +199,13 @@ class ClusterConfig(_Model):
 
 class CheckpointConfig(_Model):
     dir: str | None = None
+    """Where synchronised job checkpoints go (`hybridrec run`: <run dir>/checkpoints when an interval is set)."""
     interval_steps: Annotated[int, Field(gt=0)] | None = None
+    """Checkpoint every this many steps per NN worker (None: no checkpoints)."""
+    keep: Annotated[int, Field(ge=1)] = 2
+    """Newest checkpoints kept."""
+    resume: bool = True
+    """Start from the newest complete checkpoint in `dir` when there is one."""
 
 
 class OutputConfig(_Model):

@@ -31,6 +31,7 @@ from hybridrec.service import SERVICES
 START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
 FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
 RESTARTABLE = ("embedding_ps", "embedding_worker")  # restarted in place when they die, like a container
+GROUP = ("nn_worker", "dataloader")  # restarted together from the newest checkpoint when one of them dies
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -82,6 +83,8 @@ def resolve(config: Config, run_dir: Path) -> Config:
     cluster["bind_host"] = "127.0.0.1"
     tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
     tree["output"]["dir"] = str(run_dir)
+    if config.checkpoint.interval_steps and not config.checkpoint.dir:
+        tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
     return from_dict(tree, source="resolved config")
 
 
@@ -93,6 +96,7 @@ class LocalCluster:
         self.config_path = run_dir / "config.yaml"
         dump_config(self.config, self.config_path)
         self.log = log.get()
+        self.group_restarts = 0
         self.procs: list[ServiceProcess] = []
         for service in START_ORDER:
             key, _ = SERVICES[service]
@@ -129,10 +133,33 @@ class LocalCluster:
                                  log=str(proc.log_path))
                 self._spawn(proc)
                 continue
+            if proc.service in GROUP and self._can_restart_group():
+                self._restart_group(proc, rc)
+                return False
             raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
                               f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "
                               f"last lines of {proc.log_path}:\n{tail(proc.log_path)}")
         return all(p.finished for p in self.procs if p.service == "nn_worker")
+
+    def _can_restart_group(self) -> bool:
+        checkpointing = self.config.checkpoint.interval_steps and self.config.checkpoint.dir
+        return bool(checkpointing) and self.group_restarts < self.config.cluster.max_restarts
+
+    def _restart_group(self, failed: ServiceProcess, rc: int) -> None:
+        """The dense part never loses a synchronisation: every NN worker and the data loader go back to
+        the newest checkpoint together (Persia §4.2.4)."""
+        self.group_restarts += 1
+        self.log.warning("group_restart", failed=failed.name, exit_code=rc, restarts=self.group_restarts,
+                         checkpoint_dir=self.config.checkpoint.dir)
+        group = [p for p in self.procs if p.service in GROUP]
+        for proc in group:
+            if proc.popen and proc.popen.poll() is None:
+                _signal(proc.popen, signal.SIGKILL)
+                proc.popen.wait()
+        for proc in group:
+            proc.restarts += 1
+            proc.finished = False
+            self._spawn(proc)
 
     def status(self) -> pb.TrainingStatus | None:
         """Rank 0's training status, or None if it does not answer right now."""

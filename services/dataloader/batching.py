@@ -35,6 +35,19 @@ class Rows:
         return Rows(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("labels", "dense", "ids", "present")))
 
 
+@dataclass(frozen=True, order=True)
+class Position:
+    """Where the training stream resumes: a checkpoint stores the position after its last batch."""
+
+    epoch: int = 0
+    file: int = 0
+    offset: int = 0  # byte offset in the file's uncompressed stream
+    line: int = 1  # 1-based line number at that offset
+
+    def as_list(self) -> list[int]:
+        return [self.epoch, self.file, self.offset, self.line]
+
+
 @dataclass
 class ReadCounters:
     rows: int = 0
@@ -51,6 +64,30 @@ def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int
             counters.rows += len(chunk)
             if len(chunk):
                 yield Rows(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns])
+
+
+def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, columns: np.ndarray,
+                       groups: Sequence[int], bad_lines: BadLinePolicy | str, counters: ReadCounters,
+                       start: Position = Position()) -> Iterator[tuple[Rows, Position]]:
+    """Training batches from `start` on, each with the position right after it.
+
+    One reader chunk is one batch (a file's last batch may be smaller), so every
+    batch ends at a byte offset the reader can resume from exactly: a restarted
+    job neither re-reads nor skips a sample.
+    """
+    for epoch in range(start.epoch, epochs):
+        for index, path in enumerate(paths):
+            if (epoch, index) < (start.epoch, start.file):
+                continue
+            resume = (epoch, index) == (start.epoch, start.file)
+            chunks = read_criteo(path, groups=groups, chunk_rows=batch_size, bad_lines=bad_lines,
+                                 start_offset=start.offset if resume else 0, start_line=start.line if resume else 1)
+            for chunk in chunks:
+                counters.bad_lines += chunk.num_bad_lines
+                counters.rows += len(chunk)
+                if len(chunk):
+                    rows = Rows(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns])
+                    yield rows, Position(epoch, index, chunk.end_offset, chunk.end_line)
 
 
 def iter_batches(chunks: Iterable[Rows], batch_size: int) -> Iterator[Rows]:
@@ -77,20 +114,23 @@ def iter_batches(chunks: Iterable[Rows], batch_size: int) -> Iterator[Rows]:
         yield Rows.concat(pending)
 
 
-def deal_evenly(batches: Iterable[Rows], num_ranks: int, counters: ReadCounters) -> Iterator[tuple[int, Rows]]:
-    """(rank, batch) pairs, round robin, with the same number of batches for every rank."""
-    round_: list[Rows] = []
-    for batch in batches:
-        round_.append(batch)
+def deal_evenly(batches: Iterable[tuple[Rows, Position]], num_ranks: int,
+                counters: ReadCounters) -> Iterator[tuple[int, Rows, Position]]:
+    """(rank, batch, position) round robin, with the same number of batches for every rank."""
+    round_: list[tuple[Rows, Position]] = []
+    for item in batches:
+        round_.append(item)
         if len(round_) == num_ranks:
-            yield from enumerate(round_)
+            for rank, (rows, position) in enumerate(round_):
+                yield rank, rows, position
             round_ = []
     if not round_:
         return
-    tail = Rows.concat(round_)
+    tail = Rows.concat([rows for rows, _ in round_])
+    position = round_[-1][1]
     if len(tail) < num_ranks:
         counters.dropped_rows += len(tail)
         return
     bounds = np.linspace(0, len(tail), num_ranks + 1).astype(int)
     for rank in range(num_ranks):
-        yield rank, tail.slice(bounds[rank], bounds[rank + 1])
+        yield rank, tail.slice(bounds[rank], bounds[rank + 1]), position

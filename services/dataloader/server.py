@@ -23,7 +23,9 @@ from hybridrec.batch import DenseBatch, SparseBatch
 from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
-from services.dataloader.batching import ReadCounters, Rows, deal_evenly, iter_batches, iter_rows
+from hybridrec import checkpoints
+from services.dataloader.batching import (Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_rows,
+                                          iter_train_batches)
 from services.dataloader.criteo import NUM_SPARSE
 
 _DONE = object()
@@ -73,25 +75,29 @@ class Dispatcher:
         for ch in self.ew_channels + self.nn_channels:
             await ch.close()
 
-    def _prepared(self, pairs: Iterator[tuple[int, Rows]], phase: str) -> Iterator[tuple[int, bytes, Rows]]:
-        for rank, rows in pairs:
-            yield rank, SparseBatch.from_columns(rows.ids, rows.present, phase=phase).encode(lz4=self.lz4), rows
+    def _prepared(self, items: Iterator[tuple[int, Rows, Position | None]], phase: str):
+        for rank, rows, position in items:
+            sparse = SparseBatch.from_columns(rows.ids, rows.present, phase=phase).encode(lz4=self.lz4)
+            yield rank, sparse, rows, position
 
-    async def run_phase(self, phase: str, pairs: Iterator[tuple[int, Rows]], end_meta) -> int:
+    async def run_phase(self, phase: str, items: Iterator[tuple[int, Rows, Position | None]], end_meta,
+                        first_seq: int = 0) -> int:
         """Stream one phase; returns the number of batches sent."""
         loop = asyncio.get_running_loop()
-        prepared = self._prepared(pairs, phase)
+        prepared = self._prepared(items, phase)
         queues = [asyncio.Queue(maxsize=2) for _ in self.nn_put]
         senders = [asyncio.ensure_future(self._sender(rank, q)) for rank, q in enumerate(queues)]
         sent = 0
         try:
             while (item := await loop.run_in_executor(self.executor, next, prepared, None)) is not None:
-                rank, sparse_frame, rows = item
+                rank, sparse_frame, rows, position = item
                 # On failure the next attempt goes to the next embedding worker: a dead one is routed around.
                 reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout),
                                         deadline_s=self.retry_s)
                 ref = codec.decode(reply).meta_int("batch_ref")
-                await self._put(queues[rank], senders, DenseBatch(ref, rows.dense, rows.labels, phase).encode())
+                dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=first_seq + sent,
+                                   position=tuple(position.as_list()) if position else ())
+                await self._put(queues[rank], senders, dense.encode())
                 sent += 1
                 self.servicer.counters[f"{phase}_batches"] += 1
             for q in queues:
@@ -115,6 +121,15 @@ class Dispatcher:
             await rpc.retry(lambda: self.nn_put[rank](frame, timeout=None), deadline_s=self.retry_s)
 
 
+def resume_point(config: Config) -> tuple[Position, int]:
+    """(position, first batch index) of the newest checkpoint, or the start of the data."""
+    found = checkpoints.latest(config.checkpoint.dir) if config.checkpoint.resume else None
+    if found is None:
+        return Position(), 0
+    _, manifest = found
+    return Position(*manifest.position), manifest.seq
+
+
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
@@ -131,18 +146,21 @@ async def serve(config: Config, replica: int) -> None:
                                      timeout_s=config.cluster.start_timeout_s * 5, what="workers")
         started = time.monotonic()
         train_counts, eval_counts = ReadCounters(), ReadCounters()
-        epochs = (iter_rows(data.train, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
-                            bad_lines=data.bad_lines, counters=train_counts) for _ in range(training.epochs))
-        pairs = deal_evenly(iter_batches(itertools.chain.from_iterable(epochs), training.batch_size), num_ranks,
-                            train_counts)
+        start, first_seq = resume_point(config)
+        if first_seq:
+            host.log.info("resuming", seq=first_seq, position=start.as_list())
+        batches = iter_train_batches(data.train, epochs=training.epochs, batch_size=training.batch_size,
+                                     columns=columns, groups=groups, bad_lines=data.bad_lines,
+                                     counters=train_counts, start=start)
+        items = deal_evenly(batches, num_ranks, train_counts)
         if training.max_steps is not None:
-            pairs = itertools.islice(pairs, training.max_steps * num_ranks)
-        n = await dispatcher.run_phase("train", pairs, lambda: vars(train_counts).copy())
+            items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
+        n = await dispatcher.run_phase("train", items, lambda: vars(train_counts).copy(), first_seq)
         host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
         eval_rows = iter_rows(data.eval, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
                               bad_lines=data.bad_lines, counters=eval_counts)
-        eval_pairs = ((i % num_ranks, b) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
-        n = await dispatcher.run_phase("eval", eval_pairs, lambda: vars(eval_counts).copy())
+        eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
+        n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy())
         servicer.counters.update(rows=train_counts.rows + eval_counts.rows,
                                  bad_lines=train_counts.bad_lines + eval_counts.bad_lines)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))

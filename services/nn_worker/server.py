@@ -26,6 +26,7 @@ from hybridrec.models import FeatureInfo, build_model
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
+from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import init_process_group
 from services.nn_worker.trainer import BatchLost, EndOfPhase, Trainer
 
@@ -157,6 +158,8 @@ async def serve(config: Config, replica: int) -> None:
                         config.num_dense, config.model.kwargs)
     trainer = Trainer(config, env, model, lookup, push, inbox, compute)
     await trainer.setup()
+    trainer.checkpointer = Checkpointer(config, replica, world_size, trainer)
+    await trainer.checkpointer.restore()
     servicer.trainer = trainer
     await rpc.wait_until_serving(config.cluster.embedding_workers, timeout_s=config.cluster.start_timeout_s,
                                  what="embedding workers")

@@ -55,6 +55,7 @@ class TrainStats:
     last_loss: float = float("nan")
     started: float | None = None
     finished: float | None = None
+    wall_offset: float = 0.0  # training time before the checkpoint this run resumed from
     staleness_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     pushes_failed: int = 0
     skipped_batches: int = 0
@@ -63,8 +64,8 @@ class TrainStats:
     @property
     def wall_s(self) -> float:
         if self.started is None:
-            return 0.0
-        return (self.finished or time.monotonic()) - self.started
+            return self.wall_offset
+        return self.wall_offset + (self.finished or time.monotonic()) - self.started
 
 
 Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings
@@ -83,6 +84,7 @@ class Trainer:
         self.pooler = Pooler(config.features, self.values)
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
+        self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
@@ -154,6 +156,10 @@ class Trainer:
                     await task
                     await self._on_compute(dist.barrier)
                 self._account(loss, batch.labels.shape[0])
+                if self.checkpointer is not None and self.checkpointer.due(self.stats.steps):
+                    if pushes:  # the PS must hold every update up to this step
+                        await asyncio.gather(*pushes)
+                    await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
             await fetch
         finally:
             if not fetch.done():

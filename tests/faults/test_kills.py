@@ -1,4 +1,4 @@
-"""kill -9 of a PS or an embedding-worker process mid-run: `hybridrec run` finishes with a normal AUC.
+"""kill -9 of a PS, an embedding-worker or an NN-worker process mid-run: `hybridrec run` finishes normally.
 
 Each disturbed run must end within 0.005 eval AUC of an undisturbed run of the
 same config (issue: fault tolerance), with the restart and the skipped batches
@@ -30,7 +30,7 @@ def fault_config(tmp_path_factory) -> Path:
     return write_config(root / "config.yaml", root / "data",
                         model={"path": "hybridrec.models:DNN", "kwargs": {"hidden": [128, 64]}},
                         training={"batch_size": 4096, "staleness": 4, "prefetch": 4},
-                        ps={"capacity": 2_000_000})
+                        ps={"capacity": 2_000_000}, checkpoint={"interval_steps": 10})
 
 
 def _run(config: Path, run_dir: Path, kill: str | None = None) -> dict:
@@ -94,11 +94,15 @@ def undisturbed(fault_config, tmp_path_factory) -> dict:
     return _run(fault_config, tmp_path_factory.mktemp("undisturbed"))
 
 
-@pytest.mark.parametrize("service", ["embedding_ps", "embedding_worker"])
+@pytest.mark.parametrize("service", ["embedding_ps", "embedding_worker", "nn_worker"])
 def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
     result = _run(fault_config, tmp_path / "run", kill=service)
     restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     assert restarted[(service, 0)] == 1
+    if service == "nn_worker":  # the whole group went back to the newest checkpoint together
+        assert restarted[("nn_worker", 1)] == 1 and restarted[("dataloader", 0)] == 1
+        logs = (tmp_path / "run" / "logs" / "nn_worker-1.log").read_text()
+        assert '"checkpoint_restored"' in logs
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
     assert result["samples"] == undisturbed["samples"]
     if service == "embedding_worker":

@@ -18,7 +18,7 @@ import yaml
 from hybridrec.config import load_config
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of
-from services.dataloader.batching import ReadCounters, iter_batches, iter_rows
+from services.dataloader.batching import ReadCounters, iter_train_batches
 from services.dataloader.server import feature_columns
 from services.embedding_ps.server import shard_dir, store_config
 from services.embedding_ps.store import EmbeddingStore, init_rows
@@ -33,8 +33,8 @@ def reference(config, steps: int):
     """Plain PyTorch: one embedding table over every ID seen, the same MLP, SGD, same batches in order."""
     columns, groups = feature_columns(config)
     batches = []
-    for batch in iter_batches(iter_rows(config.data.train, columns=columns, groups=groups, chunk_rows=65536,
-                                        bad_lines="skip", counters=ReadCounters()), config.training.batch_size):
+    for batch, _ in iter_train_batches(config.data.train, epochs=1, batch_size=config.training.batch_size,
+                                       columns=columns, groups=groups, bad_lines="skip", counters=ReadCounters()):
         batches.append(batch)
         if len(batches) == steps:
             break

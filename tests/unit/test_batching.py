@@ -3,7 +3,7 @@ import numpy as np
 
 from hybridrec import codec
 from hybridrec.batch import DenseBatch, SparseBatch
-from services.dataloader.batching import ReadCounters, Rows, deal_evenly, iter_batches
+from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_train_batches
 
 
 def _rows(n, start=0):
@@ -18,14 +18,34 @@ def test_batches_cross_chunk_boundaries_in_order():
     np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), np.arange(15))
 
 
+def _positioned(batches):
+    return [(b, Position(0, 0, i, i + 1)) for i, b in enumerate(batches)]
+
+
 def test_every_rank_gets_the_same_number_of_batches():
     counters = ReadCounters()
-    pairs = list(deal_evenly(iter_batches([_rows(23)], 4), 2, counters))
-    ranks = [r for r, _ in pairs]
+    items = list(deal_evenly(_positioned(iter_batches([_rows(23)], 4)), 2, counters))
+    ranks = [r for r, _, _ in items]
     assert ranks.count(0) == ranks.count(1) == 3
-    assert sum(len(b) for _, b in pairs) == 23 and counters.dropped_rows == 0
-    pairs = list(deal_evenly(iter_batches([_rows(1)], 4), 2, counters))
-    assert pairs == [] and counters.dropped_rows == 1
+    assert sum(len(b) for _, b, _ in items) == 23 and counters.dropped_rows == 0
+    assert items[-1][2] == Position(0, 0, 5, 6)  # the split tail carries the position after its last batch
+    items = list(deal_evenly(_positioned(iter_batches([_rows(1)], 4)), 2, counters))
+    assert items == [] and counters.dropped_rows == 1
+
+
+def test_train_batches_resume_exactly_after_a_position(small_data):
+    columns, groups = np.arange(26), list(range(26))
+    kwargs = dict(epochs=2, batch_size=1000, columns=columns, groups=groups, bad_lines="skip")
+    paths = [str(small_data / "train.tsv")]
+    full = list(iter_train_batches(paths, counters=ReadCounters(), **kwargs))
+    assert len(full) == 2 * 60 and all(len(b) == 1000 for b, _ in full)
+    cut = 37
+    resumed = list(iter_train_batches(paths, counters=ReadCounters(), start=full[cut - 1][1], **kwargs))
+    assert len(resumed) == len(full) - cut
+    for (a, pa), (b, pb) in zip(full[cut:], resumed):
+        np.testing.assert_array_equal(a.labels, b.labels)
+        np.testing.assert_array_equal(a.ids, b.ids)
+        assert pa == pb
 
 
 def test_sparse_batch_round_trip_and_validation():

@@ -1,0 +1,116 @@
+"""On the NN workers: synchronised job checkpoints, and resuming from the newest one.
+
+Every `checkpoint.interval_steps` steps all ranks drain their gradient pushes
+and meet at a barrier, so the PS holds exactly the updates of every batch
+trained so far. Rank 0 then writes the dense model and optimizer, has every PS
+shard dump its rows at that step, and records the data position after the
+last consumed batch (gathered from the rank that trained it). The manifest is
+written last and the directory renamed into place, so a crash mid-checkpoint
+leaves the previous checkpoint as the newest complete one.
+
+A restarted group (after any NN worker or the data loader died) calls
+`restore` before serving: all ranks load the dense state, rank 0 has the PS
+shards load their rows, and the data loader reads the same manifest to resume
+reading where the checkpoint stopped. Rows the PS created after the checkpoint
+are kept (an extra, harmless update, as the Persia paper allows for embeddings).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridrec import checkpoints, log, rpc
+from hybridrec.checkpoints import JobManifest
+from hybridrec.config import Config
+from hybridrec.proto import pb
+
+PS_TIMEOUT_S = 600.0
+
+
+class Checkpointer:
+    def __init__(self, config: Config, rank: int, world_size: int, trainer):
+        self.root = config.checkpoint.dir
+        self.interval = config.checkpoint.interval_steps
+        self.keep, self.resume = config.checkpoint.keep, config.checkpoint.resume
+        self.rank, self.world_size, self.num_ps = rank, world_size, len(config.cluster.ps)
+        self.trainer = trainer
+        self.ps_addresses = config.cluster.ps
+        self.log = log.get()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.root and self.interval)
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.interval == 0
+
+    async def _ps(self, method: str, directory: Path, step: int) -> None:
+        async def one(address: str) -> None:
+            async with rpc.channel(address) as ch:
+                call = rpc.control_method(ch, "EmbeddingPS", method)
+                await rpc.retry(lambda: call(pb.CheckpointRequest(directory=str(directory), step=step),
+                                             timeout=PS_TIMEOUT_S), deadline_s=PS_TIMEOUT_S)
+
+        await asyncio.gather(*(one(a) for a in self.ps_addresses))
+
+    async def save(self, step: int, seq: int, position: tuple[int, ...]) -> None:
+        """Collective: every rank calls it at the same step, after draining its gradient pushes."""
+        trainer = self.trainer
+        last_seq, last_position = await trainer._on_compute(self._gather_position, seq, position)
+        if self.rank == 0:
+            final = checkpoints.step_dir(self.root, step)
+            tmp = final.with_name(final.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            await trainer._on_compute(self._save_dense, tmp / "dense.pt")
+            await self._ps("Checkpoint", tmp, step)
+            stats = trainer.stats
+            checkpoints.write_manifest(tmp, JobManifest(
+                step=step, seq=last_seq + 1, position=list(last_position), samples=stats.samples * self.world_size,
+                train_wall_s=stats.wall_s, num_nn_workers=self.world_size, num_ps=self.num_ps))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            checkpoints.prune(self.root, self.keep)
+            self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
+        await trainer._on_compute(dist.barrier)
+
+    def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        """The (seq, position) of the latest batch any rank trained: where the data resumes."""
+        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4]], dtype=torch.int64)
+        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine)
+        newest = max(parts, key=lambda t: int(t[0]))
+        return int(newest[0]), tuple(int(v) for v in newest[1:])
+
+    def _save_dense(self, path: Path) -> None:
+        torch.save({"model": self.trainer.model.state_dict(), "optimizer": self.trainer.optimizer.state_dict()},
+                   path)
+
+    async def restore(self) -> JobManifest | None:
+        """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard)."""
+        found = checkpoints.latest(self.root) if self.enabled and self.resume else None
+        if found is None:
+            return None
+        path, manifest = found
+        if manifest.num_nn_workers != self.world_size:
+            raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
+                             f"has {self.world_size}")
+        trainer = self.trainer
+        state = await trainer._on_compute(lambda: torch.load(path / "dense.pt", weights_only=True))
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        if self.rank == 0:
+            await self._ps("LoadCheckpoint", path, manifest.step)
+        await trainer._on_compute(dist.barrier)
+        stats = trainer.stats
+        stats.steps = manifest.step
+        stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
+        stats.wall_offset = manifest.train_wall_s if self.rank == 0 else 0.0
+        self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
+        return manifest
+
