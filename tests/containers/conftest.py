@@ -40,12 +40,15 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def docker_client():
     where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    error = None
     try:
         client = docker.from_env(timeout=300)
         client.ping()
     except Exception as exc:  # DockerException, ConnectionError, PermissionError...
+        error = f"{type(exc).__name__}: {exc}"
+    if error:
         pytest.fail(
-            f"no Docker engine reachable at {where} ({type(exc).__name__}: {exc}).\n"
+            f"no Docker engine reachable at {where} ({error}).\n"
             "The container tests need one and fail rather than skip without it: "
             "start one with `sudo bash .ci/docker-engine.sh` (CI's .ci/run does).",
             pytrace=False,

@@ -132,6 +132,7 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
         assert_trained(run, epochs=epochs, min_fraction=0.95)
         print(f"PS killed at step {killed_at_step:.0f} of ~{steps_per_rank}; restarts {state['RestartCount']}; "
               f"AUC {run.summary['auc']:.4f}; lost updates {run.summary.get('lost_updates')}; "
+              f"skipped batches {run.summary.get('skipped_batches')}; "
               f"store reopened: {reopened[-1][:200]}")
     finally:
         cluster.close()
