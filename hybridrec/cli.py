@@ -58,21 +58,6 @@ def preflight(config: Config) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _progress_printer(config: Config):
-    from hybridrec import log
-
-    logger = log.get()
-
-    def report(status) -> None:
-        if status is None:
-            logger.info("progress", phase="starting")
-            return
-        logger.info("progress", phase=status.phase, step=status.step, samples=status.samples,
-                    loss=round(status.loss, 4), samples_per_sec=round(status.samples_per_sec))
-
-    return report
-
-
 @app.command()
 def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file."),
         overrides: Optional[list[str]] = SetOption,
@@ -80,6 +65,7 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Logs and results (default runs/<time>).")):
     """Start every service as a local process, train, evaluate, print a summary."""
     from hybridrec import launcher, log
+    from hybridrec.progress import Progress
 
     config = _load(config_path, overrides)
     try:
@@ -88,13 +74,17 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         _fail(str(exc))
     log.setup(service="launcher")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    progress = Progress(config)
     try:
-        summary = launcher.run_local(config, run_dir, progress=_progress_printer(config))
+        summary = launcher.run_local(config, run_dir, progress=progress)
     except launcher.LaunchError as exc:
+        progress.close()
         _fail(str(exc), code=1)
     except KeyboardInterrupt:
+        progress.close()
         typer.echo("hybridrec: interrupted; every service was stopped", err=True)
         raise typer.Exit(130)
+    progress.close()
     if summary_json:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         summary_json.write_text(json.dumps(summary, indent=2))
@@ -112,7 +102,8 @@ def _print_summary(summary: dict) -> None:
             ("eval AUC", fmt(summary["auc"])), ("oracle AUC", fmt(summary.get("oracle_auc"))),
             ("eval logloss", fmt(summary["logloss"])),
             ("staleness p50 / max", f"{summary['staleness']['p50']} / {summary['staleness']['max']}"),
-            ("run dir", summary["run_dir"])]
+            ("skipped batches / lost updates", f"{summary['skipped_batches']} / {summary['lost_updates']}"),
+            ("run dir", summary["run_dir"]), ("report", summary["report"])]
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)

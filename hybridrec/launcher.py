@@ -26,6 +26,7 @@ import grpc
 from hybridrec import log
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
+from hybridrec.report import Recorder, write_report
 from hybridrec.service import SERVICES
 
 START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
@@ -214,19 +215,25 @@ def find_oracle(config: Config) -> float | None:
     return None
 
 
+SAMPLE_EVERY_S = 1.0
+
+
 def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service."""
     started = time.monotonic()
     cluster = LocalCluster(config, run_dir)
-    interval = config.training.log_every_s
-    next_report = time.monotonic() + interval
+    recorder = Recorder()
+    next_sample = time.monotonic()
     try:
         cluster.start()
         while not cluster.check():
             time.sleep(0.1)
-            if progress is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + interval
-                progress(cluster.status())
+            if time.monotonic() >= next_sample:
+                next_sample = time.monotonic() + SAMPLE_EVERY_S
+                status = cluster.status()
+                recorder.sample(status, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
+                if progress is not None:
+                    progress(status)
     finally:
         cluster.stop()
     summary_path = run_dir / "summary.json"
@@ -236,5 +243,6 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]
         raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
     summary.update(wall_s=time.monotonic() - started, oracle_auc=find_oracle(config),
                    services=[p.describe() for p in cluster.procs], run_dir=str(run_dir))
+    summary["report"] = str(write_report(run_dir, summary, recorder))
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import time
 from typing import Any, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hybridrec import log
+from hybridrec.metrics import RPC_LATENCY
 from hybridrec.proto import pb
 
 MAX_MESSAGE_BYTES = 1 << 30
@@ -51,10 +53,12 @@ class Unavailable(RuntimeError):
     """The server cannot serve this now (a dependency is down); the caller may retry."""
 
 
-def _guard(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     logger = log.get()
+    latency = RPC_LATENCY.labels(service, method)
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
             return await fn(request, context)
         except ValueError as exc:  # includes codec.FrameError
@@ -66,6 +70,8 @@ def _guard(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awai
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
             logger.exception("rpc_failed", method=method)
             code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        finally:
+            latency.observe(time.perf_counter() - started)
         await context.abort(code, detail[:2000])
 
     return handler
@@ -78,11 +84,11 @@ def add_service(server: grpc.aio.Server, service_name: str, impl: Any) -> None:
     for method in service.methods:
         fn = getattr(impl, method.name)
         if method.input_type is FRAME:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard(fn, method.name))
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard(fn, service_name, method.name))
         else:
             request_cls = getattr(pb, method.input_type.name)
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _guard(fn, method.name),
+                _guard(fn, service_name, method.name),
                 request_deserializer=request_cls.FromString,
                 response_serializer=lambda msg: msg.SerializeToString(),
             )

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 import prometheus_client
 
 from hybridrec import log, rpc
 from hybridrec.config import Config, split_address
+from hybridrec.metrics import register_stats
 
 SERVICES = {
     # service name -> (cluster config key, proto service)
@@ -55,8 +56,11 @@ class ServiceHost:
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
 
-    def add(self, impl: Any) -> None:
+    def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
+        """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
         rpc.add_service(self.server, self.proto_service, impl)
+        if stats is not None:
+            register_stats(self.service, self.replica, stats)
 
     async def start(self) -> None:
         _, port = split_address(self.address)

@@ -54,17 +54,19 @@ class CheckpointReply(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase")
+    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc")
     DONE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_AUC_FIELD_NUMBER: _ClassVar[int]
     done: bool
     step: int
     samples: int
     loss: float
     samples_per_sec: float
     phase: str
-    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...
+    train_auc: float
+    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ...) -> None: ...

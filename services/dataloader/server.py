@@ -48,11 +48,18 @@ def feature_columns(config: Config) -> tuple[np.ndarray, list[int]]:
 class DataLoaderServicer:
     def __init__(self, replica: int):
         self.replica = replica
-        self.counters = {"train_batches": 0, "eval_batches": 0, "rows": 0, "bad_lines": 0}
+        self.counters = {"train_batches_total": 0, "eval_batches_total": 0, "rows_sent_total": 0}
+        self.reads: list[ReadCounters] = []  # the readers' own counters, summed at scrape time
+
+    def stats(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.counters.items()},
+                "rows_read_total": float(sum(r.rows for r in self.reads)),
+                "bad_lines_total": float(sum(r.bad_lines for r in self.reads)),
+                "dropped_rows_total": float(sum(r.dropped_rows for r in self.reads))}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="dataloader", replica=self.replica,
-                               values={k: float(v) for k, v in self.counters.items()})
+                               values=self.stats())
 
 
 class Dispatcher:
@@ -99,7 +106,8 @@ class Dispatcher:
                                    position=tuple(position.as_list()) if position else ())
                 await self._put(queues[rank], senders, dense.encode())
                 sent += 1
-                self.servicer.counters[f"{phase}_batches"] += 1
+                self.servicer.counters[f"{phase}_batches_total"] += 1
+                self.servicer.counters["rows_sent_total"] += len(rows)
             for q in queues:
                 await self._put(q, senders, codec.encode(meta={"end_of": phase, **end_meta()}))
                 await self._put(q, senders, _DONE)
@@ -133,7 +141,7 @@ def resume_point(config: Config) -> tuple[Position, int]:
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
-    host.add(servicer)
+    host.add(servicer, servicer.stats)
     columns, groups = feature_columns(config)
     training, data = config.training, config.data
     num_ranks = len(config.cluster.nn_workers)
@@ -146,6 +154,7 @@ async def serve(config: Config, replica: int) -> None:
                                      timeout_s=config.cluster.start_timeout_s * 5, what="workers")
         started = time.monotonic()
         train_counts, eval_counts = ReadCounters(), ReadCounters()
+        servicer.reads = [train_counts, eval_counts]
         start, first_seq = resume_point(config)
         if first_seq:
             host.log.info("resuming", seq=first_seq, position=start.as_list())
@@ -161,8 +170,6 @@ async def serve(config: Config, replica: int) -> None:
                               bad_lines=data.bad_lines, counters=eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy())
-        servicer.counters.update(rows=train_counts.rows + eval_counts.rows,
-                                 bad_lines=train_counts.bad_lines + eval_counts.bad_lines)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
 
     try:

@@ -56,6 +56,18 @@ class EmbeddingPSServicer:
                  executor: ThreadPoolExecutor):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.values, self.executor = values, executor
+        self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0}
+
+    def stats(self) -> dict[str, float]:
+        """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
+        values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        for dim, store in self.stores.items():
+            st = store.stats()
+            values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
+                           f"dim{dim}_evictions_total": st["evictions"],
+                           f"dim{dim}_admission_drops_total": st["admission_drops"],
+                           f"dim{dim}_shm_bytes": st["shm_bytes"]})
+        return values
 
     def _ids(self, frame: codec.Frame, dim: int) -> np.ndarray:
         ids = frame.get(f"ids.{dim}", np.uint64, 1)
@@ -84,6 +96,8 @@ class EmbeddingPSServicer:
         for dim in self._dims(frame):
             rows = await self._run(self.stores[dim].lookup, self._ids(frame, dim), train=train)
             out.update(self.values.pack(f"rows.{dim}", rows, dim))
+            self.counters["rows_looked_up_total"] += rows.shape[0]
+        self.counters["lookups_total"] += 1
         return codec.encode(out)
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -98,15 +112,12 @@ class EmbeddingPSServicer:
             if np.unique(ids).shape[0] != ids.shape[0]:
                 raise ValueError(f"ids.{dim} of an update must be unique")
             applied += await self._run(self.stores[dim].update, ids, grads)
+        self.counters["updates_total"] += 1
+        self.counters["rows_updated_total"] += applied
         return codec.encode(meta={"applied": int(applied)})
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
-        values: dict[str, float] = {}
-        for dim, store in self.stores.items():
-            for key, value in store.stats().items():
-                if isinstance(value, (int, float)):
-                    values[f"dim{dim}.{key}"] = float(value)
-        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=values)
+        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
@@ -136,7 +147,8 @@ async def serve(config: Config, replica: int) -> None:
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        host.add(EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor))
+        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor)
+        host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)
         try:

@@ -51,7 +51,7 @@ async def serve(config: Config, replica: int) -> None:
                               f"{exc.code().name} {exc.details()}") from exc
 
     worker = EmbeddingWorker(config, replica, ps_call)
-    host.add(EmbeddingWorkerServicer(worker, len(config.features)))
+    host.add(EmbeddingWorkerServicer(worker, len(config.features)), worker.stats)
     await host.start()
     await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s, what="PS shards")
     await host.set_serving(True)

@@ -62,8 +62,8 @@ class EmbeddingWorker:
         # still holding an old ref gets NOT_FOUND, not some other batch's embeddings.
         self.incarnation = secrets.randbelow(1 << 16)
         self.next_seq = 0
-        self.counters = {"batches_put": 0, "lookups": 0, "gradient_pushes": 0, "rows_looked_up": 0,
-                         "rows_updated": 0, "batches_dropped": 0}
+        self.counters = {"batches_put_total": 0, "lookups_total": 0, "gradient_pushes_total": 0,
+                         "rows_looked_up_total": 0, "rows_updated_total": 0}
 
     # -- from the data loader -------------------------------------------------------------
     def put(self, sparse: SparseBatch) -> int:
@@ -78,7 +78,7 @@ class EmbeddingWorker:
             gidx[dim] = inverse.astype(np.int32).reshape(-1)
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
         self.buffer[ref] = BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
-        self.counters["batches_put"] += 1
+        self.counters["batches_put_total"] += 1
         return ref
 
     # -- from an NN worker ----------------------------------------------------------------
@@ -110,8 +110,8 @@ class EmbeddingWorker:
             tensors.update(self.values.pack(f"rows.{dim}", rows[dim][batch.gidx[dim]], dim))
         if not train:
             del self.buffer[ref]
-        self.counters["lookups"] += 1
-        self.counters["rows_looked_up"] += sum(ids.shape[0] for ids in batch.uniq.values())
+        self.counters["lookups_total"] += 1
+        self.counters["rows_looked_up_total"] += sum(ids.shape[0] for ids in batch.uniq.values())
         compress = {"pos", "lengths"} if self.lz4 else set()
         return codec.encode(tensors, {"batch_ref": ref, "batch_size": sparse.batch_size}, compress=compress)
 
@@ -143,8 +143,8 @@ class EmbeddingWorker:
             return reply.meta_int("applied", default=0)
 
         applied = sum(await asyncio.gather(*(one_shard(s) for s in range(self.num_shards))))
-        self.counters["gradient_pushes"] += 1
-        self.counters["rows_updated"] += applied
+        self.counters["gradient_pushes_total"] += 1
+        self.counters["rows_updated_total"] += applied
         return applied
 
     def _get(self, ref: int) -> BufferedBatch:

@@ -55,15 +55,21 @@ class NNWorkerServicer:
         if stats is None:
             return pb.TrainingStatus(phase=self.phase)
         return pb.TrainingStatus(done=self.phase == "done", step=stats.steps, samples=stats.samples,
-                                 loss=stats.last_loss, phase=self.phase,
+                                 loss=stats.last_loss, phase=self.phase, train_auc=stats.train_auc,
                                  samples_per_sec=stats.samples / stats.wall_s if stats.wall_s else 0.0)
 
-    async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
-        values = {"inbox": float(self.inbox.qsize())}
+    def stats(self) -> dict[str, float]:
+        values = {"inbox_batches": float(self.inbox.qsize())}
         if self.trainer:
             s = self.trainer.stats
-            values.update(steps=float(s.steps), samples=float(s.samples), pushes_failed=float(s.pushes_failed))
-        return pb.ServiceStats(service="nn_worker", replica=self.replica, values=values)
+            values.update(steps_total=s.steps, samples_total=s.samples, loss=s.last_loss, train_auc=s.train_auc,
+                          samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
+                          batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
+                          skipped_batches_total=s.skipped_batches)
+        return {k: float(v) for k, v in values.items()}
+
+    async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
+        return pb.ServiceStats(service="nn_worker", replica=self.replica, values=self.stats())
 
 
 def _gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +123,7 @@ async def serve(config: Config, replica: int) -> None:
     torch.manual_seed(config.training.seed)
     inbox: asyncio.Queue = asyncio.Queue(maxsize=config.training.prefetch + 2)
     servicer = NNWorkerServicer(config, replica, inbox)
-    host.add(servicer)
+    host.add(servicer, servicer.stats)
 
     channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
     lookups = [rpc.raw_method(ch, "EmbeddingWorker", "Lookup") for ch in channels]

@@ -32,8 +32,13 @@ from hybridrec import codec, log
 from hybridrec.batch import DenseBatch
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
+from hybridrec.evaluation import binary_metrics
+from hybridrec.metrics import STALENESS
 from services.nn_worker.distributed import DenseSync, DistEnv
 from services.nn_worker.embeddings import BatchEmbeddings, Pooler
+
+
+PROGRESSIVE_AUC_EVERY = 5  # steps between AUCs of a batch's predictions taken before its update
 
 
 class BatchLost(LookupError):
@@ -53,6 +58,7 @@ class TrainStats:
     loss_sum: float = 0.0
     loss_count: int = 0
     last_loss: float = float("nan")
+    train_auc: float = float("nan")  # progressive validation: AUC of each batch's predictions before its update
     started: float | None = None
     finished: float | None = None
     wall_offset: float = 0.0  # training time before the checkpoint this run resumed from
@@ -85,6 +91,7 @@ class Trainer:
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
         self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
+        self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
@@ -118,12 +125,15 @@ class Trainer:
                 await permits.acquire()
                 tau = counts["issued"] - counts["acked"]
                 self.stats.staleness_hist[min(tau, self.staleness_bound)] += 1
+                STALENESS.observe(tau)
                 counts["issued"] += 1
+                self.in_flight = counts["issued"] - counts["acked"]
                 await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
 
         async def push(ref: int, grads: dict[int, np.ndarray] | None) -> None:
             if grads is None:  # a skipped batch: nothing to send, but its permit is returned
                 counts["acked"] += 1
+                self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
                 return
             try:
@@ -136,6 +146,7 @@ class Trainer:
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
             finally:
                 counts["acked"] += 1
+                self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
 
         fetch = asyncio.ensure_future(prefetcher())
@@ -190,6 +201,8 @@ class Trainer:
         leaves, embeddings = self.pooler.pool(emb, device, grad=True)
         logits = self.sync.module(dense, embeddings).reshape(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels) * weight
+        if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == 0:
+            self._progressive_auc(logits.detach().cpu().numpy(), batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -197,6 +210,12 @@ class Trainer:
         self.sync.after_step(self.stats.steps)
         return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
                                       else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+
+    def _progressive_auc(self, logits: np.ndarray, labels: np.ndarray) -> None:
+        auc = binary_metrics(labels, 1 / (1 + np.exp(-logits)))["auc"]
+        if auc is not None:
+            old = self.stats.train_auc
+            self.stats.train_auc = auc if np.isnan(old) else 0.8 * old + 0.2 * auc
 
     def _account(self, loss: float, n: int) -> None:
         self.stats.samples += n
