@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -470,6 +471,38 @@ def test_two_threads_lookup_and_update_concurrently(open_store):
     store.check_consistency()
     stats = store.stats()
     assert stats["evictions"] > 0 and stats["rows"] <= 512
+
+
+def test_kernels_release_the_gil(open_store):
+    """While one thread is inside a long lookup, another thread keeps running Python code.
+
+    (Thread *scaling* needs idle cores, which a shared test machine may not
+    have; this checks the property it rests on: no GIL held in the kernels.)
+    """
+    for name in ("partition", "lookup_stripe", "update_stripe", "load_stripe", "rebuild_stripe", "check_stripe"):
+        assert getattr(K, name).targetoptions.get("nogil"), name
+    store = open_store(config(capacity=1 << 20, num_stripes=1, dim=16))
+    batch = np.arange(1 << 20, dtype=np.uint64)
+    store.lookup(batch[:1000], train=True)  # compiled
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        started = time.perf_counter()
+        store.lookup(batch, train=True)
+        ticks.append(time.perf_counter() - started)
+        done.set()
+
+    worker = threading.Thread(target=lookup)
+    beats = []
+    worker.start()
+    while not done.is_set():
+        beats.append(time.perf_counter())
+    worker.join()
+    call = ticks[0]
+    assert call > 0.05, "lookup too fast to tell"
+    gaps = np.diff(beats)
+    assert len(beats) > 100 and gaps.max() < 0.5 * call, (call, gaps.max())
 
 
 # ------------------------------------------------------------------ input validation
