@@ -174,6 +174,40 @@ def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint di
         _fail(str(exc))
 
 
+@app.command()
+def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan what this config's PS allocates."),
+         ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
+         params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
+         dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
+         optimizer: str = typer.Option("adagrad", "--optimizer", help="sgd | adagrad | adam | ftrl"),
+         dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
+         shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Memory per PS shard and in total, index overhead included."""
+    from hybridrec.plan import Table, human, plan_config, plan_tables
+
+    if dtype != "float32":
+        _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
+    try:
+        if config_path is not None:
+            result = plan_config(_load(config_path, None))
+        else:
+            if (ids is None) == (params is None):
+                _fail("give --ids or --params (or --config)")
+            rows = int(ids if ids is not None else params / dim)
+            result = plan_tables([Table(rows, dim)], optimizer=optimizer, shards=shards)
+    except ValueError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
+               f"rows per shard: {result['rows_per_shard']:,}")
+    for name, nbytes in result["per_shard_parts"].items():
+        typer.echo(f"  {name:<8} {human(nbytes):>14} per shard")
+    typer.echo(f"per shard: {human(result['per_shard_bytes'])}   total: {human(result['total_bytes'])}")
+
+
 def main() -> None:
     try:
         app()

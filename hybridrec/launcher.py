@@ -108,6 +108,14 @@ class LocalCluster:
     def start(self) -> None:
         for proc in self.procs:
             self._spawn(proc)
+        self._write_services()
+
+    def _write_services(self) -> None:
+        """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
+        path = self.run_dir / "services.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([p.describe() for p in self.procs], indent=2))
+        os.replace(tmp, path)
 
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
@@ -133,6 +141,7 @@ class LocalCluster:
                 self.log.warning("service_restarted", service=proc.name, exit_code=rc, restarts=proc.restarts,
                                  log=str(proc.log_path))
                 self._spawn(proc)
+                self._write_services()
                 continue
             if proc.service in GROUP and self._can_restart_group():
                 self._restart_group(proc, rc)
@@ -161,6 +170,7 @@ class LocalCluster:
             proc.restarts += 1
             proc.finished = False
             self._spawn(proc)
+        self._write_services()
 
     def status(self) -> pb.TrainingStatus | None:
         """Rank 0's training status, or None if it does not answer right now."""

@@ -509,3 +509,9 @@ class EmbeddingStore:
             "index_stale_entries": int(rows[K.F_STALE]),
             "stripe_rows_min": min(used), "stripe_rows_max": max(used), "shm_bytes": self.shm_bytes,
         }
+
+
+def planned_shm_bytes(config: StoreConfig) -> dict[str, int]:
+    """Bytes of each file a store of `config` allocates under its shm directory (the capacity planner's source)."""
+    layout = _Layout(config)
+    return {name: EmbeddingStore._nbytes(layout, name) for name in ("header", *_DATA_FILES)}

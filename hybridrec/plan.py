@@ -1,0 +1,73 @@
+"""`hybridrec plan`: memory of the embedding PS before renting the machines.
+
+The numbers come from the store's own layout (services.embedding_ps.store
+.planned_shm_bytes): the values array (embedding + optimizer state per row),
+the open-addressing index (a power of two >= 2x each stripe's rows), the keys
+and the LRU prev/next arrays, per shard and in total.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridrec.config import Config
+
+OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
+
+
+@dataclass(frozen=True)
+class Table:
+    ids: int
+    dim: int
+
+
+def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes: int = 16,
+                headroom: float = 1.0) -> dict:
+    """Per-shard and total bytes for tables sharded evenly over `shards` (capacity = ids/shards x headroom)."""
+    from services.embedding_ps.store import OptimizerSpec, StoreConfig, planned_shm_bytes
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be positive, got {shards}")
+    per_shard: dict[str, int] = {}
+    rows = 0
+    raw = 0
+    for table in tables:
+        capacity = max(num_stripes, math.ceil(table.ids / shards * headroom))
+        spec = OptimizerSpec(name=optimizer)
+        parts = planned_shm_bytes(StoreConfig(dim=table.dim, capacity=capacity, optimizer=spec,
+                                              num_stripes=num_stripes))
+        for name, nbytes in parts.items():
+            per_shard[name] = per_shard.get(name, 0) + nbytes
+        rows += capacity
+        raw += capacity * (table.dim + spec.state_width(table.dim)) * 4
+    shard_bytes = sum(per_shard.values())
+    return {"shards": shards, "optimizer": optimizer, "rows_per_shard": rows, "per_shard_bytes": shard_bytes,
+            "per_shard_parts": per_shard, "total_bytes": shard_bytes * shards,
+            "parameters": sum(t.ids * t.dim for t in tables),
+            "overhead_vs_values_and_state": shard_bytes / raw if raw else None}
+
+
+def plan_config(config: Config) -> dict:
+    """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
+    from services.embedding_ps.server import store_config
+    from services.embedding_ps.store import planned_shm_bytes
+
+    per_shard: dict[str, int] = {}
+    for dim in config.dims:
+        for name, nbytes in planned_shm_bytes(store_config(config, dim)).items():
+            per_shard[name] = per_shard.get(name, 0) + nbytes
+    shards = len(config.cluster.ps)
+    shard_bytes = sum(per_shard.values())
+    return {"shards": shards, "optimizer": config.optimizer.embedding.name,
+            "rows_per_shard": config.ps.capacity * len(config.dims), "per_shard_bytes": shard_bytes,
+            "per_shard_parts": per_shard, "total_bytes": shard_bytes * shards}
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(nbytes) < 1024 or unit == "PiB":
+            return f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

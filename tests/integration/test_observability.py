@@ -1,0 +1,135 @@
+"""Metrics move during a run, the run report renders in headless Chromium, the capacity planner is right."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HYBRIDREC, REPO
+
+pytestmark = pytest.mark.integration
+
+# service -> metrics that must increase between two scrapes during training
+MOVING = {
+    "embedding_ps": ["hybridrec_embedding_ps_rows_looked_up_total", "hybridrec_embedding_ps_rows_updated_total",
+                     "hybridrec_embedding_ps_dim16_rows"],
+    "embedding_worker": ["hybridrec_embedding_worker_lookups_total", "hybridrec_embedding_worker_rows_updated_total"],
+    "nn_worker": ["hybridrec_nn_worker_samples_total", "hybridrec_nn_worker_steps_total",
+                  "hybridrec_staleness_batches_count"],
+    "dataloader": ["hybridrec_dataloader_rows_sent_total"],
+}
+PRESENT = {
+    "embedding_ps": ["hybridrec_embedding_ps_dim16_capacity", "hybridrec_embedding_ps_dim16_evictions_total",
+                     "hybridrec_embedding_ps_dim16_admission_drops_total"],
+    "embedding_worker": ["hybridrec_embedding_worker_buffered_batches"],
+    "nn_worker": ["hybridrec_nn_worker_loss", "hybridrec_nn_worker_train_auc", "hybridrec_nn_worker_batches_in_flight",
+                  "hybridrec_nn_worker_skipped_batches_total", "hybridrec_nn_worker_samples_per_sec"],
+    "dataloader": ["hybridrec_dataloader_bad_lines_total"],
+}
+
+
+def _scrape(address: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+    return values
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "Debian's chromium is needed for the report test (apt-get install chromium; .ci/run does it)"
+    return path
+
+
+def test_metrics_move_and_report_renders(tmp_path, small_config):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(small_config), "--run-dir", str(run_dir), "--summary-json",
+                                         str(tmp_path / "s.json"), "--set", "training.epochs=6",
+                                         "--set", "training.batch_size=1024"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = second = None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            services = json.loads((run_dir / "services.json").read_text()) if (run_dir / "services.json").exists() else []
+            try:
+                scraped = {(s["name"], s["replica"]): _scrape(s["metrics"]) for s in services}
+            except OSError:
+                time.sleep(0.5)
+                continue
+            if scraped and all(v.get("hybridrec_nn_worker_steps_total", 1) > 2 for v in scraped.values()):
+                if first is None:
+                    first = scraped
+                    time.sleep(4)
+                else:
+                    second = scraped
+                    break
+            time.sleep(0.5)
+        assert first and second, "never saw every service's metrics during training"
+        for (name, replica), values in second.items():
+            for metric in MOVING[name]:
+                assert values.get(metric, 0) > first[(name, replica)].get(metric, 0), (name, replica, metric)
+            for metric in PRESENT[name]:
+                assert metric in values, (name, metric)
+            rpc = "hybridrec_rpc_latency_seconds_count"
+            if name != "dataloader":
+                assert values.get(rpc, 0) > first[(name, replica)].get(rpc, 0), (name, rpc)
+    finally:
+        out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert all(s["metrics"] for s in summary["services"])
+    report = Path(summary["report"])
+    dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                          "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                          "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=5000",
+                          "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
+    match = re.search(r'data-rendered="(\d+)/(\d+)"', dom.stdout)
+    assert match, dom.stdout[:2000] + dom.stderr[-2000:]
+    assert match.group(1) == match.group(2) == "4"
+    for png in ("loss_auc", "throughput", "staleness", "resources"):
+        assert (run_dir / f"{png}.png").stat().st_size > 5000
+
+
+def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
+    import tempfile
+
+    import yaml
+
+    from hybridrec import rpc
+    from hybridrec.launcher import free_port
+
+    shm = Path(tempfile.mkdtemp(prefix="hybridrec-plan-", dir="/dev/shm"))
+    address = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"train": ["unused.tsv"]},
+        "features": [{"name": "C1", "group": 0, "dim": 32}, {"name": "C2", "group": 1, "dim": 8}],
+        "optimizer": {"embedding": {"name": "adam"}},
+        "ps": {"capacity": 300_000, "shm_dir": str(shm)},
+        "cluster": {"ps": [address], "bind_host": "127.0.0.1"},
+    }))
+    planned = json.loads(subprocess.run(HYBRIDREC + ["plan", "--config", str(config), "--json"], cwd=REPO,
+                                        capture_output=True, text=True, check=True).stdout)
+    ps = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import asyncio
+        asyncio.run(rpc.wait_until_serving([address], timeout_s=120))
+        allocated = sum(p.stat().st_blocks * 512 for p in shm.rglob("*") if p.is_file())
+    finally:
+        ps.terminate()
+        ps.wait(timeout=30)
+        shutil.rmtree(shm, ignore_errors=True)
+    assert allocated > 0
+    assert abs(planned["per_shard_bytes"] - allocated) <= 0.05 * allocated, (planned["per_shard_bytes"], allocated)
