@@ -66,7 +66,8 @@ def test_metrics_move_and_report_renders(tmp_path, small_config):
             except OSError:
                 time.sleep(0.5)
                 continue
-            if scraped and all(v.get("hybridrec_nn_worker_steps_total", 1) > 2 for v in scraped.values()):
+            steps = [v.get("hybridrec_nn_worker_steps_total", 0) for (n, _), v in scraped.items() if n == "nn_worker"]
+            if len(scraped) == 6 and steps and min(steps) > 2:
                 if first is None:
                     first = scraped
                     time.sleep(4)
