@@ -34,7 +34,7 @@ old_id=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 say "docker build $IMAGE from $BASE_IMAGE (--network $NETWORK)"
 # The classic builder: BuildKit needs the buildx plugin, which Debian's
 # docker.io (20.10) does not ship; nothing here needs BuildKit features.
-DOCKER_BUILDKIT=0 docker build --quiet --network "$NETWORK" \
+DOCKER_BUILDKIT=0 docker build --quiet --force-rm --network "$NETWORK" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
     -t "$IMAGE" -f "$here/Dockerfile" "${BUILD_DIR:-$here/.build}/wheels" >/dev/null \
     2> >(grep -vE 'DEPRECATED: The legacy builder|BuildKit is currently disabled|environment-variable\.$|^$' >&2)
