@@ -161,6 +161,19 @@ class PSConfig(_Model):
     """Keep the store files after `hybridrec run` ends (they are removed by default)."""
 
 
+class TLSConfig(_Model):
+    """Mutual TLS on every gRPC channel: each process presents `cert` and trusts peers signed by `ca`."""
+
+    ca: str
+    """PEM file of the certificate authority that signed every service's certificate."""
+    cert: str
+    """PEM certificate of this process (servers and clients use the same one)."""
+    key: str
+    """PEM private key of `cert`."""
+    server_name: str | None = None
+    """Name to verify in server certificates instead of the dialled host (e.g. one cert for all services)."""
+
+
 class ClusterConfig(_Model):
     """Where every replica listens. `hybridrec run` fills these in with free loopback ports."""
 
@@ -173,6 +186,8 @@ class ClusterConfig(_Model):
     metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 0
     """Prometheus HTTP port of each service (0: a free port under `hybridrec run`)."""
     bind_host: str = "0.0.0.0"
+    tls: TLSConfig | None = None
+    """Mutual TLS on every channel (None: plaintext, for a trusted network)."""
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """Deadline of one data-plane RPC."""
     retry_s: Annotated[float, Field(gt=0)] = 120.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from hybridrec import log
+from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.report import Recorder, write_report
@@ -94,6 +94,7 @@ class LocalCluster:
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.config = resolve(config, run_dir)
+        rpc.use_tls(self.config.cluster.tls)
         self.config_path = run_dir / "config.yaml"
         dump_config(self.config, self.config_path)
         self.log = log.get()
@@ -175,7 +176,7 @@ class LocalCluster:
     def status(self) -> pb.TrainingStatus | None:
         """Rank 0's training status, or None if it does not answer right now."""
         address = next(p.address for p in self.procs if p.service == "nn_worker" and p.replica == 0)
-        with grpc.insecure_channel(address) as channel:
+        with rpc.sync_channel(address) as channel:
             call = channel.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
                                        response_deserializer=pb.TrainingStatus.FromString)
             try:

@@ -13,6 +13,8 @@ import asyncio
 import random
 import signal
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -110,8 +112,56 @@ def control_method(channel: grpc.aio.Channel, service_name: str, method: str) ->
     )
 
 
+@dataclass(frozen=True)
+class Security:
+    """PEM bytes for mutual TLS; None in `_security` means plaintext channels."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    server_name: str | None = None
+
+    @classmethod
+    def from_config(cls, tls) -> "Security":
+        def read(path: str, what: str) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"cluster.tls.{what}: cannot read {path}: {exc.strerror}") from None
+
+        return cls(read(tls.ca, "ca"), read(tls.cert, "cert"), read(tls.key, "key"), tls.server_name)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+# One process talks to every peer the same way, so the choice is made once at start-up
+# (`use_tls`) rather than threaded through every call site.
+_security: Security | None = None
+
+
+def use_tls(tls) -> None:
+    """Make every channel and server of this process use mutual TLS (tls: config.TLSConfig or None)."""
+    global _security
+    _security = Security.from_config(tls) if tls is not None else None
+
+
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if _security is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, _security.channel_credentials(),
+                                   options=CHANNEL_OPTIONS + _security.channel_options())
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """A blocking channel (the launcher's status polls), secured like the rest."""
+    if _security is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, _security.channel_credentials(), options=_security.channel_options())
 
 
 def new_server(*, threads: int | None = None) -> grpc.aio.Server:
@@ -120,7 +170,12 @@ def new_server(*, threads: int | None = None) -> grpc.aio.Server:
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind and return the port actually bound (port 0 picks a free one)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if _security is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        credentials = grpc.ssl_server_credentials([(_security.key, _security.cert)], root_certificates=_security.ca,
+                                                  require_client_auth=True)
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound

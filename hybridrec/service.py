@@ -51,6 +51,7 @@ class ServiceHost:
         self.service, self.config, self.replica = service, config, replica
         self.address = addresses[replica]
         self.log = log.setup(service=service, replica=replica)
+        rpc.use_tls(config.cluster.tls)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()

@@ -1,0 +1,115 @@
+"""Mutual TLS: with cluster.tls set, a client without a certificate signed by the job's CA is refused.
+
+A throwaway CA signs one certificate (SAN 127.0.0.1 / localhost) used by a real
+PS process and a good client; clients with no certificate, with a certificate
+from another CA, or with no TLS at all cannot complete an RPC.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from hybridrec import codec, rpc
+from hybridrec.config import TLSConfig
+from hybridrec.launcher import free_port
+from tests.conftest import HYBRIDREC, REPO
+
+pytestmark = pytest.mark.faults
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(subject: str, issuer_key, issuer_name, *, ca: bool):
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    return key, cert
+
+
+def _write(dir_: Path, name: str, key, cert) -> tuple[Path, Path]:
+    key_path, cert_path = dir_ / f"{name}.key", dir_ / f"{name}.pem"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+@pytest.fixture
+def pki(tmp_path):
+    ca_key, ca_cert = _issue("hybridrec test CA", None, None, ca=True)
+    _write(tmp_path, "ca", ca_key, ca_cert)
+    svc_key, svc_cert = _issue("hybridrec", ca_key, ca_cert.subject, ca=False)
+    _write(tmp_path, "service", svc_key, svc_cert)
+    rogue_ca_key, rogue_ca_cert = _issue("rogue CA", None, None, ca=True)
+    rogue_key, rogue_cert = _issue("hybridrec", rogue_ca_key, rogue_ca_cert.subject, ca=False)
+    _write(tmp_path, "rogue", rogue_key, rogue_cert)
+    return tmp_path
+
+
+async def _lookup(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    call = channel.unary_unary("/hybridrec.EmbeddingPS/Lookup")
+    try:
+        await call(codec.encode({"ids.8": np.arange(1, 5, dtype=np.uint64)}, {"train": True}), timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+
+
+def test_client_without_valid_certificate_is_refused(tmp_path, pki):
+    address = f"127.0.0.1:{free_port()}"
+    tls = {"ca": str(pki / "ca.pem"), "cert": str(pki / "service.pem"), "key": str(pki / "service.key")}
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 8}],
+        "ps": {"capacity": 1000, "num_stripes": 2, "shm_dir": str(tmp_path / "shm")},
+        "cluster": {"ps": [address], "bind_host": "127.0.0.1", "tls": tls},
+    }))
+    ps = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=(tmp_path / "ps.log").open("wb"))
+    try:
+        async def scenario() -> dict[str, grpc.StatusCode]:
+            rpc.use_tls(TLSConfig(**tls))
+            await rpc.wait_until_serving([address], timeout_s=120)
+            results = {}
+            async with rpc.channel(address) as ch:
+                results["valid certificate"] = await _lookup(ch)
+            ca = (pki / "ca.pem").read_bytes()
+            async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
+                results["no client certificate"] = await _lookup(ch)
+            rogue = grpc.ssl_channel_credentials(root_certificates=ca, private_key=(pki / "rogue.key").read_bytes(),
+                                                 certificate_chain=(pki / "rogue.pem").read_bytes())
+            async with grpc.aio.secure_channel(address, rogue) as ch:
+                results["certificate from another CA"] = await _lookup(ch)
+            async with grpc.aio.insecure_channel(address) as ch:
+                results["plaintext"] = await _lookup(ch)
+            rpc.use_tls(None)
+            return results
+
+        results = asyncio.run(scenario())
+    finally:
+        rpc.use_tls(None)
+        ps.terminate()
+        ps.wait(timeout=30)
+    assert results.pop("valid certificate") == grpc.StatusCode.OK
+    assert all(code == grpc.StatusCode.UNAVAILABLE for code in results.values()), results
