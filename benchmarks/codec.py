@@ -4,7 +4,8 @@
 2. bytes on the wire for one Zipf batch (4096 samples x 26 features, width 16) round trip — IDs in,
    embeddings out, gradients back — with dedup + kappa-fp16 (the real embedding-worker code path) vs
    int64 IDs + fp32 values per sample;
-3. loopback RPC throughput (MB/s) of 1 MB and 4 MB frames between two processes through grpc.aio
+3. max relative error of kappa-scaled fp16 vs a plain fp16 cast on gradient-like vectors (norms 1e-10..1e-1);
+4. loopback RPC throughput (MB/s) of 1 MB and 4 MB frames between two processes through grpc.aio
    with raw-bytes methods vs a plain TCP socket sending the same bytes between two processes.
 
     python benchmarks/codec.py --out results/codec.json
@@ -112,6 +113,33 @@ def bench_wire_bytes() -> dict:
             "unique_rows": int(rows.shape[0]), "bytes_ids": len(ids_frame), "bytes_embeddings": len(emb_frame),
             "bytes_gradients": len(grad_frame), "bytes_round_trip": ours,
             "baseline_bytes_round_trip": baseline, "wire_bytes_reduction": baseline / ours}
+
+
+def bench_value_error() -> dict:
+    """Relative error of kappa-scaled fp16 vs a plain fp16 cast on gradient-like vectors.
+
+    Embedding gradients of a mean loss over a 4096-sample batch are tiny and spread over many orders of
+    magnitude (rare IDs get one sample's share); vector norms are drawn log-uniform in [1e-10, 1e-1].
+    The error of a vector is ||decoded - v|| / ||v||.
+    """
+    rng = np.random.default_rng(7)
+    n = 200_000
+    directions = rng.standard_normal((n, DIM)).astype(np.float32)
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    norms = 10 ** rng.uniform(-10, -1, size=n).astype(np.float32)
+    grads = directions * norms[:, None]
+    values = ValueCodec(fp16=True, kappa=1024.0)
+    kappa = values.unpack(values.pack("g", grads, DIM), "g", DIM)
+    plain = grads.astype(np.float16).astype(np.float32)
+
+    def rel(x: np.ndarray) -> np.ndarray:
+        return np.linalg.norm(x - grads, axis=1) / np.linalg.norm(grads, axis=1)
+
+    rk, rp = rel(kappa), rel(plain)
+    return {"vectors": n, "norm_range": [1e-10, 1e-1], "kappa": 1024.0,
+            "kappa_max_rel_error": float(rk.max()), "kappa_mean_rel_error": float(rk.mean()),
+            "plain_max_rel_error": float(rp.max()), "plain_mean_rel_error": float(rp.mean()),
+            "plain_flushed_to_zero": int((np.abs(plain).sum(axis=1) == 0).sum())}
 
 
 # -- loopback throughput -----------------------------------------------------------------------
@@ -226,10 +254,13 @@ def main() -> None:
     result: dict = {"benchmark": "codec"}
     result["frame"] = bench_frame_vs_protobuf(repeats)
     result["wire"] = bench_wire_bytes()
+    result["value_error"] = bench_value_error()
     result["rpc"] = bench_throughput(3 if args.quick else 6)
     result["frame_vs_protobuf_speedup"] = result["frame"]["frame_vs_protobuf_speedup"]
     result["wire_bytes_reduction"] = result["wire"]["wire_bytes_reduction"]
     result["rpc_vs_socket_ratio"] = result["rpc"]["rpc_vs_socket_ratio"]
+    result["kappa_fp16_max_rel_error"] = result["value_error"]["kappa_max_rel_error"]
+    result["plain_fp16_max_rel_error"] = result["value_error"]["plain_max_rel_error"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))

@@ -1,0 +1,150 @@
+"""Accuracy-throughput benchmark of the training modes against single-process PyTorch and TorchRec (issue 5).
+
+In one run, on the same synthetic data, model (DNN 512-256-128 over 26 x 16
+embeddings + 13 dense features), batch size (4096) and optimizers (Adagrad on
+embeddings, Adam on the MLP):
+
+* hybridrec `hybrid`, `sync`, `async` and `shadow` (2 NN workers, 2 PS shards,
+  1 embedding worker), each a full `hybridrec run`;
+* baselines from benchmarks/baselines.py: single-process PyTorch and TorchRec
+  on CPU (DistributedModelParallel, fused FBGEMM kernel, optimizer in backward).
+
+Writes JSON (modes.<mode>.{samples_per_sec, auc}, baselines.<name>.{...} and the
+ratios of the issue's targets) and a PNG of AUC against wall time, one line per
+mode (hybridrec: progressive-validation AUC of each batch before its update, and
+the final eval AUC as a marker; baselines: eval AUC at a few points).
+
+    python benchmarks/modes.py --quick --out results/modes.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = ("hybrid", "sync", "async", "shadow")
+BASELINES = ("pytorch", "torchrec")
+
+
+def hybridrec_config(data: Path, out: Path) -> Path:
+    tree = {
+        "data": {"train": [str(data / "train.tsv")], "eval": [str(data / "eval.tsv")],
+                 "oracle": str(data / "oracle.json")},
+        "model": {"path": "hybridrec.models:DNN", "kwargs": {"hidden": [512, 256, 128]}},
+        "optimizer": {"embedding": {"name": "adagrad", "lr": 0.05}, "dense": {"name": "adam", "lr": 0.001}},
+        "training": {"batch_size": 4096, "epochs": 1, "staleness": 4, "prefetch": 4},
+        "ps": {"capacity": 4_000_000},
+        "cluster": {"ps": ["127.0.0.1:0"] * 2, "embedding_workers": ["127.0.0.1:0"],
+                    "nn_workers": ["127.0.0.1:0"] * 2},
+    }
+    out.write_text(yaml.safe_dump(tree))
+    return out
+
+
+def run_mode(config: Path, mode: str, work: Path) -> dict:
+    run_dir = work / f"run-{mode}"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "hybridrec", "run", str(config), "--set", f"training.mode={mode}",
+                             "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"hybridrec run ({mode}) failed:\n{result.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    series = json.loads((run_dir / "series.json").read_text())["training"]
+    t0 = next((p["t"] for p in series if p["phase"] == "train"), 0.0)
+    curve = [(p["t"] - t0, p["train_auc"]) for p in series if p["phase"] == "train" and p["train_auc"] == p["train_auc"]]
+    return {"samples_per_sec": summary["samples_per_sec"], "auc": summary["auc"], "logloss": summary["logloss"],
+            "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
+            "samples": summary["samples"], "staleness": summary["staleness"], "curve": curve,
+            "curve_kind": "progressive validation AUC"}
+
+
+def run_baseline(name: str, data: Path, work: Path) -> dict:
+    out = work / f"baseline-{name}.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "baselines.py"), "--data", str(data),
+                             "--which", name, "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"baseline {name} failed:\n{result.stderr[-3000:]}")
+    raw = json.loads(out.read_text())
+    entry = raw.get(name, raw.get("results", {}).get(name, raw))
+    return {"samples_per_sec": entry["samples_per_sec"], "auc": entry["auc"], "logloss": entry.get("logloss"),
+            "train_wall_s": entry.get("train_wall_s"), "samples": entry.get("samples"),
+            "curve": [tuple(p) for p in entry.get("curve", [])], "curve_kind": "eval AUC"}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for group in ("modes", "baselines"):
+        for name, entry in result[group].items():
+            style = "-" if group == "modes" else "--"
+            xs = [p[0] for p in entry["curve"]]
+            ys = [p[1] for p in entry["curve"]]
+            line, = ax.plot(xs, ys, style, label=f"{name} ({entry['samples_per_sec']:,.0f} samples/s)")
+            if entry.get("auc") is not None and entry.get("train_wall_s"):
+                ax.plot([entry["train_wall_s"]], [entry["auc"]], "o", color=line.get_color())
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("AUC (lines: during training; dots: final eval)")
+    ax.set_title("AUC against wall time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "synth")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows to synthesize when --data has none")
+    parser.add_argument("--quick", action="store_true", help="one epoch of the 1M-row example (about 10 minutes)")
+    parser.add_argument("--only", nargs="*", default=None, help="subset of modes/baselines to run")
+    args = parser.parse_args()
+    if not (args.data / "train.tsv").exists():
+        from services.dataloader.synth import synthesize
+        synthesize(args.data, rows=args.rows)
+    work = args.out.parent / (args.out.stem + "-work")
+    work.mkdir(parents=True, exist_ok=True)
+    config = hybridrec_config(args.data, work / "config.yaml")
+    wanted = set(args.only) if args.only else set(MODES) | set(BASELINES)
+    started = time.monotonic()
+    result: dict = {"benchmark": "modes", "data": str(args.data), "modes": {}, "baselines": {}}
+    for mode in MODES:
+        if mode in wanted:
+            result["modes"][mode] = run_mode(config, mode, work)
+            print(mode, {k: result["modes"][mode][k] for k in ("samples_per_sec", "auc")}, flush=True)
+    for name in BASELINES:
+        if name in wanted:
+            result["baselines"][name] = run_baseline(name, args.data, work)
+            print(name, {k: result["baselines"][name][k] for k in ("samples_per_sec", "auc")}, flush=True)
+    modes, base = result["modes"], result["baselines"]
+    ratio = lambda a, b: a["samples_per_sec"] / b["samples_per_sec"] if a and b else None  # noqa: E731
+    h = modes.get("hybrid")
+    result["targets"] = {
+        "hybrid_vs_sync_throughput": ratio(h, modes.get("sync")),
+        "hybrid_minus_sync_auc": h["auc"] - modes["sync"]["auc"] if h and modes.get("sync") else None,
+        "hybrid_vs_async_throughput": ratio(h, modes.get("async")),
+        "hybrid_vs_pytorch_throughput": ratio(h, base.get("pytorch")),
+        "hybrid_vs_torchrec_throughput": ratio(h, base.get("torchrec")),
+    }
+    result["wall_s"] = time.monotonic() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["targets"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
