@@ -51,6 +51,7 @@ class ServiceProcess:
     popen: subprocess.Popen | None = None
     finished: bool = False
     restarts: int = 0
+    log_offset: int = 0  # how far the launcher has read the log (warnings are echoed, tagged)
 
     @property
     def name(self) -> str:
@@ -152,6 +153,31 @@ class LocalCluster:
                               f"last lines of {proc.log_path}:\n{tail(proc.log_path)}")
         return all(p.finished for p in self.procs if p.service == "nn_worker")
 
+    def echo_warnings(self) -> None:
+        """Show new warning/error lines of every service on the launcher's stderr, tagged with the service."""
+        for proc in self.procs:
+            try:
+                with open(proc.log_path, "rb") as f:
+                    f.seek(proc.log_offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            complete = chunk.rfind(b"\n") + 1
+            proc.log_offset += complete
+            for raw in chunk[:complete].splitlines():
+                line = raw.decode(errors="replace")
+                try:
+                    record = json.loads(line)
+                except ValueError:  # not structlog output: a crash trace or a library print
+                    if "Traceback" in line or "Error" in line:
+                        print(f"[{proc.name}] {line}", file=sys.stderr)
+                    continue
+                if isinstance(record, dict) and record.get("level") in ("warning", "error", "critical"):
+                    event = record.pop("event", "")
+                    extra = " ".join(f"{k}={v}" for k, v in record.items()
+                                     if k not in ("level", "timestamp", "service", "replica"))
+                    print(f"[{proc.name}] {record['level']}: {event} {extra}", file=sys.stderr)
+
     def _can_restart_group(self) -> bool:
         checkpointing = self.config.checkpoint.interval_steps and self.config.checkpoint.dir
         return bool(checkpointing) and self.group_restarts < self.config.cluster.max_restarts
@@ -243,6 +269,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]
                 next_sample = time.monotonic() + SAMPLE_EVERY_S
                 status = cluster.status()
                 recorder.sample(status, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
+                cluster.echo_warnings()
                 if progress is not None:
                     progress(status)
     finally:
