@@ -21,9 +21,13 @@ class Table:
     dim: int
 
 
-def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes: int = 16,
+def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes: int | None = None,
                 headroom: float = 1.0) -> dict:
-    """Per-shard and total bytes for tables sharded evenly over `shards` (capacity = ids/shards x headroom)."""
+    """Per-shard and total bytes for tables sharded evenly over `shards` (capacity = ids/shards x headroom).
+
+    `num_stripes` defaults to 16, or more when a stripe would exceed the store's row limit.
+    """
+    from services.embedding_ps.kernels import MAX_STRIPE_ROWS
     from services.embedding_ps.store import OptimizerSpec, StoreConfig, planned_shm_bytes
 
     if optimizer not in OPTIMIZERS:
@@ -34,10 +38,11 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
     rows = 0
     raw = 0
     for table in tables:
-        capacity = max(num_stripes, math.ceil(table.ids / shards * headroom))
+        capacity = max(16, math.ceil(table.ids / shards * headroom))
+        stripes = num_stripes or max(16, 1 << (math.ceil(capacity / MAX_STRIPE_ROWS) - 1).bit_length())
         spec = OptimizerSpec(name=optimizer)
         parts = planned_shm_bytes(StoreConfig(dim=table.dim, capacity=capacity, optimizer=spec,
-                                              num_stripes=num_stripes))
+                                              num_stripes=stripes))
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
         rows += capacity
