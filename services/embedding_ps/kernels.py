@@ -31,6 +31,13 @@ EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
 EMPTY = -1
 """Index entry that holds no slot; a probe stops there."""
+# A used index entry is an int32 (tag << SLOT_BITS) | slot: the tag, 7 bits of the key's hash that the
+# bucket does not use, lets a probe skip other keys' entries (stale ones included) without loading
+# their key. Hence at most 2**24 slots per stripe (checked by StoreConfig).
+SLOT_BITS = 24
+SLOT_MASK = (1 << SLOT_BITS) - 1
+MAX_STRIPE_ROWS = 1 << SLOT_BITS
+_TAG_SHIFT = np.uint64(25)  # buckets use hash bits below 25 (index regions are at most 2**25 entries)
 
 # Per-stripe header row (int64). Changing it means bumping LAYOUT_VERSION in store.py.
 F_DIRTY = 0          # 1 while a kernel may be mutating the stripe
@@ -110,19 +117,28 @@ def partition(ids, num_stripes, perm):
 
 # ---------------------------------------------------------------- hash index
 @njit(inline="always", error_model="numpy")
+def _entry(h, s):
+    """Index entry of slot s for a key of hash h."""
+    return np.int32((np.int64((h >> _TAG_SHIFT) & np.uint64(0x7F)) << SLOT_BITS) | s)
+
+
+@njit(inline="always", error_model="numpy")
 def _find(index, keys, key, h):
     """Linear probing: (slot, position) of `key`, or (-1, first empty position).
 
-    An entry counts only if its slot holds `key` now, so the stale entries
-    that evictions leave behind (see `_take_slot`) are stepped over like any
-    other key's, and can never return a wrong row.
+    An entry counts only if its tag matches and its slot holds `key` now, so
+    the stale entries that evictions leave behind (see `_take_slot`) are
+    stepped over like any other key's, and can never return a wrong row.
     """
     mask = index.shape[0] - 1
     b = np.int64(h & np.uint64(mask))
+    tag = np.int32(np.int64((h >> _TAG_SHIFT) & np.uint64(0x7F)))
     while True:
-        s = index[b]
-        if s < 0 or keys[s] == key:
-            return s, b
+        e = index[b]
+        if e < 0:
+            return -1, b
+        if (e >> SLOT_BITS) == tag and keys[e & SLOT_MASK] == key:
+            return e & SLOT_MASK, b
         b = (b + 1) & mask
 
 
@@ -139,17 +155,27 @@ def _reindex(index, keys, hdr):
     mask = index.shape[0] - 1
     index[:] = EMPTY
     for s in range(hdr[F_USED]):
-        b = np.int64(key_hash(keys[s]) & np.uint64(mask))
+        if keys[s] == EMPTY_KEY:  # a slot being rewritten (only rebuild_stripe's input has these)
+            continue
+        h = key_hash(keys[s])
+        b = np.int64(h & np.uint64(mask))
         while index[b] != EMPTY:
             b = (b + 1) & mask
-        index[b] = s
+        index[b] = _entry(h, s)
     hdr[F_STALE] = 0
 
 
 @njit(inline="always", error_model="numpy")
 def _sweep_stale(index, keys, hdr):
+    """Reindex once stale entries may exceed a quarter of the index; True if it did.
+
+    With at most half the index live (see store._Layout), that keeps live +
+    stale entries below 3/4 of it, so probes are short and always end.
+    """
     if hdr[F_STALE] > index.shape[0] // 4:
         _reindex(index, keys, hdr)
+        return True
+    return False
 
 
 @njit(inline="always", error_model="numpy")
@@ -163,13 +189,16 @@ def _resolve(ids, perm, lo, hi, slots, index, keys):
     probing ID by ID; explicit software prefetch was slower on this machine).
     """
     mask = np.uint64(index.shape[0] - 1)
-    for j in range(lo, hi):
+    for j in range(lo, hi):  # the home bucket's entry
         slots[j] = index[np.int64(key_hash(ids[perm[j]]) & mask)]
     for j in range(lo, hi):
-        s = slots[j]
+        e = slots[j]
         key = ids[perm[j]]
-        if s < 0 or keys[s] != key:
-            slots[j] = _find(index, keys, key, key_hash(key))[0]
+        h = key_hash(key)
+        if e >= 0 and e == _entry(h, e & SLOT_MASK) and keys[e & SLOT_MASK] == key:
+            slots[j] = e & SLOT_MASK
+        else:
+            slots[j] = _find(index, keys, key, h)[0]
 
 
 # ---------------------------------------------------------------- LRU list
@@ -275,7 +304,8 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
     The probe may meet a stale entry that already points to s (s held
     another key before): it then becomes s's entry again."""
     keys[s] = key
-    index[_find(index, keys, key, key_hash(key))[1]] = s
+    h = key_hash(key)
+    index[_find(index, keys, key, h)[1]] = _entry(h, s)
     _push_head(prev, nxt, hdr, s)
     hdr[F_INSERTS] += 1
 
@@ -399,14 +429,19 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
         s = new_slots[q]
         _init_row(values, s, new_keys[q], dim, opt, init_key, normal, scale, init_acc)
         keys[s] = new_keys[q]
-    for q in range(ghosts, n):  # (4)
+    # (4) The evictions above may have pushed the stale entries over the sweep limit: then one
+    # reindex covers every published key, new ones included. Otherwise, live + stale <= 3/4 of
+    # the index after these inserts, so every probe still ends at an empty entry.
+    indexed = _sweep_stale(index, keys, hdr)
+    for q in range(ghosts, n):
         s = new_slots[q]
-        key = new_keys[q]
-        index[_find(index, keys, key, key_hash(key))[1]] = s
+        if not indexed:
+            key = new_keys[q]
+            h = key_hash(key)
+            index[_find(index, keys, key, h)[1]] = _entry(h, s)
         _push_head(prev, nxt, hdr, s)
         stamps[s] = serial
     hdr[F_INSERTS] += n - ghosts
-    _sweep_stale(index, keys, hdr)
     for j in range(lo, hi):  # (5)
         c = slots[j]
         if c == -1:
@@ -430,10 +465,10 @@ def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, valu
             _copy_row(values, s, new_values, i, values.shape[1])
             _touch(prev, nxt, hdr, s)
         else:
+            _sweep_stale(index, keys, hdr)  # before taking a slot: every slot in use holds its key
             s = _take_slot(keys, prev, nxt, hdr)
             _copy_row(values, s, new_values, i, values.shape[1])
             _insert(index, keys, prev, nxt, hdr, key, s)
-            _sweep_stale(index, keys, hdr)
 
 
 # ---------------------------------------------------------------- optimizers
@@ -556,7 +591,7 @@ def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr):
             _copy_row(values, w, values, r, values.shape[1])
             keys[w] = k
             keys[r] = EMPTY_KEY
-        index[b] = w
+        index[b] = _entry(h, w)
         w += 1
     hdr[F_USED] = w
     _reindex(index, keys, hdr)
@@ -590,10 +625,10 @@ def check_stripe(stripe, num_stripes, index, keys, prev, nxt, hdr):
             return 5  # live key not found at its slot (or duplicated)
     n = 0
     for b in range(index.shape[0]):
-        s = index[b]
-        if s < EMPTY or s >= used:
+        e = index[b]
+        if e < EMPTY or (e >= 0 and (e & SLOT_MASK) >= used):
             return 6  # garbage, or an entry to a slot not in use
-        n += s >= 0
+        n += e >= 0
     if n < used or n - used > hdr[F_STALE]:
         return 7  # every live row has an entry; the others are at most the evictions since the sweep
     count = 0

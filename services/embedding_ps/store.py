@@ -83,8 +83,9 @@ class StoreConfig:
             raise ValueError(f"store num_stripes must be >= 1, got {self.num_stripes}")
         if self.capacity < self.num_stripes:
             raise ValueError(f"store capacity ({self.capacity}) must be >= num_stripes ({self.num_stripes})")
-        if self.capacity // self.num_stripes >= 2**30:
-            raise ValueError(f"store capacity per stripe must be < 2**30, raise num_stripes (capacity {self.capacity})")
+        if -(-self.capacity // self.num_stripes) > K.MAX_STRIPE_ROWS:
+            raise ValueError(f"store capacity per stripe must be <= {K.MAX_STRIPE_ROWS}: raise num_stripes "
+                             f"(capacity {self.capacity}, num_stripes {self.num_stripes})")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"store seed must be in [0, 2**63), got {self.seed}")
         if self.init_distribution not in ("uniform", "normal"):
@@ -123,14 +124,14 @@ class _Layout:
     """Sizes derived from a config: stripe s owns slots [bases[s], bases[s+1])."""
 
     config: StoreConfig
-    index_slots: int = 0  # per stripe, a power of two >= 2 * largest stripe (load factor <= 0.5)
+    index_slots: int = 0  # per stripe, a power of two >= 2 * largest stripe (live entries <= 1/2), >= 8
     bases: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.config
         self.bases = [s * c.capacity // c.num_stripes for s in range(c.num_stripes + 1)]
         largest = max(b - a for a, b in zip(self.bases, self.bases[1:]))
-        self.index_slots = 1 << (2 * largest - 1).bit_length()
+        self.index_slots = max(8, 1 << (2 * largest - 1).bit_length())
 
     def shape(self, name: str) -> tuple[int, ...]:
         c = self.config
