@@ -54,12 +54,6 @@ F_REBUILDS = 10      # times the stripe was rebuilt after a crash
 F_STALE = 11         # index entries left by evictions, not yet swept (an upper bound)
 STRIPE_FIELDS = 16
 
-# Optimizer codes and the layout of the float64 hyper-parameter vector `hp`.
-OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = 0, 1, 2, 3
-HP_LR, HP_EPS, HP_BETA1, HP_BETA2, HP_ADAM_EPS, HP_WD = 0, 1, 2, 3, 4, 5
-HP_LR_POWER, HP_L1, HP_L2, HP_BOUND, HP_INIT_ACC = 6, 7, 8, 9, 10
-NUM_HP = 11
-
 _U11, _U31, _U32, _U33 = np.uint64(11), np.uint64(31), np.uint64(32), np.uint64(33)
 _FM1 = np.uint64(0xFF51AFD7ED558CCD)
 _FM2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -250,8 +244,9 @@ def _zero_row(dst, i):
 
 
 @njit(inline="always", error_model="numpy")
-def _init_row(values, s, key, dim, opt, init_key, normal, scale, init_acc):
-    """Deterministic initial embedding of row `s` from (seed, id), then the optimizer's initial state."""
+def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width):
+    """Deterministic initial embedding of row `s` from (seed, id), then the optimizer's initial state:
+    `acc_width` values of `init_acc` (Adagrad's sum, FTRL's accumulator), zeros after them."""
     row = values[s]
     base = fmix64(key ^ init_key)
     if normal:
@@ -269,15 +264,18 @@ def _init_row(values, s, key, dim, opt, init_key, normal, scale, init_acc):
             u = np.float64(fmix64(base + np.uint64(d + 1) * _GOLDEN) >> _U11) * _INV_2_53
             row[d] = np.float32((2.0 * u - 1.0) * scale)
     acc = np.float32(init_acc)
-    for d in range(dim, values.shape[1]):  # adagrad: [sum]; ftrl: [accumulator | linear]; adam: zeros
-        row[d] = acc if (opt == OPT_ADAGRAD or (opt == OPT_FTRL and d < 2 * dim)) else np.float32(0.0)
+    for d in range(dim, dim + acc_width):
+        row[d] = acc
+    for d in range(dim + acc_width, values.shape[1]):
+        row[d] = 0.0
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def init_rows_kernel(ids, out, opt, init_key, normal, scale, init_acc):
+def init_rows_kernel(ids, out, init_key, normal, scale):
+    """The initial embeddings (no optimizer state) of `ids`: what `init_rows` returns."""
     dim = out.shape[1]
     for i in range(ids.shape[0]):
-        _init_row(out, i, ids[i], dim, opt, init_key, normal, scale, init_acc)
+        _init_row(out, i, ids[i], dim, init_key, normal, scale, 0.0, 0)
 
 
 @njit(inline="always", error_model="numpy")
@@ -312,7 +310,7 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                  train, admit_threshold, admit_key, opt, init_key, normal, scale, init_acc):
+                  train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
 
     Hits are resolved, copied and refreshed in separate passes (each pass's
@@ -360,12 +358,12 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 hdr[F_READ_MISSES] += 1
         return
     _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                   admit_threshold, admit_key, opt, init_key, normal, scale, init_acc)
+                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                   admit_threshold, admit_key, opt, init_key, normal, scale, init_acc):
+                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
 
     Done in batches rather than ID by ID, so that the random index accesses of
@@ -419,7 +417,7 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
     width = values.shape[1]
     ghost_rows = np.empty((ghosts, width), np.float32)
     for q in range(ghosts):
-        _init_row(ghost_rows, q, new_keys[q], dim, opt, init_key, normal, scale, init_acc)
+        _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
     new_slots = np.empty(n, np.int32)
@@ -427,7 +425,7 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
         new_slots[q] = _take_slot(keys, prev, nxt, hdr)
     for q in range(ghosts, n):  # (3) rows are complete before their key is published (crash ordering)
         s = new_slots[q]
-        _init_row(values, s, new_keys[q], dim, opt, init_key, normal, scale, init_acc)
+        _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
         keys[s] = new_keys[q]
     # (4) The evictions above may have pushed the stale entries over the sweep limit: then one
     # reindex covers every published key, new ones included. Otherwise, live + stale <= 3/4 of
@@ -471,101 +469,10 @@ def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, valu
             _insert(index, keys, prev, nxt, hdr, key, s)
 
 
-# ---------------------------------------------------------------- optimizers
-@njit(inline="always", error_model="numpy")
-def _clip(w, bound):
-    if w > bound:
-        return bound
-    if w < -bound:
-        return -bound
-    return w
-
-
-@njit(inline="always", error_model="numpy")
-def _apply_row(row, g_row, dim, opt, hp, bounded):
-    """One optimizer step on one row, float32 arithmetic in torch's operation order.
-
-    torch computes `param.addcdiv_(g, std, value=-lr)` as param + ((-lr) * g) / std,
-    `state.addcmul_(g, g, value=c)` as state + (c * g) * g, and casts Python
-    float hyper-parameters to float32; doing the same keeps us within an ulp.
-    """
-    lr = np.float32(hp[HP_LR])
-    wd = np.float32(hp[HP_WD])
-    bound = np.float32(hp[HP_BOUND])
-    if opt == OPT_SGD:
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            w = w + (-lr) * g
-            row[d] = _clip(w, bound) if bounded else w
-    elif opt == OPT_ADAGRAD:
-        eps = np.float32(hp[HP_EPS])
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            acc = row[dim + d] + g * g
-            row[dim + d] = acc
-            w = w + ((-lr) * g) / (np.sqrt(acc) + eps)
-            row[d] = _clip(w, bound) if bounded else w
-    elif opt == OPT_ADAM:  # state: [exp_avg | exp_avg_sq | step]
-        beta1 = hp[HP_BETA1]
-        beta2 = hp[HP_BETA2]
-        step = row[3 * dim] + np.float32(1.0)  # float32 step saturates at 2**24, where bias correction is 1
-        row[3 * dim] = step
-        step_size = np.float32(hp[HP_LR] / (1.0 - beta1 ** np.float64(step)))
-        bc2_sqrt = np.float32(math.sqrt(1.0 - beta2 ** np.float64(step)))
-        c1 = np.float32(1.0 - beta1)
-        b2 = np.float32(beta2)
-        c2 = np.float32(1.0 - beta2)
-        eps = np.float32(hp[HP_ADAM_EPS])
-        small = c1 < np.float32(0.5)
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            m = row[dim + d]
-            # torch exp_avg.lerp_(g, 1 - beta1), whose formula depends on the weight
-            m = m + c1 * (g - m) if small else g - (g - m) * (np.float32(1.0) - c1)
-            v = row[2 * dim + d] * b2 + (c2 * g) * g
-            row[dim + d] = m
-            row[2 * dim + d] = v
-            w = w + ((-step_size) * m) / (np.sqrt(v) / bc2_sqrt + eps)
-            row[d] = _clip(w, bound) if bounded else w
-    else:  # FTRL-proximal as TensorFlow's ApplyFtrl, in float64; state: [accum | linear]
-        lr64 = hp[HP_LR]
-        p = -hp[HP_LR_POWER]
-        l1 = hp[HP_L1]
-        l2 = hp[HP_L2]
-        for d in range(dim):
-            w = np.float64(row[d])
-            g = np.float64(g_row[d]) + hp[HP_WD] * w
-            acc = np.float64(row[dim + d])
-            acc_new = acc + g * g
-            lin = np.float64(row[2 * dim + d]) + g - (acc_new ** p - acc ** p) / lr64 * w
-            quad = acc_new ** p / lr64 + 2.0 * l2
-            w = (math.copysign(l1, lin) - lin) / quad if abs(lin) > l1 else 0.0
-            row[dim + d] = np.float32(acc_new)
-            row[2 * dim + d] = np.float32(lin)
-            row[d] = _clip(np.float32(w), bound) if bounded else np.float32(w)
-
-
 @njit(nogil=True, cache=True, error_model="numpy")
-def update_stripe(ids, perm, lo, hi, slots, grads, index, keys, values, hdr, opt, hp, dim):
-    """Apply one optimizer step to each present row of ids[perm[lo:hi]]; returns rows applied.
-
-    `dim` is passed in rather than read from grads.shape, which kept LLVM
-    from vectorising the per-row loops in some variants we measured.
-    """
-    bounded = not np.isnan(hp[HP_BOUND])
+def resolve_stripe(ids, perm, lo, hi, slots, index, keys):
+    """slots[j] = slot of ids[perm[j]] or -1 (for `update`, whose arithmetic is in optimizers.py)."""
     _resolve(ids, perm, lo, hi, slots, index, keys)
-    applied = 0
-    for j in range(lo, hi):
-        s = slots[j]
-        if s < 0:
-            hdr[F_MISSING_UPDATES] += 1
-            continue
-        _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
-        applied += 1
-    return applied
 
 
 # ---------------------------------------------------------------- recovery and checks

@@ -31,6 +31,7 @@ import numpy as np
 
 from hybridrec import log
 from services.embedding_ps import kernels as K
+from services.embedding_ps import optimizers as O
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, OptimizerSpec
 
 _log = log.get(__name__)
@@ -107,8 +108,7 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits)."""
     ids = _as_ids(ids, "ids")
     out = np.empty((ids.shape[0], dim), np.float32)
-    K.init_rows_kernel(ids, out, K.OPT_SGD, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal",
-                       float(scale), 0.0)
+    K.init_rows_kernel(ids, out, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal", float(scale))
     return out
 
 
@@ -395,14 +395,13 @@ class EmbeddingStore:
                              f"got {out.dtype} {out.shape}")
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
-        c, opt = self.config, self.config.optimizer
-        normal, acc = c.init_distribution == "normal", self._hp[K.HP_INIT_ACC]
+        c = self.config
+        init = (self._init_key, c.init_distribution == "normal", c.init_scale,
+                c.optimizer.initial_accumulator_value, c.optimizer.accumulator_width(c.dim))
 
         def run(s: int, lo: int, hi: int) -> int:
-            serial = self._next_serial(s)
-            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], serial,
-                            bool(train), self._admit_threshold,
-                            self._admit_key, opt.code, self._init_key, normal, c.init_scale, acc)
+            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], self._next_serial(s),
+                            bool(train), self._admit_threshold, self._admit_key, *init)
             return 0
 
         self._run_stripes(offsets, run, mutates=bool(train))
@@ -426,7 +425,10 @@ class EmbeddingStore:
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
-            return K.update_stripe(ids, perm, lo, hi, slots, grads, index, keys, values, hdr, code, hp, dim)
+            K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
+            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim)
+            hdr[K.F_MISSING_UPDATES] += hi - lo - applied
+            return applied
 
         return self._run_stripes(offsets, run, mutates=True)
 
