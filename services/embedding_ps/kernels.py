@@ -7,13 +7,14 @@ another stripe. The caller holds only that stripe's lock; `nogil=True` lets two
 request threads run kernels of two stripes on two cores at once.
 
 Kernels use error_model="numpy" (a float division by zero gives inf, as in
-numpy, instead of raising): the Python error model's zero checks kept LLVM
-from vectorising the optimizer loops (measured 6x slower updates).
+numpy, instead of raising): the Python error model's zero checks keep LLVM
+from vectorising loops.
 
-All numba code of the store lives in this one module on purpose: numba's
+The index, LRU and row code shares this one module on purpose: numba's
 on-disk cache (`cache=True`) only checks the source file of the function it
-compiled, so a kernel calling an njit function from another module could keep
-running stale machine code after that module is edited.
+compiled, so an njit function calling one from another module could keep
+running stale machine code after that module is edited. (The optimizer
+arithmetic in optimizers.py calls nothing from here.)
 
 Crash safety relies on the order of writes when a slot changes owner
 (see `_take_slot` / `_insert_misses`): a slot's key is cleared before its row is

@@ -6,9 +6,11 @@ re-attaches to the same memory and an acknowledged update survives kill -9.
 
 Files: `header.bin` (int64: global fields, then one row per stripe with its
 dirty flag, LRU head/tail and counters), `index.bin` (int32 open-addressing
-hash index, key -> slot, -1 empty, linear probing), `keys.bin` (uint64 slot ->
-key, EMPTY_KEY when free), `prev.bin`/`next.bin` (int32 array-based LRU list)
-and `values.bin` (float32 slot -> embedding then optimizer state).
+hash index, key -> slot plus a 7-bit hash tag, -1 empty, linear probing;
+evictions leave stale entries that a periodic sweep drops, see
+kernels._reindex), `keys.bin` (uint64 slot -> key, EMPTY_KEY when free),
+`prev.bin`/`next.bin` (int32 array-based LRU list) and `values.bin` (float32
+slot -> embedding then optimizer state).
 
 The table is split into stripes (a hash of the key, different from the shard
 hash): each has its own lock, index region, slot range and LRU list, so
@@ -56,7 +58,12 @@ _CHECK_MESSAGES = {
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Shape and behaviour of one store; the first five fields are checked against the files on re-attach."""
+    """Shape and behaviour of one store.
+
+    dim, capacity, optimizer name, seed and num_stripes are recorded in the
+    files and must match on re-attach; the others (hyper-parameters included)
+    may change between runs.
+    """
 
     dim: int
     """Embedding width."""
@@ -229,7 +236,11 @@ class EmbeddingStore:
         except BaseException:
             os.close(lock_fd)
             raise
-        store._recover()
+        try:
+            store._recover()
+        except BaseException:
+            store.close()
+            raise
         return store
 
     @staticmethod
