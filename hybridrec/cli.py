@@ -140,11 +140,12 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
 
 @app.command()
 def health(address: str = typer.Argument(..., help="HOST:PORT"),
-           timeout: float = typer.Option(3.0, "--timeout", help="Seconds.")):
+           timeout: float = typer.Option(3.0, "--timeout", help="Seconds."),
+           service: str = typer.Option("", "--service", help="Health service name: '' (ready) or 'liveness'.")):
     """Exit 0 iff the service at ADDRESS answers the gRPC health check with SERVING."""
     from hybridrec.rpc import is_serving
 
-    ok = asyncio.run(is_serving(address, timeout_s=timeout))
+    ok = asyncio.run(is_serving(address, timeout_s=timeout, service=service))
     typer.echo("SERVING" if ok else "NOT_SERVING")
     raise typer.Exit(0 if ok else 1)
 

@@ -26,6 +26,7 @@ import grpc
 from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
+from hybridrec.evaluation import find_oracle
 from hybridrec.report import Recorder, write_report
 from hybridrec.service import SERVICES
 
@@ -239,17 +240,6 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return "  (no log)"
     return "\n".join("  " + line for line in text[-lines:]) or "  (empty log)"
-
-
-def find_oracle(config: Config) -> float | None:
-    candidates = [config.data.oracle] if config.data.oracle else [str(Path(p).parent / "oracle.json")
-                                                                  for p in config.data.train[:1]]
-    for path in candidates:
-        try:
-            return float(json.loads(Path(path).read_text())["oracle_auc"])
-        except (OSError, KeyError, ValueError, TypeError):
-            continue
-    return None
 
 
 SAMPLE_EVERY_S = 1.0

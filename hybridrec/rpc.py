@@ -193,11 +193,11 @@ async def set_serving(servicer: health.aio.HealthServicer, serving: bool) -> Non
     await servicer.set("", status)
 
 
-async def is_serving(address: str, *, timeout_s: float = 2.0) -> bool:
+async def is_serving(address: str, *, timeout_s: float = 2.0, service: str = "") -> bool:
     async with channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING

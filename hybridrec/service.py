@@ -14,10 +14,13 @@ import socket
 from typing import Any, Callable
 
 import prometheus_client
+from grpc_health.v1 import health_pb2
 
 from hybridrec import log, rpc
 from hybridrec.config import Config, split_address
 from hybridrec.metrics import register_stats
+
+LIVENESS = "liveness"
 
 SERVICES = {
     # service name -> (cluster config key, proto service)
@@ -71,6 +74,9 @@ class ServiceHost:
             prometheus_client.start_http_server(self.config.cluster.metrics_port)
             self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
         rpc.install_stop_handlers(self.stop)
+        # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
+        # turns SERVING only once the service's dependencies answer, for readiness.
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
 
     async def set_serving(self, serving: bool = True) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 from services.dataloader.criteo import NUM_DENSE, NUM_SPARSE
 
 GENERATOR_VERSION = "1"
-BLOCK_ROWS = 1 << 17
+BLOCK_ROWS = 1 << 15
 """Rows drawn per random stream; part of the generator's definition."""
 TARGET_CTR = 0.25
 MIN_CARDINALITY, MAX_CARDINALITY = 10, 1_000_000

@@ -8,7 +8,9 @@ accepting RPCs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +46,27 @@ def store_config(config: Config, dim: int) -> StoreConfig:
 
 def shard_dir(config: Config, shard: int) -> Path:
     return Path(config.ps.shm_dir) / f"shard-{shard:05d}"
+
+
+def warm_up(config: Config) -> None:
+    """Compile the store's kernels on a scratch table before reporting SERVING.
+
+    numba compiles on first use (seconds, more on a loaded machine or with a cold
+    cache in a fresh container); doing it here keeps that out of the first
+    lookups' deadlines.
+    """
+    scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
+        for dim in config.dims:
+            small = dataclasses.replace(store_config(config, dim), capacity=64, num_stripes=2)
+            store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
+            try:
+                ids = np.arange(1, 9, dtype=np.uint64)
+                store.lookup(ids, train=True)
+                store.update(ids, np.zeros((ids.size, dim), np.float32))
+                store.lookup(ids, train=False)
+            finally:
+                store.close()
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
@@ -142,6 +165,7 @@ class EmbeddingPSServicer:
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
+    warm_up(config)
     stores = open_stores(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import torch
 
 from hybridrec import codec, rpc
@@ -10,6 +11,7 @@ from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
+from services.embedding_worker.pooling import scatter_add_rows
 from services.embedding_worker.worker import EmbeddingWorker
 
 
@@ -50,6 +52,8 @@ async def serve(config: Config, replica: int) -> None:
             raise Unavailable(f"PS shard {shard} ({config.cluster.ps[shard]}) {method} failed: "
                               f"{exc.code().name} {exc.details()}") from exc
 
+    # Compile the aggregation kernel now, not inside the first gradient push's deadline.
+    scatter_add_rows(np.zeros((1, 1), np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32))
     worker = EmbeddingWorker(config, replica, ps_call)
     host.add(EmbeddingWorkerServicer(worker, len(config.features)), worker.stats)
     await host.start()

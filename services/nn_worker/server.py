@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from hybridrec import codec, rpc
 from hybridrec.batch import DenseBatch
 from hybridrec.config import Config
-from hybridrec.evaluation import binary_metrics
+from hybridrec.evaluation import binary_metrics, find_oracle
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
@@ -117,6 +118,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 async def serve(config: Config, replica: int) -> None:
+    started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(config.training.torch_threads)
@@ -189,6 +191,7 @@ async def serve(config: Config, replica: int) -> None:
                 "skipped_batches": totals["skipped_batches"], "skipped_eval_batches": totals["skipped_eval_batches"],
                 "staleness": _staleness_summary(totals["staleness_hist"]),
                 "eval_samples": int(all_labels.shape[0]), **binary_metrics(all_labels, all_preds),
+                "oracle_auc": find_oracle(config), "wall_s": time.monotonic() - started,
                 "data": {"train": end_train, "eval": end_eval},
             }
             _write_json(Path(config.output.dir) / "summary.json", summary)
