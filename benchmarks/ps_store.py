@@ -288,8 +288,8 @@ def main() -> None:
         "load_average), so *_cpu ratios are the steadier estimate of an idle machine. thread_scaling needs a "
         "second idle core: cpus_busy shows how much CPU the process actually got, and "
         "thread_scaling_control_spin is the scaling of a trivial GIL-free loop measured alongside (with "
-        "sched_autogroup, a busy machine gives one process the same CPU share however many threads it runs). numpy arrays are on "
-        "transparent huge pages; the store's /dev/shm mapping is on 4 KiB pages (tmpfs huge=never here), "
+        "sched_autogroup, a busy machine gives one process the same CPU share however many threads it runs). "
+        "numpy arrays are on transparent huge pages; the store's /dev/shm mapping is on 4 KiB pages (tmpfs huge=never here), "
         "hence the extra numpy_take_4k_pages baseline.")
     text = json.dumps(results, indent=2)
     print(text)

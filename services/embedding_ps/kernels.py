@@ -55,7 +55,7 @@ F_REBUILDS = 10      # times the stripe was rebuilt after a crash
 F_STALE = 11         # index entries left by evictions, not yet swept (an upper bound)
 STRIPE_FIELDS = 16
 
-_U11, _U31, _U32, _U33 = np.uint64(11), np.uint64(31), np.uint64(32), np.uint64(33)
+_U11, _U32, _U33 = np.uint64(11), np.uint64(32), np.uint64(33)
 _FM1 = np.uint64(0xFF51AFD7ED558CCD)
 _FM2 = np.uint64(0xC4CEB9FE1A85EC53)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

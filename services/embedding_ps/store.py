@@ -200,7 +200,9 @@ class EmbeddingStore:
         self._scratch = threading.local()
         # Per stripe: which call last refreshed each row (dedups LRU moves within a call).
         # Private memory: it means nothing after the call, so it is not part of the files.
-        self._stamps = [np.zeros(b - a, np.uint32) for a, b in zip(layout.bases, layout.bases[1:])]
+        # One allocation (numpy puts large ones on transparent huge pages: fewer TLB misses), viewed per stripe.
+        stamps = np.zeros(c.capacity, np.uint32)
+        self._stamps = [stamps[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
         self._serials = [0] * c.num_stripes
         self._stripes = []  # per stripe: (index, keys, prev, next, values, header row) views
         a, m = self._arrays, layout.index_slots
