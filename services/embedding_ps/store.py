@@ -123,7 +123,9 @@ def _as_ids(ids: np.ndarray, what: str) -> np.ndarray:
     if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
         desc = f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
         raise ValueError(f"{what} must be a 1-D uint64 numpy array, got {desc}")
-    return np.ascontiguousarray(ids)
+    # Contiguous and writable: read-only arrays (np.frombuffer of a request) are another numba type,
+    # which would cost a second compilation on the first request; the copy is cheap next to a lookup.
+    return np.require(ids, requirements=["C", "W"])
 
 
 @dataclass
@@ -403,8 +405,9 @@ class EmbeddingStore:
         n, dim = ids.shape[0], self.config.dim
         if out is None:
             out = np.empty((n, dim), np.float32)
-        elif out.dtype != np.float32 or out.shape != (n, dim) or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous float32 array of shape {(n, dim)}, "
+        elif out.dtype != np.float32 or out.shape != (n, dim) or not out.flags.c_contiguous \
+                or not out.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous float32 array of shape {(n, dim)}, "
                              f"got {out.dtype} {out.shape}")
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
@@ -431,7 +434,7 @@ class EmbeddingStore:
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (n, dim):
             desc = f"{grads.dtype} {grads.shape}" if isinstance(grads, np.ndarray) else type(grads).__name__
             raise ValueError(f"grads must be a float32 array of shape {(n, dim)} matching ids, got {desc}")
-        grads = np.ascontiguousarray(grads)
+        grads = np.require(grads, requirements=["C", "W"])
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
         code, hp = self.config.optimizer.code, self._hp
@@ -481,7 +484,7 @@ class EmbeddingStore:
             raise ValueError(f"values must be float32 of shape {shape} (dim + optimizer state), got {desc}")
         if np.any(keys == K.EMPTY_KEY):
             raise ValueError(f"key {int(K.EMPTY_KEY):#x} is reserved for empty slots and cannot be stored")
-        values = np.ascontiguousarray(values)
+        values = np.require(values, requirements=["C", "W"])
         perm = np.empty(keys.shape[0], np.int32)
         offsets = K.partition(keys, self.config.num_stripes, perm)
 

@@ -106,6 +106,17 @@ def test_read_only_lookup_does_not_insert_or_reorder(open_store):
     assert stats["rows"] == 3 and stats["read_misses"] == 1
 
 
+def test_read_only_request_buffers_are_accepted(open_store):
+    """IDs and gradients decoded from a request are read-only views of its bytes."""
+    store = open_store(config())
+    keys = np.frombuffer(ids(5, 6, 7).tobytes(), dtype=np.uint64)
+    grads = np.frombuffer(np.ones((3, 4), np.float32).tobytes(), dtype=np.float32).reshape(3, 4)
+    assert not keys.flags.writeable and not grads.flags.writeable
+    rows = store.lookup(keys, train=True)
+    assert store.update(keys, grads) == 3
+    np.testing.assert_allclose(store.lookup(keys, train=False), rows - np.float32(0.1), atol=1e-7)
+
+
 def test_lookup_into_caller_buffer(open_store):
     store = open_store(config())
     out = np.full((3, 4), 7.0, np.float32)
