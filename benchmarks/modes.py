@@ -40,7 +40,7 @@ def hybridrec_config(data: Path, out: Path) -> Path:
                  "oracle": str(data / "oracle.json")},
         "model": {"path": "hybridrec.models:DNN", "kwargs": {"hidden": [512, 256, 128]}},
         "optimizer": {"embedding": {"name": "adagrad", "lr": 0.05}, "dense": {"name": "adam", "lr": 0.001}},
-        "training": {"batch_size": 4096, "epochs": 1, "staleness": 4, "prefetch": 4},
+        "training": {"batch_size": 4096, "epochs": 1, "staleness": 1, "prefetch": 2},
         "ps": {"capacity": 4_000_000},
         "cluster": {"ps": ["127.0.0.1:0"] * 2, "embedding_workers": ["127.0.0.1:0"],
                     "nn_workers": ["127.0.0.1:0"] * 2},
