@@ -74,10 +74,11 @@ def run_baseline(name: str, data: Path, work: Path) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"baseline {name} failed:\n{result.stderr[-3000:]}")
     raw = json.loads(out.read_text())
-    entry = raw.get(name, raw.get("results", {}).get(name, raw))
+    entry = raw["baselines"][name]
     return {"samples_per_sec": entry["samples_per_sec"], "auc": entry["auc"], "logloss": entry.get("logloss"),
             "train_wall_s": entry.get("train_wall_s"), "samples": entry.get("samples"),
-            "curve": [tuple(p) for p in entry.get("curve", [])], "curve_kind": "eval AUC"}
+            "curve": [tuple(p) for p in entry.get("curve", [])], "curve_kind": "eval AUC",
+            "details": entry.get("details", {})}
 
 
 def plot(result: dict, path: Path) -> None:
