@@ -171,7 +171,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     auc = evaluate(train(args, train_data, sizes, use_ids=True), evals)
-    print(f"full model ({args.emb_opt} Adagrad lr {args.lr_emb}) trained in {time.perf_counter() - t0:.1f} s")
+    opt_name = "row-wise Adagrad" if args.emb_opt == "rowwise" else "torch.optim.Adagrad"
+    print(f"full model ({opt_name} lr {args.lr_emb}) trained in {time.perf_counter() - t0:.1f} s")
     print(f"oracle AUC      {oracle['oracle_auc']:.4f}")
     print(f"achieved AUC    {auc:.4f}   gap {oracle['oracle_auc'] - auc:+.4f}")
     if not args.skip_dense_only:

@@ -33,6 +33,8 @@ GROUP_SHIFT = 56
 MAX_GROUP = (1 << (64 - GROUP_SHIFT)) - 1
 HASH_MASK = (1 << GROUP_SHIFT) - 1
 DEFAULT_BLOCK_BYTES = 4 << 20
+MAX_LINE_BYTES = 1 << 20
+"""A longer line is bad (and bounds the bytes carried from block to block)."""
 _GZIP_READ_BYTES = 1 << 20
 
 _log = logging.getLogger(__name__)
@@ -247,27 +249,25 @@ def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[byt
         member_has_input = False
         pending: list[bytes] = []
         num_pending = 0
-        while True:
-            raw = f.read(_GZIP_READ_BYTES)
-            if not raw:
-                break
-            while raw:
-                try:
-                    out = dec.decompress(raw)
-                except zlib.error as exc:
-                    raise CriteoFormatError(f"{path}: not a valid gzip stream ({exc})") from exc
-                member_has_input = True
-                raw = b""
-                if dec.eof:  # next member of a multi-member file, if any
-                    raw = dec.unused_data
-                    dec = zlib.decompressobj(wbits=31)
-                    member_has_input = False
-                if skip:
-                    cut = min(skip, len(out))
-                    out, skip = out[cut:], skip - cut
-                if out:
-                    pending.append(out)
-                    num_pending += len(out)
+        raw = b""
+        while raw or (raw := f.read(_GZIP_READ_BYTES)):
+            try:  # max_length bounds memory however well the input compresses
+                out = dec.decompress(raw, block_bytes)
+            except zlib.error as exc:
+                raise CriteoFormatError(f"{path}: not a valid gzip stream ({exc})") from exc
+            member_has_input = True
+            if dec.eof:  # next member of a multi-member file, if any
+                raw = dec.unused_data
+                dec = zlib.decompressobj(wbits=31)
+                member_has_input = False
+            else:
+                raw = dec.unconsumed_tail
+            if skip:
+                cut = min(skip, len(out))
+                out, skip = out[cut:], skip - cut
+            if out:
+                pending.append(out)
+                num_pending += len(out)
             if num_pending >= block_bytes:
                 yield b"".join(pending)
                 pending, num_pending = [], 0
@@ -276,8 +276,21 @@ def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[byt
             pending.append(tail)
         if pending:
             yield b"".join(pending)
-        if member_has_input:
+        if member_has_input and not dec.eof:
             raise _GzipTruncated()
+
+
+def _drop_through_newline(blocks: Iterator[bytes], head: bytes) -> tuple[int, bytes] | None:
+    """Skip an overlong line: (bytes dropped, what follows its newline) or None at EOF."""
+    num_dropped = 0
+    block = head
+    while (cut := block.find(b"\n")) < 0:
+        num_dropped += len(block)
+        try:
+            block = next(blocks)
+        except (StopIteration, _GzipTruncated):
+            return None
+    return num_dropped + cut + 1, block[cut + 1:]
 
 
 def _count_lines_before(path: str, offset: int) -> int:
@@ -380,7 +393,9 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
                 np.empty((chunk_rows, NUM_SPARSE), np.bool_))
 
     def emit(arrays, num_rows, first_line, end_offset, num_bad, end_line):
-        labels, dense, ids, present = (a[:num_rows] for a in arrays)
+        # a short last chunk is copied so that it does not pin full-size arrays
+        labels, dense, ids, present = (
+            a[:num_rows] if num_rows == chunk_rows else a[:num_rows].copy() for a in arrays)
         return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=path,
                            first_line=first_line, end_offset=end_offset,
                            num_bad_lines=num_bad, end_line=end_line)
@@ -426,6 +441,22 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
         stream_pos += pos
         if eof:
             break
+        if len(carry) > MAX_LINE_BYTES:  # no newline in sight: garbage, not a sample
+            if stop_on_bad:
+                raise CriteoFormatError(f"{path}:{line_no}: line longer than {MAX_LINE_BYTES} bytes")
+            dropped = _drop_through_newline(blocks, carry)
+            if dropped is None:  # the file ends inside the line
+                carry, eof = b"", True
+                chunk_bad += 1
+                if first_any < 0:
+                    first_any = line_no
+                break
+            num_dropped, carry = dropped
+            stream_pos += num_dropped
+            chunk_bad += 1
+            if first_any < 0:
+                first_any = line_no
+            line_no += 1
     if truncated:
         if stop_on_bad:
             raise CriteoFormatError(

@@ -48,7 +48,7 @@ import numpy as np
 
 from services.dataloader.criteo import NUM_DENSE, NUM_SPARSE
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 BLOCK_ROWS = 1 << 15
 """Rows drawn per random stream; part of the generator's definition."""
 TARGET_CTR = 0.25

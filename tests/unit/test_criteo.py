@@ -245,3 +245,23 @@ def test_only_bad_lines_gives_empty_chunk(tmp_path):
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     assert list(read_criteo(empty)) == []
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_overlong_line(tmp_path, gz):
+    """A line with no newline for megabytes is dropped without being carried whole."""
+    from services.dataloader import criteo
+
+    text = (LINE_A + "\n" + "x" * (3 * criteo.MAX_LINE_BYTES) + "\n" + LINE_B + "\n").encode()
+    path = tmp_path / ("long.tsv.gz" if gz else "long.tsv")
+    path.write_bytes(gzip.compress(text) if gz else text)
+    chunks = list(read_criteo(path, block_bytes=1 << 16))
+    assert sum(c.num_bad_lines for c in chunks) == 1
+    np.testing.assert_array_equal(concat(chunks)["labels"], [1, 0])
+    assert chunks[-1].end_offset == len(text) and chunks[-1].end_line == 4
+    with pytest.raises(CriteoFormatError, match=rf"^{path}:2: line longer than"):  # never parsed
+        list(read_criteo(path, bad_lines="error", block_bytes=1 << 16))
+    tail = tmp_path / "tail.tsv"  # the file ends inside the overlong line
+    tail.write_bytes(text[: len(LINE_A) + 1 + 2 * criteo.MAX_LINE_BYTES])
+    chunks = list(read_criteo(tail, block_bytes=1 << 16))
+    assert sum(c.num_bad_lines for c in chunks) == 1 and len(concat(chunks)["labels"]) == 1
