@@ -280,8 +280,8 @@ def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[byt
             raise _GzipTruncated()
 
 
-def _drop_through_newline(blocks: Iterator[bytes], head: bytes) -> tuple[int, bytes] | None:
-    """Skip an overlong line: (bytes dropped, what follows its newline) or None at EOF."""
+def _drop_through_newline(blocks: Iterator[bytes], head: bytes) -> tuple[int, bytes | None]:
+    """Skip an overlong line: (bytes dropped, what follows its newline or None at EOF)."""
     num_dropped = 0
     block = head
     while (cut := block.find(b"\n")) < 0:
@@ -289,7 +289,7 @@ def _drop_through_newline(blocks: Iterator[bytes], head: bytes) -> tuple[int, by
         try:
             block = next(blocks)
         except (StopIteration, _GzipTruncated):
-            return None
+            return num_dropped, None
     return num_dropped + cut + 1, block[cut + 1:]
 
 
@@ -444,19 +444,14 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
         if len(carry) > MAX_LINE_BYTES:  # no newline in sight: garbage, not a sample
             if stop_on_bad:
                 raise CriteoFormatError(f"{path}:{line_no}: line longer than {MAX_LINE_BYTES} bytes")
-            dropped = _drop_through_newline(blocks, carry)
-            if dropped is None:  # the file ends inside the line
-                carry, eof = b"", True
-                chunk_bad += 1
-                if first_any < 0:
-                    first_any = line_no
-                break
-            num_dropped, carry = dropped
-            stream_pos += num_dropped
             chunk_bad += 1
-            if first_any < 0:
-                first_any = line_no
+            first_any = line_no if first_any < 0 else first_any
             line_no += 1
+            num_dropped, carry = _drop_through_newline(blocks, carry)
+            stream_pos += num_dropped
+            if carry is None:  # the file ends inside the line
+                carry = b""
+                break
     if truncated:
         if stop_on_bad:
             raise CriteoFormatError(
