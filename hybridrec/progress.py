@@ -30,6 +30,8 @@ class Progress:
 
     def __init__(self, config: Config, *, tty: bool | None = None):
         self.total = estimate_samples(config)
+        # NN rank 0 reports its own counters; every rank trains the same number of batches.
+        self.ranks = len(config.cluster.nn_workers)
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.every_s = config.training.log_every_s
         self.next_log = 0.0
@@ -54,11 +56,11 @@ class Progress:
     def _fields(self, status) -> dict:
         if status is None or status.phase == "starting":
             return {"phase": "starting"}
-        fields = {"phase": status.phase, "step": status.step, "samples": f"{status.samples:,}",
-                  "samples/s": f"{status.samples_per_sec:,.0f}", "loss": f"{status.loss:.4f}",
-                  "auc": f"{status.train_auc:.4f}"}
-        if self.total and status.samples_per_sec > 0 and status.phase == "train":
-            fields["eta"] = f"{max(0.0, (self.total - status.samples) / status.samples_per_sec):.0f}s"
+        samples, rate = status.samples * self.ranks, status.samples_per_sec * self.ranks
+        fields = {"phase": status.phase, "step": status.step, "samples": f"{samples:,}",
+                  "samples/s": f"{rate:,.0f}", "loss": f"{status.loss:.4f}", "auc": f"{status.train_auc:.4f}"}
+        if self.total and rate > 0 and status.phase == "train":
+            fields["eta"] = f"{max(0.0, (self.total - samples) / rate):.0f}s"
         return fields
 
     def close(self) -> None:
