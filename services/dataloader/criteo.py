@@ -26,12 +26,13 @@ from typing import Iterator, Sequence
 import numba
 import numpy as np
 
+from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS, VALUE_MASK
+
 NUM_DENSE = 13
 NUM_SPARSE = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-GROUP_SHIFT = 56
-MAX_GROUP = (1 << (64 - GROUP_SHIFT)) - 1
-HASH_MASK = (1 << GROUP_SHIFT) - 1
+MAX_GROUP = MAX_GROUPS - 1
+HASH_MASK = VALUE_MASK
 DEFAULT_BLOCK_BYTES = 4 << 20
 MAX_LINE_BYTES = 1 << 20
 """A longer line is bad (and bounds the bytes carried from block to block)."""
