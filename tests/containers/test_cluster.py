@@ -114,7 +114,7 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
         while steps < steps_per_rank * 0.2:
             assert time.monotonic() < deadline, f"rank 0 made no progress\n{cluster.all_logs()}"
             assert cluster.running("nn-worker-0"), f"rank 0 exited early\n{cluster.all_logs()}"
-            steps = cluster.nn_stats("nn-worker-0").get("steps", 0.0)
+            steps = cluster.nn_stats("nn-worker-0").get("steps_total", 0.0)
             time.sleep(0.5)
         # docker kill would count as a manual stop and disable the restart policy, so the PS
         # process (the child of docker-init, PID 1) is killed from inside the container.
