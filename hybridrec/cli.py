@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,12 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    # Everything is closed and flushed by now. Skip interpreter teardown: native threads of
+    # torch.distributed (Gloo) can abort the process in static destructors ("terminate called
+    # without an active exception"), which would turn a finished NN worker into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()
