@@ -18,6 +18,19 @@ from hybridrec.compress import dedup
 
 PHASES = ("train", "eval")
 
+# batch_ref = embedding-worker index (8 bits) | worker incarnation (16 bits) | sequence (40 bits):
+# the embedding worker makes refs, the NN worker routes each lookup by the top bits.
+REF_SHIFT = 56
+INCARNATION_SHIFT = 40
+
+
+def make_batch_ref(worker: int, incarnation: int, seq: int) -> int:
+    return (worker << REF_SHIFT) | (incarnation << INCARNATION_SHIFT) | seq
+
+
+def worker_of_ref(ref: int) -> int:
+    return ref >> REF_SHIFT
+
 
 @dataclass
 class SparseBatch:

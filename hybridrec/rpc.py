@@ -164,7 +164,7 @@ def sync_channel(address: str) -> grpc.Channel:
     return grpc.secure_channel(address, _security.channel_credentials(), options=_security.channel_options())
 
 
-def new_server(*, threads: int | None = None) -> grpc.aio.Server:
+def new_server() -> grpc.aio.Server:
     return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
 
 

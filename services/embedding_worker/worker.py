@@ -21,15 +21,13 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from hybridrec import codec
-from hybridrec.batch import SparseBatch
+from hybridrec.batch import SparseBatch, make_batch_ref
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
 from hybridrec.rpc import NotFound
 from hybridrec.sharding import split_by_shard
 from services.embedding_worker.pooling import scatter_add_rows
 
-REF_SHIFT = 56  # batch_ref = worker index (8 bits) | incarnation (16 bits) | sequence (40 bits)
-INCARNATION_SHIFT = 40
 
 PSCall = Callable[[int, str, bytes], Awaitable[bytes]]  # (shard, method, frame) -> reply frame
 
@@ -70,7 +68,7 @@ class EmbeddingWorker:
         """Buffer a batch and return its batch_ref (this worker's replica in the top bits)."""
         if len(sparse.uniq) != len(self.features):
             raise ValueError(f"batch has {len(sparse.uniq)} features, the config has {len(self.features)}")
-        ref = (self.replica << REF_SHIFT) | (self.incarnation << INCARNATION_SHIFT) | self.next_seq
+        ref = make_batch_ref(self.replica, self.incarnation, self.next_seq)
         self.next_seq += 1
         uniq, gidx = {}, {}
         for dim, members in self.members.items():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrec import codec, rpc
-from hybridrec.batch import DenseBatch
+from hybridrec.batch import DenseBatch, worker_of_ref
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle
 from hybridrec.models import FeatureInfo, build_model
@@ -31,7 +31,6 @@ from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import init_process_group
 from services.nn_worker.trainer import BatchLost, EndOfPhase, Trainer
 
-REF_SHIFT = 56
 
 
 class NNWorkerServicer:
@@ -133,7 +132,7 @@ async def serve(config: Config, replica: int) -> None:
     timeout = config.cluster.rpc_timeout_s
 
     def worker_of(ref: int) -> int:
-        index = ref >> REF_SHIFT
+        index = worker_of_ref(ref)
         if index >= len(channels):
             raise ValueError(f"batch_ref {ref} names embedding worker {index}, which does not exist")
         return index
