@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -58,12 +59,29 @@ def run_mode(config: Path, mode: str, work: Path) -> dict:
         raise RuntimeError(f"hybridrec run ({mode}) failed:\n{result.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     series = json.loads((run_dir / "series.json").read_text())["training"]
-    t0 = next((p["t"] for p in series if p["phase"] == "train"), 0.0)
-    curve = [(p["t"] - t0, p["train_auc"]) for p in series if p["phase"] == "train" and p["train_auc"] == p["train_auc"]]
-    return {"samples_per_sec": summary["samples_per_sec"], "auc": summary["auc"], "logloss": summary["logloss"],
+    train = [p for p in series if p["phase"] == "train"]
+    t0 = train[0]["t"] if train else 0.0
+    curve = [(p["t"] - t0, p["train_auc"]) for p in train if p["train_auc"] == p["train_auc"]]
+    cpu = cpu_during(json.loads((run_dir / "series.json").read_text())["resources"], t0, train[-1]["t"] if train else 0.0)
+    return {"cpu_percent": cpu, "samples_per_sec": summary["samples_per_sec"], "auc": summary["auc"], "logloss": summary["logloss"],
             "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
             "samples": summary["samples"], "staleness": summary["staleness"], "curve": curve,
             "curve_kind": "progressive validation AUC"}
+
+
+def cpu_during(resources: dict[str, list[dict]], t0: float, t1: float) -> dict[str, float]:
+    """Mean CPU % of every service while training ran (100 = one core busy), and their total.
+
+    On one machine every mode does the same CPU work per sample, so a mode can only
+    be faster than another by the CPU time the other leaves idle: the totals say how
+    much that is (DESIGN §1; the issue 5 closing note)."""
+    out: dict[str, float] = {}
+    for name, points in resources.items():
+        values = [p["cpu_percent"] for p in points if t0 <= p["t"] <= t1]
+        if values:
+            out[name] = round(sum(values) / len(values), 1)
+    out["total"] = round(sum(out.values()), 1)
+    return out
 
 
 def run_baseline(name: str, data: Path, work: Path) -> dict:
@@ -140,6 +158,11 @@ def main() -> None:
         "hybrid_vs_pytorch_throughput": ratio(h, base.get("pytorch")),
         "hybrid_vs_torchrec_throughput": ratio(h, base.get("torchrec")),
     }
+    if h and modes.get("sync"):
+        # Ceiling of hybrid/sync on this machine: hybrid can at most fill the cores sync leaves idle.
+        result["targets"]["hybrid_vs_sync_cpu_ceiling"] = (100.0 * (os.cpu_count() or 1)
+                                                          / max(modes["sync"]["cpu_percent"]["total"], 1.0))
+    result["cpus"] = os.cpu_count()
     result["wall_s"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
