@@ -116,6 +116,9 @@ class TrainingConfig(_Model):
     """torch.distributed backend; auto is NCCL when CUDA is present, else Gloo."""
     torch_threads: Annotated[int, Field(ge=1)] = 1
     """Intra-op threads per NN worker."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Dense forward/backward in fp32, or under bf16 autocast (GPUs, and CPUs with AVX512-BF16 or AMX:
+    about 2x faster matmuls). Parameters, optimizer state, embeddings and the loss stay fp32."""
     sync_interval: Annotated[int, Field(ge=1)] = 16
     """async mode: average dense replicas every this many steps."""
     shadow_algorithm: Literal["easgd", "ma", "bmuf"] = "ma"

@@ -199,7 +199,8 @@ class Trainer:
         dense = torch.from_numpy(np.array(batch.dense)).to(device)
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
         leaves, embeddings = self.pooler.pool(emb, device, grad=True)
-        logits = self.sync.module(dense, embeddings).reshape(-1)
+        with self._autocast():
+            logits = self.sync.module(dense, embeddings).reshape(-1).float()
         loss = F.binary_cross_entropy_with_logits(logits, labels) * weight
         if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == 0:
             self._progressive_auc(logits.detach().cpu().numpy(), batch.labels)
@@ -210,6 +211,10 @@ class Trainer:
         self.sync.after_step(self.stats.steps)
         return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
                                       else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+
+    def _autocast(self):
+        """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
 
     def _progressive_auc(self, logits: np.ndarray, labels: np.ndarray) -> None:
         auc = binary_metrics(labels, 1 / (1 + np.exp(-logits)))["auc"]
@@ -260,7 +265,8 @@ class Trainer:
     def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
         device = self.env.device
         _, embeddings = self.pooler.pool(emb, device, grad=False)
-        logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1)
+        with self._autocast():
+            logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1).float()
         return torch.sigmoid(logits).float().cpu().numpy()
 
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
     ("sync", []), ("async", ["--set", "training.sync_interval=4"]),
     ("shadow", ["--set", "training.shadow_algorithm=ma"]), ("shadow", ["--set", "training.shadow_algorithm=easgd"]),
     ("shadow", ["--set", "training.shadow_algorithm=bmuf"]),
-])
+    ("hybrid", ["--set", "training.precision=bf16"]),  # bf16 autocast through DDP and the embedding gradients
+], ids=["sync", "async", "shadow-ma", "shadow-easgd", "shadow-bmuf", "hybrid-bf16"])
 def test_mode_trains(tmp_path, small_config, mode, extra):
     summary_path = tmp_path / "s.json"
     result = subprocess.run(HYBRIDREC + ["run", str(small_config), "--run-dir", str(tmp_path / "run"),

@@ -24,6 +24,7 @@ def test_defaults_and_override(tmp_path):
     (BASE + "training:\n  batch_size: many\n", [], "training.batch_size"),
     (BASE, ["training.batch_size=70000"], "training.batch_size"),
     (BASE, ["training.mode=fast"], "training.mode"),
+    (BASE, ["training.precision=fp16"], "training.precision"),
     (BASE + "trainig: {}\n", [], "trainig: unknown key"),
     (BASE, ["cluster.ps=[nohost]"], "cluster.ps"),
     (BASE, ["optimizer.embedding.name=rmsprop"], "optimizer.embedding.name"),
