@@ -50,11 +50,13 @@ def hybridrec_config(data: Path, out: Path) -> Path:
     return out
 
 
-def run_mode(config: Path, mode: str, work: Path) -> dict:
+def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     run_dir = work / f"run-{mode}"
     started = time.monotonic()
+    sets = [arg for o in overrides for arg in ("--set", o)]
     result = subprocess.run([sys.executable, "-m", "hybridrec", "run", str(config), "--set", f"training.mode={mode}",
-                             "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+                             *sets, "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                            timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"hybridrec run ({mode}) failed:\n{result.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -130,6 +132,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows to synthesize when --data has none")
     parser.add_argument("--quick", action="store_true", help="one epoch of the 1M-row example (about 10 minutes)")
     parser.add_argument("--only", nargs="*", default=None, help="subset of modes/baselines to run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every hybridrec run (e.g. training.precision=bf16); the "
+                             "baselines do not see it")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
         from services.dataloader.synth import synthesize
@@ -139,10 +144,11 @@ def main() -> None:
     config = hybridrec_config(args.data, work / "config.yaml")
     wanted = set(args.only) if args.only else set(MODES) | set(BASELINES)
     started = time.monotonic()
-    result: dict = {"benchmark": "modes", "data": str(args.data), "modes": {}, "baselines": {}}
+    result: dict = {"benchmark": "modes", "data": str(args.data), "overrides": args.overrides, "modes": {},
+                    "baselines": {}}
     for mode in MODES:
         if mode in wanted:
-            result["modes"][mode] = run_mode(config, mode, work)
+            result["modes"][mode] = run_mode(config, mode, work, args.overrides)
             print(mode, {k: result["modes"][mode][k] for k in ("samples_per_sec", "auc")}, flush=True)
     for name in BASELINES:
         if name in wanted:
