@@ -1,7 +1,7 @@
 """`hybridrec plan`: memory of the embedding PS before renting the machines.
 
-The numbers come from the store's own layout (services.embedding_ps.store
-.planned_shm_bytes): the values array (embedding + optimizer state per row),
+The numbers come from the store's own layout (services.embedding_ps
+.store_files.planned_shm_bytes): the values array (embedding + optimizer state per row),
 the open-addressing index (a power of two >= 2x each stripe's rows), the keys
 and the LRU prev/next arrays, per shard and in total.
 """
@@ -28,7 +28,8 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
     `num_stripes` defaults to 16, or more when a stripe would exceed the store's row limit.
     """
     from services.embedding_ps.kernels import MAX_STRIPE_ROWS
-    from services.embedding_ps.store import OptimizerSpec, StoreConfig, planned_shm_bytes
+    from services.embedding_ps.optimizers import OptimizerSpec
+    from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -57,7 +58,7 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
 def plan_config(config: Config) -> dict:
     """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
     from services.embedding_ps.server import store_config
-    from services.embedding_ps.store import planned_shm_bytes
+    from services.embedding_ps.store_files import planned_shm_bytes
 
     per_shard: dict[str, int] = {}
     for dim in config.dims:

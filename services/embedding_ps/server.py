@@ -24,7 +24,8 @@ from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
-from services.embedding_ps.store import EmbeddingStore, OptimizerSpec, StoreConfig
+from services.embedding_ps.optimizers import OptimizerSpec
+from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 
 def store_config(config: Config, dim: int) -> StoreConfig:

@@ -1,16 +1,11 @@
-"""One PS shard's embedding table for one embedding width (DESIGN §2).
+"""One PS shard's embedding table for one embedding width: the request path (DESIGN §2).
 
-On the embedding PS: every array lives in a file under a directory (by
-default below /dev/shm) mapped MAP_SHARED, so a restarted PS process
-re-attaches to the same memory and an acknowledged update survives kill -9.
-
-Files: `header.bin` (int64: global fields, then one row per stripe with its
-dirty flag, LRU head/tail and counters), `index.bin` (int32 open-addressing
-hash index, key -> slot plus a 7-bit hash tag, -1 empty, linear probing;
-evictions leave stale entries that a periodic sweep drops, see
-kernels._reindex), `keys.bin` (uint64 slot -> key, EMPTY_KEY when free),
-`prev.bin`/`next.bin` (int32 array-based LRU list) and `values.bin` (float32
-slot -> embedding then optimizer state).
+On the embedding PS: `EmbeddingStore` serves lookups, updates, checkpoint
+dumps/restores and stats from request threads. Its arrays live in files
+mapped MAP_SHARED (by default below /dev/shm), so a restarted PS process
+re-attaches to the same memory and an acknowledged update survives kill -9;
+what those files hold, how they are sized, created, checked and re-attached,
+and `StoreConfig` itself, are in store_files.py.
 
 The table is split into stripes (a hash of the key, different from the shard
 hash): each has its own lock, index region, slot range and LRU list, so
@@ -20,32 +15,24 @@ a stripe found dirty on open is rebuilt from `keys` instead of trusted.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import mmap
 import os
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 
 from hybridrec import log
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
-from services.embedding_ps.optimizers import OPTIMIZER_CODES, OptimizerSpec
+from services.embedding_ps.store_files import (FILE_NAMES, GLOBAL_FIELDS, Layout, StoreConfig, attach_files,
+                                               create_files, file_dtype, file_nbytes, lock_directory)
+
+__all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 
 _log = log.get(__name__)
 
-DEFAULT_SHM_ROOT = Path("/dev/shm/hybridrec")
-"""Where the PS puts its stores unless configured otherwise (tmpfs: RAM, survives a process restart)."""
-MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
-LAYOUT_VERSION = 2
-# Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
-H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS = range(9)
-GLOBAL_FIELDS = 16
-_DATA_FILES = {"index": np.int32, "keys": np.uint64, "prev": np.int32, "next": np.int32, "values": np.float32}
 _INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
 _CHECK_MESSAGES = {
     1: "used row count out of range", 2: "key stored beyond the used slots", 3: "empty key inside the used slots",
@@ -54,61 +41,6 @@ _CHECK_MESSAGES = {
     7: "index entries missing, or more stale entries than evictions since the last sweep",
     8: "LRU list has a cycle, a free slot or a broken prev link", 9: "LRU list length or tail differs from rows",
 }
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Shape and behaviour of one store.
-
-    dim, capacity, optimizer name, seed and num_stripes are recorded in the
-    files and must match on re-attach; the others (hyper-parameters included)
-    may change between runs.
-    """
-
-    dim: int
-    """Embedding width."""
-    capacity: int
-    """Rows the store holds before it evicts least recently used ones."""
-    optimizer: OptimizerSpec
-    """Optimizer applied by `update`; decides the state stored after each row."""
-    seed: int = 0
-    """Seed of the deterministic initialisation and admission draws."""
-    init_distribution: Literal["uniform", "normal"] = "uniform"
-    """Distribution of a new row: uniform(-scale, scale) or normal(0, scale)."""
-    init_scale: float = 0.01
-    """Half-width (uniform) or standard deviation (normal) of new rows."""
-    admit_probability: float = 1.0
-    """Chance that a train lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
-    weight_bound: float | None = None
-    """Clip weights to [-bound, bound] after each update; None: no clipping."""
-    num_stripes: int = 16
-    """Independently locked parts of the table (parallelism across request threads)."""
-
-    def __post_init__(self) -> None:
-        if self.dim < 1:
-            raise ValueError(f"store dim must be >= 1, got {self.dim}")
-        if self.num_stripes < 1:
-            raise ValueError(f"store num_stripes must be >= 1, got {self.num_stripes}")
-        if self.capacity < self.num_stripes:
-            raise ValueError(f"store capacity ({self.capacity}) must be >= num_stripes ({self.num_stripes})")
-        if -(-self.capacity // self.num_stripes) > K.MAX_STRIPE_ROWS:
-            raise ValueError(f"store capacity per stripe must be <= {K.MAX_STRIPE_ROWS}: raise num_stripes "
-                             f"(capacity {self.capacity}, num_stripes {self.num_stripes})")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"store seed must be in [0, 2**63), got {self.seed}")
-        if self.init_distribution not in ("uniform", "normal"):
-            raise ValueError(f"store init_distribution must be 'uniform' or 'normal', got {self.init_distribution!r}")
-        if not self.init_scale >= 0:
-            raise ValueError(f"store init_scale must be >= 0, got {self.init_scale}")
-        if not 0.0 <= self.admit_probability <= 1.0:
-            raise ValueError(f"store admit_probability must be in [0, 1], got {self.admit_probability}")
-        if self.weight_bound is not None and not self.weight_bound > 0:
-            raise ValueError(f"store weight_bound must be > 0 or None, got {self.weight_bound}")
-
-    @property
-    def row_width(self) -> int:
-        """float32 values per row: the embedding, then the optimizer state."""
-        return self.dim + self.optimizer.state_width(self.dim)
 
 
 def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale: float) -> np.ndarray:
@@ -128,54 +60,6 @@ def _as_ids(ids: np.ndarray, what: str) -> np.ndarray:
     return np.require(ids, requirements=["C", "W"])
 
 
-@dataclass
-class _Layout:
-    """Sizes derived from a config: stripe s owns slots [bases[s], bases[s+1])."""
-
-    config: StoreConfig
-    index_slots: int = 0  # per stripe, a power of two >= 2 * largest stripe (live entries <= 1/2), >= 8
-    bases: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        c = self.config
-        self.bases = [s * c.capacity // c.num_stripes for s in range(c.num_stripes + 1)]
-        largest = max(b - a for a, b in zip(self.bases, self.bases[1:]))
-        self.index_slots = max(8, 1 << (2 * largest - 1).bit_length())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        c = self.config
-        return {"header": (GLOBAL_FIELDS + c.num_stripes * K.STRIPE_FIELDS,),
-                "index": (c.num_stripes * self.index_slots,), "values": (c.capacity, c.row_width)
-                }.get(name, (c.capacity,))
-
-    def expected_header(self) -> dict[int, tuple[str, int]]:
-        c = self.config
-        return {H_VERSION: ("layout version", LAYOUT_VERSION), H_DIM: ("dim", c.dim),
-                H_CAPACITY: ("capacity", c.capacity), H_OPTIMIZER: ("optimizer", c.optimizer.code),
-                H_STATE_WIDTH: ("state width", c.optimizer.state_width(c.dim)),
-                H_NUM_STRIPES: ("num_stripes", c.num_stripes), H_SEED: ("seed", c.seed),
-                H_INDEX_SLOTS: ("index slots per stripe", self.index_slots)}
-
-
-def _map_file(path: Path, nbytes: int, *, create: bool) -> mmap.mmap:
-    """MAP_SHARED mapping of a file, pre-faulted (MAP_POPULATE) so the hot path takes no page faults."""
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-            try:  # reserve tmpfs pages now: a full /dev/shm fails here, not as SIGBUS mid-training
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystem without fallocate
-                    raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for {path}: {exc.strerror}") from exc
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, expected {nbytes} (truncated or foreign file)")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-
-
 class EmbeddingStore:
     """Array-based LRU embedding table in shared memory; thread-safe, one process at a time.
 
@@ -183,14 +67,14 @@ class EmbeddingStore:
     threads (never the event loop: the kernels take milliseconds).
     """
 
-    def __init__(self, directory: Path, layout: _Layout, maps: dict[str, mmap.mmap], lock_fd: int) -> None:
+    def __init__(self, directory: Path, layout: Layout, maps: dict[str, mmap.mmap], lock_fd: int) -> None:
         self.directory = directory
         self.config = layout.config
         self._layout = layout
         self._maps = maps
         self._lock_fd = lock_fd
-        self._arrays = {name: np.frombuffer(mm, dtype=np.int64 if name == "header" else _DATA_FILES[name]
-                                            ).reshape(layout.shape(name)) for name, mm in maps.items()}
+        self._arrays = {name: np.frombuffer(mm, dtype=file_dtype(name)).reshape(layout.shape(name))
+                        for name, mm in maps.items()}
         c = self.config
         self._hp = c.optimizer.hyper_parameters(c.weight_bound)
         # numpy scalars, not Python ints: a Python int >= 2**63 sends numba's dispatcher down its
@@ -224,18 +108,12 @@ class EmbeddingStore:
         Dirty stripes (a crash mid-mutation) are rebuilt from `keys`.
         """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(directory / "store.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        lock_fd = lock_directory(directory)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel if we die
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise RuntimeError(f"embedding store {directory} is already open (another process or handle)") from None
-        try:
-            layout = _Layout(config)
-            maps = cls._attach(directory, layout)
+            layout = Layout(config)
+            maps = attach_files(directory, layout)
             if maps is None:
-                maps = cls._create(directory, layout)
+                maps = create_files(directory, layout)
             store = cls(directory, layout, maps, lock_fd)
         except BaseException:
             os.close(lock_fd)
@@ -246,64 +124,6 @@ class EmbeddingStore:
             store.close()
             raise
         return store
-
-    @staticmethod
-    def _nbytes(layout: _Layout, name: str) -> int:
-        dtype = np.int64 if name == "header" else _DATA_FILES[name]
-        return int(np.prod(layout.shape(name))) * np.dtype(dtype).itemsize
-
-    @classmethod
-    def _attach(cls, directory: Path, layout: _Layout) -> dict[str, mmap.mmap] | None:
-        """Maps of existing, matching files; None when there is no complete store yet."""
-        header_path = directory / "header.bin"
-        if not header_path.exists() or header_path.stat().st_size < GLOBAL_FIELDS * 8:
-            return None
-        header = np.fromfile(header_path, dtype=np.int64, count=GLOBAL_FIELDS)
-        if header[H_MAGIC] == 0:  # creation was interrupted before the header was sealed
-            _log.warning("store creation was interrupted; recreating", directory=str(directory))
-            return None
-        if header[H_MAGIC] != MAGIC:
-            raise ValueError(f"{header_path} is not an embedding store header (bad magic)")
-        names = {code: name for name, code in OPTIMIZER_CODES.items()}
-        for pos, (what, want) in layout.expected_header().items():
-            if header[pos] != want:
-                have = names.get(int(header[pos]), int(header[pos])) if pos == H_OPTIMIZER else int(header[pos])
-                want = layout.config.optimizer.name if pos == H_OPTIMIZER else want
-                raise ValueError(f"embedding store {directory} was created with {what}={have}, "
-                                 f"but the config asks for {what}={want}")
-        maps: dict[str, mmap.mmap] = {}
-        try:
-            for name in ("header", *_DATA_FILES):
-                path = directory / f"{name}.bin"
-                if not path.exists():
-                    raise ValueError(f"embedding store {directory} is missing {path.name}")
-                maps[name] = _map_file(path, cls._nbytes(layout, name), create=False)
-        except BaseException:
-            for mm in maps.values():
-                mm.close()
-            raise
-        return maps
-
-    @classmethod
-    def _create(cls, directory: Path, layout: _Layout) -> dict[str, mmap.mmap]:
-        """New empty files; the header's magic is written last, sealing a complete store."""
-        maps = {name: _map_file(directory / f"{name}.bin", cls._nbytes(layout, name), create=True)
-                for name in (*_DATA_FILES, "header")}
-        np.frombuffer(maps["keys"], dtype=np.uint64)[:] = K.EMPTY_KEY
-        np.frombuffer(maps["index"], dtype=np.int32)[:] = -1
-        header = np.frombuffer(maps["header"], dtype=np.int64)
-        for s in range(layout.config.num_stripes):
-            row = header[GLOBAL_FIELDS + s * K.STRIPE_FIELDS:]
-            row[K.F_HEAD] = row[K.F_TAIL] = -1
-        for pos, (_, value) in layout.expected_header().items():
-            header[pos] = value
-        for name in _DATA_FILES:
-            maps[name].flush()
-        header[H_MAGIC] = MAGIC
-        maps["header"].flush()
-        _log.info("created embedding store", directory=str(directory), dim=layout.config.dim,
-                  capacity=layout.config.capacity)
-        return maps
 
     def _recover(self) -> None:
         for s, (index, keys, prev, nxt, values, hdr) in enumerate(self._stripes):
@@ -507,7 +327,7 @@ class EmbeddingStore:
     @property
     def shm_bytes(self) -> int:
         """Bytes of all files backing the store."""
-        return sum(self._nbytes(self._layout, name) for name in ("header", *_DATA_FILES))
+        return sum(file_nbytes(self._layout, name) for name in FILE_NAMES)
 
     @property
     def num_rows(self) -> int:
@@ -529,8 +349,3 @@ class EmbeddingStore:
             "stripe_rows_min": min(used), "stripe_rows_max": max(used), "shm_bytes": self.shm_bytes,
         }
 
-
-def planned_shm_bytes(config: StoreConfig) -> dict[str, int]:
-    """Bytes of each file a store of `config` allocates under its shm directory (the capacity planner's source)."""
-    layout = _Layout(config)
-    return {name: EmbeddingStore._nbytes(layout, name) for name in ("header", *_DATA_FILES)}

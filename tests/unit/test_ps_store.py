@@ -11,7 +11,8 @@ import pytest
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
 from services.embedding_ps.optimizers import OptimizerSpec
-from services.embedding_ps.store import GLOBAL_FIELDS, EmbeddingStore, StoreConfig, init_rows
+from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
+from services.embedding_ps.store_files import GLOBAL_FIELDS
 
 try:
     from hybridrec.sharding import shard_of
