@@ -40,7 +40,7 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 MAX_STRIPE_ROWS = 1 << SLOT_BITS
 _TAG_SHIFT = np.uint64(25)  # buckets use hash bits below 25 (index regions are at most 2**25 entries)
 
-# Per-stripe header row (int64). Changing it means bumping LAYOUT_VERSION in store.py.
+# Per-stripe header row (int64). Changing it means bumping LAYOUT_VERSION in store_files.py.
 F_DIRTY = 0          # 1 while a kernel may be mutating the stripe
 F_USED = 1           # live rows; they occupy local slots [0, used)
 F_HEAD = 2           # most recently used slot (-1: empty list)
@@ -164,7 +164,7 @@ def _reindex(index, keys, hdr):
 def _sweep_stale(index, keys, hdr):
     """Reindex once stale entries may exceed a quarter of the index; True if it did.
 
-    With at most half the index live (see store._Layout), that keeps live +
+    With at most half the index live (see store_files.Layout), that keeps live +
     stale entries below 3/4 of it, so probes are short and always end.
     """
     if hdr[F_STALE] > index.shape[0] // 4:
