@@ -60,12 +60,12 @@ def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"hybridrec run ({mode}) failed:\n{result.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    series = json.loads((run_dir / "series.json").read_text())["training"]
-    train = [p for p in series if p["phase"] == "train"]
-    t0 = train[0]["t"] if train else 0.0
+    series = json.loads((run_dir / "series.json").read_text())
+    train = [p for p in series["training"] if p["phase"] == "train"]
+    t0, t1 = (train[0]["t"], train[-1]["t"]) if train else (0.0, 0.0)
     curve = [(p["t"] - t0, p["train_auc"]) for p in train if p["train_auc"] == p["train_auc"]]
-    cpu = cpu_during(json.loads((run_dir / "series.json").read_text())["resources"], t0, train[-1]["t"] if train else 0.0)
-    return {"cpu_percent": cpu, "samples_per_sec": summary["samples_per_sec"], "auc": summary["auc"], "logloss": summary["logloss"],
+    return {"cpu_percent": cpu_during(series["resources"], t0, t1), "samples_per_sec": summary["samples_per_sec"],
+            "auc": summary["auc"], "logloss": summary["logloss"],
             "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
             "samples": summary["samples"], "staleness": summary["staleness"], "curve": curve,
             "curve_kind": "progressive validation AUC"}

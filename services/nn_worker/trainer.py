@@ -267,7 +267,7 @@ class Trainer:
         _, embeddings = self.pooler.pool(emb, device, grad=False)
         with self._autocast():
             logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1).float()
-        return torch.sigmoid(logits).float().cpu().numpy()
+        return torch.sigmoid(logits).cpu().numpy()
 
 
 def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
