@@ -57,6 +57,17 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w, time.thread_time() - c
 
 
+def run_threads(threads: list[threading.Thread]) -> tuple[float, float]:
+    """Start and join `threads`; (wall seconds, process CPU seconds per wall second)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return wall, (time.process_time() - c0) / wall
+
+
 def race(fns: dict, rows: dict, repeats: int) -> dict:
     """Best rows/s of each fn by wall clock and by thread CPU time, runs interleaved.
 
@@ -203,26 +214,14 @@ def main() -> None:
                     if mixed:
                         store.update(uniq_ids[k], grads[k])
 
-            threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
-            t0, c0 = time.perf_counter(), time.process_time()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            return total / wall, (time.process_time() - c0) / wall
+            wall, busy = run_threads([threading.Thread(target=worker, args=(t,)) for t in range(num_threads)])
+            return total / wall, busy
 
         def control(num_threads: int) -> tuple[float, float]:
             """The same measurement for a trivial nogil numba loop: how much parallelism the machine gives now."""
-            threads = [threading.Thread(target=_spin, args=(SPIN_ITERATIONS // num_threads,))
-                       for _ in range(num_threads)]
-            t0, c0 = time.perf_counter(), time.process_time()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            return SPIN_ITERATIONS / wall, (time.process_time() - c0) / wall
+            wall, busy = run_threads([threading.Thread(target=_spin, args=(SPIN_ITERATIONS // num_threads,))
+                                      for _ in range(num_threads)])
+            return SPIN_ITERATIONS / wall, busy
 
         _spin(10)
         for name, fn in (("lookup", lambda k: threaded(k, False)), ("lookup_update", lambda k: threaded(k, True)),
