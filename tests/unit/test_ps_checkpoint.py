@@ -6,18 +6,10 @@ import json
 import numpy as np
 import pytest
 
+from hybridrec.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard, inspect_checkpoint, load_shard, shard_dir_name
 from services.embedding_ps.optimizers import OptimizerSpec
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
-
-try:
-    from hybridrec.sharding import shard_of
-except ImportError:  # pragma: no cover - sharding.py is written by another engineer
-    def shard_of(ids: np.ndarray, n: int) -> np.ndarray:
-        z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return ((z ^ (z >> np.uint64(31))) % np.uint64(n)).astype(np.int64)
 
 DIMS = (4, 8)
 ADAM = OptimizerSpec("adam", lr=0.05)

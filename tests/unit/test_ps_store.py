@@ -8,20 +8,12 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from hybridrec.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
 from services.embedding_ps.optimizers import OptimizerSpec
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 from services.embedding_ps.store_files import GLOBAL_FIELDS
-
-try:
-    from hybridrec.sharding import shard_of
-except ImportError:  # pragma: no cover - sharding.py is written by another engineer
-    def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
-        z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return ((z ^ (z >> np.uint64(31))) % np.uint64(num_shards)).astype(np.int64)
 
 SGD = OptimizerSpec("sgd", lr=0.1)
 
