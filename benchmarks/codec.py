@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrec import codec, rpc  # noqa: E402
-from hybridrec.batch import SparseBatch  # noqa: E402
+from hybridrec.frames import Embeddings, Gradients, PSLookup, PSRows, SparseBatch  # noqa: E402
 from hybridrec.compress import ValueCodec  # noqa: E402
 from hybridrec.config import Config  # noqa: E402
 from hybridrec.proto import pb  # noqa: E402
@@ -89,22 +89,16 @@ def bench_wire_bytes() -> dict:
     values = ValueCodec(fp16=True, kappa=config.training.compression.kappa)
 
     async def fake_ps(shard: int, method: str, frame: bytes) -> bytes:  # rows of the right shape, no network
-        request = codec.decode(frame)
-        out = {}
-        for name, arr in request.tensors.items():
-            if name.startswith("ids."):
-                dim = int(name[4:])
-                out.update(values.pack(f"rows.{dim}", rng.standard_normal((arr.shape[0], dim)).astype(np.float32),
-                                       dim))
-        return codec.encode(out)
+        request = PSLookup.decode(frame, config.dims)
+        return PSRows({dim: rng.standard_normal((ids.shape[0], dim)).astype(np.float32)
+                       for dim, ids in request.ids.items()}).encode(values)
 
     worker = EmbeddingWorker(config, 0, fake_ps)
     ids_frame = SparseBatch.from_columns(ids, present, phase="train").encode()
-    ref = worker.put(SparseBatch.decode(codec.decode(ids_frame), FEATURES))
+    ref = worker.put(SparseBatch.decode(ids_frame, FEATURES))
     emb_frame = asyncio.run(worker.lookup(ref))
-    rows = codec.decode(emb_frame).tensors[f"rows.{DIM}"]
-    grad_frame = codec.encode(values.pack(f"grad.{DIM}", rng.standard_normal(rows.shape).astype(np.float32) * 1e-4,
-                                          DIM), {"batch_ref": ref})
+    rows = Embeddings.decode(emb_frame, values, [f.dim for f in config.features], BATCH).rows[DIM]
+    grad_frame = Gradients(ref, {DIM: rng.standard_normal(rows.shape).astype(np.float32) * 1e-4}).encode(values)
     ours = len(ids_frame) + len(emb_frame) + len(grad_frame)
     baseline_ids = BATCH * FEATURES * 8
     baseline_values = BATCH * FEATURES * DIM * 4

@@ -26,7 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybridrec import codec, rpc  # noqa: E402
+from hybridrec import rpc  # noqa: E402
+from hybridrec.compress import ValueCodec  # noqa: E402
+from hybridrec.frames import PSLookup, PSUpdate  # noqa: E402
 from hybridrec.launcher import free_port  # noqa: E402
 
 DIM = 16
@@ -42,9 +44,9 @@ async def _client(address: str, seed: int, stop_at: float, capacity: int, batch:
             ids = np.unique((rng.zipf(1.1, size=batch) + rng.integers(0, 50 * capacity)) % (50 * capacity))
             ids = ids.astype(np.uint64) + np.uint64(1)
             for name, call, frame in (
-                ("lookup", lookup, codec.encode({f"ids.{DIM}": ids}, {"train": True})),
-                ("update", update, codec.encode({f"ids.{DIM}": ids,
-                                                 f"grads.{DIM}": rng.standard_normal((ids.size, DIM), np.float32)})),
+                ("lookup", lookup, PSLookup({DIM: ids}, train=True).encode()),
+                ("update", update, PSUpdate({DIM: ids}, {DIM: rng.standard_normal((ids.size, DIM), np.float32)})
+                 .encode(ValueCodec(fp16=False))),
             ):
                 started = time.perf_counter()
                 try:

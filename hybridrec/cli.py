@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from hybridrec.config import Config, ConfigError, load_config
+from hybridrec.summary import RunSummary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
@@ -87,24 +88,23 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         raise typer.Exit(130)
     progress.close()
     if summary_json:
-        summary_json.parent.mkdir(parents=True, exist_ok=True)
-        summary_json.write_text(json.dumps(summary, indent=2))
+        summary.write(summary_json)
     _print_summary(summary)
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="hybridrec run", show_header=False)
     fmt = lambda v, p=4: "n/a" if v is None else (f"{v:,.{p}f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
-    rows = [("mode", summary["mode"]), ("steps", fmt(summary["steps"])), ("samples", fmt(summary["samples"])),
-            ("wall time", f"{summary['wall_s']:.1f} s"), ("train samples/s", fmt(summary["samples_per_sec"], 0)),
-            ("eval AUC", fmt(summary["auc"])), ("oracle AUC", fmt(summary.get("oracle_auc"))),
-            ("eval logloss", fmt(summary["logloss"])),
-            ("staleness p50 / max", f"{summary['staleness']['p50']} / {summary['staleness']['max']}"),
-            ("skipped batches / lost updates", f"{summary['skipped_batches']} / {summary['lost_updates']}"),
-            ("run dir", summary["run_dir"]), ("report", summary["report"])]
+    rows = [("mode", summary.mode), ("steps", fmt(summary.steps)), ("samples", fmt(summary.samples)),
+            ("wall time", f"{summary.wall_s:.1f} s"), ("train samples/s", fmt(summary.samples_per_sec, 0)),
+            ("eval AUC", fmt(summary.auc)), ("oracle AUC", fmt(summary.oracle_auc)),
+            ("eval logloss", fmt(summary.logloss)),
+            ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
+            ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
+            ("run dir", summary.run_dir), ("report", summary.report)]
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)

@@ -29,6 +29,7 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.report import Recorder, write_report
 from hybridrec.service import SERVICES
+from hybridrec.summary import RunSummary, ServiceInfo
 
 START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
 FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
@@ -245,7 +246,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 SAMPLE_EVERY_S = 1.0
 
 
-def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]:
+def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service."""
     started = time.monotonic()
     cluster = LocalCluster(config, run_dir)
@@ -266,11 +267,12 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> dict[str, Any]
         cluster.stop()
     summary_path = run_dir / "summary.json"
     try:
-        summary = json.loads(summary_path.read_text())
+        summary = RunSummary.read(summary_path)
     except (OSError, ValueError) as exc:
         raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
-    summary.update(wall_s=time.monotonic() - started, oracle_auc=find_oracle(config),
-                   services=[p.describe() for p in cluster.procs], run_dir=str(run_dir))
-    summary["report"] = str(write_report(run_dir, summary, recorder))
-    summary_path.write_text(json.dumps(summary, indent=2))
+    summary = summary.model_copy(update={
+        "wall_s": time.monotonic() - started, "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
+        "services": [ServiceInfo(**p.describe()) for p in cluster.procs]})
+    summary.report = str(write_report(run_dir, summary, recorder))
+    summary.write(summary_path)
     return summary

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from hybridrec.summary import RunSummary
+
 PLOTS = ("loss_auc", "throughput", "staleness", "resources")
 
 
@@ -125,8 +127,9 @@ window.addEventListener("load", function () {{
 """
 
 
-def write_report(run_dir: Path, summary: dict, series: Recorder) -> Path:
+def write_report(run_dir: Path, run: RunSummary, series: Recorder) -> Path:
     """Write PNGs, series.json and a self-contained report.html into run_dir; returns the HTML path."""
+    summary = run.model_dump(mode="json")
     paths = _plot_all(series, summary, run_dir)
     (run_dir / "series.json").write_text(json.dumps({"training": series.training, "resources": series.resources}))
     keys = ("mode", "steps", "samples", "wall_s", "samples_per_sec", "auc", "oracle_auc", "logloss",

@@ -18,8 +18,8 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from hybridrec import codec, rpc
-from hybridrec.batch import DenseBatch, SparseBatch
+from hybridrec import rpc
+from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, SparseBatch
 from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
@@ -101,7 +101,7 @@ class Dispatcher:
                 # On failure the next attempt goes to the next embedding worker: a dead one is routed around.
                 reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout),
                                         deadline_s=self.retry_s)
-                ref = codec.decode(reply).meta_int("batch_ref")
+                ref = BatchRef.decode(reply).batch_ref
                 dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=first_seq + sent,
                                    position=tuple(position.as_list()) if position else ())
                 await self._put(queues[rank], senders, dense.encode())
@@ -109,7 +109,7 @@ class Dispatcher:
                 self.servicer.counters[f"{phase}_batches_total"] += 1
                 self.servicer.counters["rows_sent_total"] += len(rows)
             for q in queues:
-                await self._put(q, senders, codec.encode(meta={"end_of": phase, **end_meta()}))
+                await self._put(q, senders, EndOfPhase(phase, end_meta()).encode())
                 await self._put(q, senders, _DONE)
             await asyncio.gather(*senders)
         finally:

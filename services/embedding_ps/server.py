@@ -18,9 +18,9 @@ import grpc
 import torch
 import numpy as np
 
-from hybridrec import codec
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
@@ -93,52 +93,32 @@ class EmbeddingPSServicer:
                            f"dim{dim}_shm_bytes": st["shm_bytes"]})
         return values
 
-    def _ids(self, frame: codec.Frame, dim: int) -> np.ndarray:
-        ids = frame.get(f"ids.{dim}", np.uint64, 1)
+    def _check_shard(self, ids: np.ndarray) -> np.ndarray:
         if ids.size and not np.all(shard_of(ids, self.num_shards) == self.shard):
             raise ValueError(f"request holds IDs of another shard; this is shard {self.shard} of {self.num_shards}")
         return ids
-
-    def _dims(self, frame: codec.Frame) -> list[int]:
-        dims = []
-        for name in frame.tensors:
-            if name.startswith("ids."):
-                dim = name[4:]
-                if not dim.isdigit() or int(dim) not in self.stores:
-                    raise ValueError(f"no embedding table of width {dim!r} on this PS (has {sorted(self.stores)})")
-                dims.append(int(dim))
-        return dims
 
     async def _run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        frame = codec.decode(request)
-        train = bool(frame.meta.get("train", False))
-        out: dict[str, np.ndarray] = {}
-        for dim in self._dims(frame):
-            rows = await self._run(self.stores[dim].lookup, self._ids(frame, dim), train=train)
-            out.update(self.values.pack(f"rows.{dim}", rows, dim))
-            self.counters["rows_looked_up_total"] += rows.shape[0]
+        lookup = PSLookup.decode(request, self.stores)
+        out: dict[int, np.ndarray] = {}
+        for dim, ids in lookup.ids.items():
+            out[dim] = await self._run(self.stores[dim].lookup, self._check_shard(ids), train=lookup.train)
+            self.counters["rows_looked_up_total"] += out[dim].shape[0]
         self.counters["lookups_total"] += 1
-        return codec.encode(out)
+        return PSRows(out).encode(self.values)
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        frame = codec.decode(request)
+        update = PSUpdate.decode(request, self.values, self.stores)
         applied = 0
-        for dim in self._dims(frame):
-            ids = self._ids(frame, dim)
-            grads = self.values.unpack(frame.tensors, f"grads.{dim}", dim) if f"grads.{dim}" in frame.tensors \
-                else None
-            if grads is None or grads.shape != (ids.shape[0], dim):
-                raise ValueError(f"grads.{dim} must hold ({ids.shape[0]}, {dim}) values for ids.{dim}")
-            if np.unique(ids).shape[0] != ids.shape[0]:
-                raise ValueError(f"ids.{dim} of an update must be unique")
-            applied += await self._run(self.stores[dim].update, ids, grads)
+        for dim, ids in update.ids.items():
+            applied += await self._run(self.stores[dim].update, self._check_shard(ids), update.grads[dim])
         self.counters["updates_total"] += 1
         self.counters["rows_updated_total"] += applied
-        return codec.encode(meta={"applied": int(applied)})
+        return Applied(applied).encode()
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())

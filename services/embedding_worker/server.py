@@ -5,13 +5,13 @@ import grpc
 import numpy as np
 import torch
 
-from hybridrec import codec, rpc
-from hybridrec.batch import SparseBatch
+from hybridrec import rpc
 from hybridrec.config import Config
+from hybridrec.frames import Applied, BatchRef, Gradients, SparseBatch
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
-from services.embedding_worker.pooling import scatter_add_rows
+from services.embedding_worker.aggregation import scatter_add_rows
 from services.embedding_worker.worker import EmbeddingWorker
 
 
@@ -21,16 +21,15 @@ class EmbeddingWorkerServicer:
         self.num_features = num_features
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        sparse = SparseBatch.decode(codec.decode(request), self.num_features)
-        return codec.encode(meta={"batch_ref": self.worker.put(sparse)})
+        sparse = SparseBatch.decode(request, self.num_features)
+        return BatchRef(self.worker.put(sparse)).encode()
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self.worker.lookup(codec.decode(request).meta_int("batch_ref"))
+        return await self.worker.lookup(BatchRef.decode(request).batch_ref)
 
     async def PushGradients(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        frame = codec.decode(request)
-        applied = await self.worker.push_gradients(frame.meta_int("batch_ref"), frame)
-        return codec.encode(meta={"applied": applied})
+        gradients = Gradients.decode(request, self.worker.values, self.worker.rows_of)
+        return Applied(await self.worker.push_gradients(gradients)).encode()
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_worker", replica=self.worker.replica, values=self.worker.stats())

@@ -20,13 +20,13 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from hybridrec import codec
-from hybridrec.batch import SparseBatch, make_batch_ref
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec.frames import (Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch,
+                             make_batch_ref)
 from hybridrec.rpc import NotFound
 from hybridrec.sharding import split_by_shard
-from services.embedding_worker.pooling import scatter_add_rows
+from services.embedding_worker.aggregation import scatter_add_rows
 
 
 PSCall = Callable[[int, str, bytes], Awaitable[bytes]]  # (shard, method, frame) -> reply frame
@@ -53,7 +53,7 @@ class EmbeddingWorker:
         self.values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
         self.lz4 = config.training.compression.lz4_ids
         self.dims = sorted({f.dim for f in self.features})
-        # Features of each width, in config order: the order of their rows in `rows.<dim>` frames.
+        # Features of each width, in config order: the order of their rows in an Embeddings frame.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
         self.buffer: dict[int, BufferedBatch] = {}
         # A restarted worker must never hand out a batch_ref its previous life gave out: an NN worker
@@ -81,64 +81,61 @@ class EmbeddingWorker:
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:
-        """Each feature's unique rows (per width, features concatenated), positions and bag lengths."""
+        """An `Embeddings` frame: each feature's unique rows (per width, features concatenated), positions
+        and bag lengths."""
         batch = self._get(ref)
         train = batch.phase == "train"
         rows = {dim: np.empty((ids.shape[0], dim), np.float32) for dim, ids in batch.uniq.items()}
 
         async def one_shard(shard: int) -> None:
-            tensors = {f"ids.{dim}": batch.uniq[dim][pos[shard]] for dim, pos in batch.by_shard.items()}
-            if not any(t.size for t in tensors.values()):
+            request = PSLookup({dim: batch.uniq[dim][pos[shard]] for dim, pos in batch.by_shard.items()}, train)
+            if not any(ids.size for ids in request.ids.values()):
                 return
-            reply = codec.decode(await self.ps_call(shard, "Lookup", codec.encode(tensors, {"train": train})))
+            expected = {dim: ids.shape[0] for dim, ids in request.ids.items()}
+            reply = PSRows.decode(await self.ps_call(shard, "Lookup", request.encode()), self.values, expected)
             for dim, pos in batch.by_shard.items():
-                got = self.values.unpack(reply.tensors, f"rows.{dim}", dim)
-                if got.shape != (pos[shard].shape[0], dim):
-                    raise RuntimeError(f"PS shard {shard} returned {got.shape} rows for {pos[shard].shape[0]} IDs")
-                rows[dim][pos[shard]] = got
+                rows[dim][pos[shard]] = reply.rows[dim]
 
         await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)))
         sparse = batch.sparse
-        tensors: dict[str, np.ndarray] = {
-            "counts": np.array([u.shape[0] for u in sparse.uniq], np.int32),
-            "pos": np.concatenate(sparse.pos) if sparse.pos else np.zeros(0, np.uint16),
-            "lengths": np.stack(sparse.lengths),
-        }
-        for dim in self.dims:
-            tensors.update(self.values.pack(f"rows.{dim}", rows[dim][batch.gidx[dim]], dim))
+        frame = Embeddings(
+            batch_size=sparse.batch_size,
+            counts=np.array([u.shape[0] for u in sparse.uniq], np.int32),
+            pos=np.concatenate(sparse.pos) if sparse.pos else np.zeros(0, np.uint16),
+            lengths=np.stack(sparse.lengths),
+            rows={dim: rows[dim][batch.gidx[dim]] for dim in self.dims},
+        ).encode(self.values, lz4=self.lz4)
         if not train:
             del self.buffer[ref]
         self.counters["lookups_total"] += 1
         self.counters["rows_looked_up_total"] += sum(ids.shape[0] for ids in batch.uniq.values())
-        compress = {"pos", "lengths"} if self.lz4 else set()
-        return codec.encode(tensors, {"batch_ref": ref, "batch_size": sparse.batch_size}, compress=compress)
+        return frame
 
-    async def push_gradients(self, ref: int, frame: codec.Frame) -> int:
-        """Sum gradients per batch-unique ID and apply them on the PS shards; returns rows updated."""
+    def rows_of(self, ref: int) -> dict[int, int]:
+        """Rows per width of the `Embeddings` frame of a buffered train batch: what its gradients must hold."""
         batch = self._get(ref)
         if batch.phase != "train":
             raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
+        return {dim: batch.gidx[dim].shape[0] for dim in self.dims}
+
+    async def push_gradients(self, gradients: Gradients) -> int:
+        """Sum gradients per batch-unique ID and apply them on the PS shards; returns rows updated.
+
+        `gradients` was decoded against `rows_of`, so its shapes match the batch."""
+        ref = gradients.batch_ref
+        batch = self._get(ref)
         per_dim: dict[int, np.ndarray] = {}
         for dim in self.dims:
-            name = f"grad.{dim}"
-            grads = self.values.unpack(frame.tensors, name, dim) if name in frame.tensors else None
-            if grads is None or grads.shape != (batch.gidx[dim].shape[0], dim):
-                raise ValueError(f"{name} must hold ({batch.gidx[dim].shape[0]}, {dim}) gradients for "
-                                 f"batch_ref {ref}")
             per_dim[dim] = np.zeros((batch.uniq[dim].shape[0], dim), np.float32)
-            scatter_add_rows(grads, batch.gidx[dim], per_dim[dim])
+            scatter_add_rows(gradients.grads[dim], batch.gidx[dim], per_dim[dim])
         del self.buffer[ref]  # the batch is consumed whatever the PS answers
 
         async def one_shard(shard: int) -> int:
-            tensors: dict[str, np.ndarray] = {}
-            for dim, pos in batch.by_shard.items():
-                if pos[shard].size:
-                    tensors[f"ids.{dim}"] = batch.uniq[dim][pos[shard]]
-                    tensors.update(self.values.pack(f"grads.{dim}", per_dim[dim][pos[shard]], dim))
-            if not tensors:
+            ids = {dim: batch.uniq[dim][pos[shard]] for dim, pos in batch.by_shard.items() if pos[shard].size}
+            if not ids:
                 return 0
-            reply = codec.decode(await self.ps_call(shard, "Update", codec.encode(tensors)))
-            return reply.meta_int("applied", default=0)
+            update = PSUpdate(ids, {dim: per_dim[dim][batch.by_shard[dim][shard]] for dim in ids})
+            return Applied.decode(await self.ps_call(shard, "Update", update.encode(self.values))).applied
 
         applied = sum(await asyncio.gather(*(one_shard(s) for s in range(self.num_shards))))
         self.counters["gradient_pushes_total"] += 1

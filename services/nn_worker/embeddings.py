@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridrec import codec
 from hybridrec.compress import ValueCodec
 from hybridrec.config import FeatureConfig, Pooling
+from hybridrec.frames import Embeddings
 
 
 @dataclass
@@ -36,39 +36,25 @@ class Pooler:
         self.dims = sorted({f.dim for f in features})
         self.members = {d: [i for i, f in enumerate(features) if f.dim == d] for d in self.dims}
         self.names = [f.name for f in features]
+        self.widths = [f.dim for f in features]
         self.weighted = any(f.pooling != Pooling.SUM for f in features)
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
-        """Validate and decode an embedding frame; every inconsistency is a FrameError."""
-        frame = codec.decode(frame_bytes)
-        num = len(self.features)
-        counts = frame.get("counts", np.int32, 1)
-        lengths = frame.get("lengths", np.uint16, 2)
-        pos = frame.get("pos", np.uint16, 1)
-        if counts.shape[0] != num or lengths.shape != (num, batch_size) or (counts < 0).any():
-            raise codec.FrameError(f"embedding frame does not describe {num} features of a batch of {batch_size}")
-        nnz = lengths.sum(axis=1, dtype=np.int64)
-        if int(nnz.sum()) != pos.shape[0]:
-            raise codec.FrameError(f"bag lengths add up to {int(nnz.sum())} but {pos.shape[0]} positions came")
+        """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
+        frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size)
+        nnz = frame.lengths.sum(axis=1, dtype=np.int64)
         pos_start = np.concatenate([[0], np.cumsum(nnz)])
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
         for dim, members in self.members.items():
-            rows = self.values.unpack(frame.tensors, f"rows.{dim}", dim) if f"rows.{dim}" in frame.tensors else None
-            if rows is None or rows.shape != (int(counts[members].sum()), dim):
-                raise codec.FrameError(f"rows.{dim} must hold {int(counts[members].sum())} rows of width {dim}")
-            row_start = np.concatenate([[0], np.cumsum(counts[members], dtype=np.int64)])
+            row_start = np.concatenate([[0], np.cumsum(frame.counts[members], dtype=np.int64)])
             index, bag_lengths, weights = [], [], []
             for k, f in enumerate(members):
-                p = pos[pos_start[f]:pos_start[f + 1]]
-                if p.size and int(p.max()) >= counts[f]:
-                    raise codec.FrameError(f"feature {self.names[f]}: position {int(p.max())} outside its "
-                                           f"{int(counts[f])} rows")
-                index.append(p.astype(np.int64) + row_start[k])
-                bag_lengths.append(lengths[f])
+                index.append(frame.pos[pos_start[f]:pos_start[f + 1]].astype(np.int64) + row_start[k])
+                bag_lengths.append(frame.lengths[f])
                 if self.weighted:
-                    weights.append(_bag_weights(lengths[f], self.features[f].pooling))
+                    weights.append(_bag_weights(frame.lengths[f], self.features[f].pooling))
             bags = np.concatenate(bag_lengths).astype(np.int64)
-            out.rows[dim] = rows
+            out.rows[dim] = frame.rows[dim]
             out.index[dim] = np.concatenate(index)
             out.offsets[dim] = np.cumsum(bags) - bags
             out.weights[dim] = np.concatenate(weights) if self.weighted else None

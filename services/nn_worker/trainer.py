@@ -18,37 +18,29 @@ collectives are issued in the same order on every rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridrec import codec, log
-from hybridrec.batch import DenseBatch
+from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
 from hybridrec.evaluation import binary_metrics
+from hybridrec.frames import DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from services.nn_worker.distributed import DenseSync, DistEnv
 from services.nn_worker.embeddings import BatchEmbeddings, Pooler
+from services.nn_worker.routing import BatchLost
 
 
 PROGRESSIVE_AUC_EVERY = 5  # steps between AUCs of a batch's predictions taken before its update
-
-
-class BatchLost(LookupError):
-    """The embedding worker no longer holds this batch (it restarted): the batch is skipped and counted."""
-
-
-@dataclass
-class EndOfPhase:
-    phase: str
-    meta: dict
 
 
 @dataclass
@@ -105,42 +97,60 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     # -- training ----------------------------------------------------------------------------
+    async def _batches(self, phase: str, before_lookup: Callable[[], Awaitable[None]] | None = None,
+                       end: dict | None = None) -> AsyncIterator[tuple[DenseBatch, asyncio.Future]]:
+        """One phase's batches in order, each with its embedding lookup already started.
+
+        A prefetcher keeps up to `prefetch` lookups in flight ahead of the consumer;
+        `before_lookup` (the staleness gate) runs before each lookup starts. The
+        end-of-phase meta the data loader sent is stored in `end`.
+        """
+        ready: asyncio.Queue = asyncio.Queue(maxsize=self.training.prefetch)
+
+        async def prefetcher() -> None:
+            try:
+                while not isinstance(item := await self.inbox.get(), EndOfPhase):
+                    if item.phase != phase:
+                        raise RuntimeError(f"got a {item.phase} batch while expecting {phase} batches")
+                    if before_lookup is not None:
+                        await before_lookup()
+                    await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
+                if item.phase != phase:
+                    raise RuntimeError(f"expected {phase} batches, got the end of {item.phase}")
+                if end is not None:
+                    end.update(item.meta)
+                await ready.put(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                await ready.put(exc)
+
+        fetch = asyncio.ensure_future(prefetcher())
+        try:
+            while (entry := await ready.get()) is not None:
+                if isinstance(entry, Exception):
+                    raise entry
+                yield entry
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+
     async def train(self) -> dict:
         permits = asyncio.Semaphore(self.staleness_bound + 1)
-        ready: asyncio.Queue = asyncio.Queue(maxsize=self.training.prefetch)
         counts = {"issued": 0, "acked": 0}
         end: dict = {}
 
-        async def prefetcher() -> None:
-            while True:
-                item = await self.inbox.get()
-                if isinstance(item, EndOfPhase):
-                    if item.phase != "train":
-                        raise RuntimeError(f"expected train batches, got the end of {item.phase}")
-                    end.update(item.meta)
-                    await ready.put(None)
-                    return
-                if item.phase != "train":
-                    raise RuntimeError("got an eval batch before the end of training")
-                await permits.acquire()
-                tau = counts["issued"] - counts["acked"]
-                self.stats.staleness_hist[min(tau, self.staleness_bound)] += 1
-                STALENESS.observe(tau)
-                counts["issued"] += 1
-                self.in_flight = counts["issued"] - counts["acked"]
-                await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
+        async def gate() -> None:
+            """The staleness bound: a lookup starts only while at most `staleness` updates are unapplied."""
+            await permits.acquire()
+            tau = counts["issued"] - counts["acked"]
+            self.stats.staleness_hist[min(tau, self.staleness_bound)] += 1
+            STALENESS.observe(tau)
+            counts["issued"] += 1
+            self.in_flight = counts["issued"] - counts["acked"]
 
         async def push(ref: int, grads: dict[int, np.ndarray] | None) -> None:
-            if grads is None:  # a skipped batch: nothing to send, but its permit is returned
-                counts["acked"] += 1
-                self.in_flight = counts["issued"] - counts["acked"]
-                permits.release()
-                return
             try:
-                tensors: dict[str, np.ndarray] = {}
-                for dim, grad in grads.items():
-                    tensors.update(self.values.pack(f"grad.{dim}", grad, dim))
-                await self.push(ref, codec.encode(tensors, {"batch_ref": ref}))
+                if grads is not None:  # None: a skipped batch; nothing to send, but its permit is returned
+                    await self.push(ref, Gradients(ref, grads).encode(self.values))
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -149,11 +159,9 @@ class Trainer:
                 self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
 
-        fetch = asyncio.ensure_future(prefetcher())
         pushes: set[asyncio.Task] = set()
-        try:
-            while (entry := await ready.get()) is not None:
-                batch, pending = entry
+        async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
+            async for batch, pending in batches:
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
@@ -171,10 +179,6 @@ class Trainer:
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
                     await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
-            await fetch
-        finally:
-            if not fetch.done():
-                fetch.cancel()
         if pushes:
             await asyncio.gather(*pushes)
         await self._on_compute(self.sync.finish)
@@ -233,31 +237,14 @@ class Trainer:
         """Predicted probabilities and labels of every eval batch this rank received."""
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
-        ready: asyncio.Queue = asyncio.Queue(maxsize=self.training.prefetch)
         end: dict = {}
-
-        async def prefetcher() -> None:
-            while True:
-                item = await self.inbox.get()
-                if isinstance(item, EndOfPhase):
-                    end.update(item.meta)
-                    await ready.put(None)
-                    return
-                await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
-
-        fetch = asyncio.ensure_future(prefetcher())
-        try:
-            while (entry := await ready.get()) is not None:
-                batch, pending = entry
+        async with contextlib.aclosing(self._batches("eval", end=end)) as batches:
+            async for batch, pending in batches:
                 emb, lost = await self._receive(pending, batch)
                 if lost:
                     continue
                 preds.append(await self._on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
-            await fetch
-        finally:
-            if not fetch.done():
-                fetch.cancel()
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.float32)  # noqa: E731
         return cat(preds), cat(labels), end
 

@@ -2,7 +2,8 @@
 
 Real `hybridrec serve` processes (a PS shard and an embedding worker) get
 >= 10,000 mutated frames. Every answer must be OK (a mutation may leave a valid
-frame) or INVALID_ARGUMENT — never INTERNAL, never a hang, never a dead
+frame), INVALID_ARGUMENT, or NOT_FOUND for a well-formed
+frame naming a batch the embedding worker does not hold — never INTERNAL, never a hang, never a dead
 server — and both still answer SERVING and serve a valid request afterwards.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrec import codec, rpc
-from hybridrec.batch import SparseBatch
+from hybridrec import rpc
+from hybridrec.compress import ValueCodec
+from hybridrec.frames import BatchRef, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch
 from hybridrec.launcher import free_port
 from tests.conftest import HYBRIDREC, REPO
 
@@ -33,6 +35,8 @@ FIXED = 16
 def _mutate(raw: bytes, rng: random.Random) -> bytes:
     buf = bytearray(raw)
     kind = rng.randrange(9)
+    if kind in (3, 4, 5) and struct.unpack_from("<H", buf, 6)[0] == 0:
+        kind = 2  # a frame without tensors (BatchRef): no tensor table to lie in
     if kind == 0:  # truncated
         return bytes(buf[:rng.randrange(len(buf))])
     if kind == 1:  # header bytes flipped
@@ -84,11 +88,19 @@ def services(tmp_path):
 
 def _base_frames() -> dict[str, list[bytes]]:
     ids = np.arange(1, 50, dtype=np.uint64)
-    lookup = codec.encode({"ids.8": ids}, {"train": True})
-    update = codec.encode({"ids.8": ids, "grads.8": np.ones((ids.size, 8), np.float32)})
+    lookup = PSLookup({8: ids}, train=True).encode()
+    update = PSUpdate({8: ids}, {8: np.ones((ids.size, 8), np.float32)}).encode(ValueCodec())
     cols = np.stack([ids[:20], ids[20:40]], axis=1)
     put = SparseBatch.from_columns(cols, np.ones_like(cols, dtype=bool), phase="train").encode()
-    return {"EmbeddingPS/Lookup": [lookup], "EmbeddingPS/Update": [update], "EmbeddingWorker/PutBatch": [put]}
+    ew_lookup = BatchRef(12345).encode()
+    push = Gradients(12345, {8: np.ones((40, 8), np.float32)}).encode(ValueCodec())
+    return {"EmbeddingPS/Lookup": [lookup], "EmbeddingPS/Update": [update], "EmbeddingWorker/PutBatch": [put],
+            "EmbeddingWorker/Lookup": [ew_lookup], "EmbeddingWorker/PushGradients": [push]}
+
+
+# Answers that mean "refused, still serving": a malformed frame, or a well-formed one naming a batch
+# the embedding worker does not hold.
+EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
 async def _fuzz(ps: str, ew: str) -> Counter:
@@ -109,14 +121,14 @@ async def _fuzz(ps: str, ew: str) -> Counter:
                     outcomes["OK"] += 1
                 except grpc.aio.AioRpcError as exc:
                     outcomes[exc.code().name] += 1
-                    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    if exc.code() not in EXPECTED:
                         outcomes[f"unexpected: {method} {exc.code().name} {exc.details()[:200]}"] += 1
 
         await asyncio.gather(*(one(i) for i in range(NUM_FRAMES)))
         # still serving, and still right
         assert await rpc.is_serving(ps) and await rpc.is_serving(ew)
-        reply = codec.decode(await calls["EmbeddingPS/Lookup"](bases["EmbeddingPS/Lookup"][0], timeout=30))
-        assert reply.tensors["rows.8"].shape[0] == 49
+        reply = await calls["EmbeddingPS/Lookup"](bases["EmbeddingPS/Lookup"][0], timeout=30)
+        assert PSRows.decode(reply, ValueCodec(), {8: 49}).rows[8].shape == (49, 8)
     return outcomes
 
 

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hybridrec import codec, rpc
+from hybridrec import rpc
+from hybridrec.frames import PSLookup
 from hybridrec.config import TLSConfig
 from hybridrec.launcher import free_port
 from tests.conftest import HYBRIDREC, REPO
@@ -70,7 +71,7 @@ def pki(tmp_path):
 async def _lookup(channel: grpc.aio.Channel) -> grpc.StatusCode:
     call = channel.unary_unary("/hybridrec.EmbeddingPS/Lookup")
     try:
-        await call(codec.encode({"ids.8": np.arange(1, 5, dtype=np.uint64)}, {"train": True}), timeout=10)
+        await call(PSLookup({8: np.arange(1, 5, dtype=np.uint64)}, train=True).encode(), timeout=10)
         return grpc.StatusCode.OK
     except grpc.aio.AioRpcError as exc:
         return exc.code()

@@ -2,7 +2,7 @@
 import numpy as np
 
 from hybridrec import codec
-from hybridrec.batch import DenseBatch, SparseBatch
+from hybridrec.frames import DenseBatch, SparseBatch, decode_nn_batch
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_train_batches
 
 
@@ -52,14 +52,14 @@ def test_sparse_batch_round_trip_and_validation():
     ids = np.array([[1, 5], [2, 5], [1, 7]], dtype=np.uint64)
     present = np.array([[True, True], [True, False], [True, True]])
     sb = SparseBatch.from_columns(ids, present, phase="train")
-    back = SparseBatch.decode(codec.decode(sb.encode()), 2)
+    back = SparseBatch.decode(sb.encode(), 2)
     for f in range(2):
         np.testing.assert_array_equal(back.uniq[f][back.pos[f]], ids[present[:, f], f])
         np.testing.assert_array_equal(back.lengths[f], present[:, f])
     tensors = codec.decode(sb.encode(lz4=False)).tensors
     tensors = {k: np.array(v) for k, v in tensors.items()}
     tensors["p0"][0] = 9  # points outside the unique IDs
-    bad = codec.decode(codec.encode(tensors, {"batch_size": 3, "phase": "train"}))
+    bad = codec.encode(tensors, {"batch_size": 3, "phase": "train"})
     try:
         SparseBatch.decode(bad, 2)
     except codec.FrameError as exc:
@@ -70,5 +70,5 @@ def test_sparse_batch_round_trip_and_validation():
 
 def test_dense_batch_round_trip():
     db = DenseBatch(7, np.ones((3, 13), np.float32), np.zeros(3, np.float32), "eval")
-    back = DenseBatch.decode(codec.decode(db.encode()), 13)
+    back = decode_nn_batch(db.encode(), 13)
     assert back.batch_ref == 7 and back.phase == "eval" and back.dense.shape == (3, 13)

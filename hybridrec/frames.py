@@ -1,0 +1,378 @@
+"""Every data-plane frame of hybridrec: one typed encode/decode pair per frame kind.
+
+A frame's bytes are laid out by `hybridrec.codec` (header, JSON meta, 64-byte
+aligned tensor buffers); *what* each frame holds is decided here and nowhere
+else. The encoder of a frame sits next to its decoder so the two ends cannot
+drift apart, and no tensor or meta key of a frame is spelled outside this
+module. Every decoder treats its input as untrusted: anything truncated,
+oversized, of the wrong dtype or shape, or inconsistent with itself raises
+`codec.FrameError` (a ValueError), which every service turns into
+INVALID_ARGUMENT with the reason, and keeps serving.
+
+| frame          | RPC (sender -> receiver)                                   | holds                                    |
+|----------------|------------------------------------------------------------|------------------------------------------|
+| `SparseBatch`  | EmbeddingWorker.PutBatch request (data loader -> EW)        | per feature: unique IDs, uint16 positions, bag lengths |
+| `BatchRef`     | EmbeddingWorker.PutBatch reply, EmbeddingWorker.Lookup request | the batch_ref naming a buffered batch |
+| `DenseBatch`   | NNWorker.PutBatch request (data loader -> NN worker)        | dense features, labels, batch_ref, stream position |
+| `EndOfPhase`   | NNWorker.PutBatch request                                   | end of the train or eval stream, with the reader's counters |
+| `Embeddings`   | EmbeddingWorker.Lookup reply (EW -> NN worker)              | each feature's unique rows (per width), positions, bag lengths |
+| `Gradients`    | EmbeddingWorker.PushGradients request (NN worker -> EW)     | one gradient per row of the `Embeddings` frame |
+| `PSLookup`     | EmbeddingPS.Lookup request (EW -> PS shard)                 | unique IDs per width, train or eval |
+| `PSRows`       | EmbeddingPS.Lookup reply                                     | one row per requested ID, per width |
+| `PSUpdate`     | EmbeddingPS.Update request (EW -> PS shard)                 | unique IDs and their summed gradients, per width |
+| `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies, NNWorker.PutBatch reply | rows the PS applied (0 for PutBatch) |
+
+Float rows and gradients travel as κ-scaled fp16 plus a float32 norm per
+vector when `training.compression.fp16` is on (`hybridrec.compress.ValueCodec`),
+else as float32; ID positions and bag lengths may be lz4-compressed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from hybridrec import codec
+from hybridrec.codec import FrameError
+from hybridrec.compress import ValueCodec, dedup
+
+PHASES = ("train", "eval")
+
+# batch_ref = embedding-worker index (8 bits) | worker incarnation (16 bits) | sequence (40 bits):
+# the embedding worker makes refs, the NN worker routes each lookup by the top bits.
+REF_SHIFT = 56
+INCARNATION_SHIFT = 40
+MAX_BATCH = 65535
+"""Samples per batch: positions and bag lengths travel as uint16."""
+
+
+def make_batch_ref(worker: int, incarnation: int, seq: int) -> int:
+    return (worker << REF_SHIFT) | (incarnation << INCARNATION_SHIFT) | seq
+
+
+def worker_of_ref(ref: int) -> int:
+    return ref >> REF_SHIFT
+
+
+def _phase(frame: codec.Frame) -> str:
+    phase = frame.meta.get("phase", "train")
+    if phase not in PHASES:
+        raise FrameError(f"phase {phase!r} is not one of {PHASES}")
+    return phase
+
+
+def _per_width(prefix: str, tensors: Iterable[str], dims: Iterable[int]) -> list[int]:
+    """Widths named by the tensors `prefix.<width>` of a frame, each one the receiver keeps."""
+    known = set(dims)
+    found = []
+    for name in tensors:
+        if name.startswith(prefix + ".") and not name.endswith(".norm"):  # .norm: fp16 scales, see ValueCodec
+            width = name[len(prefix) + 1:]
+            if not width.isdigit() or int(width) not in known:
+                raise FrameError(f"no embedding table of width {width!r} here (widths: {sorted(known)})")
+            found.append(int(width))
+    return found
+
+
+def _unpack(values: ValueCodec, frame: codec.Frame, name: str, dim: int, rows: int | None = None) -> np.ndarray:
+    """float32 (rows, dim) values of tensor `name`; FrameError when missing or of another shape."""
+    if name not in frame.tensors:
+        raise FrameError(f"frame has no tensor {name!r}")
+    out = values.unpack(frame.tensors, name, dim)
+    if out.ndim != 2 or out.shape[1] != dim or (rows is not None and out.shape[0] != rows):
+        want = f"({rows}, {dim})" if rows is not None else f"(n, {dim})"
+        raise FrameError(f"tensor {name!r} has shape {out.shape}, expected {want}")
+    return out
+
+
+# -- data loader -> embedding worker ----------------------------------------------------------
+@dataclass
+class SparseBatch:
+    """ID features of one batch: feature f of sample i has bag uniq[f][pos[f][offsets[f][i]:offsets[f][i+1]]]."""
+
+    batch_size: int
+    uniq: list[np.ndarray]  # uint64 (U_f,)
+    pos: list[np.ndarray]  # uint16 (nnz_f,)
+    lengths: list[np.ndarray]  # uint16 (batch_size,)
+    phase: str = "train"
+
+    @classmethod
+    def from_columns(cls, ids: np.ndarray, present: np.ndarray, *, phase: str) -> "SparseBatch":
+        """From single-valued columns (n, F) with a presence mask (Criteo: one ID or none per field)."""
+        uniq, pos, lengths = [], [], []
+        for f in range(ids.shape[1]):
+            mask = present[:, f]
+            u, p = dedup(ids[mask, f])
+            uniq.append(u)
+            pos.append(p)
+            lengths.append(mask.astype(np.uint16))
+        return cls(batch_size=ids.shape[0], uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+
+    def encode(self, *, lz4: bool = True) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for f, (u, p, n) in enumerate(zip(self.uniq, self.pos, self.lengths)):
+            tensors[f"u{f}"], tensors[f"p{f}"], tensors[f"n{f}"] = u, p, n
+        compress = {name for name in tensors if name[0] in "pn"} if lz4 else set()
+        return codec.encode(tensors, {"batch_size": self.batch_size, "phase": self.phase}, compress=compress)
+
+    @classmethod
+    def decode(cls, buf: bytes, num_features: int) -> "SparseBatch":
+        frame = codec.decode(buf)
+        batch_size = frame.meta_int("batch_size")
+        if not 0 < batch_size <= MAX_BATCH:
+            raise FrameError(f"batch_size {batch_size} outside [1, {MAX_BATCH}]")
+        phase = _phase(frame)
+        if len(frame.tensors) != 3 * num_features:
+            raise FrameError(f"expected {3 * num_features} tensors for {num_features} features, "
+                             f"got {len(frame.tensors)}")
+        uniq, pos, lengths = [], [], []
+        for f in range(num_features):
+            u = frame.get(f"u{f}", np.uint64, 1)
+            p = frame.get(f"p{f}", np.uint16, 1)
+            n = frame.get(f"n{f}", np.uint16, 1)
+            if n.shape[0] != batch_size:
+                raise FrameError(f"feature {f}: {n.shape[0]} bag lengths for a batch of {batch_size}")
+            if int(n.sum(dtype=np.int64)) != p.shape[0]:
+                raise FrameError(f"feature {f}: bag lengths add up to {int(n.sum(dtype=np.int64))}, "
+                                 f"but {p.shape[0]} positions were sent")
+            if p.size and int(p.max()) >= u.shape[0]:
+                raise FrameError(f"feature {f}: position {int(p.max())} outside {u.shape[0]} unique IDs")
+            uniq.append(u)
+            pos.append(p)
+            lengths.append(n)
+        return cls(batch_size=batch_size, uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+
+
+@dataclass
+class BatchRef:
+    """Names a batch buffered on an embedding worker: PutBatch's reply, and what an NN worker looks up."""
+
+    batch_ref: int
+
+    def encode(self) -> bytes:
+        return codec.encode(meta={"batch_ref": self.batch_ref})
+
+    @classmethod
+    def decode(cls, buf: bytes) -> "BatchRef":
+        ref = codec.decode(buf).meta_int("batch_ref")
+        if not 0 <= ref < 1 << 64:
+            raise FrameError(f"batch_ref {ref} is not a uint64")
+        return cls(ref)
+
+
+# -- data loader -> NN worker -----------------------------------------------------------------
+@dataclass
+class DenseBatch:
+    """Dense features and labels of one batch, and where its embeddings wait."""
+
+    batch_ref: int
+    dense: np.ndarray  # float32 (B, num_dense)
+    labels: np.ndarray  # float32 (B,)
+    phase: str = "train"
+    seq: int = 0
+    """Index of the batch in the job's training stream (all ranks together)."""
+    position: tuple[int, ...] = ()
+    """Where the data loader resumes reading after this batch (epoch, file, byte offset, line)."""
+
+    def encode(self) -> bytes:
+        return codec.encode({"dense": self.dense, "labels": self.labels},
+                            {"batch_ref": self.batch_ref, "phase": self.phase, "seq": self.seq,
+                             "position": list(self.position)})
+
+
+@dataclass
+class EndOfPhase:
+    """The data loader sent its last batch of a phase; `meta` carries its reader counters."""
+
+    phase: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return codec.encode(meta={"end_of": self.phase, **self.meta})
+
+
+def decode_nn_batch(buf: bytes, num_dense: int) -> DenseBatch | EndOfPhase:
+    """What the data loader sent an NN worker: a dense batch, or the end of a phase."""
+    frame = codec.decode(buf)
+    end_of = frame.meta.get("end_of")
+    if end_of is not None:
+        if end_of not in PHASES:
+            raise FrameError(f"end_of must be one of {PHASES}, got {end_of!r}")
+        if frame.tensors:
+            raise FrameError("an end-of-phase frame carries no tensors")
+        return EndOfPhase(end_of, {k: v for k, v in frame.meta.items() if k != "end_of"})
+    dense = frame.get("dense", np.float32, 2)
+    labels = frame.get("labels", np.float32, 1)
+    if dense.shape[1] != num_dense or dense.shape[0] != labels.shape[0] or labels.shape[0] == 0:
+        raise FrameError(f"dense {dense.shape} and labels {labels.shape} do not form a batch with "
+                         f"{num_dense} dense features")
+    if labels.shape[0] > MAX_BATCH:
+        raise FrameError(f"batch of {labels.shape[0]} samples exceeds {MAX_BATCH}")
+    position = frame.meta.get("position", [])
+    if not isinstance(position, list) or not all(isinstance(v, int) and v >= 0 for v in position):
+        raise FrameError(f"position must be a list of non-negative integers, got {position!r}")
+    return DenseBatch(batch_ref=frame.meta_int("batch_ref"), dense=dense, labels=labels, phase=_phase(frame),
+                      seq=frame.meta_int("seq", default=0), position=tuple(position))
+
+
+# -- embedding worker <-> NN worker -----------------------------------------------------------
+@dataclass
+class Embeddings:
+    """One batch's embeddings as the embedding worker sends them (deduplicated, not pooled).
+
+    `rows[w]` holds the unique rows of every feature of width w, features in
+    config order; feature f's bag elements are `pos` entries (positions into
+    its own rows), `lengths[f, i]` of them for sample i. The NN worker pools.
+    """
+
+    batch_size: int
+    counts: np.ndarray  # int32 (F,): unique rows of each feature
+    pos: np.ndarray  # uint16 (sum of bag lengths,): features concatenated
+    lengths: np.ndarray  # uint16 (F, batch_size)
+    rows: dict[int, np.ndarray]  # width -> float32 (sum of counts of that width's features, width)
+
+    def encode(self, values: ValueCodec, *, lz4: bool = True) -> bytes:
+        tensors: dict[str, np.ndarray] = {"counts": self.counts, "pos": self.pos, "lengths": self.lengths}
+        for dim, rows in self.rows.items():
+            tensors.update(values.pack(f"rows.{dim}", rows, dim))
+        return codec.encode(tensors, {"batch_size": self.batch_size},
+                            compress={"pos", "lengths"} if lz4 else set())
+
+    @classmethod
+    def decode(cls, buf: bytes, values: ValueCodec, widths: Sequence[int], batch_size: int) -> "Embeddings":
+        """`widths`: the embedding width of every feature, in config order."""
+        frame = codec.decode(buf)
+        num = len(widths)
+        counts = frame.get("counts", np.int32, 1)
+        lengths = frame.get("lengths", np.uint16, 2)
+        pos = frame.get("pos", np.uint16, 1)
+        if counts.shape[0] != num or lengths.shape != (num, batch_size) or (counts < 0).any():
+            raise FrameError(f"embedding frame does not describe {num} features of a batch of {batch_size}")
+        nnz = lengths.sum(axis=1, dtype=np.int64)
+        if int(nnz.sum()) != pos.shape[0]:
+            raise FrameError(f"bag lengths add up to {int(nnz.sum())} but {pos.shape[0]} positions came")
+        start = 0
+        for f in range(num):
+            p = pos[start:start + nnz[f]]
+            start += int(nnz[f])
+            if p.size and int(p.max()) >= counts[f]:
+                raise FrameError(f"feature {f}: position {int(p.max())} outside its {int(counts[f])} rows")
+        widths_arr = np.asarray(widths)
+        rows = {}
+        for dim in sorted(set(widths)):
+            expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
+            rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected)
+        return cls(batch_size, counts, pos, lengths, rows)
+
+
+@dataclass
+class Gradients:
+    """An NN worker's embedding gradients for one batch: one per row of its `Embeddings` frame."""
+
+    batch_ref: int
+    grads: dict[int, np.ndarray]  # width -> float32 (rows of that width, width)
+
+    def encode(self, values: ValueCodec) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for dim, grad in self.grads.items():
+            tensors.update(values.pack(f"grad.{dim}", grad, dim))
+        return codec.encode(tensors, {"batch_ref": self.batch_ref})
+
+    @classmethod
+    def decode(cls, buf: bytes, values: ValueCodec,
+               rows_of: Callable[[int], dict[int, int]]) -> "Gradients":
+        """`rows_of(batch_ref)`: width -> rows of that batch's `Embeddings` frame; each must come back."""
+        frame = codec.decode(buf)
+        ref = frame.meta_int("batch_ref")
+        expected = rows_of(ref)
+        _per_width("grad", frame.tensors, expected)
+        return cls(ref, {d: _unpack(values, frame, f"grad.{d}", d, n) for d, n in expected.items()})
+
+
+@dataclass
+class Applied:
+    """How many rows an update applied (0 for frames that apply nothing, e.g. NNWorker.PutBatch)."""
+
+    applied: int = 0
+
+    def encode(self) -> bytes:
+        return codec.encode(meta={"applied": int(self.applied)})
+
+    @classmethod
+    def decode(cls, buf: bytes) -> "Applied":
+        return cls(codec.decode(buf).meta_int("applied", default=0))
+
+
+# -- embedding worker <-> PS shard -----------------------------------------------------------
+def _ids_per_width(frame: codec.Frame, dims: Iterable[int]) -> dict[int, np.ndarray]:
+    return {d: frame.get(f"ids.{d}", np.uint64, 1) for d in _per_width("ids", frame.tensors, dims)}
+
+
+@dataclass
+class PSLookup:
+    """IDs a PS shard should look up, per width; `train` lookups may admit new IDs."""
+
+    ids: dict[int, np.ndarray]  # width -> uint64 (n,)
+    train: bool = False
+
+    def encode(self) -> bytes:
+        return codec.encode({f"ids.{d}": ids for d, ids in self.ids.items()}, {"train": self.train})
+
+    @classmethod
+    def decode(cls, buf: bytes, dims: Iterable[int]) -> "PSLookup":
+        """`dims`: the widths this PS keeps; any other width is refused."""
+        frame = codec.decode(buf)
+        train = frame.meta.get("train", False)
+        if not isinstance(train, bool):
+            raise FrameError(f"train must be true or false, got {train!r}")
+        return cls(_ids_per_width(frame, dims), train)
+
+
+@dataclass
+class PSRows:
+    """A PS shard's answer to `PSLookup`: one row per requested ID, per width."""
+
+    rows: dict[int, np.ndarray]  # width -> float32 (n, width)
+
+    def encode(self, values: ValueCodec) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for dim, rows in self.rows.items():
+            tensors.update(values.pack(f"rows.{dim}", rows, dim))
+        return codec.encode(tensors)
+
+    @classmethod
+    def decode(cls, buf: bytes, values: ValueCodec, expected: dict[int, int]) -> "PSRows":
+        """`expected`: width -> number of IDs asked for; every one must come back."""
+        frame = codec.decode(buf)
+        return cls({d: _unpack(values, frame, f"rows.{d}", d, n) for d, n in expected.items()})
+
+
+@dataclass
+class PSUpdate:
+    """Summed gradients of unique IDs, per width, for a PS shard's optimizer."""
+
+    ids: dict[int, np.ndarray]  # width -> uint64 (n,) unique
+    grads: dict[int, np.ndarray]  # width -> float32 (n, width)
+
+    def encode(self, values: ValueCodec) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for dim, ids in self.ids.items():
+            tensors[f"ids.{dim}"] = ids
+            tensors.update(values.pack(f"grads.{dim}", self.grads[dim], dim))
+        return codec.encode(tensors)
+
+    @classmethod
+    def decode(cls, buf: bytes, values: ValueCodec, dims: Iterable[int]) -> "PSUpdate":
+        frame = codec.decode(buf)
+        ids = _ids_per_width(frame, dims)
+        grads = {}
+        for dim, arr in ids.items():
+            grads[dim] = _unpack(values, frame, f"grads.{dim}", dim, arr.shape[0])
+            if np.unique(arr).shape[0] != arr.shape[0]:
+                raise FrameError(f"the IDs of width {dim} of an update must be unique")
+        return cls(ids, grads)
+
+
+FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, PSLookup, PSRows, PSUpdate)
+"""Every frame kind (docs and tests check they are all described)."""

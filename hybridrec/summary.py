@@ -1,0 +1,100 @@
+"""The run summary: what a training job reports when it ends (summary.json).
+
+Built by NN worker rank 0 from every rank's counters (`services/nn_worker/results.py`),
+completed by `hybridrec run`'s launcher (whole-run wall time, the services, the
+report), and read by the CLI, the run report and the benchmarks. One typed
+model so that writer and readers agree on every field; the JSON keeps these
+field names.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from hybridrec.files import write_json_atomic
+
+
+class Staleness(BaseModel):
+    """How many earlier batches had unapplied updates when each batch's embeddings were looked up."""
+
+    p50: int = 0
+    """Median staleness."""
+    max: int = 0
+    """Largest staleness seen (never above training.staleness)."""
+    histogram: list[int] = Field(default_factory=list)
+    """Lookups per staleness value 0..bound."""
+
+    @classmethod
+    def from_histogram(cls, hist: list[int]) -> "Staleness":
+        counts = np.asarray(hist, dtype=np.int64)
+        if counts.sum() == 0:
+            return cls(histogram=list(hist))
+        cdf = np.cumsum(counts) / counts.sum()
+        return cls(p50=int(np.searchsorted(cdf, 0.5)), max=int(np.nonzero(counts)[0].max()), histogram=list(hist))
+
+
+class ServiceInfo(BaseModel):
+    """One replica of a service as the launcher ran it."""
+
+    name: str
+    """Service kind (embedding_ps, embedding_worker, nn_worker, dataloader)."""
+    replica: int
+    pid: int | None = None
+    grpc: str
+    """gRPC address."""
+    metrics: str | None = None
+    """Prometheus address."""
+    restarts: int = 0
+    """Times it was restarted in place (or with its group)."""
+
+
+class RunSummary(BaseModel):
+    """Results of one training job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str
+    """Training mode (hybrid, sync, async, shadow)."""
+    nn_workers: int
+    """Ranks of the dense group."""
+    steps: int
+    """Training steps per NN worker."""
+    samples: int
+    """Training samples of all ranks together."""
+    train_wall_s: float
+    """Seconds from the first training step to the end of training (longest rank)."""
+    samples_per_sec: float
+    """samples / train_wall_s."""
+    mean_train_loss: float
+    lost_updates: int
+    """Gradient pushes that failed for good (their updates never reached the PS)."""
+    skipped_batches: int
+    """Training batches whose embeddings were lost (an embedding worker restarted)."""
+    skipped_eval_batches: int
+    staleness: Staleness
+    eval_samples: int
+    auc: float | None
+    """Eval AUC on the held-out files (None without eval data or with one class only)."""
+    logloss: float | None
+    oracle_auc: float | None = None
+    """AUC of the planted model's true probabilities on the eval file, when the data says so."""
+    wall_s: float
+    """NN worker: seconds since it started; launcher: seconds of the whole run, start-up included."""
+    data: dict[str, Any] = Field(default_factory=dict)
+    """The data loader's counters per phase (rows, bad lines, dropped rows)."""
+    services: list[ServiceInfo] | None = None
+    """Launcher only: every replica it ran."""
+    run_dir: str | None = None
+    """Launcher only: where logs, report and results are."""
+    report: str | None = None
+    """Launcher only: path of report.html."""
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(path, self.model_dump(mode="json"))
+
+    @classmethod
+    def read(cls, path: Path) -> "RunSummary":
+        return cls.model_validate_json(Path(path).read_text())

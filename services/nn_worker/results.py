@@ -1,0 +1,64 @@
+"""On the NN workers, after evaluation: every rank's predictions and counters combined into the run summary.
+
+Collectives only (all_gather / all_reduce of tensors: nothing pickled), run on
+the compute thread by every rank in the same order; rank 0 builds the
+`RunSummary`.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrec.config import Config
+from hybridrec.evaluation import binary_metrics, find_oracle
+from hybridrec.summary import RunSummary, Staleness
+from services.nn_worker.trainer import Trainer
+
+
+def gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's predictions and labels, on every rank (padded all_gather: no pickled objects)."""
+    local = torch.from_numpy(np.stack([preds, labels]).astype(np.float32))
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([local.shape[1]]))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(2, longest)
+    padded[:, :local.shape[1]] = local
+    parts = [torch.zeros(2, longest) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    joined = torch.cat([p[:, :int(n.item())] for p, n in zip(parts, sizes)], dim=1).numpy()
+    return joined[0], joined[1]
+
+
+def reduce_stats(trainer: Trainer) -> dict:
+    """Training counters summed (steps: per rank; wall time: the longest rank) over the group."""
+    s = trainer.stats
+    totals = torch.tensor([s.samples, s.steps, s.pushes_failed, s.loss_sum, s.loss_count, s.skipped_batches,
+                           s.skipped_eval_batches], dtype=torch.float64)
+    dist.all_reduce(totals)
+    hist = torch.from_numpy(s.staleness_hist.astype(np.int64))
+    dist.all_reduce(hist)
+    wall = torch.tensor([s.wall_s], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
+            "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),
+            "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist(), "skipped_batches": int(totals[5]),
+            "skipped_eval_batches": int(totals[6])}
+
+
+def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
+                  data: dict) -> RunSummary:
+    """Rank 0's summary of the run from the reduced counters and every rank's eval predictions."""
+    wall = totals["train_wall_s"]
+    return RunSummary(
+        mode=config.training.mode.value, nn_workers=len(config.cluster.nn_workers),
+        steps=totals["steps"], samples=totals["samples"], train_wall_s=wall,
+        samples_per_sec=totals["samples"] / wall if wall else 0.0,
+        mean_train_loss=totals["mean_train_loss"], lost_updates=totals["lost_updates"],
+        skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
+        staleness=Staleness.from_histogram(totals["staleness_hist"]),
+        eval_samples=int(labels.shape[0]), **binary_metrics(labels, preds),
+        oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
+    )

@@ -1,0 +1,59 @@
+"""On the NN worker: calls to the embedding workers, routed by the batch_ref of each batch.
+
+The embedding worker that buffered a batch wrote its own index into the top
+bits of the batch_ref (`hybridrec.frames.make_batch_ref`), so lookups and
+gradient pushes of that batch go back to it. A NOT_FOUND answer means that
+worker no longer holds the batch (it restarted): `BatchLost`, which the trainer
+counts and skips.
+"""
+from __future__ import annotations
+
+import grpc
+
+from hybridrec import rpc
+from hybridrec.config import Config
+from hybridrec.frames import Applied, BatchRef, worker_of_ref
+from hybridrec.rpc import Unavailable
+
+
+class BatchLost(LookupError):
+    """The embedding worker no longer holds this batch (it restarted): the batch is skipped and counted."""
+
+
+class EmbeddingWorkers:
+    """Channels to every embedding worker; `lookup` and `push` are what the trainer calls."""
+
+    def __init__(self, config: Config):
+        self.channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
+        self._lookups = [rpc.raw_method(ch, "EmbeddingWorker", "Lookup") for ch in self.channels]
+        self._pushes = [rpc.raw_method(ch, "EmbeddingWorker", "PushGradients") for ch in self.channels]
+        self.timeout_s = config.cluster.rpc_timeout_s
+        self.retry_s = config.cluster.retry_s
+
+    def _worker_of(self, ref: int) -> int:
+        index = worker_of_ref(ref)
+        if index >= len(self.channels):
+            raise ValueError(f"batch_ref {ref} names embedding worker {index}, which does not exist")
+        return index
+
+    async def _call(self, methods, ref: int, frame: bytes) -> bytes:
+        method = methods[self._worker_of(ref)]
+        try:
+            return await rpc.retry(lambda: method(frame, timeout=self.timeout_s), deadline_s=self.retry_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise BatchLost(exc.details()) from None
+            raise Unavailable(f"embedding worker call for batch_ref {ref} failed: {exc.code().name} "
+                              f"{exc.details()}") from None
+
+    async def lookup(self, ref: int) -> bytes:
+        """The batch's `Embeddings` frame."""
+        return await self._call(self._lookups, ref, BatchRef(ref).encode())
+
+    async def push(self, ref: int, gradients: bytes) -> int:
+        """Send a `Gradients` frame; returns the rows the PS applied."""
+        return Applied.decode(await self._call(self._pushes, ref, gradients)).applied
+
+    async def close(self) -> None:
+        for ch in self.channels:
+            await ch.close()

@@ -1,0 +1,187 @@
+"""Every data-plane frame: round trip through its encoder and decoder, and rejection of malformed input."""
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridrec import codec, frames
+from hybridrec.codec import FrameError
+from hybridrec.compress import ValueCodec
+from hybridrec.frames import (Applied, BatchRef, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup, PSRows,
+                              PSUpdate, SparseBatch, decode_nn_batch)
+
+REPO = Path(__file__).resolve().parents[2]
+VALUES = ValueCodec(fp16=True, kappa=1024.0)
+WIDTHS = [8, 8, 4]  # three features, two widths
+
+
+def _embeddings(batch: int = 5) -> Embeddings:
+    rng = np.random.default_rng(0)
+    counts = np.array([3, 2, 4], np.int32)
+    lengths = np.ones((3, batch), np.uint16)
+    pos = np.concatenate([rng.integers(0, c, batch) for c in counts]).astype(np.uint16)
+    rows = {8: rng.standard_normal((5, 8)).astype(np.float32), 4: rng.standard_normal((4, 4)).astype(np.float32)}
+    return Embeddings(batch, counts, pos, lengths, rows)
+
+
+# (valid frame bytes, decoder) for every kind; the decoders take their receiver-side context.
+def _cases() -> dict[str, tuple[bytes, callable]]:
+    ids = np.arange(1, 11, dtype=np.uint64)
+    cols = np.stack([ids, ids[::-1]], axis=1)
+    emb = _embeddings()
+    return {
+        "SparseBatch": (SparseBatch.from_columns(cols, np.ones_like(cols, bool), phase="train").encode(),
+                        lambda b: SparseBatch.decode(b, 2)),
+        "BatchRef": (BatchRef(7 << 56 | 3).encode(), BatchRef.decode),
+        "DenseBatch": (DenseBatch(5, np.ones((4, 3), np.float32), np.zeros(4, np.float32), "train", 2, (0, 1, 2, 3))
+                       .encode(), lambda b: decode_nn_batch(b, 3)),
+        "EndOfPhase": (EndOfPhase("eval", {"rows": 10}).encode(), lambda b: decode_nn_batch(b, 3)),
+        "Embeddings": (emb.encode(VALUES), lambda b: Embeddings.decode(b, VALUES, WIDTHS, 5)),
+        "Gradients": (Gradients(9, {8: np.ones((5, 8), np.float32), 4: np.ones((4, 4), np.float32)}).encode(VALUES),
+                      lambda b: Gradients.decode(b, VALUES, lambda ref: {8: 5, 4: 4})),
+        "Applied": (Applied(12).encode(), Applied.decode),
+        "PSLookup": (PSLookup({8: ids, 4: ids[:3]}, train=True).encode(), lambda b: PSLookup.decode(b, [4, 8])),
+        "PSRows": (PSRows({8: np.ones((10, 8), np.float32)}).encode(VALUES),
+                   lambda b: PSRows.decode(b, VALUES, {8: 10})),
+        "PSUpdate": (PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}).encode(VALUES),
+                     lambda b: PSUpdate.decode(b, VALUES, [8])),
+    }
+
+
+def test_every_frame_kind_has_a_case():
+    assert set(_cases()) == {cls.__name__ for cls in frames.FRAMES}
+
+
+def test_round_trips():
+    cases = _cases()
+    sb = cases["SparseBatch"][1](cases["SparseBatch"][0])
+    assert sb.batch_size == 10 and sb.phase == "train"
+    np.testing.assert_array_equal(sb.uniq[1][sb.pos[1]], np.arange(10, 0, -1, dtype=np.uint64))
+    assert cases["BatchRef"][1](cases["BatchRef"][0]).batch_ref == 7 << 56 | 3
+    db = cases["DenseBatch"][1](cases["DenseBatch"][0])
+    assert isinstance(db, DenseBatch) and db.dense.shape == (4, 3) and db.seq == 2 and db.position == (0, 1, 2, 3)
+    end = cases["EndOfPhase"][1](cases["EndOfPhase"][0])
+    assert isinstance(end, EndOfPhase) and end.phase == "eval" and end.meta == {"rows": 10}
+    emb, sent = cases["Embeddings"][1](cases["Embeddings"][0]), _embeddings()
+    np.testing.assert_array_equal(emb.pos, sent.pos)
+    for dim in (4, 8):  # κ-scaled fp16: about 11 bits of relative precision per vector
+        np.testing.assert_allclose(emb.rows[dim], sent.rows[dim], rtol=0, atol=4e-3 * np.abs(sent.rows[dim]).max())
+    grads = cases["Gradients"][1](cases["Gradients"][0])
+    assert grads.batch_ref == 9 and grads.grads[4].shape == (4, 4)
+    assert cases["Applied"][1](cases["Applied"][0]).applied == 12
+    lookup = cases["PSLookup"][1](cases["PSLookup"][0])
+    assert lookup.train and sorted(lookup.ids) == [4, 8] and lookup.ids[4].tolist() == [1, 2, 3]
+    assert cases["PSRows"][1](cases["PSRows"][0]).rows[8].shape == (10, 8)
+    update = cases["PSUpdate"][1](cases["PSUpdate"][0])
+    np.testing.assert_allclose(update.grads[8], 1.0, rtol=1e-3)
+
+
+def test_float32_values_when_fp16_is_off():
+    plain = ValueCodec(fp16=False)
+    rows = np.random.default_rng(1).standard_normal((10, 8)).astype(np.float32)
+    back = PSRows.decode(PSRows({8: rows}).encode(plain), plain, {8: 10})
+    np.testing.assert_array_equal(back.rows[8], rows)
+
+
+@pytest.mark.parametrize("kind", sorted(_cases()))
+def test_truncated_frames_are_refused(kind):
+    raw, decode = _cases()[kind]
+    for cut in range(0, len(raw), max(1, len(raw) // 40)):
+        with pytest.raises(ValueError):
+            decode(raw[:cut])
+
+
+@pytest.mark.parametrize("kind", sorted(_cases()))
+def test_mutated_frames_decode_or_raise_value_error(kind):
+    """2,000 random mutations per kind: a decoder either returns a frame or raises ValueError, nothing else."""
+    raw, decode = _cases()[kind]
+    rng = random.Random(kind)
+    for _ in range(2000):
+        buf = bytearray(raw)
+        for _ in range(rng.randint(1, 8)):
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        try:
+            decode(bytes(buf))
+        except ValueError:
+            pass
+
+
+def test_oversized_frame_is_refused():
+    with pytest.raises(FrameError, match="exceeds"):
+        codec.decode(b"\0" * 64, max_bytes=32)
+
+
+def test_inconsistent_frames_are_refused():
+    ids = np.arange(1, 11, dtype=np.uint64)
+    # wrong dtype: IDs as int64
+    with pytest.raises(FrameError, match="dtype"):
+        PSLookup.decode(codec.encode({"ids.8": ids.astype(np.int64)}), [8])
+    # a width the receiver does not keep
+    with pytest.raises(FrameError, match="width"):
+        PSLookup.decode(PSLookup({16: ids}).encode(), [8])
+    # gradients for fewer rows than IDs, and duplicate IDs in an update
+    with pytest.raises(FrameError, match="shape"):
+        PSUpdate.decode(PSUpdate({8: ids}, {8: np.ones((9, 8), np.float32)}).encode(VALUES), VALUES, [8])
+    with pytest.raises(FrameError, match="unique"):
+        PSUpdate.decode(PSUpdate({8: np.ones(3, np.uint64)}, {8: np.ones((3, 8), np.float32)}).encode(VALUES),
+                        VALUES, [8])
+    # an embedding frame whose positions point past its feature's rows
+    emb = _embeddings()
+    emb.pos = emb.pos.copy()
+    emb.pos[0] = 3
+    with pytest.raises(FrameError, match="position"):
+        Embeddings.decode(emb.encode(VALUES), VALUES, WIDTHS, 5)
+    # rows missing for a width
+    emb = _embeddings()
+    emb.rows = {8: emb.rows[8]}
+    with pytest.raises(FrameError, match="rows"):
+        Embeddings.decode(emb.encode(VALUES), VALUES, WIDTHS, 5)
+    # a batch of another size than the dense half says
+    with pytest.raises(FrameError, match="features of a batch"):
+        Embeddings.decode(_embeddings().encode(VALUES), VALUES, WIDTHS, 6)
+    # gradients of the wrong row count for the batch
+    with pytest.raises(FrameError, match="shape"):
+        Gradients.decode(Gradients(1, {8: np.ones((4, 8), np.float32), 4: np.ones((4, 4), np.float32)})
+                         .encode(VALUES), VALUES, lambda ref: {8: 5, 4: 4})
+    # a dense batch with labels of another length, an unknown phase, a bad end-of-phase
+    with pytest.raises(FrameError, match="do not form a batch"):
+        decode_nn_batch(codec.encode({"dense": np.ones((4, 3), np.float32), "labels": np.ones(3, np.float32)},
+                                     {"batch_ref": 1}), 3)
+    with pytest.raises(FrameError, match="phase"):
+        decode_nn_batch(DenseBatch(1, np.ones((2, 3), np.float32), np.ones(2, np.float32), "test").encode(), 3)
+    with pytest.raises(FrameError, match="end_of"):
+        decode_nn_batch(codec.encode(meta={"end_of": "later"}), 3)
+
+
+def test_no_frame_key_is_spelled_outside_the_frames_module():
+    """The tensor and meta keys of data-plane frames appear only in hybridrec/frames.py."""
+    keys = r"""["'](ids|rows|grads?)\.|f["'](ids|rows|grads?)\.\{|["'](batch_ref|end_of|counts|lengths)["']"""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    offenders = []
+    for path in tracked:
+        if path in ("hybridrec/frames.py", "tests/unit/test_frames.py") or not (REPO / path).exists():
+            continue
+        for n, line in enumerate((REPO / path).read_text().splitlines(), 1):
+            if re.search(keys, line):
+                offenders.append(f"{path}:{n}: {line.strip()}")
+    assert not offenders, "frame keys outside hybridrec/frames.py:\n" + "\n".join(offenders)
+
+
+def test_proto_comments_name_existing_frames():
+    """Each data-plane RPC in the proto names the frames-module classes of its request and reply."""
+    proto = (REPO / "protos" / "hybridrec.proto").read_text()
+    names = {cls.__name__ for cls in frames.FRAMES}
+    for match in re.finditer(r"rpc (\w+)\(Frame\) returns \(Frame\)", proto):
+        above = proto[:match.start()].rstrip(" ").splitlines()
+        comment_lines = []
+        while above and above[-1].strip().startswith("//"):
+            comment_lines.append(above.pop())
+        comment = "\n".join(comment_lines)
+        mentioned = set(re.findall(r"frames\.(\w+)", comment))
+        assert mentioned and mentioned <= names, f"rpc {match.group(1)}: comment names {mentioned}"
