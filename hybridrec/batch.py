@@ -1,4 +1,4 @@
-"""The two halves of a mini-batch on the wire (DESIGN §1 steps 1–2).
+"""The two halves of a mini-batch on the wire (docs/architecture.md#one-training-batch, steps 1–2).
 
 The data loader splits every batch: its ID features go to an embedding worker as
 a `SparseBatch` (per feature: unique IDs, uint16 positions, bag lengths), its
