@@ -36,7 +36,7 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
     flavors = available()
     if not flavors:
         pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
-                    ".ci/docker-engine.sh installs Debian's docker-compose", pytrace=False)
+                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
     if flavor not in flavors:
         pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
     compose = flavors[flavor]
