@@ -55,6 +55,7 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
     summary = json.loads(summary_path.read_text())
     assert summary["samples"] == SYNTH_ROWS, output
     assert summary["auc"] >= AUC_THRESHOLD, f"AUC {summary['auc']:.4f} < {AUC_THRESHOLD}\n{output}"
+    assert summary["oracle_auc"] is not None, f"no oracle_auc although synth wrote oracle.json\n{output}"
     wall = [line for line in proc.stderr.splitlines() if "compose run took" in line]
     print(f"compose {flavor}: AUC {summary['auc']:.4f}; {wall[-1] if wall else ''}")
     leftovers = docker_client.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
