@@ -1,4 +1,4 @@
-"""Wire-format benchmark (issue: communication). Writes JSON; every ratio is against a baseline measured in the same run.
+"""Wire-format benchmark. Writes JSON; every ratio is against a baseline measured in the same run.
 
 1. encode+decode of a 4 MB float32 tensor: hybridrec frame vs a protobuf `repeated float` field;
 2. bytes on the wire for one Zipf batch (4096 samples x 26 features, width 16) round trip — IDs in,

@@ -1,4 +1,4 @@
-"""Accuracy-throughput benchmark of the training modes against single-process PyTorch and TorchRec (issue 5).
+"""Accuracy-throughput benchmark of the training modes against single-process PyTorch and TorchRec.
 
 In one run, on the same synthetic data, model (DNN 512-256-128 over 26 x 16
 embeddings + 13 dense features), batch size (4096) and optimizers (Adagrad on
@@ -10,7 +10,7 @@ embeddings, Adam on the MLP):
   on CPU (DistributedModelParallel, fused FBGEMM kernel, optimizer in backward).
 
 Writes JSON (modes.<mode>.{samples_per_sec, auc}, baselines.<name>.{...} and the
-ratios of the issue's targets) and a PNG of AUC against wall time, one line per
+ratios in `targets`) and a PNG of AUC against wall time, one line per
 mode (hybridrec: progressive-validation AUC of each batch before its update, and
 the final eval AUC as a marker; baselines: eval AUC at a few points).
 
@@ -76,7 +76,7 @@ def cpu_during(resources: dict[str, list[dict]], t0: float, t1: float) -> dict[s
 
     On one machine every mode does the same CPU work per sample, so a mode can only
     be faster than another by the CPU time the other leaves idle: the totals say how
-    much that is (DESIGN §1; the issue 5 closing note)."""
+    much that is (README.md, "Benchmarks")."""
     out: dict[str, float] = {}
     for name, points in resources.items():
         values = [p["cpu_percent"] for p in points if t0 <= p["t"] <= t1]

@@ -9,13 +9,15 @@
 #
 # Idempotent: does nothing when the image already exists (FORCE=1 rebuilds).
 # Needs root (debootstrap), debootstrap (installed with apt-get when
-# missing), a Docker engine, and Debian's archive ($DEBIAN_MIRROR).
+# missing), a Docker engine, and a Debian archive: $DEBIAN_MIRROR, else the
+# one this machine's apt uses (deploy/debian-mirror.sh).
 set -euo pipefail
 
 BASE_IMAGE=${BASE_IMAGE:-hybridrec-base:bookworm}
 SUITE=${SUITE:-bookworm}
-DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=deploy/debian-mirror.sh
+. "$here/debian-mirror.sh"
 work=${BUILD_DIR:-$here/.build}/base-rootfs
 
 say() { echo "[build-base] $*" >&2; }
@@ -25,6 +27,7 @@ if [ "${FORCE:-0}" != 1 ] && docker image inspect "$BASE_IMAGE" >/dev/null 2>&1;
     exit 0
 fi
 [ "$(id -u)" -eq 0 ] || { say "ERROR: debootstrap needs root"; exit 1; }
+DEBIAN_MIRROR=$(debian_mirror) || exit 1
 if ! command -v debootstrap >/dev/null 2>&1; then
     say "installing debootstrap"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null \
@@ -34,7 +37,7 @@ fi
 start=$SECONDS
 rm -rf "$work"
 mkdir -p "$work"
-say "debootstrap $SUITE minbase into $work"
+say "debootstrap $SUITE minbase from $DEBIAN_MIRROR into $work"
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     "$SUITE" "$work" "$DEBIAN_MIRROR" >"$work.log" 2>&1 \
     || { tail -n 30 "$work.log" >&2; say "ERROR: debootstrap failed (log: $work.log)"; exit 1; }

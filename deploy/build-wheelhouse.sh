@@ -12,7 +12,7 @@
 # torch is pinned to 2.13.0 in pyproject.toml; on these machines pip's
 # find-links (/opt/wheels) holds the CPU build 2.13.0+cpu, which pip prefers
 # over the CUDA build of the same version. Elsewhere set PIP_EXTRA_INDEX_URL
-# to the PyTorch CPU index (https://download.pytorch.org/whl/cpu) to get it.
+# to a PyTorch CPU wheel index to get it.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,4 +1,4 @@
-"""Tensor frames: the data-plane wire format of every hybridrec service (DESIGN §3).
+"""Tensor frames: the data-plane wire format of every hybridrec service (docs/architecture.md#data-plane-frames).
 
 A frame is one bytes object:
 

@@ -1,4 +1,4 @@
-"""Wire compression of IDs and embedding values (DESIGN §3, Persia paper §4.2.3).
+"""Wire compression of IDs and embedding values (Persia paper (Lian et al., KDD 2022) §4.2.3).
 
 * IDs, lossless: a batch's ID list travels as its unique IDs plus a uint16
   position per occurrence, instead of one int64 per occurrence.

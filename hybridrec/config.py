@@ -1,4 +1,4 @@
-"""The one configuration file of a hybridrec job, validated once at start (DESIGN §6).
+"""The one configuration file of a hybridrec job, validated once at start (docs/architecture.md#configuration).
 
 Every process (launcher and each service) loads the same YAML into these typed
 models; a bad key is reported as `ConfigError` naming the dotted key and what
@@ -94,7 +94,7 @@ class Mode(str, enum.Enum):
 
 class CompressionConfig(_Model):
     fp16: bool = True
-    """Send embeddings and gradients as fp16 after scaling each vector by kappa/||v|| (DESIGN §3)."""
+    """Send embeddings and gradients as fp16 after scaling each vector by kappa/||v|| (hybridrec/compress.py)."""
     kappa: Annotated[float, Field(gt=0, le=60000)] = 1024.0
     """Norm each vector is scaled to before the fp16 cast."""
     lz4_ids: bool = True

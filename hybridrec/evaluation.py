@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import log_loss, roc_auc_score
 
+from hybridrec import log
+
 EPS = 1e-7
 
 
@@ -21,12 +23,26 @@ def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float | N
 
 
 def find_oracle(config) -> float | None:
-    """The planted model's oracle AUC: data.oracle, else oracle.json beside the first training file."""
-    candidates = [config.data.oracle] if config.data.oracle else [str(Path(p).parent / "oracle.json")
-                                                                  for p in config.data.train[:1]]
-    for path in candidates:
+    """The planted model's oracle AUC: data.oracle, else oracle.json beside the first training file.
+
+    None when there is no oracle. A data.oracle that is set but cannot be read
+    (e.g. a container without the data volume) is logged as a warning, so a
+    null oracle_auc in the summary is explained in the log.
+    """
+    if config.data.oracle:
         try:
-            return float(json.loads(Path(path).read_text())["oracle_auc"])
+            return _read_oracle(Path(config.data.oracle))
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            log.get(__name__).warning("oracle_unreadable", path=config.data.oracle,
+                                      error=f"{type(exc).__name__}: {exc}")
+            return None
+    for train in config.data.train[:1]:
+        try:
+            return _read_oracle(Path(train).parent / "oracle.json")
         except (OSError, KeyError, ValueError, TypeError):
             continue
     return None
+
+
+def _read_oracle(path: Path) -> float:
+    return float(json.loads(path.read_text())["oracle_auc"])

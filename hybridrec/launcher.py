@@ -186,7 +186,7 @@ class LocalCluster:
 
     def _restart_group(self, failed: ServiceProcess, rc: int) -> None:
         """The dense part never loses a synchronisation: every NN worker and the data loader go back to
-        the newest checkpoint together (Persia §4.2.4)."""
+        the newest checkpoint together (Persia paper (Lian et al., KDD 2022) §4.2.4)."""
         self.group_restarts += 1
         self.log.warning("group_restart", failed=failed.name, exit_code=rc, restarts=self.group_restarts,
                          checkpoint_dir=self.config.checkpoint.dir)

@@ -1,4 +1,4 @@
-"""Which PS shard owns an ID: `splitmix64(id) mod num_shards` (DESIGN §2).
+"""Which PS shard owns an ID: `splitmix64(id) mod num_shards` (docs/architecture.md#ids-and-sharding).
 
 Hashing before the modulo spreads a hot feature group (whose IDs share their
 top bits) evenly over the shards. The embedding worker routes lookups with it

@@ -1,4 +1,6 @@
-"""`hybridrec serve dataloader`: read the data, split each batch, dispatch the halves (DESIGN §1 steps 1–2).
+"""`hybridrec serve dataloader`: read the data, split each batch, dispatch the halves.
+
+These are steps 1–2 of docs/architecture.md#one-training-batch.
 
 Parsing and batch preparation (per-feature dedup) run on a helper thread so the
 event loop keeps serving RPCs. For each batch the ID half goes to an embedding

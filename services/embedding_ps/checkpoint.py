@@ -1,4 +1,4 @@
-"""PS checkpoints: each shard dumps its rows as .npy files plus a manifest (DESIGN §2).
+"""PS checkpoints: each shard dumps its rows as .npy files plus a manifest (docs/architecture.md#checkpoints).
 
 On the embedding PS (and the `hybridrec checkpoint inspect` CLI). Layout:
 

@@ -1,4 +1,4 @@
-"""One PS shard's embedding table for one embedding width: the request path (DESIGN §2).
+"""One PS shard's embedding table for one embedding width: the request path (docs/architecture.md#embedding-store).
 
 On the embedding PS: `EmbeddingStore` serves lookups, updates, checkpoint
 dumps/restores and stats from request threads. Its arrays live in files

@@ -1,4 +1,4 @@
-"""The embedding store's files: its config, their layout, creating and re-attaching them (DESIGN §2).
+"""The embedding store's files: its config, their layout, creating, re-attaching (docs/architecture.md#embedding-store).
 
 On the embedding PS (and the `hybridrec plan` CLI, which sizes stores with
 `planned_shm_bytes`). Split from store.py so that everything that decides

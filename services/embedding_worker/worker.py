@@ -4,7 +4,7 @@ The data loader hands a batch's ID features in (`put`) and gets a batch_ref;
 an NN worker later asks for that batch's embeddings (`lookup`) and eventually
 returns their gradients (`push_gradients`).
 
-What crosses the network is deduplicated both ways (Persia §4.2.3): the NN
+What crosses the network is deduplicated both ways (Persia paper (Lian et al., KDD 2022) §4.2.3): the NN
 worker receives each feature's *unique* rows plus the uint16 positions and bag
 lengths it needs to pool them, and sends back one gradient per unique row — not
 one vector per sample. All per-batch planning (dedup per embedding width across

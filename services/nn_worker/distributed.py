@@ -1,7 +1,7 @@
 """On the NN worker: the torch.distributed process group and how the dense replica is kept in sync.
 
 `parallelize(model, mode, ...)` is the one place that decides how dense
-parameters are synchronised (STYLE: parallelism is a function applied to the
+parameters are synchronised (parallelism is a function applied to the
 user's module, not part of it):
 
 * hybrid, sync — DistributedDataParallel: gradients AllReduced every step,

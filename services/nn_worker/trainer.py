@@ -1,4 +1,4 @@
-"""On the NN worker: the training loop of the hybrid algorithm (DESIGN §1 steps 3–5).
+"""On the NN worker: the training loop of the hybrid algorithm (docs/architecture.md#one-training-batch, steps 3–6).
 
 Two coroutines share the event loop and one compute thread does the math:
 

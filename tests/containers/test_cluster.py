@@ -128,7 +128,8 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
         reopened = [line for line in cluster.logs(victim, tail=None).splitlines() if "stores_open" in line]
         assert len(reopened) >= 2, f"{victim} did not reopen its store after the restart:\n{cluster.logs(victim)}"
         assert killed_at_step < steps_per_rank * 0.8, "the kill came too late to be mid-training"
-        # Updates in flight to the dead shard may be lost (Persia §4.2.4), samples may not.
+        # Updates in flight to the dead shard may be lost (Persia paper (Lian et al., KDD 2022) §4.2.4),
+        # samples may not.
         assert_trained(run, epochs=epochs, min_fraction=0.95)
         print(f"PS killed at step {killed_at_step:.0f} of ~{steps_per_rank}; restarts {state['RestartCount']}; "
               f"AUC {run.summary['auc']:.4f}; lost updates {run.summary.get('lost_updates')}; "

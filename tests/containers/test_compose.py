@@ -36,7 +36,7 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
     flavors = available()
     if not flavors:
         pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
-                    ".ci/docker-engine.sh installs Debian's docker-compose", pytrace=False)
+                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
     if flavor not in flavors:
         pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
     compose = flavors[flavor]
@@ -55,6 +55,7 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
     summary = json.loads(summary_path.read_text())
     assert summary["samples"] == SYNTH_ROWS, output
     assert summary["auc"] >= AUC_THRESHOLD, f"AUC {summary['auc']:.4f} < {AUC_THRESHOLD}\n{output}"
+    assert summary["oracle_auc"] is not None, f"no oracle_auc although synth wrote oracle.json\n{output}"
     wall = [line for line in proc.stderr.splitlines() if "compose run took" in line]
     print(f"compose {flavor}: AUC {summary['auc']:.4f}; {wall[-1] if wall else ''}")
     leftovers = docker_client.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})

@@ -1,4 +1,4 @@
-"""Fuzz the data plane of running services with mutated frames (issue: communication, Done-when 5).
+"""Fuzz the data plane of running services with mutated frames (docs/architecture.md#data-plane-frames).
 
 Real `hybridrec serve` processes (a PS shard and an embedding worker) get
 >= 10,000 mutated frames. Every answer must be OK (a mutation may leave a valid

@@ -1,7 +1,7 @@
 """kill -9 of a PS, an embedding-worker or an NN-worker process mid-run: `hybridrec run` finishes normally.
 
 Each disturbed run must end within 0.005 eval AUC of an undisturbed run of the
-same config (issue: fault tolerance), with the restart and the skipped batches
+same config, with the restart and the skipped batches
 or lost updates counted in the summary.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The correctness oracle (DESIGN §1): 1 NN worker, SGD for both parts, sync mode, fp32 on the wire.
+"""The correctness oracle: 1 NN worker, SGD for both parts, sync mode, fp32 on the wire.
 
 hybridrec, through all four services, must end with the same parameters as a
 plain single-process PyTorch model (embedding rows + the same MLP) fed the same

@@ -1,0 +1,59 @@
+"""find_oracle: where the summary's oracle_auc comes from, and a warning when a configured oracle is unreadable."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from structlog.testing import capture_logs
+
+from hybridrec.config import from_dict
+from hybridrec.evaluation import binary_metrics, find_oracle
+
+
+def config(tmp_path, oracle=None):
+    data = {"train": [str(tmp_path / "synth" / "train.tsv")]}
+    if oracle is not None:
+        data["oracle"] = str(oracle)
+    return from_dict({"data": data})
+
+
+def write_oracle(path, auc=0.8123):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"oracle_auc": auc, "train_rows": 10}))
+    return path
+
+
+def test_configured_oracle(tmp_path):
+    path = write_oracle(tmp_path / "elsewhere" / "oracle.json", 0.75)
+    write_oracle(tmp_path / "synth" / "oracle.json", 0.9)  # data.oracle wins over the one beside the data
+    assert find_oracle(config(tmp_path, path)) == pytest.approx(0.75)
+
+
+def test_oracle_beside_the_training_file(tmp_path):
+    write_oracle(tmp_path / "synth" / "oracle.json", 0.8)
+    with capture_logs() as logs:
+        assert find_oracle(config(tmp_path)) == pytest.approx(0.8)
+    assert not logs
+
+
+def test_no_oracle_is_none_and_quiet(tmp_path):
+    with capture_logs() as logs:
+        assert find_oracle(config(tmp_path)) is None
+    assert not logs
+
+
+@pytest.mark.parametrize("content", [None, "not json", json.dumps({"auc": 0.8})])
+def test_configured_but_unreadable_oracle_is_none_with_a_warning(tmp_path, content):
+    """The compose run's nn-worker-0 once had no data volume: a silent null oracle_auc."""
+    path = tmp_path / "data" / "oracle.json"
+    if content is not None:
+        path.parent.mkdir(parents=True)
+        path.write_text(content)
+    with capture_logs() as logs:
+        assert find_oracle(config(tmp_path, path)) is None
+    assert [(e["event"], e["log_level"], e["path"]) for e in logs] == [("oracle_unreadable", "warning", str(path))]
+
+
+def test_binary_metrics_one_class_has_no_auc():
+    assert binary_metrics([1, 1], [0.2, 0.9])["auc"] is None
+    assert binary_metrics([], [])["logloss"] is None
