@@ -1,0 +1,289 @@
+"""Model bundles: a trained model as a self-contained, versioned, verifiable directory.
+
+Written by `hybridrec export` (from a run or a checkpoint) and by a training
+job that publishes versions; read by the inference service and by read-only
+PS shards. Layout:
+
+    BUNDLE/manifest.json                                  written last; lists every file with size and sha256
+    BUNDLE/dense.pt                                       the dense model's state_dict: tensors only
+                                                          (torch.load(..., weights_only=True))
+    BUNDLE/embeddings/shard-00000-of-00002/dim16.keys.npy  uint64 (n,), sorted ascending
+    BUNDLE/embeddings/shard-00000-of-00002/dim16.rows.npy  float32 (n, 16): trained rows, no optimizer state
+
+Embeddings are sharded like the PS (`hybridrec.sharding.shard_of`), one pair
+of arrays per shard and width. Keys are sorted so a lookup is a vectorised
+binary search over memory-mapped arrays: nothing is loaded or hashed at
+start-up, and a shard bigger than RAM still serves. An ID without a row reads
+zeros, as an ID never admitted does in training.
+
+A bundle is refused, naming the file, when its manifest does not parse, is of
+another format version, or when any file's size or sha256 differs from the
+manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hybridrec.config import FeatureConfig, ModelConfig
+from hybridrec.files import write_json_atomic
+from hybridrec.sharding import shard_of
+
+FORMAT = "hybridrec-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DENSE = "dense.pt"
+EMBEDDINGS = "embeddings"
+_CHUNK_BYTES = 16 << 20
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used: the message names the file and what is wrong."""
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bytes: int
+    """File size."""
+    sha256: str
+    """Hex digest of the file's bytes."""
+
+
+class BundleManifest(BaseModel):
+    """What a bundle holds; every file it lists is checked against its size and sha256 before use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: str = FORMAT
+    """Always "hybridrec-bundle"."""
+    format_version: int = FORMAT_VERSION
+    """Layout version; a reader refuses another."""
+    version: int = 0
+    """Model version: 0 for an export, increasing for versions a training job publishes."""
+    step: int = 0
+    """Training steps (per NN worker) behind the weights."""
+    features: list[FeatureConfig]
+    """ID features in model order: name, group, width, pooling."""
+    num_dense: int
+    """Dense features the model takes."""
+    model: ModelConfig
+    """Import path and keyword arguments of the dense model."""
+    precision: str = "fp32"
+    """Precision the dense model was trained in (bf16: serve under bf16 autocast too)."""
+    num_shards: int
+    """Embedding shards (as the PS had)."""
+    rows: dict[int, int] = Field(default_factory=dict)
+    """Embedding rows per width, all shards together."""
+    files: dict[str, FileEntry] = Field(default_factory=dict)
+    """Every other file of the bundle, by path relative to it."""
+    created: float = Field(default_factory=time.time)
+    """Unix time the bundle was written."""
+
+    @property
+    def widths(self) -> list[int]:
+        return sorted({f.dim for f in self.features})
+
+
+def shard_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def table_files(shard: int, num_shards: int, dim: int) -> tuple[str, str]:
+    """Relative paths of one shard's keys and rows of width `dim`."""
+    base = f"{EMBEDDINGS}/{shard_name(shard, num_shards)}/dim{dim}"
+    return f"{base}.keys.npy", f"{base}.rows.npy"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _entry(path: Path) -> FileEntry:
+    return FileEntry(bytes=path.stat().st_size, sha256=_sha256(path))
+
+
+# -- writing ----------------------------------------------------------------------------------
+class BundleWriter:
+    """Builds a bundle in a hidden sibling directory and renames it into place when `commit` is called.
+
+    A writer killed half-way leaves only the hidden directory (never a bundle
+    under the final name, and never a manifest that lists missing files).
+    """
+
+    def __init__(self, out: Path, manifest: BundleManifest):
+        self.out = Path(out)
+        if self.out.exists():
+            raise BundleError(f"{self.out} already exists; choose a new bundle directory")
+        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp.mkdir(parents=True)
+        self.manifest = manifest
+        self.manifest.files = {}
+
+    def add_dense(self, state_dict: dict[str, Any]) -> None:
+        import torch
+
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        torch.save(tensors, self.tmp / DENSE)
+        self._record(DENSE)
+
+    def add_table(self, shard: int, dim: int, keys: np.ndarray, rows: np.ndarray) -> None:
+        """One shard's rows of one width (any order: sorted here)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        rows = np.asarray(rows, dtype=np.float32)
+        if rows.shape != (keys.shape[0], dim):
+            raise ValueError(f"table of width {dim}: {keys.shape[0]} keys but rows of shape {rows.shape}")
+        order = np.argsort(keys, kind="stable")
+        keys_path, rows_path = table_files(shard, self.manifest.num_shards, dim)
+        for rel, array in ((keys_path, keys[order]), (rows_path, rows[order])):
+            (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            np.save(self.tmp / rel, np.ascontiguousarray(array), allow_pickle=False)
+            self._record(rel)
+        self.manifest.rows[dim] = self.manifest.rows.get(dim, 0) + int(keys.shape[0])
+
+    def _record(self, rel: str) -> None:
+        self.manifest.files[rel] = _entry(self.tmp / rel)
+
+    def commit(self) -> BundleManifest:
+        missing = [(s, d) for s in range(self.manifest.num_shards) for d in self.manifest.widths
+                   if table_files(s, self.manifest.num_shards, d)[0] not in self.manifest.files]
+        for shard, dim in missing:  # a shard without rows of a width still gets (empty) files
+            self.add_table(shard, dim, np.zeros(0, np.uint64), np.zeros((0, dim), np.float32))
+        if DENSE not in self.manifest.files:
+            raise BundleError("a bundle needs the dense weights (add_dense)")
+        write_json_atomic(self.tmp / MANIFEST, self.manifest.model_dump(mode="json"))
+        os.rename(self.tmp, self.out)
+        return self.manifest
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# -- reading ----------------------------------------------------------------------------------
+def read_manifest(path: Path) -> BundleManifest:
+    """The manifest of bundle directory `path`; BundleError naming the file when it is not a bundle's."""
+    file = Path(path) / MANIFEST
+    try:
+        manifest = BundleManifest.model_validate_json(file.read_bytes())
+    except FileNotFoundError:
+        raise BundleError(f"{file}: no manifest (not a bundle, or one still being written)") from None
+    except OSError as exc:
+        raise BundleError(f"{file}: cannot read: {exc.strerror}") from None
+    except ValidationError as exc:
+        raise BundleError(f"{file}: not a valid bundle manifest: {exc.errors()[0]['msg']} at "
+                          f"{'.'.join(str(p) for p in exc.errors()[0]['loc'])}") from None
+    if manifest.format != FORMAT or manifest.format_version != FORMAT_VERSION:
+        raise BundleError(f"{file}: format {manifest.format!r} version {manifest.format_version}; this build reads "
+                          f"{FORMAT!r} version {FORMAT_VERSION}")
+    return manifest
+
+
+def verify(path: Path, manifest: BundleManifest) -> None:
+    """Check every listed file's size and sha256 (and that the tables the manifest implies are listed)."""
+    path = Path(path)
+    for shard in range(manifest.num_shards):
+        for dim in manifest.widths:
+            for rel in table_files(shard, manifest.num_shards, dim):
+                if rel not in manifest.files:
+                    raise BundleError(f"{path / MANIFEST}: does not list {rel}")
+    for rel, entry in manifest.files.items():
+        file = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise BundleError(f"{path / MANIFEST}: file path {rel!r} leaves the bundle")
+        try:
+            size = file.stat().st_size
+        except OSError:
+            raise BundleError(f"{file}: listed in the manifest but missing") from None
+        if size != entry.bytes:
+            raise BundleError(f"{file}: {size} bytes, the manifest says {entry.bytes}")
+        if _sha256(file) != entry.sha256:
+            raise BundleError(f"{file}: sha256 does not match the manifest")
+
+
+def load_dense(path: Path) -> dict[str, Any]:
+    """The dense state_dict, loaded without unpickling anything but tensors."""
+    import torch
+
+    file = Path(path) / DENSE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds; the file is what is wrong
+        raise BundleError(f"{file}: not loadable as tensors: {exc}") from None
+
+
+class ShardTable:
+    """One shard's rows, per width: sorted keys and rows, memory-mapped."""
+
+    def __init__(self, path: Path, manifest: BundleManifest, shard: int):
+        self.keys: dict[int, np.ndarray] = {}
+        self.rows: dict[int, np.ndarray] = {}
+        for dim in manifest.widths:
+            keys_rel, rows_rel = table_files(shard, manifest.num_shards, dim)
+            try:
+                self.keys[dim] = np.load(path / keys_rel, mmap_mode="r", allow_pickle=False)
+                self.rows[dim] = np.load(path / rows_rel, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                raise BundleError(f"{path / keys_rel}: cannot map: {exc}") from None
+            if (self.keys[dim].dtype != np.uint64 or self.rows[dim].dtype != np.float32
+                    or self.rows[dim].shape != (self.keys[dim].shape[0], dim)):
+                raise BundleError(f"{path / rows_rel}: keys {self.keys[dim].dtype} {self.keys[dim].shape} and rows "
+                                  f"{self.rows[dim].dtype} {self.rows[dim].shape} do not form a table of width {dim}")
+
+    def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
+        """float32 (n, dim): each ID's row, zeros for IDs without one."""
+        keys, rows = self.keys[dim], self.rows[dim]
+        out = np.zeros((ids.shape[0], dim), np.float32)
+        if keys.shape[0] == 0 or ids.shape[0] == 0:
+            return out
+        at = np.minimum(np.searchsorted(keys, ids), keys.shape[0] - 1)
+        hit = keys[at] == ids
+        out[hit] = rows[at[hit]]
+        return out
+
+
+class EmbeddingTable:
+    """All shards of a bundle in this process: what the inference service looks rows up in."""
+
+    def __init__(self, shards: list[ShardTable]):
+        self.shards = shards
+
+    def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.uint64)
+        if len(self.shards) == 1:
+            return self.shards[0].lookup(dim, ids)
+        owner = shard_of(ids, len(self.shards))
+        out = np.empty((ids.shape[0], dim), np.float32)
+        for shard, table in enumerate(self.shards):
+            mine = np.flatnonzero(owner == shard)
+            if mine.size:
+                out[mine] = table.lookup(dim, ids[mine])
+        return out
+
+
+def open_bundle(path: Path, *, check: bool = True) -> tuple[BundleManifest, EmbeddingTable]:
+    """Manifest and embedding table of a bundle (verified unless `check` is False)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if check:
+        verify(path, manifest)
+    return manifest, EmbeddingTable([ShardTable(path, manifest, s) for s in range(manifest.num_shards)])
+
+
+def iter_tables(path: Path, manifest: BundleManifest) -> Iterable[tuple[int, int, np.ndarray, np.ndarray]]:
+    """(shard, width, keys, rows) of every table of a bundle, memory-mapped."""
+    for shard in range(manifest.num_shards):
+        table = ShardTable(Path(path), manifest, shard)
+        for dim in manifest.widths:
+            yield shard, dim, table.keys[dim], table.rows[dim]
