@@ -226,6 +226,30 @@ class CheckpointConfig(_Model):
     """Start from the newest complete checkpoint in `dir` when there is one."""
 
 
+class PublishConfig(_Model):
+    """Live model versions: a training job publishes its model into a directory that inference services follow
+    (docs/serving.md#live-versions)."""
+
+    dir: str | None = None
+    """Where versions go, one `v00000012/` bundle directory each (None: `hybridrec run` uses <run dir>/versions
+    when an interval is set). Every PS shard and NN worker rank 0 must see the same directory."""
+    interval_steps: Annotated[int, Field(gt=0)] | None = None
+    """Publish every this many training steps of NN worker rank 0 (None: no step trigger)."""
+    interval_s: Annotated[float, Field(gt=0)] | None = None
+    """Publish when this many seconds have passed since the last publish began (None: no time trigger)."""
+    keep: Annotated[int, Field(ge=1)] = 3
+    """Newest versions kept besides the newest full snapshot and the deltas after it (with what each needs)."""
+    full_every: Annotated[int, Field(ge=1)] = 10
+    """Every this many versions is a full snapshot; the others are deltas of the rows changed since the previous
+    version. 1: every version is full."""
+    at_end: bool = True
+    """Publish one last version when training ends, after rank 0's gradient pushes are acknowledged."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.interval_steps or self.interval_s)
+
+
 class OutputConfig(_Model):
     dir: str = "runs/latest"
     """Where NN worker rank 0 writes summary.json and predictions."""
@@ -241,6 +265,8 @@ class Config(_Model):
     ps: PSConfig = Field(default_factory=PSConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    """Live model versions for inference services to follow."""
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
@@ -252,6 +278,12 @@ class Config(_Model):
         for f in self.features:
             if dims.setdefault(f.group, f.dim) != f.dim:
                 raise ValueError(f"features: group {f.group} is used with widths {dims[f.group]} and {f.dim}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_publish(self) -> "Config":
+        if self.publish.dir is not None and not self.publish.dir.strip():
+            raise ValueError("publish.dir: an empty path; leave it unset for <run dir>/versions")
         return self
 
     @property

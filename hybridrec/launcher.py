@@ -89,6 +89,8 @@ def resolve(config: Config, run_dir: Path) -> Config:
     tree["output"]["dir"] = str(run_dir)
     if config.checkpoint.interval_steps and not config.checkpoint.dir:
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    if config.publish.enabled and not config.publish.dir:
+        tree["publish"]["dir"] = str(run_dir / "versions")
     return from_dict(tree, source="resolved config")
 
 
