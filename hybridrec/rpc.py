@@ -55,6 +55,10 @@ class Unavailable(RuntimeError):
     """The server cannot serve this now (a dependency is down); the caller may retry."""
 
 
+class FailedPrecondition(RuntimeError):
+    """The server is not in the state the request assumes (e.g. a delta of a version it did not publish)."""
+
+
 def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     logger = log.get()
     latency = RPC_LATENCY.labels(service, method)
@@ -69,6 +73,8 @@ def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Call
             code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
         except Unavailable as exc:
             code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except FailedPrecondition as exc:
+            code, detail = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
             logger.exception("rpc_failed", method=method)
             code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -52,6 +52,43 @@ class CheckpointReply(_message.Message):
     directory: str
     rows: int
     def __init__(self, directory: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("version", "full", "base_version")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    full: bool
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., full: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class PublishedFile(_message.Message):
+    __slots__ = ("path", "bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ("rows", "files", "rows_by_dim")
+    class RowsByDimEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BY_DIM_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    files: _containers.RepeatedCompositeFieldContainer[PublishedFile]
+    rows_by_dim: _containers.ScalarMap[int, int]
+    def __init__(self, rows: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PublishedFile, _Mapping]]] = ..., rows_by_dim: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
     __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc")

@@ -22,9 +22,12 @@ from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
+from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
+from hybridrec.versions import version_dir
 from services.embedding_ps.optimizers import OptimizerSpec
+from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 
@@ -77,10 +80,17 @@ def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
 
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor):
+                 executor: ThreadPoolExecutor, publish_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.values, self.executor = values, executor
-        self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0}
+        self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0,
+                         "versions_written_total": 0, "version_rows_written_total": 0}
+        # Live versions (publish.dir set): which IDs changed since this shard last published, and which
+        # version that was (None: never, or the last publish failed; a delta then needs a full first).
+        self.publish_root = publish_root
+        self.changes = ChangeLog(sorted(stores)) if publish_root else None
+        self.published: int | None = None
+        self._publishing = asyncio.Lock()
 
     def stats(self) -> dict[str, float]:
         """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
@@ -108,6 +118,8 @@ class EmbeddingPSServicer:
         for dim, ids in lookup.ids.items():
             out[dim] = await self._run(self.stores[dim].lookup, self._check_shard(ids), train=lookup.train)
             self.counters["rows_looked_up_total"] += out[dim].shape[0]
+            if lookup.train and self.changes is not None:  # may have admitted new rows
+                self.changes.add(dim, ids)
         self.counters["lookups_total"] += 1
         return PSRows(out).encode(self.values)
 
@@ -116,6 +128,8 @@ class EmbeddingPSServicer:
         applied = 0
         for dim, ids in update.ids.items():
             applied += await self._run(self.stores[dim].update, self._check_shard(ids), update.grads[dim])
+            if self.changes is not None:  # logged after the update is applied: never before its rows change
+                self.changes.add(dim, ids)
         self.counters["updates_total"] += 1
         self.counters["rows_updated_total"] += applied
         return Applied(applied).encode()
@@ -143,6 +157,27 @@ class EmbeddingPSServicer:
         return pb.CheckpointReply(directory=request.directory, rows=rows)
 
 
+    async def Publish(self, request: pb.PublishRequest, context) -> pb.PublishReply:
+        """Write this shard's rows of model version `request.version` (docs/serving.md#live-versions)."""
+        if self.changes is None:
+            raise ValueError("publishing is off on this PS: publish.dir is not set in its config")
+        path = version_dir(self.publish_root, request.version)  # ValueError for a version out of range
+        async with self._publishing:
+            if not request.full and (self.published is None or self.published != request.base_version):
+                raise FailedPrecondition(f"shard {self.shard} cannot write a delta on version "
+                                         f"{request.base_version}: it last published "
+                                         f"{'nothing' if self.published is None else self.published}")
+            changed = self.changes.take()
+            self.published = None  # until this one is written
+            files, rows = await self._run(publish_shard, self.stores, path, shard=self.shard,
+                                          num_shards=self.num_shards, changed=None if request.full else changed)
+            self.published = request.version
+        self.counters["versions_written_total"] += 1
+        self.counters["version_rows_written_total"] += sum(rows.values())
+        return pb.PublishReply(rows=sum(rows.values()), rows_by_dim=rows, files=[
+            pb.PublishedFile(path=rel, bytes=e.bytes, sha256=e.sha256) for rel, e in files.items()])
+
+
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
@@ -152,7 +187,8 @@ async def serve(config: Config, replica: int) -> None:
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor)
+        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
+                                       publish_root=config.publish.dir)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)

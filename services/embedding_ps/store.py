@@ -268,6 +268,29 @@ class EmbeddingStore:
 
         return self._run_stripes(offsets, run, mutates=True)
 
+    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
+        no read miss (for publishing model versions; absent IDs read zeros)."""
+        ids = _as_ids(ids, "ids")
+        n, dim = ids.shape[0], self.config.dim
+        out = np.zeros((n, dim), np.float32)
+        found = np.zeros(n, bool)
+        perm = np.empty(n, np.int32)
+        slots = np.empty(n, np.int32)
+        offsets = K.partition(ids, self.config.num_stripes, perm)
+
+        def run(s: int, lo: int, hi: int) -> int:
+            index, keys, _, _, values, _ = self._stripes[s]
+            K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
+            at, where = perm[lo:hi], slots[lo:hi]
+            hit = where >= 0
+            out[at[hit]] = values[where[hit], :dim]
+            found[at[hit]] = True
+            return 0
+
+        self._run_stripes(offsets, run, mutates=False)
+        return out, found
+
     # ------------------------------------------------------------ checkpoints and checks
     def _all_locks(self):
         store = self
