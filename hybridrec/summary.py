@@ -51,6 +51,33 @@ class ServiceInfo(BaseModel):
     """Times it was restarted in place (or with its group)."""
 
 
+class PublishSummary(BaseModel):
+    """Live model versions NN worker rank 0 published during the run (publish.* in the config)."""
+
+    published: int = 0
+    """Versions completed (manifest written)."""
+    full: int = 0
+    """Of those, full snapshots (the rest are deltas)."""
+    skipped: int = 0
+    """Intervals skipped because the previous version was still being written."""
+    failed: int = 0
+    """Versions abandoned after an error (logged; the next one is a full snapshot)."""
+    last_version: int | None = None
+    """Number of the newest version published."""
+    last_step: int | None = None
+    """Training step of the newest version published."""
+    mean_s: float | None = None
+    """Mean seconds per version, from the dense copy to the manifest."""
+    max_s: float | None = None
+    """Slowest version, seconds."""
+    mean_delta_rows: float | None = None
+    """Mean embedding rows written per delta version (all shards and widths)."""
+    mean_full_rows: float | None = None
+    """Mean embedding rows written per full snapshot."""
+    directory: str | None = None
+    """The versions directory (publish.dir)."""
+
+
 class RunSummary(BaseModel):
     """Results of one training job."""
 
@@ -85,6 +112,8 @@ class RunSummary(BaseModel):
     """NN worker: seconds since it started; launcher: seconds of the whole run, start-up included."""
     data: dict[str, Any] = Field(default_factory=dict)
     """The data loader's counters per phase (rows, bad lines, dropped rows)."""
+    publish: PublishSummary | None = None
+    """Live versions published during the run (None: publishing off)."""
     services: list[ServiceInfo] | None = None
     """Launcher only: every replica it ran."""
     run_dir: str | None = None

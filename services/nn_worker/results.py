@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle
-from hybridrec.summary import RunSummary, Staleness
+from hybridrec.summary import PublishSummary, RunSummary, Staleness
 from services.nn_worker.trainer import Trainer
 
 
@@ -49,7 +49,7 @@ def reduce_stats(trainer: Trainer) -> dict:
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
-                  data: dict) -> RunSummary:
+                  data: dict, publish: dict | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions."""
     wall = totals["train_wall_s"]
     return RunSummary(
@@ -61,4 +61,5 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         eval_samples=int(labels.shape[0]), **binary_metrics(labels, preds),
         oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
+        publish=PublishSummary(**publish) if publish is not None else None,
     )

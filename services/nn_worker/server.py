@@ -24,6 +24,7 @@ from hybridrec import rpc
 from hybridrec.service import ServiceHost
 from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import init_process_group
+from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Trainer
@@ -55,6 +56,8 @@ class NNWorkerServicer:
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
                           skipped_batches_total=s.skipped_batches)
+            if self.trainer.publisher is not None:
+                values.update(self.trainer.publisher.metrics())
         return {k: float(v) for k, v in values.items()}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
@@ -86,6 +89,8 @@ async def serve(config: Config, replica: int) -> None:
     await trainer.setup()
     trainer.checkpointer = Checkpointer(config, replica, world_size, trainer)
     await trainer.checkpointer.restore()
+    if replica == 0 and config.publish.enabled:
+        trainer.publisher = Publisher(config, trainer)
     servicer.trainer = trainer
     await rpc.wait_until_serving(config.cluster.embedding_workers, timeout_s=config.cluster.start_timeout_s,
                                  what="embedding workers")
@@ -102,7 +107,8 @@ async def serve(config: Config, replica: int) -> None:
         totals = await loop.run_in_executor(compute, reduce_stats, trainer)
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
-                                    data={"train": end_train, "eval": end_eval})
+                                    data={"train": end_train, "eval": end_eval},
+                                    publish=trainer.publisher.summary() if trainer.publisher else None)
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)

@@ -83,6 +83,7 @@ class Trainer:
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
         self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
+        self.publisher = None  # services.nn_worker.publish.Publisher, set by the server on rank 0 when publishing
         self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
@@ -179,8 +180,12 @@ class Trainer:
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
                     await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
+                if self.publisher is not None:
+                    await self.publisher.maybe_publish(self.stats.steps)
         if pushes:
             await asyncio.gather(*pushes)
+        if self.publisher is not None:
+            await self.publisher.finish(self.stats.steps)
         await self._on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
         return end
