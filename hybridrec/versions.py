@@ -355,6 +355,21 @@ class Follower:
         return Snapshot(target, info.manifest.step, info.manifest, table, dense, info.path)
 
 
+def load_version(root: str | Path, version: int, *, check: bool = True) -> Snapshot:
+    """Version `version` of a versions directory, built from its full snapshot and the deltas up to it
+    (e.g. to serve or inspect one version); BundleError when it cannot be."""
+    by_number = {v.version: v for v in list_versions(root)[0]}
+    chain = chain_to(by_number, version)
+    if chain is None:
+        raise BundleError(f"{version_dir(root, version)}: not complete, or a version it needs is gone")
+    table = None
+    for info in chain:
+        part = _open_verified(info, check)
+        table = part if info.full else merge_tables(table, part, info.manifest.widths)
+    info = by_number[version]
+    return Snapshot(version, info.manifest.step, info.manifest, table, load_dense(info.path), info.path)
+
+
 def version_age_s(snapshot: Snapshot | None, now: float | None = None) -> float:
     """Seconds since the served version was published (NaN when nothing is served)."""
     if snapshot is None:
