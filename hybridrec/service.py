@@ -71,7 +71,7 @@ class ServiceHost:
         bound = rpc.bind(self.server, self.config.cluster.bind_host, port)
         await self.server.start()
         if self.config.cluster.metrics_port:
-            prometheus_client.start_http_server(self.config.cluster.metrics_port)
+            prometheus_client.start_http_server(self.config.cluster.metrics_port, addr=self.config.cluster.bind_host)
             self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
         rpc.install_stop_handlers(self.stop)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
