@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from hybridrec.config import Config, ConfigError, load_config
+from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
@@ -187,7 +187,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
          dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
-         optimizer: str = typer.Option("adagrad", "--optimizer", help="sgd | adagrad | adam | ftrl"),
+         optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
+                                       help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
          shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):

@@ -20,8 +20,8 @@ from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of
 from services.dataloader.batching import ReadCounters, iter_train_batches
 from services.dataloader.server import feature_columns
-from services.embedding_ps.server import shard_dir, store_config
-from services.embedding_ps.store import EmbeddingStore, init_rows
+from services.embedding_ps.server import shard_dir
+from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,7 @@ def test_sync_sgd_matches_single_process_pytorch(tmp_path, small_data):
     rows = np.zeros_like(ref_rows)
     shards = shard_of(vocab, num_shards)
     for shard in range(num_shards):
-        store = EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+        store = EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
         try:
             mine = shards == shard
             rows[mine] = store.lookup(vocab[mine], train=False)
