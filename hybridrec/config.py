@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hybridrec.criteo import NUM_DENSE, SPARSE_COLUMNS
 from hybridrec.ids import MAX_GROUPS
 
 
@@ -55,7 +56,7 @@ class FeatureConfig(_Model):
 
 def criteo_features(dim: int = 16) -> list[FeatureConfig]:
     """The 26 Criteo categorical columns, one group each."""
-    return [FeatureConfig(name=f"C{i + 1}", group=i, dim=dim) for i in range(26)]
+    return [FeatureConfig(name=name, group=i, dim=dim) for i, name in enumerate(SPARSE_COLUMNS)]
 
 
 class ModelConfig(_Model):
@@ -315,7 +316,7 @@ class Config(_Model):
 
     features: list[FeatureConfig] = Field(default_factory=criteo_features)
     """ID-type features (default: the 26 Criteo categorical columns, width 16)."""
-    num_dense: Annotated[int, Field(ge=0)] = 13
+    num_dense: Annotated[int, Field(ge=0)] = NUM_DENSE
     """Dense (float) features per sample (13 in Criteo)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The dense model."""

@@ -1,9 +1,10 @@
 """`hybridrec plan`: memory of the embedding PS before renting the machines.
 
-The numbers come from the store's own layout (services.embedding_ps
-.store_files.planned_shm_bytes): the values array (embedding + optimizer state per row),
-the open-addressing index (a power of two >= 2x each stripe's rows), the keys
-and the LRU prev/next arrays, per shard and in total.
+Runs in the CLI, which imports it by name (hybridrec/cli.py: `service_module`):
+it belongs to the PS because its numbers come from the store's own layout
+(`store_files.planned_shm_bytes`): the values array (embedding + optimizer
+state per row), the open-addressing index (a power of two >= 2x each stripe's
+rows), the keys and the LRU prev/next arrays, per shard and in total.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import math
 from dataclasses import dataclass
 
 from hybridrec.config import Config, EmbeddingOptimizer, EmbeddingOptimizerConfig
+from services.embedding_ps.kernels import MAX_STRIPE_ROWS
+from services.embedding_ps.optimizers import state_width
+from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
 OPTIMIZERS = tuple(m.value for m in EmbeddingOptimizer)
 
@@ -27,10 +31,6 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
 
     `num_stripes` defaults to 16, or more when a stripe would exceed the store's row limit.
     """
-    from services.embedding_ps.kernels import MAX_STRIPE_ROWS
-    from services.embedding_ps.optimizers import state_width
-    from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
-
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if shards < 1:
@@ -57,8 +57,6 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
 
 def plan_config(config: Config) -> dict:
     """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
-    from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
-
     per_shard: dict[str, int] = {}
     for dim in config.dims:
         for name, nbytes in planned_shm_bytes(StoreConfig.from_config(config, dim)).items():
