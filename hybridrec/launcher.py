@@ -27,6 +27,7 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
+from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
 from hybridrec.service import SERVICE_KINDS, SERVICES
 
@@ -116,10 +117,7 @@ class LocalCluster:
 
     def _write_services(self) -> None:
         """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
-        path = self.run_dir / "services.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([p.describe() for p in self.procs], indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(self.run_dir / "services.json", [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}

@@ -23,6 +23,7 @@ from hybridrec import codec, rpc
 from hybridrec.batch import DenseBatch, worker_of_ref
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle
+from hybridrec.files import write_json_atomic
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
@@ -111,9 +112,7 @@ def _staleness_summary(hist: list[int]) -> dict:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
 
 
 async def serve(config: Config, replica: int) -> None:
