@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -163,8 +162,3 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
-
-
-def remove_shm(config: Config) -> None:
-    """Delete every shard's store files (the launcher's cleanup when keep_shm is off)."""
-    shutil.rmtree(config.ps.shm_dir, ignore_errors=True)

@@ -39,8 +39,6 @@ from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, st
 
 _log = log.get(__name__)
 
-DEFAULT_SHM_ROOT = Path("/dev/shm/hybridrec")
-"""Where the PS puts its stores unless configured otherwise (tmpfs: RAM, survives a process restart)."""
 MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
 LAYOUT_VERSION = 2
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
