@@ -12,11 +12,12 @@ from the same point.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from hybridrec.files import write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -69,12 +70,7 @@ def read_manifest(path: Path) -> JobManifest:
 
 def write_manifest(path: Path, manifest: JobManifest) -> None:
     """Make `path` a complete checkpoint: the manifest goes last, through a temporary file and a rename."""
-    tmp = path / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(asdict(manifest), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
+    write_json_atomic(path / MANIFEST, asdict(manifest), fsync=True)
 
 
 def prune(root: str | Path, keep: int) -> None:

@@ -122,6 +122,7 @@ class RunSummary(BaseModel):
     """Launcher only: path of report.html."""
 
     def write(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, self.model_dump(mode="json"))
 
     @classmethod

@@ -291,7 +291,13 @@ class Follower:
     check: bool = True
     """Verify every file's size and sha256 before use."""
     on_skip: Callable[[int, str], None] | None = None
+    build: Callable[[Snapshot], Any] | None = None
+    """Called with each loaded version before it becomes current (e.g. to build the dense module); if it
+    raises, the version is skipped with the error as the reason. Its result is kept as `built`."""
     current: Snapshot | None = None
+    built: Any = None
+    """What `build` returned for the current version."""
+    _pending_built: Any = field(default=None, repr=False)
     skipped: dict[int, str] = field(default_factory=dict)
     """Versions refused, with the reason."""
     newest_seen: int = 0
@@ -320,6 +326,7 @@ class Follower:
             loaded = self._load(by_number, target)
             if loaded is not None:
                 self.current = loaded
+                self.built, self._pending_built = self._pending_built, None
                 break
         served = self.current.version if self.current else 0
         self.behind = sum(1 for n in by_number if n > served and n not in self.skipped)
@@ -352,7 +359,14 @@ class Follower:
         except BundleError as exc:
             self._skip(target, str(exc))
             return None
-        return Snapshot(target, info.manifest.step, info.manifest, table, dense, info.path)
+        snapshot = Snapshot(target, info.manifest.step, info.manifest, table, dense, info.path)
+        if self.build is not None:
+            try:
+                self._pending_built = self.build(snapshot)
+            except Exception as exc:  # noqa: BLE001 - e.g. weights that do not fit the model: the version's fault
+                self._skip(target, f"{info.path}: cannot build the model: {type(exc).__name__}: {exc}")
+                return None
+        return snapshot
 
 
 def load_version(root: str | Path, version: int, *, check: bool = True) -> Snapshot:

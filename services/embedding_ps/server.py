@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,26 +25,8 @@ from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
 from hybridrec.versions import version_dir
-from services.embedding_ps.optimizers import OptimizerSpec
 from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
-
-
-def store_config(config: Config, dim: int) -> StoreConfig:
-    opt = config.optimizer.embedding
-    return StoreConfig(
-        dim=dim,
-        capacity=config.ps.capacity,
-        optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, eps=opt.eps,
-                                initial_accumulator_value=opt.initial_accumulator_value, beta1=opt.beta1,
-                                beta2=opt.beta2, adam_eps=opt.adam_eps, weight_decay=opt.weight_decay),
-        seed=config.training.seed,
-        init_distribution=config.ps.init.distribution,
-        init_scale=config.ps.init.scale,
-        admit_probability=config.ps.admit_probability,
-        weight_bound=config.ps.weight_bound,
-        num_stripes=config.ps.num_stripes,
-    )
 
 
 def shard_dir(config: Config, shard: int) -> Path:
@@ -62,7 +43,7 @@ def warm_up(config: Config) -> None:
     scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
         for dim in config.dims:
-            small = dataclasses.replace(store_config(config, dim), capacity=64, num_stripes=2)
+            small = dataclasses.replace(StoreConfig.from_config(config, dim), capacity=64, num_stripes=2)
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)
@@ -74,7 +55,7 @@ def warm_up(config: Config) -> None:
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
-    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
             for dim in config.dims}
 
 
@@ -197,8 +178,3 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
-
-
-def remove_shm(config: Config) -> None:
-    """Delete every shard's store files (the launcher's cleanup when keep_shm is off)."""
-    shutil.rmtree(config.ps.shm_dir, ignore_errors=True)

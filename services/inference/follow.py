@@ -69,7 +69,7 @@ class FollowSource:
         self.root = Path(root)
         self.poll_s = poll_s
         self.make_model = make_model
-        self.follower = Follower(self.root, check=check)
+        self.follower = Follower(self.root, check=check, build=self._build)
         self.log = log.get()
         self._current: Any = None
         self._served: Snapshot | None = None
@@ -94,12 +94,10 @@ class FollowSource:
         """Load and swap in a newer version if there is one; True if it swapped. (The background thread's
         step; tests call it directly.)"""
         started = time.monotonic()
-        snapshot = self.follower.poll()
+        snapshot = self.follower.poll()  # loads, verifies, merges and builds (`_build`) off the request path
         if snapshot is None:
             return False
-        dense = build_dense(snapshot.manifest, snapshot.dense_state)
-        model = self.make_model(snapshot, dense)
-        self._current, self._served = model, snapshot  # the swap: one reference
+        self._current, self._served = self.follower.built, snapshot  # the swap: one reference
         self.swaps += 1
         self.last_load_s = time.monotonic() - started
         self.last_swap_lag_s = version_age_s(snapshot)
@@ -108,6 +106,9 @@ class FollowSource:
                       base_version=snapshot.manifest.base_version, load_s=round(self.last_load_s, 3),
                       lag_s=round(self.last_swap_lag_s, 3), behind=self.follower.behind)
         return True
+
+    def _build(self, snapshot: Snapshot) -> Any:
+        return self.make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -81,6 +81,7 @@ async def serve(config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     env = await loop.run_in_executor(compute, lambda: init_process_group(
         rendezvous=config.cluster.rendezvous, rank=replica, world_size=world_size, backend=config.training.backend,
+        bind_host=config.cluster.bind_host,
         timeout_s=config.cluster.start_timeout_s * 5))
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size)
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],

@@ -12,13 +12,12 @@ import torch
 
 from hybridrec.bundle import BundleManifest, FileEntry, file_entry
 from hybridrec.compress import ValueCodec
-from hybridrec.config import FeatureConfig, ModelConfig
+from hybridrec.config import EmbeddingOptimizerConfig, FeatureConfig, ModelConfig
 from hybridrec.files import write_json_atomic
 from hybridrec.frames import PSLookup, PSUpdate
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
 from hybridrec.versions import Follower, table_arrays, version_dir
-from services.embedding_ps.optimizers import OptimizerSpec
 from services.embedding_ps.publish import ChangeLog
 from services.embedding_ps.server import EmbeddingPSServicer
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
@@ -31,7 +30,7 @@ VALUES = ValueCodec(fp16=False, kappa=1.0)
 @pytest.fixture
 def ps(tmp_path):
     stores = {d: EmbeddingStore.open(tmp_path / "shm" / f"dim-{d}",
-                                     StoreConfig(dim=d, capacity=50_000, optimizer=OptimizerSpec("adagrad", lr=0.1),
+                                     StoreConfig(dim=d, capacity=50_000, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1),
                                                  num_stripes=4)) for d in WIDTHS}
     executor = ThreadPoolExecutor(2)
     servicer = EmbeddingPSServicer(stores, 0, 1, VALUES, executor, publish_root=str(tmp_path / "versions"))
@@ -110,7 +109,7 @@ def test_a_delta_on_a_version_this_shard_did_not_publish_is_refused(ps):
 
 
 def test_publishing_is_off_without_a_directory(tmp_path):
-    store = EmbeddingStore.open(tmp_path / "s", StoreConfig(dim=4, capacity=64, optimizer=OptimizerSpec("sgd"),
+    store = EmbeddingStore.open(tmp_path / "s", StoreConfig(dim=4, capacity=64, optimizer=EmbeddingOptimizerConfig(name="sgd"),
                                                             num_stripes=2))
     try:
         servicer = EmbeddingPSServicer({4: store}, 0, 1, VALUES, ThreadPoolExecutor(1))

@@ -23,7 +23,7 @@ SHARDS = 2
 
 
 def publish(root, version, tables: dict[int, tuple[np.ndarray, np.ndarray]], *, base=None, manifest=True,
-            dense=None):
+            dense=None, model_kwargs=None):
     """Write a version as the PS shards and rank 0 would: tables per shard, dense.pt, manifest last."""
     path = version_dir(root, version)
     files, rows = {}, {}
@@ -36,7 +36,7 @@ def publish(root, version, tables: dict[int, tuple[np.ndarray, np.ndarray]], *, 
     files["dense.pt"] = file_entry(path / "dense.pt")
     if manifest:
         m = BundleManifest(version=version, base_version=base, step=10 * version, features=FEATURES, num_dense=3,
-                           model=ModelConfig(), num_shards=SHARDS, rows=rows, files=files)
+                           model=ModelConfig(kwargs=model_kwargs or {}), num_shards=SHARDS, rows=rows, files=files)
         write_json_atomic(path / "manifest.json", m.model_dump(mode="json"))
     return path
 
