@@ -266,6 +266,11 @@ class ClusterConfig(_Model):
     """Address every gRPC server binds (the port comes from the service's own entry above)."""
     tls: TLSConfig | None = None
     """Mutual TLS on every channel (None: plaintext, for a trusted network)."""
+    control_identities: list[str] | None = None
+    """With TLS: certificate identities (subject common name or a subject alternative name) allowed to call
+    control methods (PS Checkpoint, LoadCheckpoint, Publish), e.g. the NN workers' and the launcher's;
+    everyone else gets PERMISSION_DENIED. Data-plane methods stay open to any certificate the CA signed.
+    None: any peer (the only choice without TLS)."""
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """Deadline of one data-plane RPC."""
     retry_s: Annotated[float, Field(gt=0)] = 120.0
@@ -288,6 +293,9 @@ class ClusterConfig(_Model):
         if len(self.embedding_workers) > 255:
             raise ValueError("cluster.embedding_workers: at most 255 embedding workers")
         _split_address(self.rendezvous, "cluster.rendezvous")
+        if self.control_identities is not None and self.tls is None:
+            raise ValueError("cluster.control_identities: authorising callers needs cluster.tls (mutual TLS "
+                             "identifies them)")
         return self
 
 

@@ -78,6 +78,7 @@ class ServiceHost:
         self.address = addresses[replica]
         self.log = log.setup(service=service, replica=replica)
         rpc.use_tls(config.cluster.tls)
+        rpc.use_authorization(config.cluster.control_identities)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()

@@ -19,6 +19,8 @@ import numpy as np
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec import checkpoints
+from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
@@ -61,14 +63,18 @@ def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
 
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor, publish_root: str | None = None):
+                 executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
+                 publish_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.values, self.executor = values, executor
+        self.checkpoint_root = checkpoint_root
+        """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
         self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0,
                          "versions_written_total": 0, "version_rows_written_total": 0}
         # Live versions (publish.dir set): which IDs changed since this shard last published, and which
         # version that was (None: never, or the last publish failed; a delta then needs a full first).
         self.publish_root = publish_root
+        """publish.dir: where Publish writes, `v{version}/` under it (None: Publish is refused)."""
         self.changes = ChangeLog(sorted(stores)) if publish_root else None
         self.published: int | None = None
         self._publishing = asyncio.Lock()
@@ -121,21 +127,21 @@ class EmbeddingPSServicer:
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
-        if not request.directory:
-            raise ValueError("checkpoint directory is empty")
-        await self._run(checkpoint.dump_shard, self.stores, request.directory, shard=self.shard,
+        directory = resolve_under(self.checkpoint_root, request.name)
+        await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
                         num_shards=self.num_shards, step=request.step)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
+        directory = resolve_under(self.checkpoint_root, request.name)
         num_shards = self.num_shards
-        await self._run(checkpoint.load_shard, request.directory, self.stores, shard=self.shard,
+        await self._run(checkpoint.load_shard, directory, self.stores, shard=self.shard,
                         num_shards=num_shards, shard_of=lambda ids: shard_of(ids, num_shards))
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
 
 
     async def Publish(self, request: pb.PublishRequest, context) -> pb.PublishReply:
@@ -161,6 +167,7 @@ class EmbeddingPSServicer:
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     warm_up(config)
     stores = open_stores(config, replica)
@@ -169,7 +176,7 @@ async def serve(config: Config, replica: int) -> None:
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
         servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
-                                       publish_root=config.publish.dir)
+                                       checkpoint_root=config.checkpoint.dir, publish_root=config.publish.dir)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)

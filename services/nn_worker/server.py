@@ -16,6 +16,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from hybridrec import checkpoints
 from hybridrec.config import Config
 from hybridrec.frames import Applied, decode_nn_batch
 from hybridrec.models import FeatureInfo, build_model
@@ -67,6 +68,7 @@ class NNWorkerServicer:
 async def serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(config.training.torch_threads)
     torch.manual_seed(config.training.seed)

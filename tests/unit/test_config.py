@@ -81,3 +81,29 @@ def test_every_config_field_has_a_docstring():
     missing = [f"{model.__name__}.{name}" for model in models for name, field in model.model_fields.items()
                if not (field.description or "").strip()]
     assert not missing, f"config fields without a docstring: {', '.join(missing)}"
+
+
+def test_control_identities_need_tls():
+    from hybridrec.config import ConfigError, from_dict
+
+    tree = {"data": {"train": ["x"]}, "cluster": {"control_identities": ["nn-worker"]}}
+    with pytest.raises(ConfigError, match="cluster.control_identities"):
+        from_dict(tree)
+
+
+def test_checkpoint_names_resolve_inside_the_root(tmp_path):
+    from hybridrec.checkpoints import check_root, resolve_under
+
+    root = tmp_path / "root"
+    check_root(root)
+    assert resolve_under(root, "step-00000001") == (root / "step-00000001").resolve()
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")
+    for bad in ("", "/etc", "../x", "a/../../x", "link", "link/y"):
+        with pytest.raises(PermissionError):
+            resolve_under(root, bad)
+    with pytest.raises(PermissionError, match="no checkpoint root"):
+        resolve_under(None, "step-00000001")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="checkpoint.dir"):
+        check_root(tmp_path / "file" / "sub")
