@@ -122,6 +122,11 @@ def _print_summary(summary: RunSummary) -> None:
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]
+    if summary.publish is not None:
+        p = summary.publish
+        rows.insert(-2, ("versions published / full / skipped / failed",
+                         f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
+                         f"mean {fmt(p.mean_s, 2)} s) in {p.directory}"))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)
