@@ -11,6 +11,7 @@ import torch
 
 from hybridrec.config import from_dict
 from hybridrec.proto import pb
+from hybridrec.sharding import shard_of
 from hybridrec.versions import Follower, list_versions, version_dir, write_table
 from services.nn_worker.publish import Publisher
 
@@ -24,7 +25,7 @@ class FakeTrainer:
 
 
 class FakeShards:
-    """Two PS shards writing one row per version (key = version) and remembering what they were asked."""
+    """Two PS shards writing two rows per version (keys 2v and 2v+1, each on its shard) and remembering what they were asked."""
 
     def __init__(self, root):
         self.root, self.calls, self.refuse_delta, self.fail, self.gate = root, [], False, False, None
@@ -38,10 +39,13 @@ class FakeShards:
         if self.refuse_delta and not full:
             raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, details="shard 1 restarted")
         replies = []
+        keys = np.array([2 * version, 2 * version + 1], np.uint64)
+        owner = shard_of(keys, 2)
         for shard in range(2):
-            files = write_table(version_dir(self.root, version), shard, 2, 4,
-                                np.array([2 * version + shard], np.uint64), np.full((1, 4), version, np.float32))
-            replies.append(pb.PublishReply(rows=1, rows_by_dim={4: 1}, files=[
+            mine = keys[owner == shard]
+            files = write_table(version_dir(self.root, version), shard, 2, 4, mine,
+                                np.full((mine.size, 4), version, np.float32))
+            replies.append(pb.PublishReply(rows=mine.size, rows_by_dim={4: mine.size}, files=[
                 pb.PublishedFile(path=k, bytes=e.bytes, sha256=e.sha256) for k, e in files.items()]))
         return replies
 
