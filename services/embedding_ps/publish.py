@@ -35,15 +35,17 @@ class ChangeLog:
     def __init__(self, dims: list[int]):
         self._parts: dict[int, list[np.ndarray]] = {d: [] for d in dims}
         self._sizes = {d: 0 for d in dims}
+        self._limits = {d: COMPACT_AT for d in dims}  # dedup again when the log doubles past its unique size
 
     def add(self, dim: int, ids: np.ndarray) -> None:
         if ids.size == 0:
             return
         self._parts[dim].append(np.array(ids, dtype=np.uint64, copy=True))  # the request buffer is not kept
         self._sizes[dim] += ids.size
-        if self._sizes[dim] > COMPACT_AT and len(self._parts[dim]) > 1:
+        if self._sizes[dim] > self._limits[dim] and len(self._parts[dim]) > 1:
             unique = np.unique(np.concatenate(self._parts[dim]))
             self._parts[dim], self._sizes[dim] = [unique], unique.size
+            self._limits[dim] = max(COMPACT_AT, 2 * unique.size)
 
     def pending(self) -> int:
         """IDs logged (with duplicates)."""
@@ -53,6 +55,7 @@ class ChangeLog:
         """The sorted unique IDs per width changed since the last take; the log starts empty again."""
         parts, self._parts = self._parts, {d: [] for d in self._parts}
         self._sizes = {d: 0 for d in self._parts}
+        self._limits = {d: COMPACT_AT for d in self._parts}
         return {d: np.unique(np.concatenate(p)) if p else np.zeros(0, np.uint64) for d, p in parts.items()}
 
 

@@ -176,7 +176,8 @@ async def serve(config: Config, replica: int) -> None:
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
         servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
-                                       checkpoint_root=config.checkpoint.dir, publish_root=config.publish.dir)
+                                       checkpoint_root=config.checkpoint.dir,
+                                       publish_root=config.publish.dir if config.publish.enabled else None)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)

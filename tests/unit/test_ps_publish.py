@@ -134,10 +134,14 @@ def test_peek_neither_admits_nor_refreshes(ps):
     assert store.items()[0].tolist() == order.tolist()  # recency order unchanged
 
 
-def test_change_log_dedups_and_starts_empty_after_take():
+def test_change_log_dedups_and_starts_empty_after_take(monkeypatch):
+    monkeypatch.setattr("services.embedding_ps.publish.COMPACT_AT", 4)
     log = ChangeLog([4])
     log.add(4, np.array([5, 1, 5], np.uint64))
     log.add(4, np.array([3, 1], np.uint64))
-    assert log.pending() == 5
-    assert log.take()[4].tolist() == [1, 3, 5]
+    assert log.pending() == 3  # deduplicated in place once past the limit
+    for i in range(10):
+        log.add(4, np.array([i, i + 100], np.uint64))
+    assert log.pending() <= 2 * 23 + 2
+    assert log.take()[4].tolist() == sorted({1, 3, 5} | set(range(10)) | set(range(100, 110)))
     assert log.take()[4].tolist() == [] and log.pending() == 0

@@ -127,3 +127,16 @@ def test_a_restarted_job_goes_on_numbering_and_starts_with_a_full_version(tmp_pa
         return shards
 
     assert asyncio.run(go()).calls == [(2, True, None)]
+
+
+def test_interval_s_triggers_by_time(tmp_path):
+    async def go():
+        publisher, shards = make(tmp_path, interval_s=0.2)
+        await publisher.maybe_publish(1)  # too early
+        await asyncio.sleep(0.25)
+        await publisher.maybe_publish(2)
+        await publisher.task
+        await publisher.maybe_publish(3)  # the clock restarted with the last publish
+        return shards
+
+    assert [c[0] for c in asyncio.run(go()).calls] == [1]
