@@ -217,22 +217,36 @@ class ArrayShardTable(ShardTable):
 
 def merge_rows(keys: np.ndarray, rows: np.ndarray, new_keys: np.ndarray,
                new_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """New sorted (keys, rows): `keys`/`rows` (sorted) with `new_keys` (sorted, unique) replaced or added.
+    """New sorted (keys, rows): `keys`/`rows` (sorted, unique) with `new_keys`' rows replaced or added.
 
     The inputs are not modified (they may be memory-mapped, read-only, or read
     by a request right now); a row present in both takes `new_rows`' values.
+    O(n + m log n) when `new_keys` is sorted and unique, as a version's tables
+    are; otherwise a sort of both.
     """
     if new_keys.shape[0] == 0:
         return keys, rows
-    all_keys = np.concatenate([keys, new_keys])
-    all_rows = np.concatenate([rows, new_rows])
-    # Stable sort puts a key's old row before its new one; keep the last of each run of equal keys.
-    order = np.argsort(all_keys, kind="stable")
-    sorted_keys = all_keys[order]
-    last = np.ones(sorted_keys.shape[0], bool)
-    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
-    pick = order[last]
-    return all_keys[pick], all_rows[pick]
+    if new_keys.shape[0] > 1 and not np.all(new_keys[1:] > new_keys[:-1]):
+        all_keys = np.concatenate([keys, new_keys])
+        all_rows = np.concatenate([rows, new_rows])
+        # Stable sort puts a key's old row before its new ones; keep the last of each run of equal keys.
+        order = np.argsort(all_keys, kind="stable")
+        sorted_keys = all_keys[order]
+        last = np.ones(sorted_keys.shape[0], bool)
+        last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+        pick = order[last]
+        return all_keys[pick], all_rows[pick]
+    pos = np.searchsorted(keys, new_keys)
+    hit = np.zeros(new_keys.shape[0], bool)
+    inside = pos < keys.shape[0]
+    hit[inside] = keys[pos[inside]] == new_keys[inside]
+    add = ~hit
+    out_keys = np.insert(keys, pos[add], new_keys[add])  # always a new array
+    out_rows = np.insert(rows, pos[add], new_rows[add], axis=0)
+    if hit.any():  # a replaced row moved right by the rows inserted at or before its old index
+        at = pos[hit]
+        out_rows[at + np.searchsorted(pos[add], at, side="right")] = new_rows[hit]
+    return out_keys, out_rows
 
 
 def merge_tables(base: EmbeddingTable, delta: EmbeddingTable, widths: list[int]) -> EmbeddingTable:

@@ -67,6 +67,20 @@ def test_merge_rows_replaces_and_adds_and_leaves_the_inputs_alone():
     assert {int(a): b.tolist() for a, b in zip(k, r)} == expect
     np.testing.assert_array_equal(keys, before[0])
     np.testing.assert_array_equal(rows, before[1])
+    shuffled = np.array([4, 9, 0, 3, 9, 7, 6], np.uint64)  # unsorted and repeated: the last value wins
+    k2, r2 = merge_rows(keys, rows, shuffled, np.arange(7, dtype=np.float32)[:, None].repeat(2, 1))
+    assert k2.tolist() == [0, 1, 3, 4, 5, 6, 7, 9]
+    assert r2[:, 0].tolist() == [2, 0, 3, 0, 4, 6, 5, 4] and r2[1, 1] == 1
+    rng = np.random.default_rng(7)
+    for _ in range(50):  # the fast path against a dictionary
+        base = np.unique(rng.integers(0, 300, rng.integers(0, 100))).astype(np.uint64)
+        delta = np.unique(rng.integers(0, 300, rng.integers(1, 100))).astype(np.uint64)
+        brows, drows = rng.standard_normal((base.size, 3)), rng.standard_normal((delta.size, 3))
+        want = dict(zip(base.tolist(), brows.tolist()))
+        want.update(zip(delta.tolist(), drows.tolist()))
+        gk, gr = merge_rows(base, brows.astype(np.float32), delta, drows.astype(np.float32))
+        assert gk.tolist() == sorted(want)
+        np.testing.assert_array_equal(gr, np.array([want[k] for k in sorted(want)], np.float32))
     empty_k, empty_r = merge_rows(np.zeros(0, np.uint64), np.zeros((0, 2), np.float32), new_keys, new_rows)
     assert empty_k.tolist() == new_keys.tolist() and np.array_equal(empty_r, new_rows)
 
