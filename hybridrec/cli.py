@@ -1,4 +1,4 @@
-"""The `hybridrec` command: run, serve, data, health, checkpoint.
+"""The `hybridrec` command: run, serve, data, health, checkpoint, export.
 
 User mistakes (bad config key, missing data file, model path that does not
 import) print one clear message and exit with code 2 — no traceback wall.
@@ -180,6 +180,42 @@ def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint di
         typer.echo(json.dumps(inspect_checkpoint(directory), indent=2))
     except (OSError, ValueError) as exc:
         _fail(str(exc))
+
+
+@app.command()
+def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
+                                                   help="A finished run directory (its newest complete checkpoint) "
+                                                        "or a checkpoint directory."),
+           out: Optional[Path] = typer.Option(None, "--out", help="Bundle directory to create (must not exist)."),
+           inspect: Optional[Path] = typer.Option(None, "--inspect", metavar="BUNDLE",
+                                                  help="Verify BUNDLE and print its manifest as JSON instead.")):
+    """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
+    import importlib
+
+    from hybridrec.bundle import BundleError, read_manifest, verify
+
+    if inspect is not None:
+        if source is not None or out is not None:
+            _fail("--inspect BUNDLE takes no SOURCE or --out")
+        try:
+            manifest = read_manifest(inspect)
+            verify(inspect, manifest)
+        except BundleError as exc:
+            _fail(str(exc))
+        typer.echo(json.dumps(manifest.model_dump(mode="json"), indent=2))
+        return
+    if source is None or out is None:
+        _fail("give SOURCE and --out BUNDLE (or --inspect BUNDLE)")
+    exporter = importlib.import_module("services.embedding_ps.export")
+    started = time.monotonic()
+    try:
+        checkpoint, manifest = exporter.export(source, out)
+    except (exporter.ExportError, BundleError) as exc:
+        _fail(str(exc))
+    size = sum(entry.bytes for entry in manifest.files.values())
+    rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
+    typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "
+               f"{manifest.num_shards} shard(s), rows {rows or 'none'}, {size / 2**20:.1f} MiB")
 
 
 @app.command()
