@@ -112,28 +112,55 @@ def _print_summary(summary: RunSummary) -> None:
 
 @app.command()
 def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader"),
-          config_path: Path = typer.Option(..., "--config", help="YAML config file."),
+          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file (not with --bundle)."),
           replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
-          overrides: Optional[list[str]] = SetOption):
+          overrides: Optional[list[str]] = SetOption,
+          bundle: Optional[Path] = typer.Option(None, "--bundle", help="embedding_ps only: serve shard --replica "
+                                                "of this model bundle, read-only, without a config."),
+          listen: str = typer.Option("127.0.0.1:0", "--listen", help="With --bundle: gRPC HOST:PORT (port 0: a "
+                                     "free one, logged as 'listening')."),
+          metrics_port: int = typer.Option(0, "--metrics-port", help="With --bundle: Prometheus port (0: none)."),
+          fp16: bool = typer.Option(False, "--fp16", help="With --bundle: send rows kappa-scaled fp16 (default "
+                                    "float32).")):
     """Run one service in this process (what a container runs)."""
     import importlib
 
     import uvloop
+    from pydantic import ValidationError
 
     from hybridrec.service import SERVICES, default_replica
 
     if service not in SERVICES:
         _fail(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    config = _load(config_path, overrides)
     try:
         replica = default_replica() if replica is None else replica
     except ValueError as exc:
         _fail(str(exc))
-    module = importlib.import_module(f"services.{service}.server")
+    if bundle is not None:
+        if service != "embedding_ps":
+            _fail(f"--bundle serves embedding_ps shards read-only; {service} takes --config")
+        if config_path is not None or overrides:
+            _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
+        module = importlib.import_module("services.embedding_ps.readonly")
+        try:
+            settings = module.ReadOnlyPSSettings(bundle=bundle, replica=replica, listen=listen,
+                                                 metrics_port=metrics_port, fp16=fp16)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")
+        main = module.serve(settings)
+    else:
+        if config_path is None:
+            _fail("give --config CONFIG (or, for a read-only embedding_ps, --bundle BUNDLE)")
+        config = _load(config_path, overrides)
+        module = importlib.import_module(f"services.{service}.server")
+        main = module.serve(config, replica)
+    # a bad bundle (BundleError, a ValueError) is the user's input too: exit 2 naming the file
+    usage_errors = (ConfigError, FileNotFoundError) + ((ValueError,) if bundle is not None else ())
     try:
-        uvloop.run(module.serve(config, replica))
-    except (ConfigError, FileNotFoundError) as exc:
+        uvloop.run(main)
+    except usage_errors as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)

@@ -33,7 +33,12 @@ def _config():
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A run directory with one complete checkpoint at step 9 (2 PS shards, adagrad state in the dumps)."""
+    return make_checkpoint(tmp_path)
+
+
+def make_checkpoint(tmp_path):
+    """A run directory with one complete checkpoint at step 9 (2 PS shards, adagrad state in the dumps):
+    (run dir, checkpoint dir, dense state_dict, {(width, id): trained row})."""
     config = _config()
     ckpt = checkpoints.step_dir(tmp_path / "run" / "checkpoints", 9)
     ckpt.mkdir(parents=True)
