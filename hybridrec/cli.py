@@ -122,7 +122,9 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
                                      "free one, logged as 'listening')."),
           metrics_port: int = typer.Option(0, "--metrics-port", help="With --bundle: Prometheus port (0: none)."),
           fp16: bool = typer.Option(False, "--fp16", help="With --bundle: send rows kappa-scaled fp16 (default "
-                                    "float32).")):
+                                    "float32)."),
+          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="With --bundle: mutual TLS, given three "
+                                                   "times: --tls CA --tls CERT --tls KEY (PEM files).")):
     """Run one service in this process (what a container runs)."""
     import importlib
 
@@ -144,8 +146,11 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
             _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
         module = importlib.import_module("services.embedding_ps.readonly")
         try:
-            settings = module.ReadOnlyPSSettings(bundle=bundle, replica=replica, listen=listen,
-                                                 metrics_port=metrics_port, fp16=fp16)
+            if tls and len(tls) != 3:
+                _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
+            settings = module.ReadOnlyPSSettings(
+                bundle=bundle, replica=replica, listen=listen, metrics_port=metrics_port, fp16=fp16,
+                tls=dict(zip(("ca", "cert", "key"), map(str, tls))) if tls else None)
         except ValidationError as exc:
             err = exc.errors()[0]
             _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")

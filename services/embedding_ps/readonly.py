@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hybridrec.bundle import BundleError, BundleManifest, ShardTable, read_manifest, verify
 from hybridrec.compress import ValueCodec
-from hybridrec.config import split_address
+from hybridrec.config import TLSConfig, split_address
 from hybridrec.frames import PSLookup, PSRows
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition, Unavailable
@@ -54,6 +54,8 @@ class ReadOnlyPSSettings(BaseModel):
     """Norm each row is scaled to before the fp16 cast."""
     threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Request threads running the lookups."""
+    tls: TLSConfig | None = None
+    """Mutual TLS, as cluster.tls of a training job (None: plaintext)."""
 
     @field_validator("listen")
     @classmethod
@@ -150,7 +152,7 @@ async def serve(settings: ReadOnlyPSSettings) -> None:
     manifest = read_manifest(settings.bundle)  # no bundle, or no such shard: fail before anything binds
     _check_replica(settings.bundle, manifest, settings.replica)
     host = ServiceHost.standalone("embedding_ps", settings.replica, settings.listen,
-                                  metrics_port=settings.metrics_port)
+                                  metrics_port=settings.metrics_port, tls=settings.tls)
     with ThreadPoolExecutor(max_workers=settings.threads, thread_name_prefix="ps-bundle") as executor:
         servicer = ReadOnlyPSServicer(Path(settings.bundle), settings.replica,
                                       ValueCodec(fp16=settings.fp16, kappa=settings.kappa), executor)

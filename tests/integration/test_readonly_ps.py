@@ -19,6 +19,7 @@ from hybridrec.launcher import free_port
 from hybridrec.proto import pb
 from hybridrec.sharding import shard_of
 from tests.conftest import HYBRIDREC, REPO
+from tests.faults.test_tls import pki  # noqa: F401 - a fixture
 from tests.unit.test_export import make_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -117,3 +118,34 @@ def test_a_corrupt_bundle_or_a_missing_shard_exits_2_naming_the_file(tmp_path, b
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and str(rows) in result.stderr and "sha256" in result.stderr
     assert time.monotonic() - started < 60
+
+
+def test_read_only_shard_with_mutual_tls(tmp_path, bundle, pki):
+    from hybridrec.config import TLSConfig
+
+    address = f"127.0.0.1:{free_port()}"
+    tls = [str(pki / "ca.pem"), str(pki / "service.pem"), str(pki / "service.key")]
+    proc = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--bundle", str(bundle), "--replica", "1",
+                                         "--listen", address, *(a for path in tls for a in ("--tls", path))],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "ps.log").open("wb"))
+    manifest, table = open_bundle(bundle)
+    ids = np.asarray(table.shards[1].keys[4])[:50]
+
+    async def scenario():
+        rpc.use_tls(TLSConfig(ca=tls[0], cert=tls[1], key=tls[2]))
+        try:
+            await rpc.wait_until_serving([address], timeout_s=60)
+            async with rpc.channel(address) as channel:
+                reply = await rpc.raw_method(channel, "EmbeddingPS", "Lookup")(PSLookup({4: ids}).encode(), timeout=30)
+        finally:
+            rpc.use_tls(None)
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await channel.unary_unary("/hybridrec.EmbeddingPS/Lookup")(PSLookup({4: ids}).encode(), timeout=10)
+        return PSRows.decode(reply, ValueCodec(fp16=False), {4: ids.size}).rows[4]
+
+    try:
+        np.testing.assert_array_equal(asyncio.run(scenario()), table.lookup(4, ids))
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
