@@ -88,7 +88,8 @@ class RunSummary(BaseModel):
     checkpoint: str | None = None
     """The final job checkpoint (checkpoint.final): what `hybridrec export` reads. None without one."""
     checkpoint_s: float | None = None
-    """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest)."""
+    """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest); None when the
+    checkpoint of the last step was written before (an interval one, or the one a restarted job resumed from)."""
     services: list[ServiceInfo] | None = None
     """Launcher only: every replica it ran."""
     run_dir: str | None = None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hybridrec import checkpoints, log, rpc
 from hybridrec.checkpoints import JobManifest
-from hybridrec.config import Config, dump_config
+from hybridrec.config import Config, Mode, dump_config
 from hybridrec.proto import pb
 
 PS_TIMEOUT_S = 600.0
@@ -51,7 +51,8 @@ class Checkpointer:
         self.config = config
         self.final = config.checkpoint.final
         self.log = log.get()
-        self.last_saved: int | None = None  # step of the newest checkpoint this group wrote or restored
+        self.last_saved: int | None = None  # step of the newest checkpoint this group wrote
+        self.restored_step: int | None = None  # step of the checkpoint this group resumed from
         self.resumed_at: tuple[int, tuple[int, ...]] = (-1, (0, 0, 0, 0))  # (seq, position) of the restored one
         self.final_path: Path | None = None
         self.final_s: float | None = None
@@ -64,12 +65,21 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.interval == 0
 
-    def final_due(self, step: int) -> bool:
-        """A final checkpoint is wanted at the end of training (not if one of this step exists already)."""
-        return bool(self.root and self.final) and step != self.last_saved
+    async def finish(self, step: int, seq: int, position: tuple[int, ...]) -> None:
+        """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
 
-    async def save_final(self, step: int, seq: int, position: tuple[int, ...]) -> None:
-        """Collective, like `save`: the checkpoint at the end of training; its path and duration are kept."""
+        Not written again when a checkpoint of this step already holds the final
+        state: the one this group resumed from (every rank loaded it, so the
+        replicas are identical), or an interval checkpoint of the last step in a
+        mode whose replicas are always identical (hybrid, sync). `final_path`
+        names the checkpoint either way; `final_s` is set when one was written.
+        """
+        if not (self.root and self.final):
+            return
+        identical = self.config.training.mode in (Mode.HYBRID, Mode.SYNC)
+        if step == self.restored_step or (step == self.last_saved and identical):
+            self.final_path = checkpoints.step_dir(self.root, step)
+            return
         started = time.monotonic()
         await self.save(step, seq, position)
         self.final_s = time.monotonic() - started
@@ -141,7 +151,7 @@ class Checkpointer:
         stats.steps = manifest.step
         stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
         stats.wall_offset = manifest.train_wall_s if self.rank == 0 else 0.0
-        self.last_saved, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
+        self.restored_step, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
         return manifest
 

@@ -186,9 +186,8 @@ class Trainer:
             await asyncio.gather(*pushes)
         await self._on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
-        if checkpointer is not None and checkpointer.final_due(self.stats.steps):
-            # every push is acknowledged and the replicas are identical: the model evaluated next
-            await checkpointer.save_final(self.stats.steps, *last)
+        if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
+            await checkpointer.finish(self.stats.steps, *last)
         return end
 
     async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:
