@@ -4,7 +4,9 @@ Services are registered from the service descriptors of protos/hybridrec.proto:
 a method whose request type is `Frame` is a data-plane method and gets identity
 (de)serializers, so the handler receives and returns the raw frame bytes and
 protobuf never touches a tensor. Every handler runs inside `_guard`, which turns
-a bad request into INVALID_ARGUMENT (and a missing batch into NOT_FOUND) with a
+a bad request into INVALID_ARGUMENT (a missing batch into NOT_FOUND, a request the
+server never accepts in its state, e.g. an update to a read-only PS, into
+FAILED_PRECONDITION) with a
 readable detail, so hostile input never takes a server down.
 """
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Unavailable(RuntimeError):
     """The server cannot serve this now (a dependency is down); the caller may retry."""
 
 
+class FailedPrecondition(RuntimeError):
+    """The server does not do this in its state (e.g. a read-only PS asked to update); retrying will not help."""
+
+
 def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     logger = log.get()
     latency = RPC_LATENCY.labels(service, method)
@@ -77,6 +83,8 @@ def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Call
             code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
         except Unavailable as exc:
             code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except FailedPrecondition as exc:
+            code, detail = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
             logger.exception("rpc_failed", method=method)
             code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

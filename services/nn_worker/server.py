@@ -106,6 +106,9 @@ async def serve(config: Config, replica: int) -> None:
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
                                     data={"train": end_train, "eval": end_eval})
+            checkpointer = trainer.checkpointer
+            if checkpointer.final_path is not None:
+                summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)
