@@ -1,4 +1,4 @@
-"""The `hybridrec` command: run, serve, data, health, checkpoint.
+"""The `hybridrec` command: run, serve, data, health, checkpoint, export.
 
 User mistakes (bad config key, missing data file, model path that does not
 import) print one clear message and exit with code 2 — no traceback wall.
@@ -134,26 +134,58 @@ def _print_summary(summary: RunSummary) -> None:
 
 @app.command()
 def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader"),
-          config_path: Path = typer.Option(..., "--config", help="YAML config file."),
+          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file (not with --bundle)."),
           replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
-          overrides: Optional[list[str]] = SetOption):
+          overrides: Optional[list[str]] = SetOption,
+          bundle: Optional[Path] = typer.Option(None, "--bundle", help="embedding_ps only: serve shard --replica "
+                                                "of this model bundle, read-only, without a config."),
+          listen: str = typer.Option("127.0.0.1:0", "--listen", help="With --bundle: gRPC HOST:PORT (port 0: a "
+                                     "free one, logged as 'listening')."),
+          metrics_port: int = typer.Option(0, "--metrics-port", help="With --bundle: Prometheus port (0: none)."),
+          fp16: bool = typer.Option(False, "--fp16", help="With --bundle: send rows kappa-scaled fp16 (default "
+                                    "float32)."),
+          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="With --bundle: mutual TLS, given three "
+                                                   "times: --tls CA --tls CERT --tls KEY (PEM files).")):
     """Run one service in this process (what a container runs)."""
     import uvloop
+    from pydantic import ValidationError
 
     from hybridrec.service import SERVICES, default_replica
 
     if service not in SERVICES:
         _fail(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    config = _load(config_path, overrides)
     try:
         replica = default_replica() if replica is None else replica
     except ValueError as exc:
         _fail(str(exc))
-    module = service_module(service, "server")
+    if bundle is not None:
+        if service != "embedding_ps":
+            _fail(f"--bundle serves embedding_ps shards read-only; {service} takes --config")
+        if config_path is not None or overrides:
+            _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
+        module = service_module("embedding_ps", "readonly")
+        try:
+            if tls and len(tls) != 3:
+                _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
+            settings = module.ReadOnlyPSSettings(
+                bundle=bundle, replica=replica, listen=listen, metrics_port=metrics_port, fp16=fp16,
+                tls=dict(zip(("ca", "cert", "key"), map(str, tls))) if tls else None)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")
+        main = module.serve(settings)
+    else:
+        if config_path is None:
+            _fail("give --config CONFIG (or, for a read-only embedding_ps, --bundle BUNDLE)")
+        config = _load(config_path, overrides)
+        module = service_module(service, "server")
+        main = module.serve(config, replica)
+    # a bad bundle (BundleError, a ValueError) is the user's input too: exit 2 naming the file
+    usage_errors = (ConfigError, FileNotFoundError) + ((ValueError,) if bundle is not None else ())
     try:
-        uvloop.run(module.serve(config, replica))
-    except (ConfigError, FileNotFoundError) as exc:
+        uvloop.run(main)
+    except usage_errors as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
@@ -199,6 +231,40 @@ def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint di
         typer.echo(json.dumps(checkpoint.inspect_checkpoint(directory), indent=2))
     except (OSError, ValueError) as exc:
         _fail(str(exc))
+
+
+@app.command()
+def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
+                                                   help="A finished run directory (its newest complete checkpoint) "
+                                                        "or a checkpoint directory."),
+           out: Optional[Path] = typer.Option(None, "--out", help="Bundle directory to create (must not exist)."),
+           inspect: Optional[Path] = typer.Option(None, "--inspect", metavar="BUNDLE",
+                                                  help="Verify BUNDLE and print its manifest as JSON instead.")):
+    """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
+    from hybridrec.bundle import BundleError, read_manifest, verify
+
+    if inspect is not None:
+        if source is not None or out is not None:
+            _fail("--inspect BUNDLE takes no SOURCE or --out")
+        try:
+            manifest = read_manifest(inspect)
+            verify(inspect, manifest)
+        except BundleError as exc:
+            _fail(str(exc))
+        typer.echo(json.dumps(manifest.model_dump(mode="json"), indent=2))
+        return
+    if source is None or out is None:
+        _fail("give SOURCE and --out BUNDLE (or --inspect BUNDLE)")
+    exporter = service_module("embedding_ps", "export")
+    started = time.monotonic()
+    try:
+        checkpoint, manifest = exporter.export(source, out)
+    except (exporter.ExportError, BundleError) as exc:
+        _fail(str(exc))
+    size = sum(entry.bytes for entry in manifest.files.values())
+    rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
+    typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "
+               f"{manifest.num_shards} shard(s), rows {rows or 'none'}, {size / 2**20:.1f} MiB")
 
 
 @app.command()

@@ -303,13 +303,16 @@ class CheckpointConfig(_Model):
     """Synchronised checkpoints of the whole job (dense model, PS rows, data position)."""
 
     dir: str | None = None
-    """Where synchronised job checkpoints go (`hybridrec run`: <run dir>/checkpoints when an interval is set)."""
+    """Where synchronised job checkpoints go (`hybridrec run`: <run dir>/checkpoints unless set). None: none at all."""
     interval_steps: Annotated[int, Field(gt=0)] | None = None
     """Checkpoint every this many steps per NN worker (None: no checkpoints)."""
     keep: Annotated[int, Field(ge=1)] = 2
     """Newest checkpoints kept."""
     resume: bool = True
-    """Start from the newest complete checkpoint in `dir` when there is one."""
+    """Start from the newest complete checkpoint in `dir` when there is one (interval checkpoints on only)."""
+    final: bool = True
+    """Write a final checkpoint when training ends (every update applied, before evaluation), whenever `dir`
+    is set, with or without an interval: what `hybridrec export` turns into a model bundle."""
 
 
 class PublishConfig(_Model):
@@ -329,7 +332,8 @@ class PublishConfig(_Model):
     """Every this many versions is a full snapshot; the others are deltas of the rows changed since the previous
     version. 1: every version is full."""
     at_end: bool = True
-    """Publish one last version when training ends, after rank 0's gradient pushes are acknowledged."""
+    """Publish one last version when training ends: after the final checkpoint when there is one (then every
+    rank's updates are applied and the version equals that checkpoint), else after rank 0's pushes are acknowledged."""
 
     @property
     def enabled(self) -> bool:

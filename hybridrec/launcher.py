@@ -89,7 +89,7 @@ def resolve(config: Config, run_dir: Path) -> Config:
     cluster["bind_host"] = "127.0.0.1"
     tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
     tree["output"]["dir"] = str(run_dir)
-    if config.checkpoint.interval_steps and not config.checkpoint.dir:
+    if not config.checkpoint.dir:  # always: the final checkpoint makes a finished run exportable
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
     if config.publish.enabled and not config.publish.dir:
         tree["publish"]["dir"] = str(run_dir / "versions")

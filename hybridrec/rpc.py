@@ -4,7 +4,9 @@ Services are registered from the service descriptors of protos/hybridrec.proto:
 a method whose request type is `Frame` is a data-plane method and gets identity
 (de)serializers, so the handler receives and returns the raw frame bytes and
 protobuf never touches a tensor. Every handler runs inside `_guard`, which turns
-a bad request into INVALID_ARGUMENT (and a missing batch into NOT_FOUND) with a
+a bad request into INVALID_ARGUMENT (a missing batch into NOT_FOUND, a request the
+server never accepts in its state, e.g. an update to a read-only PS, into
+FAILED_PRECONDITION) with a
 readable detail, so hostile input never takes a server down.
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ class Unavailable(RuntimeError):
 
 
 class FailedPrecondition(RuntimeError):
-    """The server is not in the state the request assumes (e.g. a delta of a version it did not publish)."""
+    """The server does not do this in its state (e.g. a read-only PS asked to update, a PS asked for a delta on a
+    version it did not publish last); retrying the same request will not help."""
 
 
 def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:

@@ -68,17 +68,35 @@ class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
     def __init__(self, service: str, config: Config, replica: int):
-        kind = SERVICES[service]
-        key, self.proto_service = kind.cluster_key, kind.proto_service
+        key = SERVICES[service].cluster_key
         addresses = getattr(config.cluster, key)
         if not 0 <= replica < len(addresses):
             raise ValueError(f"replica {replica} of {service} does not exist: cluster.{key} lists "
                              f"{len(addresses)} address(es)")
-        self.service, self.config, self.replica = service, config, replica
-        self.address = addresses[replica]
+        self.config = config
+        self._setup(service, replica, addresses[replica], bind_host=config.cluster.bind_host,
+                    metrics_port=config.cluster.metrics_port, tls=config.cluster.tls,
+                    control_identities=config.cluster.control_identities)
+
+    @classmethod
+    def standalone(cls, service: str, replica: int, listen: str, *, metrics_port: int = 0,
+                   tls=None) -> "ServiceHost":
+        """A replica without a training config (a read-only PS serving a bundle): binds `listen` (HOST:PORT,
+        port 0 picks a free one, logged as `listening`); `metrics_port` 0 means no Prometheus endpoint."""
+        bind_host, _ = split_address(listen)
+        self = cls.__new__(cls)
+        self.config = None
+        self._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
+        return self
+
+    def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
+               control_identities: list[str] | None = None) -> None:
+        self.proto_service = SERVICES[service].proto_service
+        self.service, self.replica, self.address = service, replica, address
+        self.bind_host, self.metrics_port = bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
-        rpc.use_tls(config.cluster.tls)
-        rpc.use_authorization(config.cluster.control_identities)
+        rpc.use_tls(tls)
+        rpc.use_authorization(control_identities)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()
@@ -92,11 +110,11 @@ class ServiceHost:
 
     async def start(self) -> None:
         _, port = split_address(self.address)
-        bound = rpc.bind(self.server, self.config.cluster.bind_host, port)
+        self.port = bound = rpc.bind(self.server, self.bind_host, port)
         await self.server.start()
-        if self.config.cluster.metrics_port:
-            prometheus_client.start_http_server(self.config.cluster.metrics_port, addr=self.config.cluster.bind_host)
-            self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
+        if self.metrics_port:
+            prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
+            self.metrics_address = f"{self.bind_host}:{self.metrics_port}"
         rpc.install_stop_handlers(self.stop)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
         # turns SERVING only once the service's dependencies answer, for readiness.

@@ -112,6 +112,11 @@ class RunSummary(BaseModel):
     """NN worker: seconds since it started; launcher: seconds of the whole run, start-up included."""
     data: dict[str, Any] = Field(default_factory=dict)
     """The data loader's counters per phase (rows, bad lines, dropped rows)."""
+    checkpoint: str | None = None
+    """The final job checkpoint (checkpoint.final): what `hybridrec export` reads. None without one."""
+    checkpoint_s: float | None = None
+    """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest); None when the
+    checkpoint of the last step was written before (an interval one, or the one a restarted job resumed from)."""
     publish: PublishSummary | None = None
     """Live versions published during the run (None: publishing off)."""
     services: list[ServiceInfo] | None = None

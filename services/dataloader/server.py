@@ -118,7 +118,7 @@ class Dispatcher:
 
 def resume_point(config: Config) -> tuple[Position, int]:
     """(position, first batch index) of the newest checkpoint, or the start of the data."""
-    found = checkpoints.latest(config.checkpoint.dir) if config.checkpoint.resume else None
+    found = checkpoints.resume_from(config.checkpoint)
     if found is None:
         return Position(), 0
     _, manifest = found

@@ -277,3 +277,36 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
     _log.info("ps shard checkpoint loaded", directory=str(directory), step=step, shard=shard,
               num_shards=num_shards, source_shards=source_shards, rows=rows)
     return {"step": step, "rows": rows, "source_shards": source_shards}
+
+
+def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, np.ndarray, np.ndarray]]]:
+    """Every shard dump's trained rows, for export: (summary, [(shard, dim, keys, rows), ...]).
+
+    Verifies every manifest, size and sha256 first (ValueError naming the file,
+    as `load_shard` does) and that each dump holds only its own shard's IDs
+    (`hybridrec.sharding.shard_of`). `rows` are the first `dim` columns of the
+    memory-mapped values: the embeddings without optimizer state. `summary` is
+    {"num_shards", "step", "widths"}.
+    """
+    from hybridrec.sharding import shard_of
+
+    found = _read_manifests(directory)
+    num_shards, step = found[0][1]["num_shards"], found[0][1]["step"]
+    widths = sorted(int(w) for w in found[0][1]["tables"])
+    out = []
+    for path, manifest in found:
+        if sorted(int(w) for w in manifest["tables"]) != widths:
+            raise ValueError(f"{path / MANIFEST}: widths {sorted(manifest['tables'])} differ from the other shards' "
+                             f"{widths}")
+        for dim in widths:
+            table = manifest["tables"][str(dim)]
+            if table["dim"] != dim:
+                raise ValueError(f"{path / MANIFEST}: table {dim} says dim {table['dim']}")
+            for part in ("keys", "values"):
+                _verify_file(path / table["files"][part]["file"], table["files"][part])
+            keys, values = _open_table(path, table, dim)
+            if keys.size and not np.all(shard_of(np.asarray(keys), num_shards) == manifest["shard"]):
+                raise ValueError(f"{path / table['files']['keys']['file']}: holds IDs of other shards than "
+                                 f"{manifest['shard']} of {num_shards}")
+            out.append((manifest["shard"], dim, keys, values[:, :dim]))
+    return {"num_shards": num_shards, "step": step, "widths": widths}, out

@@ -75,6 +75,7 @@ class Publisher:
         self.since_full = 0
         self.last_started = time.monotonic()
         self.task: asyncio.Task | None = None
+        self.finished = False  # the final version was published
         self.stats = PublishStats()
         self.log = log.get()
 
@@ -100,10 +101,12 @@ class Publisher:
         self.task = asyncio.ensure_future(self._publish(version, step, state, self.last_started))
 
     async def finish(self, step: int) -> None:
-        """At the end of training: wait for the publish in flight, then publish the final state."""
+        """At the end of training (after the final checkpoint's barrier, when there is one: every rank's updates
+        are applied): wait for the publish in flight, then publish the final state (publish.at_end)."""
         if self.task is not None:
             await self.task
-        if self.at_end and self.stats.last_step != step:
+        if self.at_end and not self.finished:
+            self.finished = True
             await self._start(step)
             await self.task
 

@@ -112,6 +112,9 @@ async def serve(config: Config, replica: int) -> None:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
                                     data={"train": end_train, "eval": end_eval},
                                     publish=trainer.publisher.summary() if trainer.publisher else None)
+            checkpointer = trainer.checkpointer
+            if checkpointer.final_path is not None:
+                summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)

@@ -161,8 +161,11 @@ class Trainer:
                 permits.release()
 
         pushes: set[asyncio.Task] = set()
+        checkpointer = self.checkpointer
+        last = checkpointer.resumed_at if checkpointer is not None else (-1, (0, 0, 0, 0))
         async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
             async for batch, pending in batches:
+                last = (batch.seq, tuple(batch.position))
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
@@ -184,10 +187,12 @@ class Trainer:
                     await self.publisher.maybe_publish(self.stats.steps)
         if pushes:
             await asyncio.gather(*pushes)
-        if self.publisher is not None:
-            await self.publisher.finish(self.stats.steps)
         await self._on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
+        if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
+            await checkpointer.finish(self.stats.steps, *last)
+        if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
+            await self.publisher.finish(self.stats.steps)
         return end
 
     async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:

@@ -9,36 +9,17 @@ a valid certificate of another identity may look rows up but not checkpoint.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import grpc
-import numpy as np
 import pytest
-import yaml
 
 from hybridrec import rpc
 from hybridrec.config import TLSConfig
-from hybridrec.frames import PSLookup
-from hybridrec.launcher import free_port
 from hybridrec.proto import pb
-from tests.conftest import HYBRIDREC, REPO
+from tests.faults.ps_process import lookup_status, ps_process
 from tests.faults.test_tls import _issue, _write
 
 pytestmark = pytest.mark.faults
-
-
-def _start_ps(tmp_path, **cluster):
-    address = f"127.0.0.1:{free_port()}"
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 8}],
-        "ps": {"capacity": 1000, "num_stripes": 2, "shm_dir": str(tmp_path / "shm")},
-        "checkpoint": {"dir": str(tmp_path / "root")},
-        "cluster": {"ps": [address], "bind_host": "127.0.0.1", **cluster},
-    }))
-    proc = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "ps.log").open("wb"))
-    return address, proc
 
 
 async def _call(channel, method: str, name: str) -> grpc.StatusCode:
@@ -50,20 +31,10 @@ async def _call(channel, method: str, name: str) -> grpc.StatusCode:
         return exc.code()
 
 
-async def _lookup(channel) -> grpc.StatusCode:
-    try:
-        await rpc.raw_method(channel, "EmbeddingPS", "Lookup")(
-            PSLookup({8: np.arange(1, 5, dtype=np.uint64)}, train=True).encode(), timeout=30)
-        return grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-
-
 def test_checkpoint_names_cannot_leave_the_root(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    address, ps = _start_ps(tmp_path)
-    try:
+    with ps_process(tmp_path) as (address, ps):
         async def scenario() -> dict[str, grpc.StatusCode]:
             await rpc.wait_until_serving([address], timeout_s=120)
             (tmp_path / "root" / "link").symlink_to(outside, target_is_directory=True)
@@ -72,20 +43,17 @@ def test_checkpoint_names_cannot_leave_the_root(tmp_path):
                 for method in ("Checkpoint", "LoadCheckpoint"):
                     for name in (str(outside), "../outside", "ok/../../outside", "link", "link/inner", ""):
                         results[f"{method} {name!r}"] = await _call(ch, method, name)
-                results["lookup after"] = await _lookup(ch)
+                results["lookup after"] = await lookup_status(ch)
                 results["valid checkpoint"] = await _call(ch, "Checkpoint", "step-00000001.tmp")
             return results
 
         results = asyncio.run(scenario())
-    finally:
-        ps.terminate()
-        ps.wait(timeout=30)
     assert results.pop("lookup after") == grpc.StatusCode.OK
     assert results.pop("valid checkpoint") == grpc.StatusCode.OK
     assert all(code == grpc.StatusCode.PERMISSION_DENIED for code in results.values()), results
     assert list(outside.iterdir()) == [], "a refused request wrote outside the root"
     assert (tmp_path / "root" / "step-00000001.tmp" / "ps").is_dir()
-    assert ps.returncode == 0
+    assert ps.returncode == 0, "the PS did not stop cleanly after the refused requests"
 
 
 @pytest.fixture
@@ -103,23 +71,18 @@ def test_only_authorised_identities_call_control_methods(tmp_path, identities):
         return {"ca": str(identities / "ca.pem"), "cert": str(identities / f"{name}.pem"),
                 "key": str(identities / f"{name}.key")}
 
-    address, ps = _start_ps(tmp_path, tls=tls("service"), control_identities=["nn-worker"])
-    try:
+    with ps_process(tmp_path, tls=tls("service"), control_identities=["nn-worker"]) as (address, _):
         async def scenario() -> dict[str, grpc.StatusCode]:
             results = {}
             for who in ("intruder", "nn-worker"):
                 rpc.use_tls(TLSConfig(**tls(who)))
                 await rpc.wait_until_serving([address], timeout_s=120)
                 async with rpc.channel(address) as ch:
-                    results[f"{who} lookup"] = await _lookup(ch)
+                    results[f"{who} lookup"] = await lookup_status(ch)
                     results[f"{who} checkpoint"] = await _call(ch, "Checkpoint", f"by-{who}")
             return results
 
         results = asyncio.run(scenario())
-    finally:
-        rpc.use_tls(None)
-        ps.terminate()
-        ps.wait(timeout=30)
     assert results == {"intruder lookup": grpc.StatusCode.OK, "intruder checkpoint": grpc.StatusCode.PERMISSION_DENIED,
                        "nn-worker lookup": grpc.StatusCode.OK, "nn-worker checkpoint": grpc.StatusCode.OK}, results
     assert not (tmp_path / "root" / "by-intruder").exists() and (tmp_path / "root" / "by-nn-worker" / "ps").is_dir()

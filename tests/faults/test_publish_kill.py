@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -26,7 +27,6 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
     config = write_config(tmp_path / "config.yaml", small_data,
                           training={"batch_size": 512, "epochs": 2, "max_steps": STEPS},
                           ps={"capacity": 1_000_000},
-                          checkpoint={"interval_steps": STEPS, "keep": 1},
                           publish={"interval_steps": 10, "full_every": 1000, "keep": 1000})
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
@@ -60,6 +60,6 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
     assert snapshot.step == STEPS
     for dim in snapshot.manifest.widths:
         keys, rows = table_arrays(snapshot.table, dim)
-        want_keys, want_rows = _checkpoint_rows(run_dir / "checkpoints" / f"step-{STEPS:08d}", dim)
+        want_keys, want_rows = _checkpoint_rows(Path(summary["checkpoint"]), dim)
         np.testing.assert_array_equal(keys, want_keys)
         np.testing.assert_array_equal(rows, want_rows)

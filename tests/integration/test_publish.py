@@ -1,6 +1,5 @@
 """Live versions end to end: `hybridrec run` with publish.interval_steps=10 writes versions whose merged table
-equals the PS at the end of training (a job checkpoint taken at the last step, after every rank drained its
-updates), and whose last dense weights are the trained model's; a FollowSource following such a run stays
+equals the PS at the end of training (the final job checkpoint, taken after every rank drained its updates), and whose last dense weights are the trained model's; a FollowSource following such a run stays
 fresh, and 8 clients reading through its swaps get predictions of exactly the version they name."""
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import json
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +38,6 @@ def test_published_versions_merge_to_the_final_ps_state(tmp_path, small_data):
     config = write_config(tmp_path / "config.yaml", small_data,
                           training={"batch_size": 512, "max_steps": STEPS},
                           ps={"capacity": 1_000_000},
-                          checkpoint={"interval_steps": STEPS, "keep": 1},
                           publish={"interval_steps": 10, "full_every": 3, "keep": 2})
     run_dir = tmp_path / "run"
     result = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
@@ -61,7 +60,7 @@ def test_published_versions_merge_to_the_final_ps_state(tmp_path, small_data):
 
     snapshot = Follower(run_dir / "versions").poll()
     assert snapshot.version == numbers[-1] and snapshot.step == STEPS
-    step_dir = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    step_dir = Path(summary["checkpoint"])  # the final checkpoint: every rank's updates applied
     for dim in snapshot.manifest.widths:
         keys, rows = table_arrays(snapshot.table, dim)
         want_keys, want_rows = _checkpoint_rows(step_dir, dim)

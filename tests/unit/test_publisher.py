@@ -82,7 +82,7 @@ def test_full_every_deltas_refusals_failures_and_the_final_version(tmp_path):
         assert shards.calls[-1] == (7, True, None)  # after a failure: full
         await publisher.finish(75)
         assert shards.calls[-1] == (8, False, 7) and publisher.stats.last_step == 75
-        await publisher.finish(75)  # nothing new since: no second final version
+        await publisher.finish(75)  # one final version only
         return publisher
 
     publisher = asyncio.run(go())
