@@ -11,7 +11,7 @@ last line of a block is carried over to the next one.
 
 This module is the file side: gzip/plain block iteration, resume offsets,
 line numbers, bad-line policy and error messages naming file and line. The
-kernels (and the token hash) live in ``criteo_parser.py``; their public
+kernels (and the token hash) live in ``hybridrec/criteo_parser.py`` (shared with the inference service); their public
 names are re-exported here, so ``from services.dataloader.criteo import
 NUM_SPARSE, hash_token`` keeps working.
 """
@@ -28,14 +28,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS
-from services.dataloader.criteo_parser import (  # re-exported: see __all__
+from hybridrec.criteo_parser import (  # re-exported: see __all__
     HASH_MASK,
     NUM_DENSE,
     NUM_FIELDS,
     NUM_SPARSE,
     hash_token,
 )
-from services.dataloader.criteo_parser import _E_FIELDS, _E_INT, _E_LABEL, _OK, _parse_lines
+from hybridrec.criteo_parser import _OK, _parse_lines, error_text
 
 __all__ = [
     "BadLinePolicy", "CriteoChunk", "CriteoFormatError", "DEFAULT_BLOCK_BYTES", "GROUP_SHIFT",
@@ -197,16 +197,7 @@ def _group_prefixes(groups: Sequence[int] | None) -> np.ndarray:
 
 
 def _error_message(path: str, line_no: int, line: bytes, code: int, detail: int) -> str:
-    fields = line.rstrip(b"\r").split(b"\t")
-    if code == _E_FIELDS:
-        what = f"expected {NUM_FIELDS} tab-separated fields, got {detail}"
-    elif code == _E_LABEL:
-        what = f"label must be 0 or 1, got {fields[0][:20]!r}"
-    elif code == _E_INT:
-        what = f"column I{detail + 1} is not an integer: {fields[1 + detail][:20]!r}"
-    else:
-        what = f"column C{detail + 1} contains a NUL or control byte"
-    return f"{path}:{line_no}: {what}"
+    return f"{path}:{line_no}: {error_text(line, code, detail)}"
 
 
 def read_criteo(
