@@ -7,6 +7,7 @@ A failed run exits 1, Ctrl-C exits 130.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import sys
@@ -111,29 +112,47 @@ def _print_summary(summary: RunSummary) -> None:
 
 
 @app.command()
-def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader"),
-          config_path: Path = typer.Option(..., "--config", help="YAML config file."),
+def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader | "
+                                        "inference"),
+          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file (the job's; for "
+                                                     "inference: its settings, optional)."),
           replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
+          bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve."),
+          ps: Optional[list[str]] = typer.Option(None, "--ps", help="inference: a read-only PS shard HOST:PORT to "
+                                                 "look embeddings up in (repeatable, shard order)."),
           overrides: Optional[list[str]] = SetOption):
     """Run one service in this process (what a container runs)."""
-    import importlib
-
     import uvloop
 
-    from hybridrec.service import SERVICES, default_replica
+    from hybridrec.bundle import BundleError
+    from hybridrec.service import SERVICES, STANDALONE_SERVICES, default_replica
 
-    if service not in SERVICES:
-        _fail(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    config = _load(config_path, overrides)
-    try:
-        replica = default_replica() if replica is None else replica
-    except ValueError as exc:
-        _fail(str(exc))
+    if service not in SERVICES and service not in STANDALONE_SERVICES:
+        _fail(f"unknown service {service!r}; expected one of {', '.join([*SERVICES, *STANDALONE_SERVICES])}")
+    if service in STANDALONE_SERVICES:
+        from hybridrec.inference_config import load_inference_config
+
+        try:
+            settings = load_inference_config(config_path, overrides=overrides,
+                                             values={"bundle": None if bundle is None else str(bundle),
+                                                     "ps": ps or None})
+        except ConfigError as exc:
+            _fail(str(exc))
+        main = lambda module: module.serve(settings)  # noqa: E731
+    else:
+        if config_path is None:
+            _fail(f"serve {service}: --config is required")
+        config = _load(config_path, overrides)
+        try:
+            replica = default_replica() if replica is None else replica
+        except ValueError as exc:
+            _fail(str(exc))
+        main = lambda module: module.serve(config, replica)  # noqa: E731
     module = importlib.import_module(f"services.{service}.server")
     try:
-        uvloop.run(module.serve(config, replica))
-    except (ConfigError, FileNotFoundError) as exc:
+        uvloop.run(main(module))
+    except (ConfigError, FileNotFoundError, BundleError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)

@@ -29,6 +29,12 @@ SERVICES = {
     "nn_worker": ("nn_workers", "NNWorker"),
     "dataloader": ("dataloader", "DataLoader"),
 }
+"""The training job's services: `hybridrec run` starts one process per configured replica of each."""
+
+STANDALONE_SERVICES = {
+    # service name -> what it serves; started alone, with its own settings instead of a job config
+    "inference": "the Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle",
+}
 
 
 def default_replica() -> int:
@@ -46,33 +52,54 @@ class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
     def __init__(self, service: str, config: Config, replica: int):
-        key, self.proto_service = SERVICES[service]
+        key, proto_service = SERVICES[service]
         addresses = getattr(config.cluster, key)
         if not 0 <= replica < len(addresses):
             raise ValueError(f"replica {replica} of {service} does not exist: cluster.{key} lists "
                              f"{len(addresses)} address(es)")
-        self.service, self.config, self.replica = service, config, replica
-        self.address = addresses[replica]
+        self.config = config
+        self._setup(service, replica, proto_service, addresses[replica], config.cluster.bind_host,
+                    config.cluster.metrics_port, config.cluster.tls)
+
+    @classmethod
+    def standalone(cls, service: str, *, address: str, bind_host: str, metrics_port: int = 0,
+                   tls=None) -> "ServiceHost":
+        """A host for a service that runs without a training job's config (STANDALONE_SERVICES).
+
+        It registers its gRPC services on `server` itself; health, metrics,
+        logging and the graceful stop are the same as every other service's.
+        """
+        host = cls.__new__(cls)
+        host.config = None
+        host._setup(service, 0, None, address, bind_host, metrics_port, tls)
+        return host
+
+    def _setup(self, service: str, replica: int, proto_service: str | None, address: str, bind_host: str,
+               metrics_port: int, tls) -> None:
+        self.service, self.replica, self.proto_service = service, replica, proto_service
+        self.address, self.bind_host, self.metrics_port = address, bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
-        rpc.use_tls(config.cluster.tls)
+        rpc.use_tls(tls)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
+        self.port: int | None = None
 
     def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
         """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
-        rpc.add_service(self.server, self.proto_service, impl)
+        if impl is not None:
+            rpc.add_service(self.server, self.proto_service, impl)
         if stats is not None:
             register_stats(self.service, self.replica, stats)
 
     async def start(self) -> None:
         _, port = split_address(self.address)
-        bound = rpc.bind(self.server, self.config.cluster.bind_host, port)
+        bound = self.port = rpc.bind(self.server, self.bind_host, port)
         await self.server.start()
-        if self.config.cluster.metrics_port:
-            prometheus_client.start_http_server(self.config.cluster.metrics_port)
-            self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
+        if self.metrics_port:
+            prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
+            self.metrics_address = f"{self.bind_host}:{self.metrics_port}"
         rpc.install_stop_handlers(self.stop)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
         # turns SERVING only once the service's dependencies answer, for readiness.
