@@ -18,7 +18,7 @@ from hybridrec.config import ConfigError, _describe, _set_dotted, parse_override
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class BatchingConfig(_Model):
@@ -61,6 +61,7 @@ class InferenceConfig(_Model):
     max_request_rows: Annotated[int, Field(ge=1, le=65535)] = 4096
     """Rows one request may carry; a larger one is refused (INVALID_ARGUMENT / 400)."""
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    """Dynamic batching (see BatchingConfig)."""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """torch intra-op threads for the forward pass (0: torch's default)."""
     verify_bundle: bool = True

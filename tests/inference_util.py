@@ -101,3 +101,39 @@ def criteo_lines(known_tokens: dict[int, list[str]], n: int, *, seed: int = 2, l
 def tokens_for(num_features: int = 26, per_feature: int = 30, seed: int = 4) -> dict[int, list[str]]:
     rng = np.random.default_rng(seed)
     return {c: [f"{v:08x}" for v in rng.integers(0, 1 << 32, per_feature)] for c in range(num_features)}
+
+
+class FakePS:
+    """A tiny read-only PS shard for tests: answers EmbeddingPS.Lookup (PSLookup -> PSRows) from one bundle
+    shard, as `hybridrec serve embedding_ps` does for train=False lookups. Runs a sync gRPC server in threads."""
+
+    def __init__(self, bundle: Path, shard: int, *, fp16: bool = False):
+        import grpc
+        from concurrent import futures
+
+        from hybridrec.bundle import ShardTable, read_manifest
+        from hybridrec.compress import ValueCodec
+        from hybridrec.frames import PSLookup, PSRows
+
+        manifest = read_manifest(bundle)
+        table = ShardTable(Path(bundle), manifest, shard)
+        values = ValueCodec(fp16=fp16)
+        self.calls = 0
+        self.trains = 0
+
+        def lookup(request: bytes, context) -> bytes:
+            self.calls += 1
+            req = PSLookup.decode(request, manifest.widths)
+            self.trains += int(req.train)
+            return PSRows({d: table.lookup(d, ids) for d, ids in req.ids.items()}).encode(values)
+
+        handler = grpc.method_handlers_generic_handler(
+            "hybridrec.EmbeddingPS", {"Lookup": grpc.unary_unary_rpc_method_handler(lookup)})
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((handler,))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0)
