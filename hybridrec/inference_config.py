@@ -29,6 +29,10 @@ class BatchingConfig(_Model):
     max_batch_rows: Annotated[int, Field(ge=1, le=65535)] = 1024
     """Rows of one micro-batch: requests are merged until the next one would exceed this
     (a single request larger than this is still answered, alone)."""
+    inline_max_rows: Annotated[int, Field(ge=0, le=65535)] = 64
+    """Micro-batches of at most this many rows run their forward pass on the event loop's thread: for
+    them, handing over to the compute thread costs more than the forward pass. Larger ones run on the
+    compute thread while the loop keeps receiving requests."""
     max_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 0.5
     """How long a micro-batch waits for more requests, once requests are arriving concurrently
     (a request arriving alone on an idle server never waits). 0: take only what is queued."""

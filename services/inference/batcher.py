@@ -4,7 +4,8 @@ One loop takes queued requests into a micro-batch until the next would pass
 `max_batch_rows`, captures `source.current()` once (so every answer of a
 micro-batch comes from one model version), pools, looks the rows up, and runs
 the forward pass on a dedicated compute thread while the event loop keeps
-receiving requests; those form the next micro-batch.
+receiving requests; those form the next micro-batch (a small micro-batch runs
+on the loop's thread: the hand-over would cost more than its forward pass).
 
 Waiting: a request arriving at an idle server is answered at once. Only when
 the previous micro-batch merged several requests (requests are arriving
@@ -46,6 +47,7 @@ class Batcher:
         self.enabled = batching.enabled
         self.max_rows = batching.max_batch_rows
         self.max_delay_s = batching.max_delay_ms / 1000.0
+        self.inline_max_rows = batching.inline_max_rows
         self.queue: asyncio.Queue[Pending] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="inference-compute")
         self.task: asyncio.Task | None = None
@@ -143,4 +145,6 @@ class Batcher:
             dense = np.concatenate([s.dense for s in parts])
         uniq, bags = model.pooler.from_columns(ids, present)
         bags.rows = await model.table.lookup(uniq)
+        if ids.shape[0] <= self.inline_max_rows:
+            return model.forward(np.ascontiguousarray(dense), bags)
         return await loop.run_in_executor(self.executor, model.forward, np.ascontiguousarray(dense), bags)
