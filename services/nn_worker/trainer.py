@@ -36,7 +36,7 @@ from hybridrec.evaluation import binary_metrics
 from hybridrec.frames import DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from services.nn_worker.distributed import DenseSync, DistEnv
-from services.nn_worker.embeddings import BatchEmbeddings, Pooler
+from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.routing import BatchLost
 
 
