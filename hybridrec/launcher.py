@@ -295,6 +295,9 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
     except LaunchError as exc:
         report = _partial_report(run_dir, recorder, cluster, str(exc))
         raise LaunchError(f"{exc}\n{report}") from None
+    except KeyboardInterrupt:
+        _partial_report(run_dir, recorder, cluster, "interrupted (Ctrl-C): every service was stopped")
+        raise
     recorder.settle(summary.model_dump())
     summary = summary.model_copy(update={
         "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),

@@ -106,6 +106,7 @@ def test_ctrl_c_stops_every_service(tmp_path, small_config):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     _assert_clean(run_dir)
+    assert "interrupted (Ctrl-C)" in (run_dir / "report.html").read_text()  # a report of what was recorded
 
 
 @pytest.mark.parametrize("args, message", [
