@@ -140,7 +140,6 @@ def plot(result: dict, path: Path) -> None:
         label = f"{'hybridrec ' if p['group'] == 'modes' else ''}{p['name']}: AUC {p['auc']:.4f}, " \
                 f"{(p['samples_per_sec'] or 0):,.0f} samples/s"
         ax.plot([p["train_wall_s"]], [p["auc"]], marker, ms=8, color=f"C{i % 10}", label=label)
-        ax.annotate(p["name"], (p["train_wall_s"], p["auc"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
     oracle = result.get("oracle_auc")
     if oracle is not None:
         ax.axhline(oracle, color="grey", ls=":", label=f"oracle AUC {oracle:.4f} (best possible)")
