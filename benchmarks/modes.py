@@ -165,7 +165,7 @@ def main() -> None:
                              "baselines do not see it")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
-        from services.dataloader.synth import synthesize
+        from hybridrec.synth import synthesize
         synthesize(args.data, rows=args.rows)
     work = args.out.parent / (args.out.stem + "-work")
     work.mkdir(parents=True, exist_ok=True)

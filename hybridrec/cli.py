@@ -3,20 +3,26 @@
 User mistakes (bad config key, missing data file, model path that does not
 import) print one clear message and exit with code 2 — no traceback wall.
 A failed run exits 1, Ctrl-C exits 130.
+
+Commands that belong to a service (`serve`, `plan`, `checkpoint inspect`) reach
+its code only through `service_module`, by name at run time: the shared package
+never imports `services/` (tests/unit/test_layering.py checks it).
 """
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import typer
 
-from hybridrec.config import Config, ConfigError, load_config
+from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
 from hybridrec.summary import RunSummary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -36,6 +42,17 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
+def service_module(service: str, module: str) -> ModuleType:
+    """`services.<service>.<module>`, imported by name: the CLI's one plugin point into the services.
+
+    Services depend on the shared package, never the other way round; a command
+    that runs a service's code (`serve`, `plan`, `checkpoint inspect`) looks the
+    module up here, when it runs, instead of importing it at the top of a module
+    of hybridrec/.
+    """
+    return importlib.import_module(f"services.{service}.{module}")
+
+
 def _load(path: Path, overrides: Optional[list[str]]) -> Config:
     try:
         return load_config(path, overrides or [])
@@ -45,15 +62,15 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
 
 def preflight(config: Config) -> None:
     """Check what a run needs before starting any process: data files, the model, the feature columns."""
+    from hybridrec.criteo import feature_columns
     from hybridrec.models import FeatureInfo, ModelImportError, build_model
-    from services.dataloader.server import feature_columns
 
     for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"{key}: data file not found: {path}")
     try:
-        feature_columns(config)
+        feature_columns(config.features)
         build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
                     config.model.kwargs)
     except (ModelImportError, ValueError) as exc:
@@ -123,8 +140,6 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
           overrides: Optional[list[str]] = SetOption):
     """Run one service in this process (what a container runs)."""
-    import importlib
-
     import uvloop
 
     from hybridrec.service import SERVICES, default_replica
@@ -136,7 +151,7 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
         replica = default_replica() if replica is None else replica
     except ValueError as exc:
         _fail(str(exc))
-    module = importlib.import_module(f"services.{service}.server")
+    module = service_module(service, "server")
     try:
         uvloop.run(module.serve(config, replica))
     except (ConfigError, FileNotFoundError) as exc:
@@ -170,7 +185,7 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                seed: int = typer.Option(0, "--seed"),
                gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files.")):
     """Write Criteo-format train/eval files drawn from a planted model, and its oracle AUC."""
-    from services.dataloader.synth import synthesize
+    from hybridrec.synth import synthesize
 
     started = time.monotonic()
     summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
@@ -180,10 +195,9 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint directory.")):
     """Print a checkpoint's manifests."""
-    from services.embedding_ps.checkpoint import inspect_checkpoint
-
+    checkpoint = service_module("embedding_ps", "checkpoint")
     try:
-        typer.echo(json.dumps(inspect_checkpoint(directory), indent=2))
+        typer.echo(json.dumps(checkpoint.inspect_checkpoint(directory), indent=2))
     except (OSError, ValueError) as exc:
         _fail(str(exc))
 
@@ -193,23 +207,23 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
          dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
-         optimizer: str = typer.Option("adagrad", "--optimizer", help="sgd | adagrad | adam | ftrl"),
+         optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
+                                       help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
          shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Memory per PS shard and in total, index overhead included."""
-    from hybridrec.plan import Table, human, plan_config, plan_tables
-
+    planner = service_module("embedding_ps", "plan")
     if dtype != "float32":
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
     try:
         if config_path is not None:
-            result = plan_config(_load(config_path, None))
+            result = planner.plan_config(_load(config_path, None))
         else:
             if (ids is None) == (params is None):
                 _fail("give --ids or --params (or --config)")
             rows = int(ids if ids is not None else params / dim)
-            result = plan_tables([Table(rows, dim)], optimizer=optimizer, shards=shards)
+            result = planner.plan_tables([planner.Table(rows, dim)], optimizer=optimizer, shards=shards)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
@@ -218,8 +232,9 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
     typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
-        typer.echo(f"  {name:<8} {human(nbytes):>14} per shard")
-    typer.echo(f"per shard: {human(result['per_shard_bytes'])}   total: {human(result['total_bytes'])}")
+        typer.echo(f"  {name:<8} {planner.human(nbytes):>14} per shard")
+    typer.echo(f"per shard: {planner.human(result['per_shard_bytes'])}   "
+               f"total: {planner.human(result['total_bytes'])}")
 
 
 def main() -> None:

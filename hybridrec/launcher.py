@@ -27,14 +27,16 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
+from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
-from hybridrec.service import SERVICES
+from hybridrec.service import SERVICE_KINDS, SERVICES
 from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
-START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
-FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
-RESTARTABLE = ("embedding_ps", "embedding_worker")  # restarted in place when they die, like a container
-GROUP = ("nn_worker", "dataloader")  # restarted together from the newest checkpoint when one of them dies
+# The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
+START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
+FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
+RESTARTABLE = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_in_place)
+GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -81,8 +83,8 @@ def resolve(config: Config, run_dir: Path) -> Config:
     """The config every local service gets: loopback addresses on free ports, private shm and output dirs."""
     tree = config.model_dump(mode="json")
     cluster = tree["cluster"]
-    for service, (key, _) in SERVICES.items():
-        cluster[key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, key)]
+    for kind in SERVICE_KINDS:
+        cluster[kind.cluster_key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, kind.cluster_key)]
     cluster["rendezvous"] = f"127.0.0.1:{free_port()}"
     cluster["bind_host"] = "127.0.0.1"
     tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
@@ -104,7 +106,7 @@ class LocalCluster:
         self.group_restarts = 0
         self.procs: list[ServiceProcess] = []
         for service in START_ORDER:
-            key, _ = SERVICES[service]
+            key = SERVICES[service].cluster_key
             for replica, address in enumerate(getattr(self.config.cluster, key)):
                 self.procs.append(ServiceProcess(service, replica, address, f"127.0.0.1:{free_port()}",
                                                  run_dir / "logs" / f"{service}-{replica}.log"))
@@ -116,10 +118,7 @@ class LocalCluster:
 
     def _write_services(self) -> None:
         """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
-        path = self.run_dir / "services.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([p.describe() for p in self.procs], indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(self.run_dir / "services.json", [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}

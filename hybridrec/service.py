@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import prometheus_client
@@ -22,13 +23,34 @@ from hybridrec.metrics import register_stats
 
 LIVENESS = "liveness"
 
-SERVICES = {
-    # service name -> (cluster config key, proto service)
-    "embedding_ps": ("ps", "EmbeddingPS"),
-    "embedding_worker": ("embedding_workers", "EmbeddingWorker"),
-    "nn_worker": ("nn_workers", "NNWorker"),
-    "dataloader": ("dataloader", "DataLoader"),
-}
+
+
+@dataclass(frozen=True)
+class ServiceKind:
+    """One kind of service: where its replicas are configured, what it serves, how `hybridrec run` treats it."""
+
+    name: str
+    """`hybridrec serve NAME`; its code is the package services/NAME."""
+    cluster_key: str
+    """The `cluster` config key listing its replicas' addresses."""
+    proto_service: str
+    """Its gRPC service in protos/hybridrec.proto."""
+    finishes: bool = False
+    """Exits 0 when its work is done: the launcher counts that as finished, not failed."""
+    restart_in_place: bool = False
+    """Restarted alone when it dies, like a container (its state is in shm, or it has none)."""
+    restart_as_group: bool = False
+    """Restarted with every other group member from the newest checkpoint when one of them dies."""
+
+
+SERVICE_KINDS: tuple[ServiceKind, ...] = (
+    ServiceKind("embedding_ps", "ps", "EmbeddingPS", restart_in_place=True),
+    ServiceKind("embedding_worker", "embedding_workers", "EmbeddingWorker", restart_in_place=True),
+    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True),
+    ServiceKind("dataloader", "dataloader", "DataLoader", finishes=True, restart_as_group=True),
+)
+"""Every service, in the order `hybridrec run` starts them (servers before their clients)."""
+SERVICES: dict[str, ServiceKind] = {kind.name: kind for kind in SERVICE_KINDS}
 
 
 def default_replica() -> int:
@@ -46,7 +68,8 @@ class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
     def __init__(self, service: str, config: Config, replica: int):
-        key, self.proto_service = SERVICES[service]
+        kind = SERVICES[service]
+        key, self.proto_service = kind.cluster_key, kind.proto_service
         addresses = getattr(config.cluster, key)
         if not 0 <= replica < len(addresses):
             raise ValueError(f"replica {replica} of {service} does not exist: cluster.{key} lists "
@@ -55,6 +78,7 @@ class ServiceHost:
         self.address = addresses[replica]
         self.log = log.setup(service=service, replica=replica)
         rpc.use_tls(config.cluster.tls)
+        rpc.use_authorization(config.cluster.control_identities)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()
@@ -71,7 +95,7 @@ class ServiceHost:
         bound = rpc.bind(self.server, self.config.cluster.bind_host, port)
         await self.server.start()
         if self.config.cluster.metrics_port:
-            prometheus_client.start_http_server(self.config.cluster.metrics_port)
+            prometheus_client.start_http_server(self.config.cluster.metrics_port, addr=self.config.cluster.bind_host)
             self.metrics_address = f"{self.config.cluster.bind_host}:{self.config.cluster.metrics_port}"
         rpc.install_stop_handlers(self.stop)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)

@@ -115,6 +115,7 @@ class RunSummary(BaseModel):
     """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
 
     def write(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, self.model_dump(mode="json"))
 
     @classmethod

@@ -38,20 +38,20 @@ class ServiceStats(_message.Message):
     def __init__(self, service: _Optional[str] = ..., replica: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("directory", "step")
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "step")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    directory: str
+    name: str
     step: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("directory", "rows")
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
-    directory: str
+    name: str
     rows: int
-    def __init__(self, directory: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
     __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc", "train_s")

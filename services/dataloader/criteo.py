@@ -11,8 +11,9 @@ last line of a block is carried over to the next one.
 
 This module is the file side: gzip/plain block iteration, resume offsets,
 line numbers, bad-line policy and error messages naming file and line. The
-kernels (and the token hash) live in ``criteo_parser.py``; their public
-names are re-exported here, so ``from services.dataloader.criteo import
+kernels (and the token hash) live in ``criteo_parser.py``, the column counts
+in ``hybridrec/criteo.py`` (shared with the data generator and the CLI); their
+public names are re-exported here, so ``from services.dataloader.criteo import
 NUM_SPARSE, hash_token`` keeps working.
 """
 
@@ -27,14 +28,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE  # re-exported: see __all__
 from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS
-from services.dataloader.criteo_parser import (  # re-exported: see __all__
-    HASH_MASK,
-    NUM_DENSE,
-    NUM_FIELDS,
-    NUM_SPARSE,
-    hash_token,
-)
+from services.dataloader.criteo_parser import HASH_MASK, hash_token  # re-exported: see __all__
 from services.dataloader.criteo_parser import _E_FIELDS, _E_INT, _E_LABEL, _OK, _parse_lines
 
 __all__ = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,29 +19,13 @@ import numpy as np
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec import checkpoints
+from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
-from services.embedding_ps.optimizers import OptimizerSpec
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
-
-
-def store_config(config: Config, dim: int) -> StoreConfig:
-    opt = config.optimizer.embedding
-    return StoreConfig(
-        dim=dim,
-        capacity=config.ps.capacity,
-        optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, eps=opt.eps,
-                                initial_accumulator_value=opt.initial_accumulator_value, beta1=opt.beta1,
-                                beta2=opt.beta2, adam_eps=opt.adam_eps, weight_decay=opt.weight_decay),
-        seed=config.training.seed,
-        init_distribution=config.ps.init.distribution,
-        init_scale=config.ps.init.scale,
-        admit_probability=config.ps.admit_probability,
-        weight_bound=config.ps.weight_bound,
-        num_stripes=config.ps.num_stripes,
-    )
 
 
 def shard_dir(config: Config, shard: int) -> Path:
@@ -59,7 +42,7 @@ def warm_up(config: Config) -> None:
     scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
         for dim in config.dims:
-            small = dataclasses.replace(store_config(config, dim), capacity=64, num_stripes=2)
+            small = dataclasses.replace(StoreConfig.from_config(config, dim), capacity=64, num_stripes=2)
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)
@@ -71,15 +54,17 @@ def warm_up(config: Config) -> None:
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
-    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
             for dim in config.dims}
 
 
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor):
+                 executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.values, self.executor = values, executor
+        self.checkpoint_root = checkpoint_root
+        """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
         self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0}
 
     def stats(self) -> dict[str, float]:
@@ -126,25 +111,26 @@ class EmbeddingPSServicer:
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
-        if not request.directory:
-            raise ValueError("checkpoint directory is empty")
-        await self._run(checkpoint.dump_shard, self.stores, request.directory, shard=self.shard,
+        directory = resolve_under(self.checkpoint_root, request.name)
+        await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
                         num_shards=self.num_shards, step=request.step)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
+        directory = resolve_under(self.checkpoint_root, request.name)
         num_shards = self.num_shards
-        await self._run(checkpoint.load_shard, request.directory, self.stores, shard=self.shard,
+        await self._run(checkpoint.load_shard, directory, self.stores, shard=self.shard,
                         num_shards=num_shards, shard_of=lambda ids: shard_of(ids, num_shards))
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
 
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     warm_up(config)
     stores = open_stores(config, replica)
@@ -152,7 +138,8 @@ async def serve(config: Config, replica: int) -> None:
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor)
+        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
+                                       checkpoint_root=config.checkpoint.dir)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)
@@ -161,8 +148,3 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
-
-
-def remove_shm(config: Config) -> None:
-    """Delete every shard's store files (the launcher's cleanup when keep_shm is off)."""
-    shutil.rmtree(config.ps.shm_dir, ignore_errors=True)

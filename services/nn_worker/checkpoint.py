@@ -50,10 +50,13 @@ class Checkpointer:
         return self.enabled and step % self.interval == 0
 
     async def _ps(self, method: str, directory: Path, step: int) -> None:
+        """Have every PS shard dump into / load from `directory`, named relative to the shared checkpoint root."""
+        name = directory.name
+
         async def one(address: str) -> None:
             async with rpc.channel(address) as ch:
                 call = rpc.control_method(ch, "EmbeddingPS", method)
-                await rpc.retry(lambda: call(pb.CheckpointRequest(directory=str(directory), step=step),
+                await rpc.retry(lambda: call(pb.CheckpointRequest(name=name, step=step),
                                              timeout=PS_TIMEOUT_S), deadline_s=PS_TIMEOUT_S)
 
         await asyncio.gather(*(one(a) for a in self.ps_addresses))

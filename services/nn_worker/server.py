@@ -16,6 +16,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from hybridrec import checkpoints
 from hybridrec.config import Config
 from hybridrec.frames import Applied, decode_nn_batch
 from hybridrec.models import FeatureInfo, build_model
@@ -65,6 +66,7 @@ class NNWorkerServicer:
 async def serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(config.training.torch_threads)
     torch.manual_seed(config.training.seed)
@@ -79,6 +81,7 @@ async def serve(config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     env = await loop.run_in_executor(compute, lambda: init_process_group(
         rendezvous=config.cluster.rendezvous, rank=replica, world_size=world_size, backend=config.training.backend,
+        bind_host=config.cluster.bind_host,
         timeout_s=config.cluster.start_timeout_s * 5))
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size)
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
