@@ -195,7 +195,10 @@ class Recorder:
             if at is not None:
                 t = round(at - self.launched_at, 3)
                 end_of_eval = _num(self.phases.get("end_of_eval"))
-                self.phases[boundary] = min(t, end_of_eval) if end_of_eval is not None else t
+                t = min(t, end_of_eval) if end_of_eval is not None else t
+                seen = _num(self.phases.get(boundary))
+                # After a group restart the summary's start is the last incarnation's: keep the first one seen.
+                self.phases[boundary] = min(t, seen) if boundary == "first_step" and seen is not None else t
         if _num(summary.get("samples")) is not None:
             self.end_samples = int(summary["samples"])
 
