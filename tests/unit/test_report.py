@@ -147,3 +147,20 @@ def test_failed_run_report_is_marked_incomplete_and_names_the_service(tmp_path, 
     assert "planted failure at step 3" in page
     # and it re-renders from what it wrote
     assert "Incomplete run" in rerender(tmp_path).read_text()
+
+
+def test_progress_line_counts_every_nn_worker():
+    from hybridrec.config import load_config
+    from hybridrec.progress import Progress
+    from tests.conftest import REPO
+
+    progress = Progress(load_config(REPO / "examples" / "criteo_synth.yaml"), tty=False)
+    assert progress._fields() == {"phase": "starting"}
+    a = SimpleNamespace(phase="train", samples=500, step=5, loss=0.5, train_auc=0.6, samples_per_sec=100.0)
+    b = SimpleNamespace(phase="train", samples=700, step=7, loss=0.3, train_auc=0.8, samples_per_sec=140.0)
+    progress([a, b])
+    fields = progress._fields()
+    assert (fields["samples"], fields["samples/s"], fields["loss"], fields["auc"]) == ("1,200", "240", "0.4000",
+                                                                                        "0.7000")
+    progress([None, b])  # rank 0 missed a poll: its last answer still counts
+    assert progress._fields()["samples"] == "1,200"
