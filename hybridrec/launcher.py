@@ -224,10 +224,6 @@ class LocalCluster:
             for channel in channels:
                 channel.close()
 
-    def status(self) -> pb.TrainingStatus | None:
-        """Rank 0's training status, or None if it does not answer right now."""
-        return self.statuses()[0]
-
     def stop(self) -> None:
         """SIGTERM in reverse start order, SIGKILL whatever is left after a grace period."""
         alive = [p.popen for p in reversed(self.procs) if p.popen and p.popen.poll() is None]
