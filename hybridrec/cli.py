@@ -113,12 +113,18 @@ def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hybridrec.report import fmt_duration, fmt_int, fmt_rate, fmt_sig
+
     table = Table(title="hybridrec run", show_header=False)
-    fmt = lambda v, p=4: "n/a" if v is None else (f"{v:,.{p}f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
-    rows = [("mode", summary.mode), ("steps", fmt(summary.steps)), ("samples", fmt(summary.samples)),
-            ("wall time", f"{summary.wall_s:.1f} s"), ("train samples/s", fmt(summary.samples_per_sec, 0)),
-            ("eval AUC", fmt(summary.auc)), ("oracle AUC", fmt(summary.oracle_auc)),
-            ("eval logloss", fmt(summary.logloss)),
+    phases = summary.phases
+    start_up = phases.first_step if phases else None
+    rows = [("mode", summary.mode), ("steps (per NN worker)", fmt_int(summary.steps)),
+            ("samples (all NN workers)", fmt_int(summary.samples)),
+            ("train samples/s", fmt_rate(summary.samples_per_sec)),
+            ("training time", fmt_duration(summary.train_wall_s)),
+            ("wall time (start-up)", f"{fmt_duration(summary.wall_s)} ({fmt_duration(start_up)})"),
+            ("eval AUC", fmt_sig(summary.auc)), ("oracle AUC", fmt_sig(summary.oracle_auc)),
+            ("eval logloss", fmt_sig(summary.logloss)),
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhybridrec.proto\x12\thybridrec\"\x07\n\x05\x46rame\"\x07\n\x05\x45mpty\"\x1b\n\tFloatList\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x94\x01\n\x0cServiceStats\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.hybridrec.ServiceStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\x11\x43heckpointRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"\x86\x01\n\x0eTrainingStatus\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x17\n\x0fsamples_per_sec\x18\x05 \x01(\x01\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x11\n\ttrain_auc\x18\x07 \x01(\x01\x32\xb1\x02\n\x0b\x45mbeddingPS\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Update\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats\x12\x46\n\nCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12J\n\x0eLoadCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply2\xd8\x01\n\x0f\x45mbeddingWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x33\n\rPushGradients\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2\xa5\x01\n\x08NNWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x35\n\x06Status\x12\x10.hybridrec.Empty\x1a\x19.hybridrec.TrainingStatus\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2@\n\nDataLoader\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhybridrec.proto\x12\thybridrec\"\x07\n\x05\x46rame\"\x07\n\x05\x45mpty\"\x1b\n\tFloatList\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x94\x01\n\x0cServiceStats\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.hybridrec.ServiceStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\x11\x43heckpointRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"\x97\x01\n\x0eTrainingStatus\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x17\n\x0fsamples_per_sec\x18\x05 \x01(\x01\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x11\n\ttrain_auc\x18\x07 \x01(\x01\x12\x0f\n\x07train_s\x18\x08 \x01(\x01\x32\xb1\x02\n\x0b\x45mbeddingPS\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Update\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats\x12\x46\n\nCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12J\n\x0eLoadCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply2\xd8\x01\n\x0f\x45mbeddingWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x33\n\rPushGradients\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2\xa5\x01\n\x08NNWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x35\n\x06Status\x12\x10.hybridrec.Empty\x1a\x19.hybridrec.TrainingStatus\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2@\n\nDataLoader\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,13 +48,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTREPLY']._serialized_start=277
   _globals['_CHECKPOINTREPLY']._serialized_end=322
   _globals['_TRAININGSTATUS']._serialized_start=325
-  _globals['_TRAININGSTATUS']._serialized_end=459
-  _globals['_EMBEDDINGPS']._serialized_start=462
-  _globals['_EMBEDDINGPS']._serialized_end=767
-  _globals['_EMBEDDINGWORKER']._serialized_start=770
-  _globals['_EMBEDDINGWORKER']._serialized_end=986
-  _globals['_NNWORKER']._serialized_start=989
-  _globals['_NNWORKER']._serialized_end=1154
-  _globals['_DATALOADER']._serialized_start=1156
-  _globals['_DATALOADER']._serialized_end=1220
+  _globals['_TRAININGSTATUS']._serialized_end=476
+  _globals['_EMBEDDINGPS']._serialized_start=479
+  _globals['_EMBEDDINGPS']._serialized_end=784
+  _globals['_EMBEDDINGWORKER']._serialized_start=787
+  _globals['_EMBEDDINGWORKER']._serialized_end=1003
+  _globals['_NNWORKER']._serialized_start=1006
+  _globals['_NNWORKER']._serialized_end=1171
+  _globals['_DATALOADER']._serialized_start=1173
+  _globals['_DATALOADER']._serialized_end=1237
 # @@protoc_insertion_point(module_scope)

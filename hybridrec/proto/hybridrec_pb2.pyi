@@ -54,7 +54,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc")
+    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc", "train_s")
     DONE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class TrainingStatus(_message.Message):
     SAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_AUC_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_S_FIELD_NUMBER: _ClassVar[int]
     done: bool
     step: int
     samples: int
@@ -69,4 +70,5 @@ class TrainingStatus(_message.Message):
     samples_per_sec: float
     phase: str
     train_auc: float
-    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ...) -> None: ...
+    train_s: float
+    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...

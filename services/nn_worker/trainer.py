@@ -65,6 +65,11 @@ class TrainStats:
             return self.wall_offset
         return self.wall_offset + (self.finished or time.monotonic()) - self.started
 
+    @property
+    def trained_here_s(self) -> float:
+        """Seconds this process has trained (first step to now or to the end of training), no resumed time."""
+        return 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
+
 
 Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings
 Push = Callable[[int, bytes], Awaitable[int]]  # (batch_ref, gradient frame) -> rows applied
