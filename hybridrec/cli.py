@@ -113,12 +113,18 @@ def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hybridrec.report import fmt_duration, fmt_int, fmt_rate, fmt_sig
+
     table = Table(title="hybridrec run", show_header=False)
-    fmt = lambda v, p=4: "n/a" if v is None else (f"{v:,.{p}f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
-    rows = [("mode", summary.mode), ("steps", fmt(summary.steps)), ("samples", fmt(summary.samples)),
-            ("wall time", f"{summary.wall_s:.1f} s"), ("train samples/s", fmt(summary.samples_per_sec, 0)),
-            ("eval AUC", fmt(summary.auc)), ("oracle AUC", fmt(summary.oracle_auc)),
-            ("eval logloss", fmt(summary.logloss)),
+    phases = summary.phases
+    start_up = phases.first_step if phases else None
+    rows = [("mode", summary.mode), ("steps (per NN worker)", fmt_int(summary.steps)),
+            ("samples (all NN workers)", fmt_int(summary.samples)),
+            ("train samples/s", fmt_rate(summary.samples_per_sec)),
+            ("training time", fmt_duration(summary.train_wall_s)),
+            ("wall time (start-up)", f"{fmt_duration(summary.wall_s)} ({fmt_duration(start_up)})"),
+            ("eval AUC", fmt_sig(summary.auc)), ("oracle AUC", fmt_sig(summary.oracle_auc)),
+            ("eval logloss", fmt_sig(summary.logloss)),
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]
@@ -133,35 +139,51 @@ def _print_summary(summary: RunSummary) -> None:
 
 
 @app.command()
-def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader"),
-          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file (not with --bundle)."),
+def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader | "
+                                        "inference"),
+          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file: the job's (for "
+                                                     "inference: its settings, optional; not with a read-only PS)."),
           replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
           overrides: Optional[list[str]] = SetOption,
-          bundle: Optional[Path] = typer.Option(None, "--bundle", help="embedding_ps only: serve shard --replica "
-                                                "of this model bundle, read-only, without a config."),
-          listen: str = typer.Option("127.0.0.1:0", "--listen", help="With --bundle: gRPC HOST:PORT (port 0: a "
+          bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve; "
+                                                "embedding_ps: serve shard --replica of it, read-only, without a "
+                                                "config."),
+          ps: Optional[list[str]] = typer.Option(None, "--ps", help="inference: a read-only PS shard HOST:PORT to "
+                                                 "look embeddings up in (repeatable, shard order)."),
+          listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only PS: gRPC HOST:PORT (port 0: a "
                                      "free one, logged as 'listening')."),
-          metrics_port: int = typer.Option(0, "--metrics-port", help="With --bundle: Prometheus port (0: none)."),
-          fp16: bool = typer.Option(False, "--fp16", help="With --bundle: send rows kappa-scaled fp16 (default "
+          metrics_port: int = typer.Option(0, "--metrics-port", help="Read-only PS: Prometheus port (0: none)."),
+          fp16: bool = typer.Option(False, "--fp16", help="Read-only PS: send rows kappa-scaled fp16 (default "
                                     "float32)."),
-          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="With --bundle: mutual TLS, given three "
+          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="Read-only PS: mutual TLS, given three "
                                                    "times: --tls CA --tls CERT --tls KEY (PEM files).")):
     """Run one service in this process (what a container runs)."""
     import uvloop
     from pydantic import ValidationError
 
-    from hybridrec.service import SERVICES, default_replica
+    from hybridrec.bundle import BundleError
+    from hybridrec.service import SERVICES, STANDALONE_SERVICES, default_replica
 
-    if service not in SERVICES:
-        _fail(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    if service not in SERVICES and service not in STANDALONE_SERVICES:
+        _fail(f"unknown service {service!r}; expected one of {', '.join([*SERVICES, *STANDALONE_SERVICES])}")
     try:
         replica = default_replica() if replica is None else replica
     except ValueError as exc:
         _fail(str(exc))
-    if bundle is not None:
+    if service in STANDALONE_SERVICES:
+        from hybridrec.inference_config import load_inference_config
+
+        try:
+            settings = load_inference_config(config_path, overrides=overrides,
+                                             values={"bundle": None if bundle is None else str(bundle),
+                                                     "ps": ps or None})
+        except ConfigError as exc:
+            _fail(str(exc))
+        main = service_module(service, "server").serve(settings)
+    elif bundle is not None:
         if service != "embedding_ps":
-            _fail(f"--bundle serves embedding_ps shards read-only; {service} takes --config")
+            _fail(f"--bundle serves embedding_ps shards read-only (or inference); {service} takes --config")
         if config_path is not None or overrides:
             _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
         module = service_module("embedding_ps", "readonly")
@@ -179,10 +201,9 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
         if config_path is None:
             _fail("give --config CONFIG (or, for a read-only embedding_ps, --bundle BUNDLE)")
         config = _load(config_path, overrides)
-        module = service_module(service, "server")
-        main = module.serve(config, replica)
+        main = service_module(service, "server").serve(config, replica)
     # a bad bundle (BundleError, a ValueError) is the user's input too: exit 2 naming the file
-    usage_errors = (ConfigError, FileNotFoundError) + ((ValueError,) if bundle is not None else ())
+    usage_errors = (ConfigError, FileNotFoundError, BundleError) + ((ValueError,) if bundle is not None else ())
     try:
         uvloop.run(main)
     except usage_errors as exc:

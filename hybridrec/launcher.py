@@ -30,7 +30,7 @@ from hybridrec.evaluation import find_oracle
 from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
 from hybridrec.service import SERVICE_KINDS, SERVICES
-from hybridrec.summary import RunSummary, ServiceInfo
+from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
@@ -202,16 +202,29 @@ class LocalCluster:
             self._spawn(proc)
         self._write_services()
 
-    def status(self) -> pb.TrainingStatus | None:
-        """Rank 0's training status, or None if it does not answer right now."""
-        address = next(p.address for p in self.procs if p.service == "nn_worker" and p.replica == 0)
-        with rpc.sync_channel(address) as channel:
-            call = channel.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
-                                       response_deserializer=pb.TrainingStatus.FromString)
-            try:
-                return call(pb.Empty(), timeout=1.0)
-            except grpc.RpcError:
-                return None
+    def statuses(self) -> list[pb.TrainingStatus | None]:
+        """Every NN worker's training status in rank order (asked in parallel); None for a rank that does not
+        answer right now."""
+        addresses = [p.address for p in sorted((p for p in self.procs if p.service == "nn_worker"),
+                                              key=lambda p: p.replica)]
+        channels = [rpc.sync_channel(address) for address in addresses]
+        try:
+            futures = []
+            for channel in channels:
+                call = channel.unary_unary("/hybridrec.NNWorker/Status",
+                                           request_serializer=pb.Empty.SerializeToString,
+                                           response_deserializer=pb.TrainingStatus.FromString)
+                futures.append(call.future(pb.Empty(), timeout=1.0))
+            out = []
+            for future in futures:
+                try:
+                    out.append(future.result())
+                except grpc.RpcError:
+                    out.append(None)
+            return out
+        finally:
+            for channel in channels:
+                channel.close()
 
     def stop(self) -> None:
         """SIGTERM in reverse start order, SIGKILL whatever is left after a grace period."""
@@ -248,32 +261,61 @@ SAMPLE_EVERY_S = 1.0
 
 
 def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
-    """Run the whole job locally; returns the summary. Raises LaunchError on a failed service."""
-    started = time.monotonic()
+    """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
+
+    About once a second it polls every NN worker's Status and every service's CPU and memory for the
+    run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
+    recorder = Recorder(ranks=len(config.cluster.nn_workers))  # t = 0: launch
     cluster = LocalCluster(config, run_dir)
-    recorder = Recorder()
     next_sample = time.monotonic()
     try:
-        cluster.start()
-        while not cluster.check():
-            time.sleep(0.1)
-            if time.monotonic() >= next_sample:
-                next_sample = time.monotonic() + SAMPLE_EVERY_S
-                status = cluster.status()
-                recorder.sample(status, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
-                cluster.echo_warnings()
-                if progress is not None:
-                    progress(status)
-    finally:
-        cluster.stop()
-    summary_path = run_dir / "summary.json"
-    try:
-        summary = RunSummary.read(summary_path)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
+        try:
+            cluster.start()
+            while not cluster.check():
+                time.sleep(0.1)
+                if time.monotonic() >= next_sample:
+                    next_sample = time.monotonic() + SAMPLE_EVERY_S
+                    statuses = cluster.statuses()
+                    recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
+                    cluster.echo_warnings()
+                    if progress is not None:
+                        progress(statuses)
+            recorder.mark("end_of_eval")
+        finally:
+            cluster.stop()
+            recorder.mark("end")
+        summary_path = run_dir / "summary.json"
+        try:
+            summary = RunSummary.read(summary_path)
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
+    except LaunchError as exc:
+        report = _partial_report(run_dir, recorder, cluster, str(exc))
+        raise LaunchError(f"{exc}\n{report}") from None
+    except KeyboardInterrupt:
+        _partial_report(run_dir, recorder, cluster, "interrupted (Ctrl-C): every service was stopped")
+        raise
+    recorder.settle(summary.model_dump())
     summary = summary.model_copy(update={
-        "wall_s": time.monotonic() - started, "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
-        "services": [ServiceInfo(**p.describe()) for p in cluster.procs]})
+        "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
+        "services": [ServiceInfo(**p.describe()) for p in cluster.procs],
+        "phases": Phases(**{k: recorder.phases.get(k) for k in Phases.model_fields})})
     summary.report = str(write_report(run_dir, summary, recorder))
     summary.write(summary_path)
     return summary
+
+
+def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, error: str) -> str:
+    """The report of a failed run (what was recorded, marked incomplete); a line saying where it is."""
+    partial = None
+    try:
+        partial = json.loads((run_dir / "summary.json").read_text())
+        recorder.settle(partial)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        page = write_report(run_dir, partial, recorder, error=error,
+                            services=[p.describe() for p in cluster.procs])
+    except Exception as exc:  # the failure itself is what the user needs to see
+        return f"(no report: {type(exc).__name__}: {exc})"
+    return f"partial report (incomplete run): {page}"

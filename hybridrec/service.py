@@ -52,6 +52,11 @@ SERVICE_KINDS: tuple[ServiceKind, ...] = (
 """Every service, in the order `hybridrec run` starts them (servers before their clients)."""
 SERVICES: dict[str, ServiceKind] = {kind.name: kind for kind in SERVICE_KINDS}
 
+STANDALONE_SERVICES = {
+    # service name -> what it serves; started alone, with its own settings instead of a job config
+    "inference": "the Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle",
+}
+
 
 def default_replica() -> int:
     """HYBRIDREC_REPLICA, else the trailing -N of the hostname (StatefulSet pods: ps-1 -> 1), else 0."""
@@ -79,19 +84,26 @@ class ServiceHost:
                     control_identities=config.cluster.control_identities)
 
     @classmethod
-    def standalone(cls, service: str, replica: int, listen: str, *, metrics_port: int = 0,
+    def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
                    tls=None) -> "ServiceHost":
-        """A replica without a training config (a read-only PS serving a bundle): binds `listen` (HOST:PORT,
-        port 0 picks a free one, logged as `listening`); `metrics_port` 0 means no Prometheus endpoint."""
+        """A replica without a training job's config (a read-only PS serving a bundle, the inference service).
+
+        Binds `listen` (HOST:PORT; port 0 picks a free one, logged as `listening`);
+        `metrics_port` 0 means no Prometheus endpoint. A service with no proto
+        service of its own in hybridrec.proto (inference) registers its gRPC
+        services on `server` itself; health, metrics, logging and the graceful
+        stop are the same as every other service's.
+        """
         bind_host, _ = split_address(listen)
-        self = cls.__new__(cls)
-        self.config = None
-        self._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
-        return self
+        host = cls.__new__(cls)
+        host.config = None
+        host._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
+        return host
 
     def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
                control_identities: list[str] | None = None) -> None:
-        self.proto_service = SERVICES[service].proto_service
+        kind = SERVICES.get(service)
+        self.proto_service = kind.proto_service if kind else None
         self.service, self.replica, self.address = service, replica, address
         self.bind_host, self.metrics_port = bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
@@ -101,10 +113,12 @@ class ServiceHost:
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
+        self.port: int | None = None
 
     def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
         """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
-        rpc.add_service(self.server, self.proto_service, impl)
+        if impl is not None:
+            rpc.add_service(self.server, self.proto_service, impl)
         if stats is not None:
             register_stats(self.service, self.replica, stats)
 

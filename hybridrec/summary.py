@@ -78,6 +78,22 @@ class PublishSummary(BaseModel):
     """The versions directory (publish.dir)."""
 
 
+class Phases(BaseModel):
+    """Where the run's time went: seconds since launch (t = 0) of each phase boundary, on the launcher's clock.
+
+    Start-up runs from 0 to first_step, training to end_of_training, evaluation to end_of_eval,
+    shutdown to end. None: the run did not get there (or it was not observed)."""
+
+    first_step: float | None = None
+    """The first training step of any NN worker (each reports how long it has trained)."""
+    end_of_training: float | None = None
+    """The last NN worker's end of training."""
+    end_of_eval: float | None = None
+    """The NN workers exited: evaluation done, summary written."""
+    end: float | None = None
+    """Every service stopped."""
+
+
 class RunSummary(BaseModel):
     """Results of one training job."""
 
@@ -108,6 +124,10 @@ class RunSummary(BaseModel):
     logloss: float | None
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities on the eval file, when the data says so."""
+    train_started_at: float | None = None
+    """Unix time of the first training step of any NN worker (this incarnation: not before a resume)."""
+    train_ended_at: float | None = None
+    """Unix time the last NN worker finished training."""
     wall_s: float
     """NN worker: seconds since it started; launcher: seconds of the whole run, start-up included."""
     data: dict[str, Any] = Field(default_factory=dict)
@@ -125,6 +145,8 @@ class RunSummary(BaseModel):
     """Launcher only: where logs, report and results are."""
     report: str | None = None
     """Launcher only: path of report.html."""
+    phases: Phases | None = None
+    """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
 
     def write(self, path: Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ class PublishReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PublishedFile, _Mapping]]] = ..., rows_by_dim: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc")
+    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc", "train_s")
     DONE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class TrainingStatus(_message.Message):
     SAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_AUC_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_S_FIELD_NUMBER: _ClassVar[int]
     done: bool
     step: int
     samples: int
@@ -106,4 +107,5 @@ class TrainingStatus(_message.Message):
     samples_per_sec: float
     phase: str
     train_auc: float
-    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ...) -> None: ...
+    train_s: float
+    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...

@@ -11,9 +11,10 @@ last line of a block is carried over to the next one.
 
 This module is the file side: gzip/plain block iteration, resume offsets,
 line numbers, bad-line policy and error messages naming file and line. The
-kernels (and the token hash) live in ``criteo_parser.py``, the column counts
-in ``hybridrec/criteo.py`` (shared with the data generator and the CLI); their
-public names are re-exported here, so ``from services.dataloader.criteo import
+kernels (and the token hash) live in ``hybridrec/criteo_parser.py`` (shared
+with the inference service), the column counts in ``hybridrec/criteo.py``
+(shared with the data generator and the CLI); their public names are
+re-exported here, so ``from services.dataloader.criteo import
 NUM_SPARSE, hash_token`` keeps working.
 """
 
@@ -30,8 +31,8 @@ import numpy as np
 
 from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE  # re-exported: see __all__
 from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS
-from services.dataloader.criteo_parser import HASH_MASK, hash_token  # re-exported: see __all__
-from services.dataloader.criteo_parser import _E_FIELDS, _E_INT, _E_LABEL, _OK, _parse_lines
+from hybridrec.criteo_parser import HASH_MASK, hash_token  # re-exported: see __all__
+from hybridrec.criteo_parser import _OK, _parse_lines, error_text
 
 __all__ = [
     "BadLinePolicy", "CriteoChunk", "CriteoFormatError", "DEFAULT_BLOCK_BYTES", "GROUP_SHIFT",
@@ -193,16 +194,7 @@ def _group_prefixes(groups: Sequence[int] | None) -> np.ndarray:
 
 
 def _error_message(path: str, line_no: int, line: bytes, code: int, detail: int) -> str:
-    fields = line.rstrip(b"\r").split(b"\t")
-    if code == _E_FIELDS:
-        what = f"expected {NUM_FIELDS} tab-separated fields, got {detail}"
-    elif code == _E_LABEL:
-        what = f"label must be 0 or 1, got {fields[0][:20]!r}"
-    elif code == _E_INT:
-        what = f"column I{detail + 1} is not an integer: {fields[1 + detail][:20]!r}"
-    else:
-        what = f"column C{detail + 1} contains a NUL or control byte"
-    return f"{path}:{line_no}: {what}"
+    return f"{path}:{line_no}: {error_text(line, code, detail)}"
 
 
 def read_criteo(

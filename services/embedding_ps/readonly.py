@@ -151,7 +151,7 @@ def open_shard(bundle: Path, replica: int) -> tuple[BundleManifest, ShardTable]:
 async def serve(settings: ReadOnlyPSSettings) -> None:
     manifest = read_manifest(settings.bundle)  # no bundle, or no such shard: fail before anything binds
     _check_replica(settings.bundle, manifest, settings.replica)
-    host = ServiceHost.standalone("embedding_ps", settings.replica, settings.listen,
+    host = ServiceHost.standalone("embedding_ps", listen=settings.listen, replica=settings.replica,
                                   metrics_port=settings.metrics_port, tls=settings.tls)
     with ThreadPoolExecutor(max_workers=settings.threads, thread_name_prefix="ps-bundle") as executor:
         servicer = ReadOnlyPSServicer(Path(settings.bundle), settings.replica,

@@ -47,6 +47,7 @@ class NNWorkerServicer:
             return pb.TrainingStatus(phase=self.phase)
         return pb.TrainingStatus(done=self.phase == "done", step=stats.steps, samples=stats.samples,
                                  loss=stats.last_loss, phase=self.phase, train_auc=stats.train_auc,
+                                 train_s=stats.trained_here_s,
                                  samples_per_sec=stats.samples / stats.wall_s if stats.wall_s else 0.0)
 
     def stats(self) -> dict[str, float]:

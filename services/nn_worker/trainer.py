@@ -36,7 +36,7 @@ from hybridrec.evaluation import binary_metrics
 from hybridrec.frames import DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from services.nn_worker.distributed import DenseSync, DistEnv
-from services.nn_worker.embeddings import BatchEmbeddings, Pooler
+from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.routing import BatchLost
 
 
@@ -64,6 +64,11 @@ class TrainStats:
         if self.started is None:
             return self.wall_offset
         return self.wall_offset + (self.finished or time.monotonic()) - self.started
+
+    @property
+    def trained_here_s(self) -> float:
+        """Seconds this process has trained (first step to now or to the end of training), no resumed time."""
+        return 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
 
 
 Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings

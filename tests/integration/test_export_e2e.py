@@ -14,7 +14,7 @@ from hybridrec.evaluation import binary_metrics
 from hybridrec.models import FeatureInfo, build_model
 from services.dataloader.batching import ReadCounters, iter_rows
 from services.dataloader.server import feature_columns
-from services.dataloader.synth import synthesize
+from hybridrec.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

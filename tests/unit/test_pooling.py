@@ -8,7 +8,7 @@ import torch
 from hybridrec.compress import ValueCodec
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings
-from services.nn_worker.embeddings import Pooler
+from hybridrec.pooling import Pooler
 
 VALUES = ValueCodec(fp16=False)
 CPU = torch.device("cpu")

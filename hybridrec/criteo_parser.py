@@ -1,9 +1,12 @@
 """Criteo line parser: numba kernels that turn raw TSV bytes into sample rows.
 
-Runs in the data loader process, called by the reader in ``criteo.py`` (and
-by ``hash_token`` in tests and tools). It holds only the per-line work: no
-files, no offsets, no error messages -- the kernels return error codes and
-``criteo.py`` names the file and line.
+Runs in the data loader process, called by the reader in
+``services/dataloader/criteo.py``, and in the inference service, which parses
+the rows of a request with the same kernels so serving cannot drift from
+training (and by ``hash_token`` in tests and tools). It holds only the
+per-line work: no files, no offsets -- the kernels return error codes,
+``error_text`` says what they mean, and the callers name the file and line
+(or the request row).
 
 Format: one sample per line, tab-separated: a 0/1 label, 13 integer columns
 (I1..I13, may be negative or empty) and 26 categorical columns (C1..C26,
@@ -170,3 +173,15 @@ def hash_token(token: bytes | str, group: int) -> int:
         return group << GROUP_SHIFT
     h = _hash_field(np.frombuffer(raw, dtype=np.uint8), 0, len(raw))
     return (group << GROUP_SHIFT) | int(h)
+
+
+def error_text(line: bytes, code: int, detail: int) -> str:
+    """What is wrong with ``line`` (no newline), given a kernel's error code and detail."""
+    fields = line.rstrip(b"\r").split(b"\t")
+    if code == _E_FIELDS:
+        return f"expected {NUM_FIELDS} tab-separated fields, got {detail}"
+    if code == _E_LABEL:
+        return f"label must be 0 or 1, got {fields[0][:20]!r}"
+    if code == _E_INT:
+        return f"column I{detail + 1} is not an integer: {fields[1 + detail][:20]!r}"
+    return f"column C{detail + 1} contains a NUL or control byte"

@@ -1,4 +1,9 @@
-"""On the NN worker: decode a batch's embeddings and pool them (differentiably) for the model.
+"""Pooling of embedding bags for the dense model: one code path for training and serving.
+
+The NN worker decodes a batch's embeddings (`Pooler.decode`) and pools them
+differentiably; the inference service builds the same bag structure from a
+request's ID columns (`Pooler.from_columns`) and pools with the same
+`Pooler.pool`, so a served prediction is computed exactly as in training.
 
 The embedding worker sends each feature's unique rows (grouped by width, the
 features of a width concatenated in config order), the uint16 position of every
@@ -59,6 +64,30 @@ class Pooler:
             out.offsets[dim] = np.cumsum(bags) - bags
             out.weights[dim] = np.concatenate(weights) if self.weighted else None
         return out
+
+    def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
+        """Bags of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per field).
+
+        Returns the unique IDs of each width (all features of that width
+        together: what to look up) and the bag structure with `rows` left
+        empty; put each width's looked-up rows, in the order of its unique IDs,
+        into `rows` before `pool`. An absent field is an empty bag (pooled
+        zeros), as in training (`SparseBatch.from_columns`).
+        """
+        batch_size = ids.shape[0]
+        uniq: dict[int, np.ndarray] = {}
+        out = BatchEmbeddings(batch_size, {}, {}, {}, {})
+        for dim, members in self.members.items():
+            cols = ids[:, members].T  # (features of this width, batch): bags in (feature, sample) order
+            mask = present[:, members].T
+            u, inverse = np.unique(cols[mask], return_inverse=True)
+            lengths = mask.reshape(-1).astype(np.int64)
+            uniq[dim] = u
+            out.index[dim] = inverse.reshape(-1).astype(np.int64)
+            out.offsets[dim] = np.cumsum(lengths) - lengths
+            out.weights[dim] = (np.concatenate([_bag_weights(mask[k].astype(np.uint16), self.features[f].pooling)
+                                                for k, f in enumerate(members)]) if self.weighted else None)
+        return uniq, out
 
     def empty(self, batch_size: int) -> BatchEmbeddings:
         """Embeddings of a batch whose every bag is empty (pooled zeros): the stand-in for a lost batch."""

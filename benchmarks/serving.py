@@ -1,0 +1,296 @@
+"""Inference-service benchmark: one run, one JSON; every ratio is against a baseline measured in the same run.
+
+Model: the README example's size (DNN over 26 features of width 16 and 13
+dense features, hidden sizes from examples/criteo_synth.yaml), random weights,
+a bundle of `--rows-per-feature` random rows per feature in 2 shards.
+
+1. baseline: the same model in process, no RPC: pooling + embedding lookup +
+   forward (what one micro-batch costs the service), rows/s at batch 512;
+   also the dense forward alone;
+2. `hybridrec serve inference` as a process, sequential gRPC requests
+   (hashed `ids` + `dense`, raw contents) at batch 1, 32 and 512: p50/p99
+   latency, rows/s;
+3. throughput at concurrency 16 with batch-1 requests, dynamic batching on
+   and off (the server restarted with batching.enabled=false);
+4. targets: batch 512 >= 0.7x in-process rows/s, batch-1 p50 <= 1 ms and
+   p99 <= 5 ms, batching on >= 3x off at concurrency 16.
+
+    python benchmarks/serving.py --out results/serving.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from hybridrec.proto import grpc_predict_v2_pb2 as oip  # noqa: E402
+from services.inference.batcher import Batcher  # noqa: E402
+from services.inference.inputs import InputDecoder, Tensor  # noqa: E402
+from services.inference.model import StaticSource, load_model  # noqa: E402
+from hybridrec.inference_config import BatchingConfig  # noqa: E402
+from tests.inference_util import make_bundle, random_ids  # noqa: E402
+
+MODEL = "ctr"
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request_bytes(ids: np.ndarray, dense: np.ndarray) -> bytes:
+    req = oip.ModelInferRequest(model_name=MODEL)
+    req.inputs.add(name="ids", datatype="UINT64", shape=list(ids.shape))
+    req.inputs.add(name="dense", datatype="FP32", shape=list(dense.shape))
+    req.raw_input_contents.extend([ids.tobytes(), dense.tobytes()])
+    return req.SerializeToString()
+
+
+class Server:
+    def __init__(self, bundle: Path, log: Path, *sets: str):
+        self.port = _free_port()
+        http = _free_port()
+        args = [sys.executable, "-m", "hybridrec", "serve", "inference", "--bundle", str(bundle),
+                "--set", f"model_name={MODEL}", "--set", f"grpc_port={self.port}", "--set", f"http_port={http}"]
+        for s in sets:
+            args += ["--set", s]
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.address = f"127.0.0.1:{self.port}"
+        channel = grpc.insecure_channel(self.address)
+        ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=oip.ServerReadyResponse.FromString)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(log.read_text())
+            try:
+                if ready(oip.ServerReadyRequest(), timeout=2).ready:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(log.read_text())
+            time.sleep(0.2)
+        channel.close()
+
+    def cpu_s(self) -> float:
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def sequential(address: str, payload: bytes, n: int, warmup: int) -> dict:
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                      ("grpc.max_send_message_length", 1 << 30)])
+    call = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=oip.ModelInferResponse.FromString)
+    for _ in range(warmup):
+        call(payload, timeout=30)
+    lat = np.empty(n)
+    for i in range(n):
+        t = time.perf_counter()
+        call(payload, timeout=30)
+        lat[i] = time.perf_counter() - t
+    channel.close()
+    return {"requests": n, "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "mean_ms": float(lat.mean() * 1e3)}
+
+
+def _client_process(address: str, payloads: list[bytes], concurrency: int, seconds: float, start_at: float,
+                    queue) -> None:
+    queue.put(asyncio.run(_concurrent(address, payloads, concurrency, seconds, start_at)))
+
+
+def concurrent_load(address: str, payloads: list[bytes], concurrency: int, seconds: float, processes: int) -> dict:
+    """`concurrency` closed-loop callers spread over `processes` client processes (one Python client
+    process cannot keep a server busy: its own gRPC overhead per call is as large as the server's)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    start_at = time.time() + 3.0  # every process warms up, then measures the same window
+    per = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    procs = [ctx.Process(target=_client_process, args=(address, payloads, c, seconds, start_at, queue))
+             for c in per if c]
+    for p in procs:
+        p.start()
+    parts = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    done = sum(p["requests"] for p in parts)
+    wall = max(p["wall_s"] for p in parts)
+    merged = sum(p["mean_micro_batch_rows"] * p["requests"] for p in parts) / max(done, 1)
+    return {"requests": done, "all_requests": done + sum(p["warmup_requests"] for p in parts), "wall_s": wall,
+            "requests_per_s": done / wall, "client_processes": len(procs),
+            "mean_micro_batch_rows": merged}
+
+
+async def _concurrent(address: str, payloads: list[bytes], concurrency: int, seconds: float,
+                      start_at: float) -> dict:
+    channel = grpc.aio.insecure_channel(address)
+    call = channel.unary_unary(METHOD, request_serializer=None,
+                               response_deserializer=oip.ModelInferResponse.FromString)
+    done = 0
+    merged: list[int] = []
+    stop_at = 0.0
+
+    async def worker(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() < stop_at:
+            reply = await call(payloads[i % len(payloads)], timeout=30)
+            done += 1
+            merged.append(reply.parameters["micro_batch_rows"].int64_param)
+            i += concurrency
+
+    stop_at = time.perf_counter() + max(0.2, start_at - time.time())  # warm-up until the common start
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    warmup = done
+    done, merged = 0, []
+    started = time.perf_counter()
+    stop_at = started + seconds
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    wall = time.perf_counter() - started
+    await channel.close()
+    return {"requests": done, "warmup_requests": warmup, "wall_s": wall, "requests_per_s": done / wall,
+            "mean_micro_batch_rows": float(np.mean(merged)) if merged else 0.0}
+
+
+def in_process(bundle: Path, ids: np.ndarray, dense: np.ndarray, repeats: int) -> dict:
+    model = load_model(bundle)
+    decoder = InputDecoder(model.manifest, 1 << 16)
+    samples = decoder.decode([Tensor("ids", "UINT64", ids.shape, ids.reshape(-1)),
+                              Tensor("dense", "FP32", dense.shape, dense.reshape(-1))])
+
+    async def pipeline() -> float:
+        uniq, bags = model.pooler.from_columns(samples.ids, samples.present)
+        bags.rows = await model.table.lookup(uniq)
+        model.forward(samples.dense, bags)
+
+    async def run() -> float:
+        for _ in range(5):
+            await pipeline()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            await pipeline()
+        return time.perf_counter() - t
+
+    wall = asyncio.run(run())
+    uniq, bags = model.pooler.from_columns(samples.ids, samples.present)
+    bags.rows = asyncio.run(model.table.lookup(uniq))
+    with torch.inference_mode():
+        _, pooled = model.pooler.pool(bags, torch.device("cpu"), grad=False)
+        x = torch.from_numpy(samples.dense)
+        for _ in range(5):
+            model.model(x, pooled)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            model.model(x, pooled)
+        dense_wall = time.perf_counter() - t
+    n = ids.shape[0]
+    return {"batch": n, "rows_per_s": n * repeats / wall, "ms_per_batch": wall / repeats * 1e3,
+            "dense_forward_only_rows_per_s": n * repeats / dense_wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows-per-feature", type=int, default=20_000)
+    parser.add_argument("--seconds", type=float, default=5.0, help="Each concurrency-16 measurement.")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="Server and baseline (0: torch's default). 1 by default: on a small shared machine "
+                             "torch's OpenMP threads spin against other processes (9x slower at 2 threads here).")
+    parser.add_argument("--client-processes", type=int, default=4, help="Load-generator processes at concurrency 16.")
+    args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    args.seconds = max(args.seconds, 1.0)
+    hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
+    tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
+    bundle = tmp / "bundle"
+    _, known = make_bundle(bundle, hidden=hidden, rows_per_feature=args.rows_per_feature, num_shards=2)
+    rng = np.random.default_rng(0)
+    batches = {}
+    for n in (1, 32, 512):
+        ids = random_ids(known, n, seed=n, unknown=0.1, absent=0.05)
+        batches[n] = (ids, rng.random((n, 13), dtype=np.float32))
+
+    result: dict = {"model": {"path": "hybridrec.models:DNN", "hidden": hidden, "features": 26, "dim": 16,
+                              "num_dense": 13, "rows_in_bundle": 26 * args.rows_per_feature},
+                    "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                                "python": platform.python_version(), "torch": torch.__version__}}
+    result["in_process_batch512"] = in_process(bundle, *batches[512], repeats=200)
+
+    sets = [f"torch_threads={args.torch_threads}"]
+    server = Server(bundle, tmp / "on.log", *sets)
+    try:
+        seq = {}
+        for n, reps in ((1, 3000), (32, 2000), (512, 300)):
+            seq[f"batch{n}"] = sequential(server.address, request_bytes(*batches[n]), reps, warmup=50)
+            seq[f"batch{n}"]["rows_per_s"] = n / (seq[f"batch{n}"]["mean_ms"] / 1e3)
+        result["grpc_sequential"] = seq
+        singles = [request_bytes(batches[512][0][i:i + 1], batches[512][1][i:i + 1]) for i in range(512)]
+        cpu = server.cpu_s()
+        on = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
+        on["server_cpu_us_per_request"] = (server.cpu_s() - cpu) / on["all_requests"] * 1e6
+    finally:
+        server.stop()
+    server = Server(bundle, tmp / "off.log", *sets, "batching.enabled=false")
+    try:
+        cpu = server.cpu_s()
+        off = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
+        off["server_cpu_us_per_request"] = (server.cpu_s() - cpu) / off["all_requests"] * 1e6
+    finally:
+        server.stop()
+    result["grpc_concurrency16_batch1"] = {"batching_on": on, "batching_off": off}
+
+    base = result["in_process_batch512"]["rows_per_s"]
+    ratios = {
+        "batch512_vs_in_process": seq["batch512"]["rows_per_s"] / base,
+        "batching_on_vs_off": on["requests_per_s"] / off["requests_per_s"],
+        # What batching saves the server per request: the throughput gain where the server, not the
+        # load generator, is what runs out of CPU.
+        "server_cpu_per_request_off_vs_on": off["server_cpu_us_per_request"] / on["server_cpu_us_per_request"],
+    }
+    result["ratios"] = ratios
+    result["targets"] = {
+        "batch512_vs_in_process>=0.7": ratios["batch512_vs_in_process"] >= 0.7,
+        "batch1_p50_ms<=1": seq["batch1"]["p50_ms"] <= 1.0,
+        "batch1_p99_ms<=5": seq["batch1"]["p99_ms"] <= 5.0,
+        "batching_on_vs_off>=3": ratios["batching_on_vs_off"] >= 3.0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

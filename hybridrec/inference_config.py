@@ -1,0 +1,104 @@
+"""Settings of the inference service (`hybridrec serve inference`), validated like the job config.
+
+The inference service does not read a training job's config: what it serves
+is described by the bundle (features, model, precision), and how it serves by
+these settings. They come from an optional YAML file (`--config`), then the
+command's options (`--bundle`, `--ps`), then `--set key=value` overrides, in
+that order; an error names the dotted key (exit code 2 from the CLI).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hybridrec.config import ConfigError, _describe, _set_dotted, parse_overrides, split_address
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class BatchingConfig(_Model):
+    """Dynamic batching: concurrent requests merged into one lookup and one forward pass."""
+
+    enabled: bool = True
+    """Merge concurrent requests (off: every request is its own micro-batch)."""
+    max_batch_rows: Annotated[int, Field(ge=1, le=65535)] = 1024
+    """Rows of one micro-batch: requests are merged until the next one would exceed this
+    (a single request larger than this is still answered, alone)."""
+    inline_max_rows: Annotated[int, Field(ge=0, le=65535)] = 64
+    """Micro-batches of at most this many rows run their forward pass on the event loop's thread: for
+    them, handing over to the compute thread costs more than the forward pass. Larger ones run on the
+    compute thread while the loop keeps receiving requests."""
+    max_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 0.5
+    """How long a micro-batch waits for more requests, once requests are arriving concurrently
+    (a request arriving alone on an idle server never waits). 0: take only what is queued."""
+
+
+class InferenceConfig(_Model):
+    """How `hybridrec serve inference` serves one model bundle over the Open Inference Protocol."""
+
+    bundle: str
+    """Model bundle directory (written by `hybridrec export` or a training job)."""
+    model_name: str = "hybridrec"
+    """Name the model is served under: /v2/models/<model_name>, ModelInferRequest.model_name."""
+    host: str = "127.0.0.1"
+    """Address both endpoints bind (loopback by default; 0.0.0.0 for every interface)."""
+    grpc_port: Annotated[int, Field(ge=0, lt=65536)] = 8001
+    """gRPC port (GRPCInferenceService and grpc.health.v1); 0 picks a free one."""
+    http_port: Annotated[int, Field(ge=0, lt=65536)] | None = 8000
+    """REST port (/v2/...; also /metrics); 0 picks a free one, null turns REST off."""
+    metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 0
+    """A separate Prometheus endpoint, as the training services have (0: none; /metrics on the REST port
+    is always there)."""
+    ps: list[str] = Field(default_factory=list)
+    """Read-only PS shards (HOST:PORT, shard order) to look embeddings up in, instead of the bundle's
+    own tables in this process. Their count must be the bundle's shard count."""
+    ps_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Deadline of one PS lookup."""
+    ps_kappa: Annotated[float, Field(gt=0)] = 1024.0
+    """training.compression.kappa of the PS shards, for rows they send as scaled fp16 (float32 rows
+    need nothing)."""
+    max_request_rows: Annotated[int, Field(ge=1, le=65535)] = 4096
+    """Rows one request may carry; a larger one is refused (INVALID_ARGUMENT / 400)."""
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    """Dynamic batching (see BatchingConfig)."""
+    torch_threads: Annotated[int, Field(ge=0)] = 0
+    """torch intra-op threads for the forward pass (0: torch's default)."""
+    verify_bundle: bool = True
+    """Check every bundle file's size and sha256 before serving it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "InferenceConfig":
+        for address in self.ps:
+            split_address(address)
+        return self
+
+
+def load_inference_config(path: str | Path | None, *, values: dict[str, Any] | None = None,
+                          overrides: list[str] | None = None) -> InferenceConfig:
+    """Settings from YAML file `path` (optional), then `values` (the CLI's options), then `--set` overrides."""
+    tree: dict[str, Any] = {}
+    source = "inference settings"
+    if path is not None:
+        source = str(path)
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    for key, value in (values or {}).items():
+        if value is not None:
+            tree[key] = value
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return InferenceConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None

@@ -1,0 +1,150 @@
+"""Dynamic batching: requests that arrive together share one embedding lookup and one forward pass.
+
+One loop takes queued requests into a micro-batch until the next would pass
+`max_batch_rows`, captures `source.current()` once (so every answer of a
+micro-batch comes from one model version), pools, looks the rows up, and runs
+the forward pass on a dedicated compute thread while the event loop keeps
+receiving requests; those form the next micro-batch (a small micro-batch runs
+on the loop's thread: the hand-over would cost more than its forward pass).
+
+Waiting: a request arriving at an idle server is answered at once. Only when
+the previous micro-batch merged several requests (requests are arriving
+concurrently) does a micro-batch wait up to `max_delay_ms` for more, so
+sequential callers pay no delay and concurrent ones get large batches. With
+batching off every request is its own micro-batch, through the same code.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridrec.inference_config import BatchingConfig
+from services.inference.inputs import NotFound, Samples
+from services.inference.model import LoadedModel, ModelSource
+
+
+@dataclass
+class Pending:
+    samples: Samples
+    version: int | None  # the version the request asked for, None: any
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class Result:
+    probability: np.ndarray
+    version: int
+    micro_batch_rows: int
+
+
+class Batcher:
+    def __init__(self, source: ModelSource, batching: BatchingConfig):
+        self.source = source
+        self.enabled = batching.enabled
+        self.max_rows = batching.max_batch_rows
+        self.max_delay_s = batching.max_delay_ms / 1000.0
+        self.inline_max_rows = batching.inline_max_rows
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="inference-compute")
+        self.task: asyncio.Task | None = None
+        self.counters = {"requests_total": 0, "rows_total": 0, "micro_batches_total": 0, "failed_requests_total": 0}
+        self._concurrent = False  # did the last micro-batch merge several requests?
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._loop())
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.executor.shutdown(wait=False)
+
+    async def infer(self, samples: Samples, version: int | None = None) -> Result:
+        pending = Pending(samples, version)
+        self.counters["requests_total"] += 1
+        self.counters["rows_total"] += len(samples)
+        await self.queue.put(pending)
+        return await pending.future
+
+    async def _take(self) -> list[Pending]:
+        first = await self.queue.get()
+        batch, rows = [first], len(first.samples)
+        if not self.enabled:
+            return batch
+        deadline = time.monotonic() + self.max_delay_s if self._concurrent else 0.0
+        while rows < self.max_rows:
+            if self.queue.empty():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    nxt = await asyncio.wait_for(self.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            else:
+                nxt = self.queue.get_nowait()
+            if rows + len(nxt.samples) > self.max_rows:
+                self.queue.put_nowait(nxt)  # goes first into the next micro-batch... after those queued after it
+                self._requeue_front(nxt)
+                break
+            batch.append(nxt)
+            rows += len(nxt.samples)
+        return batch
+
+    def _requeue_front(self, item: Pending) -> None:
+        # asyncio.Queue has no push-front: rotate the item put back (last) to the front.
+        q = self.queue._queue  # noqa: SLF001 - a deque
+        q.remove(item)
+        q.appendleft(item)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._take()
+            self._concurrent = len(batch) > 1 or not self.queue.empty()
+            model = self.source.current()
+            live = []
+            for p in batch:
+                if p.version is not None and p.version != model.version:
+                    self._fail(p, NotFound(f"model version {p.version} is not loaded; serving version "
+                                           f"{model.version}"))
+                else:
+                    live.append(p)
+            if not live:
+                continue
+            self.counters["micro_batches_total"] += 1
+            try:
+                probs = await self._run(loop, model, [p.samples for p in live])
+            except Exception as exc:  # noqa: BLE001 - answered to each caller; the loop keeps serving
+                for p in live:
+                    self._fail(p, exc)
+                continue
+            start = 0
+            rows = sum(len(p.samples) for p in live)
+            for p in live:
+                n = len(p.samples)
+                if not p.future.done():
+                    p.future.set_result(Result(probs[start:start + n], model.version, rows))
+                start += n
+
+    def _fail(self, p: Pending, exc: BaseException) -> None:
+        self.counters["failed_requests_total"] += 1
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+    async def _run(self, loop, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
+        if len(parts) == 1:
+            ids, present, dense = parts[0].ids, parts[0].present, parts[0].dense
+        else:
+            ids = np.concatenate([s.ids for s in parts])
+            present = np.concatenate([s.present for s in parts])
+            dense = np.concatenate([s.dense for s in parts])
+        uniq, bags = model.pooler.from_columns(ids, present)
+        bags.rows = await model.table.lookup(uniq)
+        if ids.shape[0] <= self.inline_max_rows:
+            return model.forward(np.ascontiguousarray(dense), bags)
+        return await loop.run_in_executor(self.executor, model.forward, np.ascontiguousarray(dense), bags)

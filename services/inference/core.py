@@ -1,0 +1,119 @@
+"""The transport-neutral part of the Open Inference Protocol: names, versions, metadata, inference.
+
+The gRPC servicer (`grpc_api.py`) and the REST app (`rest.py`) only convert
+their wire formats to `Tensor`s and back; every check and every answer is
+made here once, so both endpoints behave the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+from services.inference.batcher import Batcher
+from services.inference.inputs import BadInput, InputDecoder, NotFound, NotReady, Tensor
+from services.inference.model import ModelSource
+
+SERVER_NAME = "hybridrec-inference"
+OUTPUT = "probability"
+PLATFORM = "hybridrec_pytorch"
+SERVER_VERSION = "0.1.0"
+
+
+@dataclass
+class Answer:
+    model_name: str
+    model_version: str
+    probability: np.ndarray  # float32 (batch,) or (batch, outputs)
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+class InferenceCore:
+    def __init__(self, model_name: str, max_request_rows: int):
+        self.model_name = model_name
+        self.source: ModelSource | None = None
+        self.batcher: Batcher | None = None
+        self.max_request_rows = max_request_rows
+        self._decoders: dict[int, InputDecoder] = {}
+        self.counters = {"bad_requests_total": 0, "not_found_total": 0}
+
+    def serve(self, source: ModelSource, batcher: Batcher) -> None:
+        """Start answering with `source` (the model is loaded)."""
+        self.source, self.batcher = source, batcher
+
+    @property
+    def ready(self) -> bool:
+        return self.source is not None
+
+    def current(self):
+        if self.source is None:
+            raise NotReady("the model is still loading")
+        return self.source.current()
+
+    # -- names and versions ---------------------------------------------------------------------
+    def check_model(self, name: str, version: str = "") -> int | None:
+        """The version a request asks for (None: any); NotFound for another model or version."""
+        if name != self.model_name:
+            self.counters["not_found_total"] += 1
+            raise NotFound(f"unknown model {name!r}; this server serves {self.model_name!r}")
+        current = self.current().version
+        if not version:
+            return None
+        if not version.isdigit() or int(version) != current:
+            self.counters["not_found_total"] += 1
+            raise NotFound(f"model {name!r} has no version {version!r}; serving version {current}")
+        return int(version)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.check_model(name, version)
+        except (NotFound, NotReady):
+            return False
+        return True
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": []}
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        self.check_model(name, version)
+        model = self.current()
+        nf, nd = len(model.manifest.features), model.manifest.num_dense
+        return {
+            "name": self.model_name,
+            "versions": [str(model.version)],
+            "platform": PLATFORM,
+            "inputs": [{"name": "rows", "datatype": "BYTES", "shape": [-1]},
+                       {"name": "ids", "datatype": "UINT64", "shape": [-1, nf]},
+                       {"name": "dense", "datatype": "FP32", "shape": [-1, nd]}],
+            "outputs": [{"name": OUTPUT, "datatype": "FP32",
+                         "shape": [-1] if model.outputs == 1 else [-1, model.outputs]}],
+        }
+
+    # -- inference --------------------------------------------------------------------------------
+    def _decoder(self) -> InputDecoder:
+        model = self.current()
+        decoder = self._decoders.get(id(model.manifest))
+        if decoder is None:
+            decoder = self._decoders[id(model.manifest)] = InputDecoder(model.manifest, self.max_request_rows)
+        return decoder
+
+    async def infer(self, name: str, version: str, tensors: Sequence[Tensor],
+                    outputs: Sequence[str] = ()) -> Answer:
+        pinned = self.check_model(name, version)
+        try:
+            for out in outputs:
+                if out != OUTPUT:
+                    raise BadInput(f"unknown output {out!r}; this model answers {OUTPUT!r}")
+            samples = self._decoder().decode(tensors)
+        except BadInput:
+            self.counters["bad_requests_total"] += 1
+            raise
+        result = await self.batcher.infer(samples, pinned)
+        return Answer(self.model_name, str(result.version), result.probability,
+                      {"model_version": str(result.version), "micro_batch_rows": int(result.micro_batch_rows)})
+
+    def stats(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.counters.items()},
+                **({k: float(v) for k, v in self.batcher.counters.items()} if self.batcher else {}),
+                "model_version": float(self.current().version) if self.ready else -1.0,
+                "ready": float(self.ready)}

@@ -1,0 +1,173 @@
+"""GRPCInferenceService (protos/grpc_predict_v2.proto) on the service host's grpc.aio server.
+
+Tensors may come in `contents` (typed repeated fields) or `raw_input_contents`
+(little-endian bytes; a BYTES element is a 4-byte length and its bytes);
+`probability` goes back in `raw_output_contents`, as Triton answers (every
+OIP client reads it).
+"""
+from __future__ import annotations
+
+import struct
+import time
+
+import grpc
+import numpy as np
+
+from hybridrec import log
+from hybridrec.metrics import RPC_LATENCY
+from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from services.inference.core import OUTPUT, InferenceCore
+from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
+
+SERVICE = "inference.GRPCInferenceService"
+MAX_ELEMENTS = 1 << 26
+_CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "INT8": "int_contents",
+             "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
+             "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def _shape(dims) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in dims)
+    if any(d < 0 for d in shape):
+        raise BadInput(f"shape {list(shape)} has a negative dimension")
+    count = 1
+    for d in shape:
+        count *= d
+        if count > MAX_ELEMENTS:
+            raise BadInput(f"shape {list(shape)} is too large")
+    return shape
+
+
+def split_bytes(raw: bytes, name: str) -> list[bytes]:
+    """BYTES elements of a raw tensor: each a 4-byte little-endian length, then that many bytes."""
+    out, pos, n = [], 0, len(raw)
+    view = memoryview(raw)
+    while pos < n:
+        if pos + 4 > n:
+            raise BadInput(f"input {name!r}: raw BYTES contents end inside an element's length prefix")
+        (length,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + length > n:
+            raise BadInput(f"input {name!r}: a raw BYTES element of {length} bytes runs past the end")
+        out.append(bytes(view[pos:pos + length]))
+        pos += length
+    return out
+
+
+def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input "
+                       "or none")
+    tensors = []
+    for i, inp in enumerate(request.inputs):
+        shape = _shape(inp.shape)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if inp.datatype == "BYTES":
+            data = split_bytes(raw[i], inp.name) if raw else list(inp.contents.bytes_contents)
+            if len(data) != count:
+                raise BadInput(f"input {inp.name!r}: shape {list(shape)} needs {count} elements, got {len(data)}")
+        elif inp.datatype in DTYPES:
+            dtype = np.dtype(DTYPES[inp.datatype]).newbyteorder("<")
+            if raw:
+                if len(raw[i]) != count * dtype.itemsize:
+                    raise BadInput(f"input {inp.name!r}: shape {list(shape)} of {inp.datatype} needs "
+                                   f"{count * dtype.itemsize} bytes, got {len(raw[i])}")
+                data = np.frombuffer(raw[i], dtype)
+            else:
+                field = _CONTENTS.get(inp.datatype)
+                if field is None:
+                    raise BadInput(f"input {inp.name!r}: {inp.datatype} can only be sent in raw_input_contents")
+                values = getattr(inp.contents, field)
+                if len(values) != count:
+                    raise BadInput(f"input {inp.name!r}: shape {list(shape)} needs {count} values in "
+                                   f"contents.{field}, got {len(values)}")
+                data = np.array(values, dtype=DTYPES[inp.datatype])
+        else:
+            raise BadInput(f"input {inp.name!r}: unknown datatype {inp.datatype!r}")
+        tensors.append(Tensor(inp.name, inp.datatype, shape, data))
+    return tensors
+
+
+def _param(value) -> oip.InferParameter:
+    if isinstance(value, bool):
+        return oip.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        return oip.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return oip.InferParameter(double_param=value)
+    return oip.InferParameter(string_param=str(value))
+
+
+class GRPCInferenceServicer:
+    def __init__(self, core: InferenceCore):
+        self.core = core
+
+    async def ServerLive(self, request, context):
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return oip.ServerReadyResponse(ready=self.core.ready)
+
+    async def ModelReady(self, request, context):
+        return oip.ModelReadyResponse(ready=self.core.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request, context):
+        return oip.ServerMetadataResponse(**self.core.server_metadata())
+
+    async def ModelMetadata(self, request, context):
+        meta = self.core.model_metadata(request.name, request.version)
+        T = oip.ModelMetadataResponse.TensorMetadata
+        return oip.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                                         inputs=[T(**t) for t in meta["inputs"]],
+                                         outputs=[T(**t) for t in meta["outputs"]])
+
+    async def ModelInfer(self, request, context):
+        self.core.check_model(request.model_name, request.model_version)  # NOT_FOUND before any parsing
+        answer = await self.core.infer(request.model_name, request.model_version, tensors_of(request),
+                                       [o.name for o in request.outputs])
+        probs = np.ascontiguousarray(answer.probability, np.float32)
+        response = oip.ModelInferResponse(model_name=answer.model_name, model_version=answer.model_version,
+                                          id=request.id, raw_output_contents=[probs.tobytes()])
+        response.outputs.add(name=OUTPUT, datatype="FP32", shape=list(probs.shape))
+        for key, value in answer.parameters.items():
+            response.parameters[key].CopyFrom(_param(value))
+        return response
+
+
+def _guard(fn, method: str):
+    logger = log.get()
+    latency = RPC_LATENCY.labels("inference", method)
+
+    async def handler(request, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        try:
+            return await fn(request, context)
+        except BadInput as exc:
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except NotFound as exc:
+            code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
+        except NotReady as exc:
+            code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; logged with its trace
+            logger.exception("rpc_failed", method=method)
+            code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        finally:
+            latency.observe(time.perf_counter() - started)
+        await context.abort(code, detail[:2000])
+
+    return handler
+
+
+def add_to_server(server: grpc.aio.Server, servicer: GRPCInferenceServicer) -> None:
+    service = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(oip, method.input_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _guard(getattr(servicer, method.name), method.name),
+            request_deserializer=request_cls.FromString,
+            response_serializer=lambda msg: msg.SerializeToString(),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

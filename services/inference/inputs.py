@@ -1,0 +1,184 @@
+"""Turn the inputs of an inference request into the model's inputs: ID columns, presence mask, dense.
+
+Two ways to send samples (docs/serving.md#inference-service):
+
+* `rows`, BYTES (batch,): Criteo TSV lines as in the training data, with or
+  without the leading label column (39 or 40 tab-separated fields; a label is
+  ignored). Parsed and hashed by the training data loader's own kernels
+  (`hybridrec.criteo_parser`), so serving cannot drift from training.
+* `ids`, UINT64 or INT64 (batch, num_features): hashed IDs as the data loader
+  makes them (feature group in the top 8 bits, `hybridrec.ids`), one column per
+  bundle feature in manifest order; an ID whose low 56 bits are 0 (the
+  reserved `group << 56` of an empty field) is absent. With it, `dense`, FP32
+  (batch, num_dense): the dense features after the loader's transform
+  (log1p of max(x, 0)).
+
+Anything else is refused with `BadInput` (INVALID_ARGUMENT / 400) naming
+what is wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hybridrec.bundle import BundleManifest
+from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
+from hybridrec.criteo_parser import _OK, _parse_lines, error_text
+from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
+
+DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+          "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+          "FP32": np.float32, "FP64": np.float64}
+"""OIP datatype -> numpy dtype (BYTES is a list of bytes objects)."""
+
+
+class BadInput(ValueError):
+    """A request the model cannot answer: INVALID_ARGUMENT / HTTP 400 with this message."""
+
+
+class NotFound(LookupError):
+    """An unknown model or version: NOT_FOUND / HTTP 404."""
+
+
+class NotReady(RuntimeError):
+    """The model is still loading: UNAVAILABLE / HTTP 503 (retry)."""
+
+
+@dataclass
+class Tensor:
+    """One input tensor as a transport decoded it: numeric data as a flat numpy array, BYTES as a list."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray | list[bytes]
+
+
+@dataclass
+class Samples:
+    ids: np.ndarray  # uint64 (n, F)
+    present: np.ndarray  # bool (n, F)
+    dense: np.ndarray  # float32 (n, num_dense)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+class InputDecoder:
+    """Validates a request's tensors against one bundle's features and makes `Samples`."""
+
+    def __init__(self, manifest: BundleManifest, max_rows: int):
+        self.features = manifest.features
+        self.num_dense = manifest.num_dense
+        self.max_rows = max_rows
+        self.groups = np.array([f.group for f in self.features], np.uint64)
+        # Raw rows: the Criteo column of each feature and the group prefix of every column,
+        # as the data loader sets them up (a feature that is not a C column makes raw rows unusable).
+        self.columns: np.ndarray | None = None
+        self.row_error = ""
+        groups = list(range(NUM_SPARSE))
+        columns = []
+        for f in self.features:
+            name = f.name
+            if not (name.startswith("C") and name[1:].isdigit() and 1 <= int(name[1:]) <= NUM_SPARSE):
+                self.row_error = f"feature {name!r} is not a Criteo column (C1..C{NUM_SPARSE})"
+                break
+            groups[int(name[1:]) - 1] = f.group
+            columns.append(int(name[1:]) - 1)
+        else:
+            if self.num_dense != NUM_DENSE:
+                self.row_error = f"the model takes {self.num_dense} dense features, Criteo rows have {NUM_DENSE}"
+            else:
+                self.columns = np.asarray(columns, np.int64)
+        self.group_hi = np.array([g << GROUP_SHIFT for g in groups], np.uint64)
+
+    def input_names(self) -> str:
+        return "'rows' (BYTES), or 'ids' (UINT64/INT64) with 'dense' (FP32)"
+
+    def decode(self, tensors: Sequence[Tensor]) -> Samples:
+        by_name: dict[str, Tensor] = {}
+        for t in tensors:
+            if t.name in by_name:
+                raise BadInput(f"input {t.name!r} given twice")
+            by_name[t.name] = t
+        names = set(by_name)
+        if names == {"rows"}:
+            samples = self._rows(by_name["rows"])
+        elif names == {"ids", "dense"}:
+            samples = self._ids(by_name["ids"], by_name["dense"])
+        else:
+            extra = sorted(names - {"rows", "ids", "dense"})
+            raise BadInput(f"inputs {sorted(names)}: expected {self.input_names()}"
+                           + (f"; unknown input(s) {extra}" if extra else ""))
+        if len(samples) == 0:
+            raise BadInput("the request holds no samples (batch 0)")
+        return samples
+
+    def _check_rows(self, n: int) -> None:
+        if n > self.max_rows:
+            raise BadInput(f"{n} samples in one request; the maximum is {self.max_rows} (max_request_rows)")
+
+    def _rows(self, t: Tensor) -> Samples:
+        if t.datatype != "BYTES":
+            raise BadInput(f"input 'rows' must be BYTES, got {t.datatype}")
+        if len(t.shape) not in (1, 2) or (len(t.shape) == 2 and t.shape[1] != 1):
+            raise BadInput(f"input 'rows' must have shape [batch] or [batch, 1], got {list(t.shape)}")
+        if self.columns is None:
+            raise BadInput(f"this model cannot take raw rows: {self.row_error}; send 'ids' and 'dense'")
+        rows = t.data
+        self._check_rows(len(rows))
+        lines = []
+        for i, row in enumerate(rows):
+            try:
+                row.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadInput(f"rows[{i}] is not UTF-8: {exc.reason} at byte {exc.start}") from None
+            if b"\n" in row or b"\r" in row:
+                raise BadInput(f"rows[{i}] holds a line break: send one sample per element")
+            tabs = row.count(b"\t")
+            if tabs == NUM_FIELDS - 2:  # no label: give the kernel the one it expects (it is not used)
+                row = b"0\t" + row
+            elif tabs != NUM_FIELDS - 1:
+                raise BadInput(f"rows[{i}]: expected {NUM_FIELDS - 1} tab-separated fields (or {NUM_FIELDS} with "
+                               f"the label first), got {tabs + 1}")
+            lines.append(row)
+        buf = np.frombuffer(b"\n".join(lines) + b"\n", np.uint8)
+        n = len(lines)
+        labels = np.empty(n, np.float32)
+        dense = np.empty((n, NUM_DENSE), np.float32)
+        ids = np.empty((n, NUM_SPARSE), np.uint64)
+        present = np.empty((n, NUM_SPARSE), np.bool_)
+        _, parsed, _, _, _, code, detail = _parse_lines(buf, 0, buf.shape[0], True, self.group_hi, labels, dense,
+                                                        ids, present, 0, n, True)
+        if code != _OK:
+            raise BadInput(f"rows[{parsed}]: {error_text(lines[parsed], code, detail)}")
+        return Samples(ids[:, self.columns], present[:, self.columns], dense)
+
+    def _ids(self, ids_t: Tensor, dense_t: Tensor) -> Samples:
+        nf = len(self.features)
+        if ids_t.datatype not in ("UINT64", "INT64"):
+            raise BadInput(f"input 'ids' must be UINT64 or INT64, got {ids_t.datatype}")
+        if dense_t.datatype != "FP32":
+            raise BadInput(f"input 'dense' must be FP32, got {dense_t.datatype}")
+        if len(ids_t.shape) != 2 or ids_t.shape[1] != nf:
+            raise BadInput(f"input 'ids' must have shape [batch, {nf}] (one column per feature: "
+                           f"{', '.join(f.name for f in self.features)}), got {list(ids_t.shape)}")
+        n = ids_t.shape[0]
+        if list(dense_t.shape) != [n, self.num_dense]:
+            raise BadInput(f"input 'dense' must have shape [{n}, {self.num_dense}], got {list(dense_t.shape)}")
+        self._check_rows(n)
+        ids = np.asarray(ids_t.data).view(np.uint64).reshape(n, nf)
+        dense = np.asarray(dense_t.data, np.float32).reshape(n, self.num_dense)
+        if not np.isfinite(dense).all():
+            raise BadInput("input 'dense' holds NaN or infinity")
+        groups = ids >> np.uint64(GROUP_SHIFT)
+        wrong = groups != self.groups[None, :]
+        if wrong.any():
+            r, f = (int(x[0]) for x in np.nonzero(wrong))
+            raise BadInput(f"ids[{r}, {f}] = {int(ids[r, f])} is of feature group {int(groups[r, f])}; feature "
+                           f"{self.features[f].name} is group {int(self.groups[f])} (the top 8 bits of an ID, "
+                           "hybridrec.ids)")
+        present = (ids & np.uint64(VALUE_MASK)) != 0
+        return Samples(ids, present, dense)

@@ -1,0 +1,159 @@
+"""What the inference service serves: an immutable `LoadedModel` behind a `ModelSource`.
+
+A `LoadedModel` is one version of the model: manifest, dense module (eval mode,
+never mutated after loading) and an embedding table. The batcher captures
+`source.current()` once per micro-batch, so no response mixes two versions. A
+`StaticSource` serves one bundle for the life of the process; a source that
+follows published versions only has to swap what `current()` returns.
+
+The embedding table is anything with `async lookup(ids_by_width)`: the
+bundle's own tables in this process (`LocalTable`) or the bundle's read-only
+PS shards over gRPC (`RemotePSTable`); both answer float32 rows, zeros for IDs
+without one, so predictions are the same either way.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from hybridrec import rpc
+from hybridrec.bundle import BundleManifest, EmbeddingTable, load_dense, open_bundle
+from hybridrec.compress import ValueCodec
+from hybridrec.frames import PSLookup, PSRows
+from hybridrec.models import FeatureInfo, build_model
+from hybridrec.pooling import Pooler
+from hybridrec.sharding import split_by_shard
+
+
+class Table(Protocol):
+    async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """float32 (n, width) rows of each width's uint64 IDs; zeros for IDs without a row."""
+
+
+class LocalTable:
+    """The bundle's tables, memory-mapped in this process."""
+
+    def __init__(self, table: EmbeddingTable):
+        self.table = table
+
+    async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        return {dim: self.table.lookup(dim, ids) for dim, ids in ids_by_width.items()}
+
+    async def close(self) -> None:
+        pass
+
+
+class RemotePSTable:
+    """Read-only PS shards (`hybridrec serve embedding_ps --bundle`, or a training PS): one `PSLookup`
+    (train=False: nothing is inserted) per shard per micro-batch, in parallel, routed by `shard_of`."""
+
+    def __init__(self, addresses: list[str], *, timeout_s: float, kappa: float = 1024.0):
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self.values = ValueCodec(fp16=True, kappa=kappa)  # decodes float32 rows too
+        self.channels = [rpc.channel(a) for a in self.addresses]
+        self.calls = [rpc.raw_method(ch, "EmbeddingPS", "Lookup") for ch in self.channels]
+        self.rpcs = 0
+
+    async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        n = len(self.calls)
+        plan: list[dict[int, np.ndarray]] = [{} for _ in range(n)]  # shard -> width -> positions
+        for dim, ids in ids_by_width.items():
+            for shard, positions in enumerate(split_by_shard(ids, n)):
+                if positions.size:
+                    plan[shard][dim] = positions
+
+        async def one(shard: int) -> PSRows:
+            request = PSLookup({d: ids_by_width[d][p] for d, p in plan[shard].items()}, train=False).encode()
+            reply = await rpc.retry(lambda: self.calls[shard](request, timeout=self.timeout_s),
+                                    deadline_s=self.timeout_s)
+            return PSRows.decode(reply, self.values, {d: p.shape[0] for d, p in plan[shard].items()})
+
+        shards = [s for s in range(n) if plan[s]]
+        self.rpcs += len(shards)
+        replies = await asyncio.gather(*(one(s) for s in shards))
+        out = {dim: np.zeros((ids.shape[0], dim), np.float32) for dim, ids in ids_by_width.items()}
+        for shard, reply in zip(shards, replies):
+            for dim, positions in plan[shard].items():
+                out[dim][positions] = reply.rows[dim]
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self.channels), return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """One servable version: never mutated once built (a new version is a new LoadedModel)."""
+
+    version: int
+    step: int
+    manifest: BundleManifest
+    model: torch.nn.Module
+    table: Table
+    pooler: Pooler
+    outputs: int
+    """Logits per sample: 1 gives probability (batch,), more give (batch, outputs)."""
+
+    def forward(self, dense: np.ndarray, bags) -> np.ndarray:
+        """float32 probabilities (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in)."""
+        device = torch.device("cpu")
+        with torch.inference_mode():
+            _, pooled = self.pooler.pool(bags, device, grad=False)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
+                logits = self.model(torch.from_numpy(dense), pooled)
+            probs = torch.sigmoid(logits.float())
+        probs = probs.numpy()
+        if probs.ndim == 2 and probs.shape[1] == 1:
+            probs = probs[:, 0]
+        return probs
+
+
+class ModelSource(Protocol):
+    def current(self) -> LoadedModel:
+        """The version to answer the next micro-batch with."""
+
+
+class StaticSource:
+    """One bundle, loaded once."""
+
+    def __init__(self, model: LoadedModel):
+        self.model = model
+
+    def current(self) -> LoadedModel:
+        return self.model
+
+
+def build_dense(manifest: BundleManifest, state_dict: dict) -> torch.nn.Module:
+    model = build_model(manifest.model.path, [FeatureInfo(f.name, f.dim) for f in manifest.features],
+                        manifest.num_dense, manifest.model.kwargs)
+    model.load_state_dict(state_dict)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_model(path: str | Path, *, table: Table | None = None, check: bool = True) -> LoadedModel:
+    """A LoadedModel from bundle directory `path`; `table` replaces the bundle's own embedding tables."""
+    manifest, local = open_bundle(Path(path), check=check)
+    model = build_dense(manifest, load_dense(Path(path)))
+    pooler = Pooler(manifest.features, ValueCodec(fp16=False))
+    if table is None:
+        table = LocalTable(local)
+    elif isinstance(table, RemotePSTable) and len(table.addresses) != manifest.num_shards:
+        raise ValueError(f"--ps lists {len(table.addresses)} shard(s); the bundle {path} has "
+                         f"{manifest.num_shards}: give one address per shard, in shard order")
+    # One zero sample tells how many logits the model answers per sample.
+    bags = pooler.from_columns(np.zeros((1, len(manifest.features)), np.uint64),
+                               np.zeros((1, len(manifest.features)), bool))[1]
+    bags.rows = {d: np.zeros((0, d), np.float32) for d in pooler.dims}
+    probe = LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, 1)
+    out = probe.forward(np.zeros((1, manifest.num_dense), np.float32), bags)
+    outputs = 1 if out.ndim == 1 else int(out.shape[1])
+    return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs)

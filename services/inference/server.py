@@ -1,0 +1,60 @@
+"""`hybridrec serve inference --bundle DIR`: the inference service's process.
+
+Live at once (grpc.health.v1 "liveness", ServerLive, /v2/health/live); the
+bundle is loaded next and only then do ServerReady, ModelReady, the overall
+grpc.health.v1 status and /v2/health/ready turn ready.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from aiohttp import web
+
+from hybridrec.inference_config import InferenceConfig
+from hybridrec.service import ServiceHost
+from services.inference.batcher import Batcher
+from services.inference.core import InferenceCore
+from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
+from services.inference.model import RemotePSTable, StaticSource, load_model
+from services.inference.rest import make_app
+
+
+async def serve(settings: InferenceConfig) -> None:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    host = ServiceHost.standalone("inference", listen=f"{settings.host}:{settings.grpc_port}",
+                                  metrics_port=settings.metrics_port)
+    core = InferenceCore(settings.model_name, settings.max_request_rows)
+    add_to_server(host.server, GRPCInferenceServicer(core))
+    host.add(None, stats=core.stats)
+    await host.start()
+    runner = None
+    http_port = None
+    if settings.http_port is not None:
+        runner = web.AppRunner(make_app(core), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.http_port)
+        await site.start()
+        http_port = runner.addresses[0][1]
+    host.log.info("endpoints", grpc_port=host.port, http_port=http_port)
+
+    table = (RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
+             if settings.ps else None)
+    loop = asyncio.get_running_loop()
+    model = await loop.run_in_executor(None, lambda: load_model(settings.bundle, table=table,
+                                                                check=settings.verify_bundle))
+    batcher = Batcher(StaticSource(model), settings.batching)
+    batcher.start()
+    core.serve(batcher.source, batcher)
+    host.log.info("model_loaded", bundle=settings.bundle, version=model.version, step=model.step,
+                  embeddings="ps" if settings.ps else "local", outputs=model.outputs)
+    await host.set_serving(True)
+    try:
+        await host.run_until_stopped()
+    finally:
+        await batcher.close()
+        if table is not None:
+            await table.close()
+        if runner is not None:
+            await runner.cleanup()

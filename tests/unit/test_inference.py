@@ -1,0 +1,247 @@
+"""The inference service's pieces, in process: input decoding, pooling + forward, batching, remote PS lookups."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from hybridrec.bundle import read_manifest
+from hybridrec.inference_config import BatchingConfig, InferenceConfig, load_inference_config
+from hybridrec.config import ConfigError
+from services.inference.batcher import Batcher
+from services.inference.core import InferenceCore
+from services.inference.inputs import BadInput, InputDecoder, NotFound, Tensor
+from services.inference.model import RemotePSTable, StaticSource, load_model
+from tests.inference_util import FakePS, criteo_lines, make_bundle, random_ids, reference, tokens_for
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bundle") / "b"
+    tokens = tokens_for()
+    _, known = make_bundle(path, tokens=tokens)
+    return path, known, tokens
+
+
+def _rows_tensor(lines):
+    return Tensor("rows", "BYTES", (len(lines),), [line.encode() if isinstance(line, str) else line
+                                                    for line in lines])
+
+
+def _ids_tensors(ids, dense):
+    return [Tensor("ids", "UINT64", ids.shape, ids.reshape(-1)), Tensor("dense", "FP32", dense.shape,
+                                                                        dense.reshape(-1))]
+
+
+def _run_one(model, samples):
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig())
+        batcher.start()
+        try:
+            return await batcher.infer(samples)
+        finally:
+            await batcher.close()
+    return asyncio.run(go())
+
+
+def test_raw_rows_parse_like_the_training_reader(bundle, tmp_path):
+    from services.dataloader.criteo import read_criteo
+
+    path, known, tokens = bundle
+    decoder = InputDecoder(read_manifest(path), 4096)
+    lines = criteo_lines(tokens, 300, label=True)
+    (tmp_path / "d.tsv").write_text("\n".join(lines) + "\n")
+    chunk = next(read_criteo(tmp_path / "d.tsv", bad_lines="error"))
+    with_label = decoder.decode([_rows_tensor(lines)])
+    without = decoder.decode([_rows_tensor([line.split("\t", 1)[1] for line in lines])])
+    for samples in (with_label, without):
+        np.testing.assert_array_equal(samples.ids, chunk.ids)
+        np.testing.assert_array_equal(samples.present, chunk.present)
+        np.testing.assert_array_equal(samples.dense, chunk.dense)
+
+
+def test_predictions_equal_the_reference(bundle):
+    path, known, tokens = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    ids = random_ids(known, 257)
+    dense = np.random.default_rng(5).random((257, 13), dtype=np.float32)
+    result = _run_one(model, decoder.decode(_ids_tensors(ids, dense)))
+    assert result.version == 3
+    np.testing.assert_allclose(result.probability, reference(path, ids, dense), atol=ATOL)
+    # raw rows: the reference is fed the training reader's parse
+    lines = criteo_lines(tokens, 64)
+    samples = decoder.decode([_rows_tensor(lines)])
+    result = _run_one(model, samples)
+    np.testing.assert_allclose(result.probability, reference(path, samples.ids, samples.dense, samples.present),
+                               atol=ATOL)
+
+
+@pytest.mark.parametrize("tensors, match", [
+    ([Tensor("rows", "FP32", (1,), np.zeros(1, np.float32))], "must be BYTES"),
+    ([Tensor("rows", "BYTES", (1, 2), [b"a", b"b"])], "shape"),
+    ([Tensor("rows", "BYTES", (1,), [b"\xff\xfe" + b"\t" * 38])], "not UTF-8"),
+    ([Tensor("rows", "BYTES", (1,), [b"1\t2\t3"])], "tab-separated fields"),
+    ([Tensor("rows", "BYTES", (1,), [b"x" + b"\t" * 38])], "column I1 is not an integer"),
+    ([Tensor("rows", "BYTES", (1,), [b"2" + b"\t" * 39])], "label must be 0 or 1"),
+    ([Tensor("rows", "BYTES", (1,), [b"\t" * 20 + b"\n" + b"\t" * 18])], "line break"),
+    ([Tensor("rows", "BYTES", (2,), [b"\t" * 38, b"\t" * 13 + b"\x01" + b"\t" * 25])], r"rows\[1\].*control"),
+    ([Tensor("rows", "BYTES", (0,), [])], "no samples"),
+    ([Tensor("ids", "UINT64", (1, 26), np.zeros(26, np.uint64))], "expected"),
+    ([Tensor("ids", "FP32", (1, 26), np.zeros(26, np.float32)), Tensor("dense", "FP32", (1, 13),
+                                                                      np.zeros(13, np.float32))], "UINT64"),
+    ([Tensor("ids", "UINT64", (1, 25), np.zeros(25, np.uint64)), Tensor("dense", "FP32", (1, 13),
+                                                                       np.zeros(13, np.float32))], r"\[batch, 26\]"),
+    ([Tensor("ids", "UINT64", (1, 26), np.zeros(26, np.uint64)), Tensor("dense", "FP32", (1, 12),
+                                                                       np.zeros(12, np.float32))], r"\[1, 13\]"),
+    ([Tensor("ids", "UINT64", (1, 26), np.zeros(26, np.uint64)), Tensor("dense", "FP64", (1, 13),
+                                                                       np.zeros(13))], "must be FP32"),
+    ([Tensor("ids", "UINT64", (1, 26), np.zeros(26, np.uint64)), Tensor("dense", "FP32", (1, 13),
+                                                                       np.full(13, np.nan, np.float32))], "NaN"),
+    ([Tensor("ids", "UINT64", (1, 26), np.full(26, 5, np.uint64)), Tensor("dense", "FP32", (1, 13),
+                                                                         np.zeros(13, np.float32))], "group"),
+    ([Tensor("rows", "BYTES", (1,), [b"\t" * 38]), Tensor("extra", "FP32", (1,), np.zeros(1, np.float32))],
+     "unknown input"),
+    ([Tensor("rows", "BYTES", (1,), [b"\t" * 38]), Tensor("rows", "BYTES", (1,), [b"\t" * 38])], "twice"),
+    ([Tensor("rows", "BYTES", (5,), [b"\t" * 38] * 5)], "maximum is 4"),
+])
+def test_bad_inputs_are_named(bundle, tensors, match):
+    path, _, _ = bundle
+    decoder = InputDecoder(read_manifest(path), 4)
+    with pytest.raises(BadInput, match=match):
+        decoder.decode(tensors)
+
+
+def test_group_zero_ids_are_checked_too(bundle):
+    path, known, _ = bundle
+    decoder = InputDecoder(read_manifest(path), 10)
+    ids = random_ids(known, 2)
+    ids[1, 3] = ids[1, 4]
+    with pytest.raises(BadInput, match=r"ids\[1, 3\].*group 4.*C4 is group 3"):
+        decoder.decode(_ids_tensors(ids, np.zeros((2, 13), np.float32)))
+
+
+def test_unknown_model_and_version_are_not_found(bundle):
+    path, _, _ = bundle
+    core = InferenceCore("ctr", 10)
+    core.serve(StaticSource(load_model(path)), None)
+    with pytest.raises(NotFound, match="unknown model 'x'"):
+        core.check_model("x")
+    with pytest.raises(NotFound, match="no version '4'"):
+        core.check_model("ctr", "4")
+    assert core.check_model("ctr", "3") == 3 and core.check_model("ctr") is None
+    assert core.model_ready("ctr") and not core.model_ready("x")
+
+
+def test_dynamic_batching_merges_concurrent_requests(bundle):
+    path, known, _ = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    ids = random_ids(known, 40, seed=9)
+    dense = np.random.default_rng(9).random((40, 13), dtype=np.float32)
+    want = reference(path, ids, dense)
+
+    async def go(enabled):
+        batcher = Batcher(StaticSource(model), BatchingConfig(enabled=enabled, max_batch_rows=16, max_delay_ms=2))
+        batcher.start()
+        try:
+            results = await asyncio.gather(*(batcher.infer(decoder.decode(_ids_tensors(ids[i:i + 1],
+                                                                                       dense[i:i + 1])))
+                                             for i in range(40)))
+        finally:
+            await batcher.close()
+        return results, batcher.counters["micro_batches_total"]
+
+    results, micro = asyncio.run(go(True))
+    assert micro <= 4  # 40 one-row requests, at most 16 rows a micro-batch: 3 when all arrive together
+    assert max(r.micro_batch_rows for r in results) == 16
+    np.testing.assert_allclose(np.concatenate([r.probability for r in results]), want, atol=ATOL)
+    results, micro = asyncio.run(go(False))
+    assert micro == 40 and all(r.micro_batch_rows == 1 for r in results)
+    np.testing.assert_allclose(np.concatenate([r.probability for r in results]), want, atol=ATOL)
+
+
+def test_a_version_mismatch_inside_a_micro_batch_fails_only_that_request(bundle):
+    path, known, _ = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    samples = decoder.decode(_ids_tensors(random_ids(known, 1), np.zeros((1, 13), np.float32)))
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig())
+        batcher.start()
+        try:
+            return await asyncio.gather(batcher.infer(samples, 2), batcher.infer(samples, 3),
+                                        return_exceptions=True)
+        finally:
+            await batcher.close()
+
+    bad, good = asyncio.run(go())
+    assert isinstance(bad, NotFound) and good.version == 3
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_remote_ps_gives_the_same_predictions(bundle, fp16):
+    path, known, _ = bundle
+    shards = [FakePS(path, s, fp16=fp16) for s in range(2)]
+    try:
+        local = load_model(path)
+        decoder = InputDecoder(local.manifest, 4096)
+        ids = random_ids(known, 100, seed=11)
+        dense = np.random.default_rng(11).random((100, 13), dtype=np.float32)
+        samples = decoder.decode(_ids_tensors(ids, dense))
+
+        async def go():
+            remote = load_model(path, table=RemotePSTable([s.address for s in shards], timeout_s=5))
+            try:
+                return await _infer(remote, samples)
+            finally:
+                await remote.table.close()
+
+        async def _infer(model, samples):
+            batcher = Batcher(StaticSource(model), BatchingConfig())
+            batcher.start()
+            try:
+                return await batcher.infer(samples)
+            finally:
+                await batcher.close()
+
+        remote = asyncio.run(go())
+        want = _run_one(local, samples).probability
+        # float32 rows: identical; fp16 on the wire (a training PS's default) is lossy
+        np.testing.assert_allclose(remote.probability, want, atol=ATOL if not fp16 else 2e-3)
+        assert [s.calls for s in shards] == [1, 1] and all(s.trains == 0 for s in shards)
+    finally:
+        for s in shards:
+            s.stop()
+
+
+def test_ps_count_must_match_the_bundle(bundle):
+    path, _, _ = bundle
+    async def go():
+        table = RemotePSTable(["127.0.0.1:1"], timeout_s=1)
+        try:
+            load_model(path, table=table)
+        finally:
+            await table.close()
+
+    with pytest.raises(ValueError, match="1 shard"):
+        asyncio.run(go())
+
+
+def test_settings():
+    s = load_inference_config(None, values={"bundle": "b", "ps": ["h:1", "h:2"]},
+                              overrides=["batching.max_delay_ms=2", "grpc_port=0"])
+    assert s.ps == ["h:1", "h:2"] and s.batching.max_delay_ms == 2 and s.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="bundle"):
+        load_inference_config(None)
+    with pytest.raises(ConfigError, match="batching.max_batch_rows"):
+        load_inference_config(None, values={"bundle": "b"}, overrides=["batching.max_batch_rows=0"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_inference_config(None, values={"bundle": "b"}, overrides=["nope=1"])
+    for model in (InferenceConfig, BatchingConfig):
+        for name, field in model.model_fields.items():
+            assert field.description or name == "batching", f"{model.__name__}.{name} has no docstring"
