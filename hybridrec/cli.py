@@ -132,7 +132,7 @@ def _print_summary(summary: RunSummary) -> None:
         p = summary.publish
         rows.insert(-2, ("versions published / full / skipped / failed",
                          f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
-                         f"mean {fmt(p.mean_s, 2)} s) in {p.directory}"))
+                         f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)
@@ -149,6 +149,9 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
           bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve; "
                                                 "embedding_ps: serve shard --replica of it, read-only, without a "
                                                 "config."),
+          follow: Optional[Path] = typer.Option(None, "--follow", help="inference: a training job's versions "
+                                                "directory (publish.dir) to follow: serve the newest version, "
+                                                "swap in each new one."),
           ps: Optional[list[str]] = typer.Option(None, "--ps", help="inference: a read-only PS shard HOST:PORT to "
                                                  "look embeddings up in (repeatable, shard order)."),
           listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only PS: gRPC HOST:PORT (port 0: a "
@@ -177,6 +180,7 @@ def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_work
         try:
             settings = load_inference_config(config_path, overrides=overrides,
                                              values={"bundle": None if bundle is None else str(bundle),
+                                                     "follow": None if follow is None else str(follow),
                                                      "ps": ps or None})
         except ConfigError as exc:
             _fail(str(exc))

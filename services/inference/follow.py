@@ -9,11 +9,10 @@ it got, so no response mixes two versions, and nothing a request holds is
 ever modified (a newer version is a new object). A version that does not
 verify is skipped with a logged reason and the previous one keeps serving.
 
-Wiring (`hybridrec serve inference --follow DIR`): build `FollowSource(DIR,
-make_model=<the service's LoadedModel constructor>)`, call `start()` (it
-loads the newest version before returning, or waits for the first one), hand
-it to the server as its model source, register `stats` as the service's
-metrics, and `stop()` on shutdown.
+`hybridrec serve inference --follow DIR` (services/inference/server.py)
+builds `FollowSource(DIR, make_model=inference_model)`, starts it (waiting
+for a first version), hands it to the batcher as its model source, registers
+`stats` as metrics, and stops it on shutdown.
 """
 from __future__ import annotations
 
@@ -54,6 +53,13 @@ def build_dense(manifest: BundleManifest, state: dict[str, Any]) -> torch.nn.Mod
     module.eval()
     module.requires_grad_(False)
     return module
+
+
+def inference_model(snapshot: Snapshot, dense: torch.nn.Module) -> Any:
+    """make_model for the inference service: its LoadedModel over the version's merged table, in this process."""
+    from services.inference.model import LocalTable, assemble
+
+    return assemble(snapshot.manifest, dense, LocalTable(snapshot.table))
 
 
 def _default_make_model(snapshot: Snapshot, dense: torch.nn.Module) -> FollowedModel:
