@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrec.ids import GROUP_SHIFT
 from hybridrec.versions import Follower, list_versions, load_version, table_arrays
 from services.inference.follow import FollowSource, _default_make_model, build_dense
 from tests.conftest import HYBRIDREC, REPO, write_config
@@ -150,3 +151,117 @@ def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, 
             snapshot = load_version(root, version)
             reference[version] = _default_make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
         np.testing.assert_allclose(predict(reference[version], dense, ids), preds, rtol=0, atol=1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
+    """`hybridrec serve inference --follow` during a run publishing every 10 steps: within 2 versions and 10 s of
+    the newest; 8 gRPC clients through at least 5 swaps see no errors, and every response's probabilities equal
+    (1e-5) a forward pass, outside the service, of the version the response names."""
+    import grpc
+    import re
+    import urllib.request
+
+    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+
+    config = write_config(tmp_path / "config.yaml", small_data,
+                          training={"batch_size": 512, "epochs": 2},
+                          publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
+    run_dir = tmp_path / "run"
+    root = run_dir / "versions"
+    run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    grpc_port, http_port = _free_port(), _free_port()
+    server = subprocess.Popen(HYBRIDREC + ["serve", "inference", "--follow", str(root), "--set", "model_name=ctr",
+                                           "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
+                                           "--set", "follow_poll_s=0.2"],
+                              cwd=REPO, stdout=open(tmp_path / "inference.log", "w"), stderr=subprocess.STDOUT)
+    stop = threading.Event()
+    responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+    errors: list[str] = []
+    lag: list[tuple[int, float]] = []
+    threads: list[threading.Thread] = []
+
+    def served_version() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return int(float(re.search(r"^hybridrec_inference_served_version\{[^}]*\} (\S+)$", text, re.M)[1]))
+
+    def client(seed: int, pools: list[np.ndarray]) -> None:
+        r = np.random.default_rng(seed)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=lambda m: m.SerializeToString(),
+                                        response_deserializer=oip.ModelInferResponse.FromString)
+            while not stop.is_set():
+                ids = np.stack([r.choice(pool, size=16) for pool in pools], axis=1)  # each feature's own group
+                dense = r.standard_normal((16, 13)).astype(np.float32)
+                request = oip.ModelInferRequest(model_name="ctr")
+                for name, array, dtype in (("ids", ids, "UINT64"), ("dense", dense, "FP32")):
+                    request.inputs.add(name=name, datatype=dtype, shape=list(array.shape))
+                    request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+                try:
+                    response = infer(request, timeout=30)
+                    probs = np.frombuffer(response.raw_output_contents[0], np.float32)
+                    responses.append((int(response.model_version), ids, dense, probs))
+                except grpc.RpcError as exc:
+                    errors.append(f"{exc.code()}: {exc.details()}")
+                time.sleep(0.02)
+
+    def monitor() -> None:
+        while not stop.is_set():
+            served = served_version()
+            newer = [v for v in list_versions(root)[0] if v.version > served]
+            lag.append((len(newer), time.time() - min(v.manifest.created for v in newer) if newer else 0.0))
+            time.sleep(0.1)
+
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "inference.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        first = load_version(root, served_version())
+        keys = table_arrays(first.table, first.manifest.widths[0])[0]
+        pools = [keys[(keys >> np.uint64(GROUP_SHIFT)) == f.group] for f in first.manifest.features]
+        threads = [threading.Thread(target=client, args=(i, pools)) for i in range(8)]
+        threads.append(threading.Thread(target=monitor))
+        for t in threads:
+            t.start()
+        _, stderr = run.communicate(timeout=600)
+        time.sleep(2.0)  # the final version
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for proc in (run, server):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(20)
+    assert run.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not errors, errors[:5]
+    served = sorted({v for v, *_ in responses})
+    worst_behind, worst_age = max(b for b, _ in lag), max(a for _, a in lag)
+    print(f"inference --follow: {len(responses)} responses over versions {served}; worst lag {worst_behind} "
+          f"versions / {worst_age:.2f} s; publish {summary['publish']}")
+    assert len(served) >= 6 and served[-1] == summary["publish"]["last_version"], served  # >= 5 swaps
+    assert worst_behind <= 2 and worst_age <= 10.0, (worst_behind, worst_age)
+    reference: dict[int, object] = {}
+    for version, ids, dense, probs in responses[::max(1, len(responses) // 300)]:
+        if version not in reference:
+            snapshot = load_version(root, version)
+            reference[version] = _default_make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
+        np.testing.assert_allclose(probs, predict(reference[version], dense, ids), rtol=0, atol=1e-5)
