@@ -104,3 +104,27 @@ def test_current_before_any_version_and_load_version_errors(tmp_path):
     source.stop()
     with pytest.raises(BundleError, match="not complete"):
         load_version(tmp_path, 3)
+
+
+def test_the_inference_service_settings_and_model(tmp_path):
+    from hybridrec.config import ConfigError
+    from hybridrec.inference_config import load_inference_config
+    from services.inference.follow import inference_model
+    from services.inference.model import load_model
+
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_inference_config(None, values={})
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_inference_config(None, values={"bundle": "a", "follow": "b"})
+    with pytest.raises(ConfigError, match="ps:"):
+        load_inference_config(None, values={"follow": "b", "ps": ["127.0.0.1:1"]})
+    assert load_inference_config(None, values={"follow": "b"}).follow_poll_s == 0.5
+    rng = np.random.default_rng(3)
+    write(tmp_path, 1, rng)
+    delta = write(tmp_path, 2, rng, base=1)
+    with pytest.raises(BundleError, match="--follow"):
+        load_model(delta)
+    source = FollowSource(tmp_path, make_model=inference_model)
+    assert source.poll_once()
+    model = source.current()  # the service's LoadedModel over the merged table
+    assert model.version == 2 and model.outputs == 1 and model.table.table is source._served.table
