@@ -66,6 +66,8 @@ class InferenceConfig(_Model):
     own tables in this process. Their count must be the bundle's shard count."""
     ps_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """Deadline of one PS lookup."""
+    ps_start_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """How long start-up waits for every `ps` shard to report SERVING (they verify their bundle first)."""
     ps_kappa: Annotated[float, Field(gt=0)] = 1024.0
     """training.compression.kappa of the PS shards, for rows they send as scaled fp16 (float32 rows
     need nothing)."""

@@ -11,6 +11,7 @@ import asyncio
 import torch
 from aiohttp import web
 
+from hybridrec import rpc
 from hybridrec.inference_config import InferenceConfig
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
@@ -40,8 +41,10 @@ async def serve(settings: InferenceConfig) -> None:
         http_port = runner.addresses[0][1]
     host.log.info("endpoints", grpc_port=host.port, http_port=http_port)
 
-    table = (RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
-             if settings.ps else None)
+    table = None
+    if settings.ps:  # ready only once every shard answers: a shard still verifying its bundle is not SERVING
+        await rpc.wait_until_serving(settings.ps, timeout_s=settings.ps_start_timeout_s, what="read-only PS shards")
+        table = RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
     loop = asyncio.get_running_loop()
     follow = None
     if settings.follow is not None:  # live versions: the newest one, swapped in as they are published

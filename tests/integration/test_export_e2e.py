@@ -13,7 +13,7 @@ from hybridrec.config import load_config
 from hybridrec.evaluation import binary_metrics
 from hybridrec.models import FeatureInfo, build_model
 from services.dataloader.batching import ReadCounters, iter_rows
-from services.dataloader.server import feature_columns
+from hybridrec.criteo import feature_columns
 from hybridrec.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 
@@ -33,7 +33,7 @@ def predict(bundle, eval_files, config) -> tuple[np.ndarray, np.ndarray]:
                         manifest.num_dense, manifest.model.kwargs)
     model.load_state_dict(load_dense(bundle))
     model.eval()
-    columns, groups = feature_columns(config)
+    columns, groups = feature_columns(config.features)
     probs, labels = [], []
     for rows in iter_rows(eval_files, columns=columns, groups=groups, chunk_rows=8192, bad_lines="skip",
                           counters=ReadCounters()):

@@ -88,11 +88,12 @@ async def _check(manifest, table, addresses):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc.raw_method(channel, "EmbeddingPS", "Update")(update.encode(codec), timeout=30)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "read-only" in err.value.details()
-            for method in ("Checkpoint", "LoadCheckpoint"):
+            for method, request in (("Checkpoint", pb.CheckpointRequest(name="step-00000001", step=1)),
+                                    ("LoadCheckpoint", pb.CheckpointRequest(name="step-00000001", step=1)),
+                                    ("Publish", pb.PublishRequest(version=1, full=True))):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await rpc.control_method(channel, "EmbeddingPS", method)(
-                        pb.CheckpointRequest(directory="/tmp/x", step=1), timeout=30)
-                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    await rpc.control_method(channel, "EmbeddingPS", method)(request, timeout=30)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, method
             # still serving, and the rows did not change
             reply = await lookup(PSLookup(ids).encode(), timeout=30)
             rows = PSRows.decode(reply, codec, {d: v.shape[0] for d, v in ids.items()}).rows

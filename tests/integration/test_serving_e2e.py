@@ -1,0 +1,83 @@
+"""From training to predictions: a run, `hybridrec export`, then `hybridrec serve inference` answers the eval
+file exactly as the exported model does offline — over gRPC and REST, from its own table and from two read-only
+PS shards serving the bundle."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import numpy as np
+import pytest
+
+from hybridrec import rpc
+from hybridrec.config import load_config
+from hybridrec.launcher import free_port
+from hybridrec.synth import synthesize
+from tests.conftest import HYBRIDREC, REPO, write_config
+from tests.integration.test_export_e2e import _cli, predict
+from tests.integration.test_inference import MODEL, Server, _probs
+
+pytestmark = pytest.mark.integration
+ATOL = 1e-5
+CHUNK = 500
+
+
+def _eval_rows(path) -> list[str]:
+    """The eval file's lines without their label column: what a client sends."""
+    return [line.split("\t", 1)[1] for line in path.read_text().splitlines()]
+
+
+def _served(server: Server, rows: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Predictions for every row, over gRPC and over REST, CHUNK rows a request."""
+    grpc_out, rest_out = [], []
+    for start in range(0, len(rows), CHUNK):
+        chunk = rows[start:start + CHUNK]
+        grpc_out.append(_probs(server.infer_grpc({"rows": chunk})).reshape(-1))
+        status, body = server.post(f"/v2/models/{MODEL}/infer", {"inputs": [
+            {"name": "rows", "datatype": "BYTES", "shape": [len(chunk)], "data": chunk}]})
+        assert status == 200, body
+        rest_out.append(np.asarray(body["outputs"][0]["data"], np.float32).reshape(-1))
+    return np.concatenate(grpc_out), np.concatenate(rest_out)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serving-e2e")
+    data = tmp / "data"
+    synthesize(data, rows=20_000, eval_rows=5_000, seed=17)
+    config_path = write_config(tmp / "c.yaml", data, training={"batch_size": 1024, "staleness": 2, "prefetch": 2})
+    _cli(["run", str(config_path), "--run-dir", str(tmp / "run")])
+    _cli(["export", str(tmp / "run"), "--out", str(tmp / "bundle")])
+    offline, _ = predict(tmp / "bundle", [str(data / "eval.tsv")], load_config(config_path))
+    return tmp, tmp / "bundle", _eval_rows(data / "eval.tsv"), offline
+
+
+def test_served_predictions_equal_offline_ones_from_the_in_process_table(exported):
+    tmp, bundle, rows, offline = exported
+    server = Server(bundle, tmp / "inference.log")
+    try:
+        over_grpc, over_rest = _served(server, rows)
+    finally:
+        server.stop()
+    assert over_grpc.shape == over_rest.shape == offline.shape == (5_000,)
+    assert np.abs(over_grpc - offline).max() <= ATOL and np.abs(over_rest - offline).max() <= ATOL
+
+
+def test_served_predictions_equal_offline_ones_from_two_read_only_ps_shards(exported):
+    tmp, bundle, rows, offline = exported
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    shards = [subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--bundle", str(bundle), "--replica", str(i),
+                                            "--listen", address], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=open(tmp / f"ps-{i}.log", "w")) for i, address in enumerate(addresses)]
+    server = None
+    try:
+        asyncio.run(rpc.wait_until_serving(addresses, timeout_s=300, what="read-only PS shards"))
+        server = Server(bundle, tmp / "inference-ps.log", *sum((["--ps", a] for a in addresses), []))
+        over_grpc, over_rest = _served(server, rows)
+    finally:
+        if server is not None:
+            server.stop()
+        for p in shards:
+            p.terminate()
+            p.wait(timeout=30)
+    assert np.abs(over_grpc - offline).max() <= ATOL and np.abs(over_rest - offline).max() <= ATOL
