@@ -103,7 +103,7 @@ async def _check(manifest, table, addresses):
             stats = await rpc.control_method(channel, "EmbeddingPS", "Stats")(pb.Empty(), timeout=30)
             for dim in manifest.widths:
                 assert stats.values[f"dim{dim}_rows"] == table.shards[shard].keys[dim].shape[0]
-            assert stats.values["refused_total"] == 3 and stats.values["lookups_total"] == 3
+            assert stats.values["refused_total"] == 4 and stats.values["lookups_total"] == 3  # Update + 3 control
 
 
 def test_a_corrupt_bundle_or_a_missing_shard_exits_2_naming_the_file(tmp_path, bundle):
