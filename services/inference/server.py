@@ -11,6 +11,7 @@ import asyncio
 import torch
 from aiohttp import web
 
+from hybridrec.bundle import read_manifest
 from hybridrec.inference_config import InferenceConfig
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
@@ -23,6 +24,7 @@ from services.inference.rest import make_app
 async def serve(settings: InferenceConfig) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    read_manifest(settings.bundle)  # not a bundle: say so before binding anything
     host = ServiceHost.standalone("inference", address=f"{settings.host}:{settings.grpc_port}",
                                   bind_host=settings.host, metrics_port=settings.metrics_port)
     core = InferenceCore(settings.model_name, settings.max_request_rows)
@@ -42,8 +44,16 @@ async def serve(settings: InferenceConfig) -> None:
     table = (RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
              if settings.ps else None)
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(None, lambda: load_model(settings.bundle, table=table,
-                                                                check=settings.verify_bundle))
+    try:
+        model = await loop.run_in_executor(None, lambda: load_model(settings.bundle, table=table,
+                                                                    check=settings.verify_bundle))
+    except BaseException:
+        if table is not None:
+            await table.close()
+        if runner is not None:
+            await runner.cleanup()
+        await host.server.stop(grace=None)
+        raise
     batcher = Batcher(StaticSource(model), settings.batching)
     batcher.start()
     core.serve(batcher.source, batcher)
