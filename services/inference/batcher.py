@@ -9,9 +9,9 @@ on the loop's thread: the hand-over would cost more than its forward pass).
 
 Waiting: a request arriving at an idle server is answered at once. Only when
 requests are arriving concurrently (the previous micro-batch merged several,
-or the moving average of the gap between arrivals is below `max_delay_ms`)
-does a micro-batch wait up to `max_delay_ms` for more, so sequential callers
-pay no delay and concurrent ones get larger batches. With
+or most recent requests arrived while another was in flight) does a
+micro-batch wait up to `max_delay_ms` for more, so sequential callers pay no
+delay and concurrent ones get larger batches. With
 batching off every request is its own micro-batch, through the same code.
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.counters = {"requests_total": 0, "rows_total": 0, "micro_batches_total": 0, "failed_requests_total": 0}
         self._concurrent = False  # did the last micro-batch merge several requests?
-        self._last_arrival = 0.0
-        self._gap = float("inf")  # moving average of the time between two requests' arrivals
+        self.in_flight = 0  # requests given to infer() and not yet answered
+        self._overlap = 0.0  # moving average of "another request was in flight when this one arrived"
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._loop())
@@ -68,14 +68,15 @@ class Batcher:
 
     async def infer(self, samples: Samples, version: int | None = None) -> Result:
         pending = Pending(samples, version)
-        now = time.monotonic()
-        self._gap = min(now - self._last_arrival, 1.0) if self._gap == float("inf") else (
-            0.8 * self._gap + 0.2 * min(now - self._last_arrival, 1.0))
-        self._last_arrival = now
+        self._overlap = 0.8 * self._overlap + 0.2 * (self.in_flight > 0)
         self.counters["requests_total"] += 1
         self.counters["rows_total"] += len(samples)
-        await self.queue.put(pending)
-        return await pending.future
+        self.in_flight += 1
+        try:
+            await self.queue.put(pending)
+            return await pending.future
+        finally:
+            self.in_flight -= 1
 
     async def _take(self) -> list[Pending]:
         first = await self.queue.get()
@@ -83,8 +84,9 @@ class Batcher:
         if not self.enabled:
             return batch
         # Wait for company only when requests are arriving concurrently: the last micro-batch merged
-        # several, or they arrive closer together than max_delay.
-        waiting = self._concurrent or self._gap < self.max_delay_s
+        # several, or requests mostly arrive while others are in flight (a sequential caller never
+        # has another request in flight, so it never waits).
+        waiting = self._concurrent or self._overlap > 0.5
         deadline = time.monotonic() + self.max_delay_s if waiting else 0.0
         while rows < self.max_rows:
             if self.queue.empty():
