@@ -69,6 +69,11 @@ class BundleManifest(BaseModel):
     """Layout version; a reader refuses another."""
     version: int = 0
     """Model version: 0 for an export, increasing for versions a training job publishes."""
+    base_version: int | None = None
+    """None: the embedding tables hold every row (an export, or a full snapshot a training job published).
+    Otherwise this is a delta: the tables hold only the rows changed since version `base_version` of the same
+    versions directory, which a reader merges onto that version's table (hybridrec/versions.py). The dense
+    weights are always complete."""
     step: int = 0
     """Training steps (per NN worker) behind the weights."""
     features: list[FeatureConfig]
@@ -82,7 +87,7 @@ class BundleManifest(BaseModel):
     num_shards: int
     """Embedding shards (as the PS had)."""
     rows: dict[int, int] = Field(default_factory=dict)
-    """Embedding rows per width, all shards together."""
+    """Embedding rows per width, all shards together (a delta: the changed rows it holds)."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every other file of the bundle, by path relative to it."""
     created: float = Field(default_factory=time.time)
@@ -113,6 +118,9 @@ def _sha256(path: Path) -> str:
 
 def _entry(path: Path) -> FileEntry:
     return FileEntry(bytes=path.stat().st_size, sha256=_sha256(path))
+
+
+file_entry = _entry  # the size and sha256 of a file, as a manifest lists it
 
 
 # -- writing ----------------------------------------------------------------------------------

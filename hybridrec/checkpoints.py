@@ -18,6 +18,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybridrec.files import write_json_atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -43,6 +45,38 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
+def resolve_under(root: str | Path | None, name: str) -> Path:
+    """`root/name` for a checkpoint named over the network, refused unless it stays inside `root`.
+
+    A PS is told which checkpoint to write or load by name only: an empty or
+    absolute name, a `..` segment, or a symlink that leads out of the root is
+    a PermissionError (PERMISSION_DENIED to the caller), so no peer can make a
+    service write or read files outside its configured checkpoint root.
+    """
+    if root is None:
+        raise PermissionError("this service has no checkpoint root (checkpoint.dir is not set)")
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts or "\0" in name:
+        raise PermissionError(f"checkpoint name {name!r} must be a relative path inside the checkpoint root")
+    real_root = Path(root).resolve()
+    target = (real_root / name).resolve()
+    if target != real_root and real_root not in target.parents:
+        raise PermissionError(f"checkpoint name {name!r} leads outside the checkpoint root")
+    return target
+
+
+def check_root(root: str | Path | None) -> None:
+    """At start-up: the checkpoint root exists (created if missing) and is writable, else ValueError naming it."""
+    if root is None:
+        return
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"checkpoint.dir: cannot create {path}: {exc.strerror}") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint.dir: {path} is not a writable directory")
+
+
 def latest(root: str | Path | None) -> tuple[Path, JobManifest] | None:
     """The newest complete checkpoint under `root`, or None. A malformed manifest is an error, not skipped."""
     if root is None or not Path(root).is_dir():
@@ -52,6 +86,19 @@ def latest(root: str | Path | None) -> tuple[Path, JobManifest] | None:
         if (path / MANIFEST).is_file():
             return path, read_manifest(path)
     return None
+
+
+def resume_from(checkpoint_config) -> tuple[Path, JobManifest] | None:
+    """The checkpoint a (re)started job resumes from, the same for NN workers and data loader.
+
+    Only with interval checkpoints on (`interval_steps` and `resume`): a final
+    checkpoint alone is for `hybridrec export`, so a job re-run into the same
+    directory without an interval starts from the beginning in every service.
+    """
+    c = checkpoint_config
+    if not (c.dir and c.interval_steps and c.resume):
+        return None
+    return latest(c.dir)
 
 
 def read_manifest(path: Path) -> JobManifest:
@@ -69,12 +116,7 @@ def read_manifest(path: Path) -> JobManifest:
 
 def write_manifest(path: Path, manifest: JobManifest) -> None:
     """Make `path` a complete checkpoint: the manifest goes last, through a temporary file and a rename."""
-    tmp = path / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(asdict(manifest), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
+    write_json_atomic(path / MANIFEST, asdict(manifest), fsync=True)
 
 
 def prune(root: str | Path, keep: int) -> None:

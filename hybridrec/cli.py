@@ -1,8 +1,12 @@
-"""The `hybridrec` command: run, serve, data, health, checkpoint.
+"""The `hybridrec` command: run, serve, data, health, checkpoint, export.
 
 User mistakes (bad config key, missing data file, model path that does not
 import) print one clear message and exit with code 2 — no traceback wall.
 A failed run exits 1, Ctrl-C exits 130.
+
+Commands that belong to a service (`serve`, `plan`, `checkpoint inspect`) reach
+its code only through `service_module`, by name at run time: the shared package
+never imports `services/` (tests/unit/test_layering.py checks it).
 """
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import typer
 
-from hybridrec.config import Config, ConfigError, load_config
+from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
 from hybridrec.summary import RunSummary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -37,6 +42,17 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
+def service_module(service: str, module: str) -> ModuleType:
+    """`services.<service>.<module>`, imported by name: the CLI's one plugin point into the services.
+
+    Services depend on the shared package, never the other way round; a command
+    that runs a service's code (`serve`, `plan`, `checkpoint inspect`) looks the
+    module up here, when it runs, instead of importing it at the top of a module
+    of hybridrec/.
+    """
+    return importlib.import_module(f"services.{service}.{module}")
+
+
 def _load(path: Path, overrides: Optional[list[str]]) -> Config:
     try:
         return load_config(path, overrides or [])
@@ -46,15 +62,15 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
 
 def preflight(config: Config) -> None:
     """Check what a run needs before starting any process: data files, the model, the feature columns."""
+    from hybridrec.criteo import feature_columns
     from hybridrec.models import FeatureInfo, ModelImportError, build_model
-    from services.dataloader.server import feature_columns
 
     for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"{key}: data file not found: {path}")
     try:
-        feature_columns(config)
+        feature_columns(config.features)
         build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
                     config.model.kwargs)
     except (ModelImportError, ValueError) as exc:
@@ -97,15 +113,26 @@ def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hybridrec.report import fmt_duration, fmt_int, fmt_rate, fmt_sig
+
     table = Table(title="hybridrec run", show_header=False)
-    fmt = lambda v, p=4: "n/a" if v is None else (f"{v:,.{p}f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
-    rows = [("mode", summary.mode), ("steps", fmt(summary.steps)), ("samples", fmt(summary.samples)),
-            ("wall time", f"{summary.wall_s:.1f} s"), ("train samples/s", fmt(summary.samples_per_sec, 0)),
-            ("eval AUC", fmt(summary.auc)), ("oracle AUC", fmt(summary.oracle_auc)),
-            ("eval logloss", fmt(summary.logloss)),
+    phases = summary.phases
+    start_up = phases.first_step if phases else None
+    rows = [("mode", summary.mode), ("steps (per NN worker)", fmt_int(summary.steps)),
+            ("samples (all NN workers)", fmt_int(summary.samples)),
+            ("train samples/s", fmt_rate(summary.samples_per_sec)),
+            ("training time", fmt_duration(summary.train_wall_s)),
+            ("wall time (start-up)", f"{fmt_duration(summary.wall_s)} ({fmt_duration(start_up)})"),
+            ("eval AUC", fmt_sig(summary.auc)), ("oracle AUC", fmt_sig(summary.oracle_auc)),
+            ("eval logloss", fmt_sig(summary.logloss)),
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]
+    if summary.publish is not None:
+        p = summary.publish
+        rows.insert(-2, ("versions published / full / skipped / failed",
+                         f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
+                         f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)
@@ -114,45 +141,76 @@ def _print_summary(summary: RunSummary) -> None:
 @app.command()
 def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader | "
                                         "inference"),
-          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file (the job's; for "
-                                                     "inference: its settings, optional)."),
+          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file: the job's (for "
+                                                     "inference: its settings, optional; not with a read-only PS)."),
           replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
                                                 "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
-          bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve."),
+          overrides: Optional[list[str]] = SetOption,
+          bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve; "
+                                                "embedding_ps: serve shard --replica of it, read-only, without a "
+                                                "config."),
+          follow: Optional[Path] = typer.Option(None, "--follow", help="inference: a training job's versions "
+                                                "directory (publish.dir) to follow: serve the newest version, "
+                                                "swap in each new one."),
           ps: Optional[list[str]] = typer.Option(None, "--ps", help="inference: a read-only PS shard HOST:PORT to "
                                                  "look embeddings up in (repeatable, shard order)."),
-          overrides: Optional[list[str]] = SetOption):
+          listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only PS: gRPC HOST:PORT (port 0: a "
+                                     "free one, logged as 'listening')."),
+          metrics_port: int = typer.Option(0, "--metrics-port", help="Read-only PS: Prometheus port (0: none)."),
+          fp16: bool = typer.Option(False, "--fp16", help="Read-only PS: send rows kappa-scaled fp16 (default "
+                                    "float32)."),
+          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="Read-only PS: mutual TLS, given three "
+                                                   "times: --tls CA --tls CERT --tls KEY (PEM files).")):
     """Run one service in this process (what a container runs)."""
     import uvloop
+    from pydantic import ValidationError
 
     from hybridrec.bundle import BundleError
     from hybridrec.service import SERVICES, STANDALONE_SERVICES, default_replica
 
     if service not in SERVICES and service not in STANDALONE_SERVICES:
         _fail(f"unknown service {service!r}; expected one of {', '.join([*SERVICES, *STANDALONE_SERVICES])}")
+    try:
+        replica = default_replica() if replica is None else replica
+    except ValueError as exc:
+        _fail(str(exc))
     if service in STANDALONE_SERVICES:
         from hybridrec.inference_config import load_inference_config
 
         try:
             settings = load_inference_config(config_path, overrides=overrides,
                                              values={"bundle": None if bundle is None else str(bundle),
+                                                     "follow": None if follow is None else str(follow),
                                                      "ps": ps or None})
         except ConfigError as exc:
             _fail(str(exc))
-        main = lambda module: module.serve(settings)  # noqa: E731
+        main = service_module(service, "server").serve(settings)
+    elif bundle is not None:
+        if service != "embedding_ps":
+            _fail(f"--bundle serves embedding_ps shards read-only (or inference); {service} takes --config")
+        if config_path is not None or overrides:
+            _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
+        module = service_module("embedding_ps", "readonly")
+        try:
+            if tls and len(tls) != 3:
+                _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
+            settings = module.ReadOnlyPSSettings(
+                bundle=bundle, replica=replica, listen=listen, metrics_port=metrics_port, fp16=fp16,
+                tls=dict(zip(("ca", "cert", "key"), map(str, tls))) if tls else None)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")
+        main = module.serve(settings)
     else:
         if config_path is None:
-            _fail(f"serve {service}: --config is required")
+            _fail("give --config CONFIG (or, for a read-only embedding_ps, --bundle BUNDLE)")
         config = _load(config_path, overrides)
-        try:
-            replica = default_replica() if replica is None else replica
-        except ValueError as exc:
-            _fail(str(exc))
-        main = lambda module: module.serve(config, replica)  # noqa: E731
-    module = importlib.import_module(f"services.{service}.server")
+        main = service_module(service, "server").serve(config, replica)
+    # a bad bundle (BundleError, a ValueError) is the user's input too: exit 2 naming the file
+    usage_errors = (ConfigError, FileNotFoundError, BundleError) + ((ValueError,) if bundle is not None else ())
     try:
-        uvloop.run(main(module))
-    except (ConfigError, FileNotFoundError, BundleError) as exc:
+        uvloop.run(main)
+    except usage_errors as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
@@ -183,7 +241,7 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                seed: int = typer.Option(0, "--seed"),
                gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files.")):
     """Write Criteo-format train/eval files drawn from a planted model, and its oracle AUC."""
-    from services.dataloader.synth import synthesize
+    from hybridrec.synth import synthesize
 
     started = time.monotonic()
     summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
@@ -193,12 +251,45 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint directory.")):
     """Print a checkpoint's manifests."""
-    from services.embedding_ps.checkpoint import inspect_checkpoint
-
+    checkpoint = service_module("embedding_ps", "checkpoint")
     try:
-        typer.echo(json.dumps(inspect_checkpoint(directory), indent=2))
+        typer.echo(json.dumps(checkpoint.inspect_checkpoint(directory), indent=2))
     except (OSError, ValueError) as exc:
         _fail(str(exc))
+
+
+@app.command()
+def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
+                                                   help="A finished run directory (its newest complete checkpoint) "
+                                                        "or a checkpoint directory."),
+           out: Optional[Path] = typer.Option(None, "--out", help="Bundle directory to create (must not exist)."),
+           inspect: Optional[Path] = typer.Option(None, "--inspect", metavar="BUNDLE",
+                                                  help="Verify BUNDLE and print its manifest as JSON instead.")):
+    """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
+    from hybridrec.bundle import BundleError, read_manifest, verify
+
+    if inspect is not None:
+        if source is not None or out is not None:
+            _fail("--inspect BUNDLE takes no SOURCE or --out")
+        try:
+            manifest = read_manifest(inspect)
+            verify(inspect, manifest)
+        except BundleError as exc:
+            _fail(str(exc))
+        typer.echo(json.dumps(manifest.model_dump(mode="json"), indent=2))
+        return
+    if source is None or out is None:
+        _fail("give SOURCE and --out BUNDLE (or --inspect BUNDLE)")
+    exporter = service_module("embedding_ps", "export")
+    started = time.monotonic()
+    try:
+        checkpoint, manifest = exporter.export(source, out)
+    except (exporter.ExportError, BundleError) as exc:
+        _fail(str(exc))
+    size = sum(entry.bytes for entry in manifest.files.values())
+    rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
+    typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "
+               f"{manifest.num_shards} shard(s), rows {rows or 'none'}, {size / 2**20:.1f} MiB")
 
 
 @app.command()
@@ -206,23 +297,23 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
          dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
-         optimizer: str = typer.Option("adagrad", "--optimizer", help="sgd | adagrad | adam | ftrl"),
+         optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
+                                       help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
          shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Memory per PS shard and in total, index overhead included."""
-    from hybridrec.plan import Table, human, plan_config, plan_tables
-
+    planner = service_module("embedding_ps", "plan")
     if dtype != "float32":
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
     try:
         if config_path is not None:
-            result = plan_config(_load(config_path, None))
+            result = planner.plan_config(_load(config_path, None))
         else:
             if (ids is None) == (params is None):
                 _fail("give --ids or --params (or --config)")
             rows = int(ids if ids is not None else params / dim)
-            result = plan_tables([Table(rows, dim)], optimizer=optimizer, shards=shards)
+            result = planner.plan_tables([planner.Table(rows, dim)], optimizer=optimizer, shards=shards)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
@@ -231,8 +322,9 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
     typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
-        typer.echo(f"  {name:<8} {human(nbytes):>14} per shard")
-    typer.echo(f"per shard: {human(result['per_shard_bytes'])}   total: {human(result['total_bytes'])}")
+        typer.echo(f"  {name:<8} {planner.human(nbytes):>14} per shard")
+    typer.echo(f"per shard: {planner.human(result['per_shard_bytes'])}   "
+               f"total: {planner.human(result['total_bytes'])}")
 
 
 def main() -> None:

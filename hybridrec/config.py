@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hybridrec.criteo import NUM_DENSE, SPARSE_COLUMNS
 from hybridrec.ids import MAX_GROUPS
 
 
@@ -29,7 +30,9 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # use_attribute_docstrings: the string under each field becomes its description (tests/unit/test_config.py
+    # fails on a field without one), so the docs of every key live next to it, in one place.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class Pooling(str, enum.Enum):
@@ -53,36 +56,79 @@ class FeatureConfig(_Model):
 
 def criteo_features(dim: int = 16) -> list[FeatureConfig]:
     """The 26 Criteo categorical columns, one group each."""
-    return [FeatureConfig(name=f"C{i + 1}", group=i, dim=dim) for i in range(26)]
+    return [FeatureConfig(name=name, group=i, dim=dim) for i, name in enumerate(SPARSE_COLUMNS)]
 
 
 class ModelConfig(_Model):
+    """The dense model every NN worker trains."""
+
     path: str = "hybridrec.models:DNN"
     """Import path `package.module:Class` of an nn.Module taking (dense, embeddings)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the module besides the feature description."""
 
 
+class EmbeddingOptimizer(str, enum.Enum):
+    """The optimizers of embedding rows: the one list of their names (config, PS kernels, planner and CLI)."""
+
+    SGD = "sgd"  # w -= lr * g; no state
+    ADAGRAD = "adagrad"  # torch.optim.Adagrad (lr_decay=0); state: sum of squared gradients
+    ADAM = "adam"  # torch.optim.Adam (L2 weight decay, not AdamW); state: m, v and a per-row step
+    FTRL = "ftrl"  # FTRL-proximal as TensorFlow's ApplyFtrl; state: accumulator, linear
+
+    def __str__(self) -> str:  # the name alone in messages and f-strings, not "EmbeddingOptimizer.SGD"
+        return self.value
+
+
 class EmbeddingOptimizerConfig(_Model):
-    name: Literal["sgd", "adagrad", "adam", "ftrl"] = "adagrad"
+    """What the embedding PS applies to embedding rows.
+
+    The PS stores take this model as it is (services/embedding_ps/optimizers.py
+    holds the arithmetic), so a key added here reaches every shard unchanged.
+    """
+
+    name: EmbeddingOptimizer = EmbeddingOptimizer.ADAGRAD
+    """Optimizer; Adam keeps a per-row step counter (rows are updated sparsely)."""
     lr: Annotated[float, Field(gt=0)] = 0.05
+    """Learning rate."""
     eps: Annotated[float, Field(ge=0)] = 1e-10
+    """Adagrad's epsilon (torch default 1e-10)."""
     initial_accumulator_value: Annotated[float, Field(ge=0)] = 0.0
+    """Initial Adagrad sum / FTRL accumulator of a new row."""
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    """Adam first-moment decay."""
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
+    """Adam second-moment decay."""
     adam_eps: Annotated[float, Field(gt=0)] = 1e-8
+    """Adam's epsilon."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """L2 penalty added to the gradient (torch semantics: g += weight_decay * w)."""
+    lr_power: Annotated[float, Field(le=0)] = -0.5
+    """FTRL learning-rate power (TensorFlow default -0.5)."""
+    l1: Annotated[float, Field(ge=0)] = 0.0
+    """FTRL L1 regularisation strength (drives weights to exactly 0)."""
+    l2: Annotated[float, Field(ge=0)] = 0.0
+    """FTRL L2 regularisation strength."""
 
 
 class DenseOptimizerConfig(_Model):
+    """The torch.optim optimizer of the dense model (on the NN workers)."""
+
     name: Literal["sgd", "adam", "adagrad"] = "adam"
+    """torch.optim.SGD, Adam or Adagrad."""
     lr: Annotated[float, Field(gt=0)] = 1e-3
+    """Learning rate."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """torch's weight_decay (L2 penalty added to the gradient)."""
 
 
 class OptimizerConfig(_Model):
+    """Optimizers of the two halves of the model."""
+
     embedding: EmbeddingOptimizerConfig = Field(default_factory=EmbeddingOptimizerConfig)
+    """Applied by the embedding PS to the rows it stores."""
     dense: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig)
+    """Applied by every NN worker to its dense replica after the AllReduce."""
 
 
 class Mode(str, enum.Enum):
@@ -93,6 +139,8 @@ class Mode(str, enum.Enum):
 
 
 class CompressionConfig(_Model):
+    """How embeddings, gradients and IDs travel between services."""
+
     fp16: bool = True
     """Send embeddings and gradients as fp16 after scaling each vector by kappa/||v|| (hybridrec/compress.py)."""
     kappa: Annotated[float, Field(gt=0, le=60000)] = 1024.0
@@ -102,10 +150,14 @@ class CompressionConfig(_Model):
 
 
 class TrainingConfig(_Model):
+    """How the NN workers train."""
+
     mode: Mode = Mode.HYBRID
+    """hybrid (default), sync, async or shadow: see `Mode`."""
     batch_size: Annotated[int, Field(gt=0, le=65535)] = 4096
     """Samples per NN-worker step (≤ 65535 so positions fit uint16)."""
     epochs: Annotated[int, Field(gt=0)] = 1
+    """Passes over data.train."""
     max_steps: Annotated[int, Field(gt=0)] | None = None
     """Stop after this many steps per NN worker (None: run the epochs)."""
     staleness: Annotated[int, Field(ge=0, le=1024)] = 4
@@ -122,17 +174,24 @@ class TrainingConfig(_Model):
     sync_interval: Annotated[int, Field(ge=1)] = 16
     """async mode: average dense replicas every this many steps."""
     shadow_algorithm: Literal["easgd", "ma", "bmuf"] = "ma"
+    """shadow mode: how the background thread merges replicas (elastic averaging, model averaging, BMUF)."""
     shadow_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
     """ShadowSync elastic parameter."""
     shadow_interval_s: Annotated[float, Field(gt=0)] = 0.2
+    """shadow mode: seconds between two background synchronisations."""
     eval_batch_size: Annotated[int, Field(gt=0, le=65535)] = 8192
+    """Samples per evaluation batch (≤ 65535 so positions fit uint16)."""
     seed: int = 0
+    """Seed of the dense model's initialisation and of the PS's row initialisation and admission draws."""
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    """Wire format of embeddings, gradients and IDs."""
     log_every_s: Annotated[float, Field(gt=0)] = 5.0
+    """Seconds between two progress log lines of an NN worker."""
 
 
 class DataConfig(_Model):
-    source: Literal["criteo"] = "criteo"
+    """The dataset: Criteo-format files."""
+
     train: list[str] = Field(min_length=1)
     """Training files (Criteo TSV, optionally .gz)."""
     eval: list[str] = Field(default_factory=list)
@@ -142,22 +201,33 @@ class DataConfig(_Model):
     bad_lines: Literal["skip", "error"] = "skip"
     """Malformed lines: skip and count them, or stop with file:line."""
     chunk_rows: Annotated[int, Field(gt=0)] = 65536
+    """Rows the data loader parses per chunk."""
 
 
 class InitConfig(_Model):
+    """How the PS initialises a row it has not seen before (deterministic in training.seed and the ID)."""
+
     distribution: Literal["uniform", "normal"] = "uniform"
+    """uniform(-scale, scale) or normal(0, scale)."""
     scale: Annotated[float, Field(ge=0)] = 0.01
+    """Half-width (uniform) or standard deviation (normal) of a new row."""
 
 
 class PSConfig(_Model):
+    """The embedding parameter server: one store per embedding width on every shard."""
+
     capacity: Annotated[int, Field(gt=0)] = 2_000_000
     """Rows per shard per embedding width; the least recently used row is evicted beyond it."""
     shm_dir: str = "/dev/shm/hybridrec"
     """Directory of the store's mmap'd files; a restarted PS re-attaches to it."""
     num_stripes: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Independently locked parts of each store (parallelism across request threads)."""
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Chance that a training lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
     weight_bound: Annotated[float, Field(gt=0)] | None = None
+    """Clip embedding weights to [-bound, bound] after each update (None: no clipping)."""
     init: InitConfig = Field(default_factory=InitConfig)
+    """Initialisation of new rows."""
     threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Request threads running the store's kernels."""
     keep_shm: bool = False
@@ -181,16 +251,26 @@ class ClusterConfig(_Model):
     """Where every replica listens. `hybridrec run` fills these in with free loopback ports."""
 
     ps: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
+    """HOST:PORT of every embedding PS shard (shard i is the i-th)."""
     embedding_workers: list[str] = Field(default_factory=lambda: ["127.0.0.1:0"])
+    """HOST:PORT of every embedding worker (at most 255)."""
     nn_workers: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
+    """HOST:PORT of every NN worker (rank i is the i-th)."""
     dataloader: list[str] = Field(default_factory=lambda: ["127.0.0.1:0"])
+    """HOST:PORT of the data loader (exactly one)."""
     rendezvous: str = "127.0.0.1:0"
     """torch.distributed MASTER_ADDR:MASTER_PORT (rank 0's host)."""
     metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 0
     """Prometheus HTTP port of each service (0: a free port under `hybridrec run`)."""
     bind_host: str = "0.0.0.0"
+    """Address every gRPC server binds (the port comes from the service's own entry above)."""
     tls: TLSConfig | None = None
     """Mutual TLS on every channel (None: plaintext, for a trusted network)."""
+    control_identities: list[str] | None = None
+    """With TLS: certificate identities (subject common name or a subject alternative name) allowed to call
+    control methods (PS Checkpoint, LoadCheckpoint, Publish), e.g. the NN workers' and the launcher's;
+    everyone else gets PERMISSION_DENIED. Data-plane methods stay open to any certificate the CA signed.
+    None: any peer (the only choice without TLS)."""
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """Deadline of one data-plane RPC."""
     retry_s: Annotated[float, Field(gt=0)] = 120.0
@@ -198,6 +278,7 @@ class ClusterConfig(_Model):
     max_restarts: Annotated[int, Field(ge=0)] = 3
     """`hybridrec run`: how often a crashed PS or embedding worker is restarted in place."""
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """How long a service waits for the peers it depends on to report SERVING."""
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -212,36 +293,85 @@ class ClusterConfig(_Model):
         if len(self.embedding_workers) > 255:
             raise ValueError("cluster.embedding_workers: at most 255 embedding workers")
         _split_address(self.rendezvous, "cluster.rendezvous")
+        if self.control_identities is not None and self.tls is None:
+            raise ValueError("cluster.control_identities: authorising callers needs cluster.tls (mutual TLS "
+                             "identifies them)")
         return self
 
 
 class CheckpointConfig(_Model):
+    """Synchronised checkpoints of the whole job (dense model, PS rows, data position)."""
+
     dir: str | None = None
-    """Where synchronised job checkpoints go (`hybridrec run`: <run dir>/checkpoints when an interval is set)."""
+    """Where synchronised job checkpoints go (`hybridrec run`: <run dir>/checkpoints unless set). None: none at all."""
     interval_steps: Annotated[int, Field(gt=0)] | None = None
     """Checkpoint every this many steps per NN worker (None: no checkpoints)."""
     keep: Annotated[int, Field(ge=1)] = 2
     """Newest checkpoints kept."""
     resume: bool = True
-    """Start from the newest complete checkpoint in `dir` when there is one."""
+    """Start from the newest complete checkpoint in `dir` when there is one (interval checkpoints on only)."""
+    final: bool = True
+    """Write a final checkpoint when training ends (every update applied, before evaluation), whenever `dir`
+    is set, with or without an interval: what `hybridrec export` turns into a model bundle."""
+
+
+class PublishConfig(_Model):
+    """Live model versions: a training job publishes its model into a directory that inference services follow
+    (docs/serving.md#live-versions)."""
+
+    dir: str | None = None
+    """Where versions go, one `v00000012/` bundle directory each (None: `hybridrec run` uses <run dir>/versions
+    when an interval is set). Every PS shard and NN worker rank 0 must see the same directory."""
+    interval_steps: Annotated[int, Field(gt=0)] | None = None
+    """Publish every this many training steps of NN worker rank 0 (None: no step trigger)."""
+    interval_s: Annotated[float, Field(gt=0)] | None = None
+    """Publish when this many seconds have passed since the last publish began (None: no time trigger)."""
+    keep: Annotated[int, Field(ge=1)] = 3
+    """Newest versions kept besides the newest full snapshot and the deltas after it (with what each needs)."""
+    full_every: Annotated[int, Field(ge=1)] = 10
+    """Every this many versions is a full snapshot; the others are deltas of the rows changed since the previous
+    version. 1: every version is full."""
+    at_end: bool = True
+    """Publish one last version when training ends: after the final checkpoint when there is one (then every
+    rank's updates are applied and the version equals that checkpoint), else after rank 0's pushes are acknowledged."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.interval_steps or self.interval_s)
 
 
 class OutputConfig(_Model):
+    """Where the results go."""
+
     dir: str = "runs/latest"
     """Where NN worker rank 0 writes summary.json and predictions."""
 
 
 class Config(_Model):
+    """The whole job: every process loads the same file."""
+
     features: list[FeatureConfig] = Field(default_factory=criteo_features)
-    num_dense: Annotated[int, Field(ge=0)] = 13
+    """ID-type features (default: the 26 Criteo categorical columns, width 16)."""
+    num_dense: Annotated[int, Field(ge=0)] = NUM_DENSE
+    """Dense (float) features per sample (13 in Criteo)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The dense model."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Embedding and dense optimizers."""
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """Mode, batch size, staleness and the rest of the training loop."""
     data: DataConfig
+    """Training and evaluation files (required)."""
     ps: PSConfig = Field(default_factory=PSConfig)
+    """The embedding parameter server."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Addresses, TLS and timeouts."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Job checkpoints."""
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    """Live model versions for inference services to follow."""
     output: OutputConfig = Field(default_factory=OutputConfig)
+    """Results."""
 
     @model_validator(mode="after")
     def _check_features(self) -> "Config":
@@ -252,6 +382,12 @@ class Config(_Model):
         for f in self.features:
             if dims.setdefault(f.group, f.dim) != f.dim:
                 raise ValueError(f"features: group {f.group} is used with widths {dims[f.group]} and {f.dim}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_publish(self) -> "Config":
+        if self.publish.dir is not None and not self.publish.dir.strip():
+            raise ValueError("publish.dir: an empty path; leave it unset for <run dir>/versions")
         return self
 
     @property

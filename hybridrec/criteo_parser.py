@@ -29,13 +29,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-# numba's cache does not track hybridrec.ids either: after changing the ID
-# layout there, delete __pycache__/criteo_parser.*.nbi and .nbc.
+# numba's cache does not track hybridrec.ids or hybridrec.criteo either: after
+# changing the ID layout or the column counts there, delete
+# __pycache__/criteo_parser.*.nbi and .nbc.
 HASH_MASK = VALUE_MASK
 
 _TAB, _NL, _CR = 9, 10, 13

@@ -1,4 +1,4 @@
-"""Small file helpers shared by the services and the launcher."""
+"""Files other processes read while they are being replaced: written whole or not at all."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,20 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one (tmp + rename)."""
+def write_json_atomic(path: str | Path, data: Any, *, fsync: bool = False) -> None:
+    """Write `data` as indented JSON to `path` through a temporary file and a rename.
+
+    Readers (a dashboard polling services.json, a resuming job reading a
+    checkpoint manifest) see the old file or the new one, never half of one.
+    With `fsync` the bytes reach the disk before the rename, so a crash cannot
+    leave a renamed but empty file: what marks a checkpoint complete needs it.
+    The parent directory must exist.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -41,8 +41,15 @@ class BatchingConfig(_Model):
 class InferenceConfig(_Model):
     """How `hybridrec serve inference` serves one model bundle over the Open Inference Protocol."""
 
-    bundle: str
-    """Model bundle directory (written by `hybridrec export` or a training job)."""
+    bundle: str | None = None
+    """Model bundle directory (written by `hybridrec export`). Exactly one of `bundle` and `follow`."""
+    follow: str | None = None
+    """A training job's versions directory (publish.dir): serve its newest version and swap in each new one
+    (docs/serving.md#live-versions). Exactly one of `bundle` and `follow`."""
+    follow_poll_s: Annotated[float, Field(gt=0)] = 0.5
+    """With `follow`: how often the versions directory is looked at."""
+    follow_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    """With `follow`: how long start-up waits for a first complete version before failing."""
     model_name: str = "hybridrec"
     """Name the model is served under: /v2/models/<model_name>, ModelInferRequest.model_name."""
     host: str = "127.0.0.1"
@@ -75,6 +82,11 @@ class InferenceConfig(_Model):
     def _check(self) -> "InferenceConfig":
         for address in self.ps:
             split_address(address)
+        if (self.bundle is None) == (self.follow is None):
+            raise ValueError("bundle / follow: give exactly one (--bundle DIR or --follow DIR)")
+        if self.follow is not None and self.ps:
+            raise ValueError("ps: read-only PS shards serve one bundle; --follow serves each version's merged "
+                             "table in this process")
         return self
 
 

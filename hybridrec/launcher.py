@@ -27,14 +27,16 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
+from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
-from hybridrec.service import SERVICES
-from hybridrec.summary import RunSummary, ServiceInfo
+from hybridrec.service import SERVICE_KINDS, SERVICES
+from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
-START_ORDER = ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
-FINISHING = ("nn_worker", "dataloader")  # services that exit 0 when their work is done
-RESTARTABLE = ("embedding_ps", "embedding_worker")  # restarted in place when they die, like a container
-GROUP = ("nn_worker", "dataloader")  # restarted together from the newest checkpoint when one of them dies
+# The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
+START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
+FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
+RESTARTABLE = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_in_place)
+GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -81,14 +83,16 @@ def resolve(config: Config, run_dir: Path) -> Config:
     """The config every local service gets: loopback addresses on free ports, private shm and output dirs."""
     tree = config.model_dump(mode="json")
     cluster = tree["cluster"]
-    for service, (key, _) in SERVICES.items():
-        cluster[key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, key)]
+    for kind in SERVICE_KINDS:
+        cluster[kind.cluster_key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, kind.cluster_key)]
     cluster["rendezvous"] = f"127.0.0.1:{free_port()}"
     cluster["bind_host"] = "127.0.0.1"
     tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
     tree["output"]["dir"] = str(run_dir)
-    if config.checkpoint.interval_steps and not config.checkpoint.dir:
+    if not config.checkpoint.dir:  # always: the final checkpoint makes a finished run exportable
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    if config.publish.enabled and not config.publish.dir:
+        tree["publish"]["dir"] = str(run_dir / "versions")
     return from_dict(tree, source="resolved config")
 
 
@@ -104,7 +108,7 @@ class LocalCluster:
         self.group_restarts = 0
         self.procs: list[ServiceProcess] = []
         for service in START_ORDER:
-            key, _ = SERVICES[service]
+            key = SERVICES[service].cluster_key
             for replica, address in enumerate(getattr(self.config.cluster, key)):
                 self.procs.append(ServiceProcess(service, replica, address, f"127.0.0.1:{free_port()}",
                                                  run_dir / "logs" / f"{service}-{replica}.log"))
@@ -116,10 +120,7 @@ class LocalCluster:
 
     def _write_services(self) -> None:
         """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
-        path = self.run_dir / "services.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([p.describe() for p in self.procs], indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(self.run_dir / "services.json", [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
@@ -201,16 +202,29 @@ class LocalCluster:
             self._spawn(proc)
         self._write_services()
 
-    def status(self) -> pb.TrainingStatus | None:
-        """Rank 0's training status, or None if it does not answer right now."""
-        address = next(p.address for p in self.procs if p.service == "nn_worker" and p.replica == 0)
-        with rpc.sync_channel(address) as channel:
-            call = channel.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
-                                       response_deserializer=pb.TrainingStatus.FromString)
-            try:
-                return call(pb.Empty(), timeout=1.0)
-            except grpc.RpcError:
-                return None
+    def statuses(self) -> list[pb.TrainingStatus | None]:
+        """Every NN worker's training status in rank order (asked in parallel); None for a rank that does not
+        answer right now."""
+        addresses = [p.address for p in sorted((p for p in self.procs if p.service == "nn_worker"),
+                                              key=lambda p: p.replica)]
+        channels = [rpc.sync_channel(address) for address in addresses]
+        try:
+            futures = []
+            for channel in channels:
+                call = channel.unary_unary("/hybridrec.NNWorker/Status",
+                                           request_serializer=pb.Empty.SerializeToString,
+                                           response_deserializer=pb.TrainingStatus.FromString)
+                futures.append(call.future(pb.Empty(), timeout=1.0))
+            out = []
+            for future in futures:
+                try:
+                    out.append(future.result())
+                except grpc.RpcError:
+                    out.append(None)
+            return out
+        finally:
+            for channel in channels:
+                channel.close()
 
     def stop(self) -> None:
         """SIGTERM in reverse start order, SIGKILL whatever is left after a grace period."""
@@ -247,32 +261,61 @@ SAMPLE_EVERY_S = 1.0
 
 
 def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
-    """Run the whole job locally; returns the summary. Raises LaunchError on a failed service."""
-    started = time.monotonic()
+    """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
+
+    About once a second it polls every NN worker's Status and every service's CPU and memory for the
+    run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
+    recorder = Recorder(ranks=len(config.cluster.nn_workers))  # t = 0: launch
     cluster = LocalCluster(config, run_dir)
-    recorder = Recorder()
     next_sample = time.monotonic()
     try:
-        cluster.start()
-        while not cluster.check():
-            time.sleep(0.1)
-            if time.monotonic() >= next_sample:
-                next_sample = time.monotonic() + SAMPLE_EVERY_S
-                status = cluster.status()
-                recorder.sample(status, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
-                cluster.echo_warnings()
-                if progress is not None:
-                    progress(status)
-    finally:
-        cluster.stop()
-    summary_path = run_dir / "summary.json"
-    try:
-        summary = RunSummary.read(summary_path)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
+        try:
+            cluster.start()
+            while not cluster.check():
+                time.sleep(0.1)
+                if time.monotonic() >= next_sample:
+                    next_sample = time.monotonic() + SAMPLE_EVERY_S
+                    statuses = cluster.statuses()
+                    recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
+                    cluster.echo_warnings()
+                    if progress is not None:
+                        progress(statuses)
+            recorder.mark("end_of_eval")
+        finally:
+            cluster.stop()
+            recorder.mark("end")
+        summary_path = run_dir / "summary.json"
+        try:
+            summary = RunSummary.read(summary_path)
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
+    except LaunchError as exc:
+        report = _partial_report(run_dir, recorder, cluster, str(exc))
+        raise LaunchError(f"{exc}\n{report}") from None
+    except KeyboardInterrupt:
+        _partial_report(run_dir, recorder, cluster, "interrupted (Ctrl-C): every service was stopped")
+        raise
+    recorder.settle(summary.model_dump())
     summary = summary.model_copy(update={
-        "wall_s": time.monotonic() - started, "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
-        "services": [ServiceInfo(**p.describe()) for p in cluster.procs]})
+        "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
+        "services": [ServiceInfo(**p.describe()) for p in cluster.procs],
+        "phases": Phases(**{k: recorder.phases.get(k) for k in Phases.model_fields})})
     summary.report = str(write_report(run_dir, summary, recorder))
     summary.write(summary_path)
     return summary
+
+
+def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, error: str) -> str:
+    """The report of a failed run (what was recorded, marked incomplete); a line saying where it is."""
+    partial = None
+    try:
+        partial = json.loads((run_dir / "summary.json").read_text())
+        recorder.settle(partial)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        page = write_report(run_dir, partial, recorder, error=error,
+                            services=[p.describe() for p in cluster.procs])
+    except Exception as exc:  # the failure itself is what the user needs to see
+        return f"(no report: {type(exc).__name__}: {exc})"
+    return f"partial report (incomplete run): {page}"

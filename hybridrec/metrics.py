@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import REGISTRY, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,6 +19,10 @@ RPC_LATENCY = Histogram(
     "hybridrec_rpc_latency_seconds", "Server-side latency of each RPC, by service and method.",
     ["service", "method"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+)
+REFUSED = Counter(
+    "hybridrec_rpc_refused_total", "RPCs refused with PERMISSION_DENIED (caller not authorised, or a path "
+    "outside the service's root), by service and method.", ["service", "method"],
 )
 STALENESS = Histogram(
     "hybridrec_staleness_batches", "Batches with unapplied updates when an NN worker started a lookup.",

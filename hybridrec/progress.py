@@ -26,12 +26,12 @@ def estimate_samples(config: Config) -> int | None:
 
 
 class Progress:
-    """Called by the launcher with NN rank 0's status about once a second."""
+    """Called by the launcher about once a second with every NN worker's status (None: did not answer)."""
 
     def __init__(self, config: Config, *, tty: bool | None = None):
         self.total = estimate_samples(config)
-        # NN rank 0 reports its own counters; every rank trains the same number of batches.
         self.ranks = len(config.cluster.nn_workers)
+        self.last: dict[int, object] = {}  # each rank's last answer: one missed poll does not dent the totals
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.every_s = config.training.log_every_s
         self.next_log = 0.0
@@ -45,21 +45,35 @@ class Progress:
                              transient=True)
             self.live.start()
 
-    def __call__(self, status) -> None:
-        fields = self._fields(status)
+    def __call__(self, statuses) -> None:
+        if not isinstance(statuses, (list, tuple)):
+            statuses = [statuses]
+        for rank, status in enumerate(statuses):
+            if status is not None and status.phase != "starting":
+                self.last[rank] = status
+        fields = self._fields()
         if self.live is not None:
             self.live.update(" | ".join(f"{k} {v}" for k, v in fields.items()))
         elif time.monotonic() >= self.next_log:
             self.next_log = time.monotonic() + self.every_s
             self.log.info("progress", **fields)
 
-    def _fields(self, status) -> dict:
-        if status is None or status.phase == "starting":
+    def _fields(self) -> dict:
+        """The whole run's numbers: samples and samples/s summed over the NN workers, loss and AUC averaged."""
+        if not self.last:
             return {"phase": "starting"}
-        samples, rate = status.samples * self.ranks, status.samples_per_sec * self.ranks
-        fields = {"phase": status.phase, "step": status.step, "samples": f"{samples:,}",
-                  "samples/s": f"{rate:,.0f}", "loss": f"{status.loss:.4f}", "auc": f"{status.train_auc:.4f}"}
-        if self.total and rate > 0 and status.phase == "train":
+        ranks = list(self.last.values())
+        phases = {s.phase for s in ranks}
+        phase = "train" if "train" in phases else ("eval" if "eval" in phases else "done")
+        samples = sum(s.samples for s in ranks)
+        rate = sum(s.samples_per_sec for s in ranks)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        fields = {"phase": phase, "step": max(s.step for s in ranks), "samples": f"{samples:,}",
+                  "samples/s": f"{rate:,.0f}", "loss": f"{mean([s.loss for s in ranks]):.4f}",
+                  "auc": f"{mean([s.train_auc for s in ranks]):.4f}"}
+        if len(ranks) < self.ranks:
+            fields["ranks"] = f"{len(ranks)}/{self.ranks}"
+        if self.total and rate > 0 and phase == "train":
             fields["eta"] = f"{max(0.0, (self.total - samples) / rate):.0f}s"
         return fields
 

@@ -4,7 +4,9 @@ Services are registered from the service descriptors of protos/hybridrec.proto:
 a method whose request type is `Frame` is a data-plane method and gets identity
 (de)serializers, so the handler receives and returns the raw frame bytes and
 protobuf never touches a tensor. Every handler runs inside `_guard`, which turns
-a bad request into INVALID_ARGUMENT (and a missing batch into NOT_FOUND) with a
+a bad request into INVALID_ARGUMENT (a missing batch into NOT_FOUND, a request the
+server never accepts in its state, e.g. an update to a read-only PS, into
+FAILED_PRECONDITION) with a
 readable detail, so hostile input never takes a server down.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hybridrec import log
-from hybridrec.metrics import RPC_LATENCY
+from hybridrec.metrics import REFUSED, RPC_LATENCY
 from hybridrec.proto import pb
 
 MAX_MESSAGE_BYTES = 1 << 30
@@ -55,20 +57,35 @@ class Unavailable(RuntimeError):
     """The server cannot serve this now (a dependency is down); the caller may retry."""
 
 
+class FailedPrecondition(RuntimeError):
+    """The server does not do this in its state (e.g. a read-only PS asked to update, a PS asked for a delta on a
+    version it did not publish last); retrying the same request will not help."""
+
+
 def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     logger = log.get()
     latency = RPC_LATENCY.labels(service, method)
 
+    control = method in CONTROL_METHODS.get(service, ())
+
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
+            if control:
+                authorize(context, f"{service}.{method}")
             return await fn(request, context)
         except ValueError as exc:  # includes codec.FrameError
             code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except PermissionError as exc:  # a path outside the service's root, a caller not authorised
+            code, detail = grpc.StatusCode.PERMISSION_DENIED, str(exc)
+            logger.warning("rpc_refused", method=method, reason=str(exc))
+            REFUSED.labels(service, method).inc()
         except NotFound as exc:
             code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
         except Unavailable as exc:
             code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except FailedPrecondition as exc:
+            code, detail = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
             logger.exception("rpc_failed", method=method)
             code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -137,6 +154,38 @@ class Security:
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+CONTROL_METHODS: dict[str, frozenset[str]] = {
+    # Methods that change a service's state outside training's data path (they write or replace
+    # tables). With cluster.control_identities set, only those identities may call them.
+    "EmbeddingPS": frozenset({"Checkpoint", "LoadCheckpoint", "Publish"}),
+}
+_control_identities: frozenset[str] | None = None
+
+
+def use_authorization(identities: list[str] | None) -> None:
+    """Allow control methods only to peers whose certificate names one of `identities` (None: any peer)."""
+    global _control_identities
+    _control_identities = frozenset(identities) if identities is not None else None
+
+
+def peer_identities(context: grpc.aio.ServicerContext) -> set[str]:
+    """The caller's certificate subject common name and subject alternative names (empty without mTLS)."""
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
+    return {n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names}
+
+
+def authorize(context: grpc.aio.ServicerContext, what: str) -> None:
+    """PermissionError unless the caller may use control method `what`."""
+    if _control_identities is None:
+        return
+    caller = peer_identities(context)
+    if not caller & _control_identities:
+        who = ", ".join(sorted(caller)) or "no certificate"
+        raise PermissionError(f"{what} is a control method; the caller ({who}) is not one of "
+                              f"cluster.control_identities")
 
 
 # One process talks to every peer the same way, so the choice is made once at start-up

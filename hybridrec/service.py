@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import prometheus_client
@@ -22,14 +23,34 @@ from hybridrec.metrics import register_stats
 
 LIVENESS = "liveness"
 
-SERVICES = {
-    # service name -> (cluster config key, proto service)
-    "embedding_ps": ("ps", "EmbeddingPS"),
-    "embedding_worker": ("embedding_workers", "EmbeddingWorker"),
-    "nn_worker": ("nn_workers", "NNWorker"),
-    "dataloader": ("dataloader", "DataLoader"),
-}
-"""The training job's services: `hybridrec run` starts one process per configured replica of each."""
+
+
+@dataclass(frozen=True)
+class ServiceKind:
+    """One kind of service: where its replicas are configured, what it serves, how `hybridrec run` treats it."""
+
+    name: str
+    """`hybridrec serve NAME`; its code is the package services/NAME."""
+    cluster_key: str
+    """The `cluster` config key listing its replicas' addresses."""
+    proto_service: str
+    """Its gRPC service in protos/hybridrec.proto."""
+    finishes: bool = False
+    """Exits 0 when its work is done: the launcher counts that as finished, not failed."""
+    restart_in_place: bool = False
+    """Restarted alone when it dies, like a container (its state is in shm, or it has none)."""
+    restart_as_group: bool = False
+    """Restarted with every other group member from the newest checkpoint when one of them dies."""
+
+
+SERVICE_KINDS: tuple[ServiceKind, ...] = (
+    ServiceKind("embedding_ps", "ps", "EmbeddingPS", restart_in_place=True),
+    ServiceKind("embedding_worker", "embedding_workers", "EmbeddingWorker", restart_in_place=True),
+    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True),
+    ServiceKind("dataloader", "dataloader", "DataLoader", finishes=True, restart_as_group=True),
+)
+"""Every service, in the order `hybridrec run` starts them (servers before their clients)."""
+SERVICES: dict[str, ServiceKind] = {kind.name: kind for kind in SERVICE_KINDS}
 
 STANDALONE_SERVICES = {
     # service name -> what it serves; started alone, with its own settings instead of a job config
@@ -52,34 +73,42 @@ class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
     def __init__(self, service: str, config: Config, replica: int):
-        key, proto_service = SERVICES[service]
+        key = SERVICES[service].cluster_key
         addresses = getattr(config.cluster, key)
         if not 0 <= replica < len(addresses):
             raise ValueError(f"replica {replica} of {service} does not exist: cluster.{key} lists "
                              f"{len(addresses)} address(es)")
         self.config = config
-        self._setup(service, replica, proto_service, addresses[replica], config.cluster.bind_host,
-                    config.cluster.metrics_port, config.cluster.tls)
+        self._setup(service, replica, addresses[replica], bind_host=config.cluster.bind_host,
+                    metrics_port=config.cluster.metrics_port, tls=config.cluster.tls,
+                    control_identities=config.cluster.control_identities)
 
     @classmethod
-    def standalone(cls, service: str, *, address: str, bind_host: str, metrics_port: int = 0,
+    def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
                    tls=None) -> "ServiceHost":
-        """A host for a service that runs without a training job's config (STANDALONE_SERVICES).
+        """A replica without a training job's config (a read-only PS serving a bundle, the inference service).
 
-        It registers its gRPC services on `server` itself; health, metrics,
-        logging and the graceful stop are the same as every other service's.
+        Binds `listen` (HOST:PORT; port 0 picks a free one, logged as `listening`);
+        `metrics_port` 0 means no Prometheus endpoint. A service with no proto
+        service of its own in hybridrec.proto (inference) registers its gRPC
+        services on `server` itself; health, metrics, logging and the graceful
+        stop are the same as every other service's.
         """
+        bind_host, _ = split_address(listen)
         host = cls.__new__(cls)
         host.config = None
-        host._setup(service, 0, None, address, bind_host, metrics_port, tls)
+        host._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
         return host
 
-    def _setup(self, service: str, replica: int, proto_service: str | None, address: str, bind_host: str,
-               metrics_port: int, tls) -> None:
-        self.service, self.replica, self.proto_service = service, replica, proto_service
-        self.address, self.bind_host, self.metrics_port = address, bind_host, metrics_port
+    def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
+               control_identities: list[str] | None = None) -> None:
+        kind = SERVICES.get(service)
+        self.proto_service = kind.proto_service if kind else None
+        self.service, self.replica, self.address = service, replica, address
+        self.bind_host, self.metrics_port = bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
         rpc.use_tls(tls)
+        rpc.use_authorization(control_identities)
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         self.stop = asyncio.Event()
@@ -95,7 +124,7 @@ class ServiceHost:
 
     async def start(self) -> None:
         _, port = split_address(self.address)
-        bound = self.port = rpc.bind(self.server, self.bind_host, port)
+        self.port = bound = rpc.bind(self.server, self.bind_host, port)
         await self.server.start()
         if self.metrics_port:
             prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)

@@ -51,6 +51,49 @@ class ServiceInfo(BaseModel):
     """Times it was restarted in place (or with its group)."""
 
 
+class PublishSummary(BaseModel):
+    """Live model versions NN worker rank 0 published during the run (publish.* in the config)."""
+
+    published: int = 0
+    """Versions completed (manifest written)."""
+    full: int = 0
+    """Of those, full snapshots (the rest are deltas)."""
+    skipped: int = 0
+    """Intervals skipped because the previous version was still being written."""
+    failed: int = 0
+    """Versions abandoned after an error (logged; the next one is a full snapshot)."""
+    last_version: int | None = None
+    """Number of the newest version published."""
+    last_step: int | None = None
+    """Training step of the newest version published."""
+    mean_s: float | None = None
+    """Mean seconds per version, from the dense copy to the manifest."""
+    max_s: float | None = None
+    """Slowest version, seconds."""
+    mean_delta_rows: float | None = None
+    """Mean embedding rows written per delta version (all shards and widths)."""
+    mean_full_rows: float | None = None
+    """Mean embedding rows written per full snapshot."""
+    directory: str | None = None
+    """The versions directory (publish.dir)."""
+
+
+class Phases(BaseModel):
+    """Where the run's time went: seconds since launch (t = 0) of each phase boundary, on the launcher's clock.
+
+    Start-up runs from 0 to first_step, training to end_of_training, evaluation to end_of_eval,
+    shutdown to end. None: the run did not get there (or it was not observed)."""
+
+    first_step: float | None = None
+    """The first training step of any NN worker (each reports how long it has trained)."""
+    end_of_training: float | None = None
+    """The last NN worker's end of training."""
+    end_of_eval: float | None = None
+    """The NN workers exited: evaluation done, summary written."""
+    end: float | None = None
+    """Every service stopped."""
+
+
 class RunSummary(BaseModel):
     """Results of one training job."""
 
@@ -81,18 +124,32 @@ class RunSummary(BaseModel):
     logloss: float | None
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities on the eval file, when the data says so."""
+    train_started_at: float | None = None
+    """Unix time of the first training step of any NN worker (this incarnation: not before a resume)."""
+    train_ended_at: float | None = None
+    """Unix time the last NN worker finished training."""
     wall_s: float
     """NN worker: seconds since it started; launcher: seconds of the whole run, start-up included."""
     data: dict[str, Any] = Field(default_factory=dict)
     """The data loader's counters per phase (rows, bad lines, dropped rows)."""
+    checkpoint: str | None = None
+    """The final job checkpoint (checkpoint.final): what `hybridrec export` reads. None without one."""
+    checkpoint_s: float | None = None
+    """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest); None when the
+    checkpoint of the last step was written before (an interval one, or the one a restarted job resumed from)."""
+    publish: PublishSummary | None = None
+    """Live versions published during the run (None: publishing off)."""
     services: list[ServiceInfo] | None = None
     """Launcher only: every replica it ran."""
     run_dir: str | None = None
     """Launcher only: where logs, report and results are."""
     report: str | None = None
     """Launcher only: path of report.html."""
+    phases: Phases | None = None
+    """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
 
     def write(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, self.model_dump(mode="json"))
 
     @classmethod

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -38,23 +38,60 @@ class ServiceStats(_message.Message):
     def __init__(self, service: _Optional[str] = ..., replica: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("directory", "step")
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "step")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    directory: str
+    name: str
     step: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("directory", "rows")
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
-    directory: str
+    name: str
     rows: int
-    def __init__(self, directory: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("version", "full", "base_version")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    full: bool
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., full: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class PublishedFile(_message.Message):
+    __slots__ = ("path", "bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ("rows", "files", "rows_by_dim")
+    class RowsByDimEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BY_DIM_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    files: _containers.RepeatedCompositeFieldContainer[PublishedFile]
+    rows_by_dim: _containers.ScalarMap[int, int]
+    def __init__(self, rows: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PublishedFile, _Mapping]]] = ..., rows_by_dim: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc")
+    __slots__ = ("done", "step", "samples", "loss", "samples_per_sec", "phase", "train_auc", "train_s")
     DONE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +99,7 @@ class TrainingStatus(_message.Message):
     SAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_AUC_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_S_FIELD_NUMBER: _ClassVar[int]
     done: bool
     step: int
     samples: int
@@ -69,4 +107,5 @@ class TrainingStatus(_message.Message):
     samples_per_sec: float
     phase: str
     train_auc: float
-    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ...) -> None: ...
+    train_s: float
+    def __init__(self, done: _Optional[bool] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_sec: _Optional[float] = ..., phase: _Optional[str] = ..., train_auc: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...

@@ -18,33 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
-import numpy as np
 
 from hybridrec import rpc
 from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, SparseBatch
 from hybridrec.config import Config
+from hybridrec.criteo import feature_columns
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec import checkpoints
 from services.dataloader.batching import (Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_rows,
                                           iter_train_batches)
-from services.dataloader.criteo import NUM_SPARSE
 
 _DONE = object()
-
-
-def feature_columns(config: Config) -> tuple[np.ndarray, list[int]]:
-    """Criteo column index of each configured feature (named C1..C26), and the group of every column."""
-    groups = list(range(NUM_SPARSE))
-    columns = []
-    for feature in config.features:
-        name = feature.name
-        if not (name.startswith("C") and name[1:].isdigit() and 1 <= int(name[1:]) <= NUM_SPARSE):
-            raise ValueError(f"features: {name!r} is not a Criteo categorical column (C1..C{NUM_SPARSE})")
-        column = int(name[1:]) - 1
-        groups[column] = feature.group
-        columns.append(column)
-    return np.asarray(columns), groups
 
 
 class DataLoaderServicer:
@@ -133,7 +118,7 @@ class Dispatcher:
 
 def resume_point(config: Config) -> tuple[Position, int]:
     """(position, first batch index) of the newest checkpoint, or the start of the data."""
-    found = checkpoints.latest(config.checkpoint.dir) if config.checkpoint.resume else None
+    found = checkpoints.resume_from(config.checkpoint)
     if found is None:
         return Position(), 0
     _, manifest = found
@@ -144,7 +129,7 @@ async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
-    columns, groups = feature_columns(config)
+    columns, groups = feature_columns(config.features)
     training, data = config.training, config.data
     num_ranks = len(config.cluster.nn_workers)
     await host.start()

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from hybridrec import log
+from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore
 
 _log = log.get(__name__)
@@ -93,8 +94,8 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
             config = store.config
             keys, values = store.items()
             tables[str(dim)] = {
-                "dim": config.dim, "state_width": config.optimizer.state_width(config.dim),
-                "optimizer": config.optimizer.to_dict(), "num_rows": int(keys.shape[0]),
+                "dim": config.dim, "state_width": state_width(config.optimizer, config.dim),
+                "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": int(keys.shape[0]),
                 "capacity": config.capacity, "seed": config.seed,
                 "init": {"distribution": config.init_distribution, "scale": config.init_scale},
                 "files": {"keys": _write_npy(tmp / f"dim{dim}.keys.npy", keys),
@@ -248,13 +249,13 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
             raise ValueError(f"{path}: checkpoint has widths {sorted(widths)}, this PS has {sorted(store_by_dim)}")
         for dim, store in store_by_dim.items():
             table = manifest["tables"][str(dim)]
-            spec, want_state = store.config.optimizer, store.config.optimizer.state_width(dim)
+            spec, want_state = store.config.optimizer, state_width(store.config.optimizer, dim)
             if table["dim"] != dim or table["optimizer"]["name"] != spec.name or table["state_width"] != want_state:
                 raise ValueError(f"{path} dim {dim}: checkpoint rows hold optimizer {table['optimizer']['name']} "
                                  f"state of width {table['state_width']}, the store uses {spec.name} ({want_state})")
-            if table["optimizer"] != spec.to_dict():
+            if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",
-                             dim=dim, checkpoint=table["optimizer"], configured=spec.to_dict())
+                             dim=dim, checkpoint=table["optimizer"], configured=spec.model_dump(mode="json"))
             for part in ("keys", "values"):
                 _verify_file(path / table["files"][part]["file"], table["files"][part])
             keys, values = _open_table(path, table, dim)
@@ -276,3 +277,36 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
     _log.info("ps shard checkpoint loaded", directory=str(directory), step=step, shard=shard,
               num_shards=num_shards, source_shards=source_shards, rows=rows)
     return {"step": step, "rows": rows, "source_shards": source_shards}
+
+
+def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, np.ndarray, np.ndarray]]]:
+    """Every shard dump's trained rows, for export: (summary, [(shard, dim, keys, rows), ...]).
+
+    Verifies every manifest, size and sha256 first (ValueError naming the file,
+    as `load_shard` does) and that each dump holds only its own shard's IDs
+    (`hybridrec.sharding.shard_of`). `rows` are the first `dim` columns of the
+    memory-mapped values: the embeddings without optimizer state. `summary` is
+    {"num_shards", "step", "widths"}.
+    """
+    from hybridrec.sharding import shard_of
+
+    found = _read_manifests(directory)
+    num_shards, step = found[0][1]["num_shards"], found[0][1]["step"]
+    widths = sorted(int(w) for w in found[0][1]["tables"])
+    out = []
+    for path, manifest in found:
+        if sorted(int(w) for w in manifest["tables"]) != widths:
+            raise ValueError(f"{path / MANIFEST}: widths {sorted(manifest['tables'])} differ from the other shards' "
+                             f"{widths}")
+        for dim in widths:
+            table = manifest["tables"][str(dim)]
+            if table["dim"] != dim:
+                raise ValueError(f"{path / MANIFEST}: table {dim} says dim {table['dim']}")
+            for part in ("keys", "values"):
+                _verify_file(path / table["files"][part]["file"], table["files"][part])
+            keys, values = _open_table(path, table, dim)
+            if keys.size and not np.all(shard_of(np.asarray(keys), num_shards) == manifest["shard"]):
+                raise ValueError(f"{path / table['files']['keys']['file']}: holds IDs of other shards than "
+                                 f"{manifest['shard']} of {num_shards}")
+            out.append((manifest["shard"], dim, keys, values[:, :dim]))
+    return {"num_shards": num_shards, "step": step, "widths": widths}, out

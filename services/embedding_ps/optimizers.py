@@ -1,4 +1,4 @@
-"""Embedding optimizers of the PS: their typed spec, state layout and arithmetic.
+"""Embedding optimizers of the PS: their state layout and arithmetic.
 
 On the embedding PS: every row of a store holds its embedding followed by the
 optimizer state (`state_width(dim)` float32 values). `apply_stripe` updates
@@ -10,24 +10,26 @@ The arithmetic is float32 in torch's operation order (SGD, Adagrad with
 lr_decay=0, Adam with L2 weight decay), so a row matches torch.optim on the
 same tensor within an ulp; Adam keeps a per-row step because rows are updated
 sparsely. FTRL follows TensorFlow's ApplyFtrl (float64 math).
+
+The optimizer and its hyper-parameters are `EmbeddingOptimizerConfig`
+(hybridrec/config.py), used as it is: the functions at the end of this module
+give its kernel code, state widths and hyper-parameter vector.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from numba import njit
 
+from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
+
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = 0, 1, 2, 3
-OPTIMIZER_CODES: dict[str, int] = {
-    "sgd": OPT_SGD,          # w -= lr * g; no state
-    "adagrad": OPT_ADAGRAD,  # torch.optim.Adagrad (lr_decay=0); state: sum of squared gradients
-    "adam": OPT_ADAM,        # torch.optim.Adam (L2 weight decay, not AdamW); state: m, v, per-row step
-    "ftrl": OPT_FTRL,        # FTRL-proximal as TensorFlow's ApplyFtrl; state: accumulator, linear
+OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
+    EmbeddingOptimizer.SGD: OPT_SGD, EmbeddingOptimizer.ADAGRAD: OPT_ADAGRAD,
+    EmbeddingOptimizer.ADAM: OPT_ADAM, EmbeddingOptimizer.FTRL: OPT_FTRL,
 }
+"""The kernel's code of each optimizer. Every store header records it: a code never changes meaning."""
 # Layout of the float64 hyper-parameter vector `hp` the kernel reads.
 HP_LR, HP_EPS, HP_BETA1, HP_BETA2, HP_ADAM_EPS, HP_WD, HP_LR_POWER, HP_L1, HP_L2, HP_BOUND = range(10)
 NUM_HP = 10
@@ -127,78 +129,33 @@ def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim):
     return applied
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Which optimizer the PS applies to embedding rows, and its hyper-parameters."""
+def optimizer_code(opt: EmbeddingOptimizerConfig) -> int:
+    """The kernel's code of `opt` (`apply_stripe`'s `opt`, recorded in the store header)."""
+    return OPTIMIZER_CODES[opt.name]
 
-    name: Literal["sgd", "adagrad", "adam", "ftrl"]
-    """Optimizer; Adam keeps a per-row step counter (rows are updated sparsely)."""
-    lr: float = 0.01
-    """Learning rate."""
-    eps: float = 1e-10
-    """Adagrad's epsilon (torch default 1e-10)."""
-    initial_accumulator_value: float = 0.0
-    """Initial Adagrad sum / FTRL accumulator of a new row."""
-    beta1: float = 0.9
-    """Adam first-moment decay."""
-    beta2: float = 0.999
-    """Adam second-moment decay."""
-    adam_eps: float = 1e-8
-    """Adam's epsilon."""
-    weight_decay: float = 0.0
-    """L2 penalty added to the gradient (torch semantics: g += weight_decay * w)."""
-    lr_power: float = -0.5
-    """FTRL learning-rate power (TensorFlow default)."""
-    l1: float = 0.0
-    """FTRL L1 regularisation."""
-    l2: float = 0.0
-    """FTRL L2 regularisation."""
 
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZER_CODES:
-            raise ValueError(f"optimizer name must be one of {sorted(OPTIMIZER_CODES)}, got {self.name!r}")
-        if not self.lr > 0:
-            raise ValueError(f"optimizer lr must be > 0, got {self.lr}")
-        for field in ("eps", "adam_eps", "weight_decay", "initial_accumulator_value", "l1", "l2"):
-            if getattr(self, field) < 0:
-                raise ValueError(f"optimizer {field} must be >= 0, got {getattr(self, field)}")
-        for field in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, field) < 1.0:
-                raise ValueError(f"optimizer {field} must be in [0, 1), got {getattr(self, field)}")
-        if self.lr_power > 0:
-            raise ValueError(f"optimizer lr_power must be <= 0, got {self.lr_power}")
+def state_width(opt: EmbeddingOptimizerConfig, dim: int) -> int:
+    """float32 values of optimizer state stored after a row's `dim` weights."""
+    return {EmbeddingOptimizer.SGD: 0, EmbeddingOptimizer.ADAGRAD: dim, EmbeddingOptimizer.ADAM: 2 * dim + 1,
+            EmbeddingOptimizer.FTRL: 2 * dim}[opt.name]
 
-    @property
-    def code(self) -> int:
-        return OPTIMIZER_CODES[self.name]
 
-    def state_width(self, dim: int) -> int:
-        """float32 values of optimizer state stored after a row's `dim` weights."""
-        return {"sgd": 0, "adagrad": dim, "adam": 2 * dim + 1, "ftrl": 2 * dim}[self.name]
+def accumulator_width(opt: EmbeddingOptimizerConfig, dim: int) -> int:
+    """How many state values of a new row start at initial_accumulator_value (the rest start at 0)."""
+    return dim if opt.name in (EmbeddingOptimizer.ADAGRAD, EmbeddingOptimizer.FTRL) else 0
 
-    def accumulator_width(self, dim: int) -> int:
-        """How many state values of a new row start at initial_accumulator_value (the rest start at 0)."""
-        return dim if self.name in ("adagrad", "ftrl") else 0
 
-    def hyper_parameters(self, weight_bound: float | None) -> np.ndarray:
-        """The float64 vector the update kernel reads (indices `kernels.HP_*`); NaN bound = none."""
-        hp = np.zeros(NUM_HP, np.float64)
-        hp[HP_LR] = self.lr
-        hp[HP_EPS] = self.eps
-        hp[HP_BETA1] = self.beta1
-        hp[HP_BETA2] = self.beta2
-        hp[HP_ADAM_EPS] = self.adam_eps
-        hp[HP_WD] = self.weight_decay
-        hp[HP_LR_POWER] = self.lr_power
-        hp[HP_L1] = self.l1
-        hp[HP_L2] = self.l2
-        hp[HP_BOUND] = np.nan if weight_bound is None else weight_bound
-        return hp
-
-    def to_dict(self) -> dict:
-        """Plain data for manifests (checkpoint) and stats."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "OptimizerSpec":
-        return cls(**data)
+def hyper_parameters(opt: EmbeddingOptimizerConfig, weight_bound: float | None) -> np.ndarray:
+    """The float64 vector the update kernel reads (indices `HP_*`); NaN bound = none."""
+    hp = np.zeros(NUM_HP, np.float64)
+    hp[HP_LR] = opt.lr
+    hp[HP_EPS] = opt.eps
+    hp[HP_BETA1] = opt.beta1
+    hp[HP_BETA2] = opt.beta2
+    hp[HP_ADAM_EPS] = opt.adam_eps
+    hp[HP_WD] = opt.weight_decay
+    hp[HP_LR_POWER] = opt.lr_power
+    hp[HP_L1] = opt.l1
+    hp[HP_L2] = opt.l2
+    hp[HP_BOUND] = np.nan if weight_bound is None else weight_bound
+    return hp

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,29 +19,16 @@ import numpy as np
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec import checkpoints
+from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
+from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
-from services.embedding_ps.optimizers import OptimizerSpec
+from hybridrec.versions import version_dir
+from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
-
-
-def store_config(config: Config, dim: int) -> StoreConfig:
-    opt = config.optimizer.embedding
-    return StoreConfig(
-        dim=dim,
-        capacity=config.ps.capacity,
-        optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, eps=opt.eps,
-                                initial_accumulator_value=opt.initial_accumulator_value, beta1=opt.beta1,
-                                beta2=opt.beta2, adam_eps=opt.adam_eps, weight_decay=opt.weight_decay),
-        seed=config.training.seed,
-        init_distribution=config.ps.init.distribution,
-        init_scale=config.ps.init.scale,
-        admit_probability=config.ps.admit_probability,
-        weight_bound=config.ps.weight_bound,
-        num_stripes=config.ps.num_stripes,
-    )
 
 
 def shard_dir(config: Config, shard: int) -> Path:
@@ -59,7 +45,7 @@ def warm_up(config: Config) -> None:
     scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
         for dim in config.dims:
-            small = dataclasses.replace(store_config(config, dim), capacity=64, num_stripes=2)
+            small = dataclasses.replace(StoreConfig.from_config(config, dim), capacity=64, num_stripes=2)
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)
@@ -71,16 +57,27 @@ def warm_up(config: Config) -> None:
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
-    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
             for dim in config.dims}
 
 
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor):
+                 executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
+                 publish_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.values, self.executor = values, executor
-        self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0}
+        self.checkpoint_root = checkpoint_root
+        """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
+        self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0,
+                         "versions_written_total": 0, "version_rows_written_total": 0}
+        # Live versions (publish.dir set): which IDs changed since this shard last published, and which
+        # version that was (None: never, or the last publish failed; a delta then needs a full first).
+        self.publish_root = publish_root
+        """publish.dir: where Publish writes, `v{version}/` under it (None: Publish is refused)."""
+        self.changes = ChangeLog(sorted(stores)) if publish_root else None
+        self.published: int | None = None
+        self._publishing = asyncio.Lock()
 
     def stats(self) -> dict[str, float]:
         """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
@@ -108,6 +105,8 @@ class EmbeddingPSServicer:
         for dim, ids in lookup.ids.items():
             out[dim] = await self._run(self.stores[dim].lookup, self._check_shard(ids), train=lookup.train)
             self.counters["rows_looked_up_total"] += out[dim].shape[0]
+            if lookup.train and self.changes is not None:  # may have admitted new rows
+                self.changes.add(dim, ids)
         self.counters["lookups_total"] += 1
         return PSRows(out).encode(self.values)
 
@@ -116,6 +115,8 @@ class EmbeddingPSServicer:
         applied = 0
         for dim, ids in update.ids.items():
             applied += await self._run(self.stores[dim].update, self._check_shard(ids), update.grads[dim])
+            if self.changes is not None:  # logged after the update is applied: never before its rows change
+                self.changes.add(dim, ids)
         self.counters["updates_total"] += 1
         self.counters["rows_updated_total"] += applied
         return Applied(applied).encode()
@@ -126,25 +127,47 @@ class EmbeddingPSServicer:
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
-        if not request.directory:
-            raise ValueError("checkpoint directory is empty")
-        await self._run(checkpoint.dump_shard, self.stores, request.directory, shard=self.shard,
+        directory = resolve_under(self.checkpoint_root, request.name)
+        await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
                         num_shards=self.num_shards, step=request.step)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
+        directory = resolve_under(self.checkpoint_root, request.name)
         num_shards = self.num_shards
-        await self._run(checkpoint.load_shard, request.directory, self.stores, shard=self.shard,
+        await self._run(checkpoint.load_shard, directory, self.stores, shard=self.shard,
                         num_shards=num_shards, shard_of=lambda ids: shard_of(ids, num_shards))
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(directory=request.directory, rows=rows)
+        return pb.CheckpointReply(name=request.name, rows=rows)
+
+
+    async def Publish(self, request: pb.PublishRequest, context) -> pb.PublishReply:
+        """Write this shard's rows of model version `request.version` (docs/serving.md#live-versions)."""
+        if self.changes is None:
+            raise ValueError("publishing is off on this PS: publish.dir is not set in its config")
+        path = version_dir(self.publish_root, request.version)  # ValueError for a version out of range
+        async with self._publishing:
+            if not request.full and (self.published is None or self.published != request.base_version):
+                raise FailedPrecondition(f"shard {self.shard} cannot write a delta on version "
+                                         f"{request.base_version}: it last published "
+                                         f"{'nothing' if self.published is None else self.published}")
+            changed = self.changes.take()
+            self.published = None  # until this one is written
+            files, rows = await self._run(publish_shard, self.stores, path, shard=self.shard,
+                                          num_shards=self.num_shards, changed=None if request.full else changed)
+            self.published = request.version
+        self.counters["versions_written_total"] += 1
+        self.counters["version_rows_written_total"] += sum(rows.values())
+        return pb.PublishReply(rows=sum(rows.values()), rows_by_dim=rows, files=[
+            pb.PublishedFile(path=rel, bytes=e.bytes, sha256=e.sha256) for rel, e in files.items()])
 
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     warm_up(config)
     stores = open_stores(config, replica)
@@ -152,7 +175,9 @@ async def serve(config: Config, replica: int) -> None:
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor)
+        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
+                                       checkpoint_root=config.checkpoint.dir,
+                                       publish_root=config.publish.dir if config.publish.enabled else None)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)
@@ -161,8 +186,3 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
-
-
-def remove_shm(config: Config) -> None:
-    """Delete every shard's store files (the launcher's cleanup when keep_shm is off)."""
-    shutil.rmtree(config.ps.shm_dir, ignore_errors=True)

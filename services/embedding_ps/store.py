@@ -76,7 +76,7 @@ class EmbeddingStore:
         self._arrays = {name: np.frombuffer(mm, dtype=file_dtype(name)).reshape(layout.shape(name))
                         for name, mm in maps.items()}
         c = self.config
-        self._hp = c.optimizer.hyper_parameters(c.weight_bound)
+        self._hp = O.hyper_parameters(c.optimizer, c.weight_bound)
         # numpy scalars, not Python ints: a Python int >= 2**63 sends numba's dispatcher down its
         # slow path (~1 ms of type inference per call).
         self._init_key = np.uint64(K.mix_seed(c.seed, _INIT_SALT))
@@ -233,7 +233,7 @@ class EmbeddingStore:
         offsets = K.partition(ids, self.config.num_stripes, perm)
         c = self.config
         init = (self._init_key, c.init_distribution == "normal", c.init_scale,
-                c.optimizer.initial_accumulator_value, c.optimizer.accumulator_width(c.dim))
+                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim))
 
         def run(s: int, lo: int, hi: int) -> int:
             K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], self._next_serial(s),
@@ -257,7 +257,7 @@ class EmbeddingStore:
         grads = np.require(grads, requirements=["C", "W"])
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
-        code, hp = self.config.optimizer.code, self._hp
+        code, hp = O.optimizer_code(self.config.optimizer), self._hp
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
@@ -267,6 +267,29 @@ class EmbeddingStore:
             return applied
 
         return self._run_stripes(offsets, run, mutates=True)
+
+    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
+        no read miss (for publishing model versions; absent IDs read zeros)."""
+        ids = _as_ids(ids, "ids")
+        n, dim = ids.shape[0], self.config.dim
+        out = np.zeros((n, dim), np.float32)
+        found = np.zeros(n, bool)
+        perm = np.empty(n, np.int32)
+        slots = np.empty(n, np.int32)
+        offsets = K.partition(ids, self.config.num_stripes, perm)
+
+        def run(s: int, lo: int, hi: int) -> int:
+            index, keys, _, _, values, _ = self._stripes[s]
+            K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
+            at, where = perm[lo:hi], slots[lo:hi]
+            hit = where >= 0
+            out[at[hit]] = values[where[hit], :dim]
+            found[at[hit]] = True
+            return 0
+
+        self._run_stripes(offsets, run, mutates=False)
+        return out, found
 
     # ------------------------------------------------------------ checkpoints and checks
     def _all_locks(self):
@@ -340,8 +363,8 @@ class EmbeddingStore:
         used = [int(hdr[K.F_USED]) for *_, hdr in self._stripes]
         return {
             "rows": int(rows[K.F_USED]), "capacity": self.config.capacity, "dim": self.config.dim,
-            "state_width": self.config.optimizer.state_width(self.config.dim),
-            "optimizer": self.config.optimizer.name, "num_stripes": self.config.num_stripes,
+            "state_width": O.state_width(self.config.optimizer, self.config.dim),
+            "optimizer": self.config.optimizer.name.value, "num_stripes": self.config.num_stripes,
             "evictions": int(rows[K.F_EVICTIONS]), "inserts": int(rows[K.F_INSERTS]),
             "admission_drops": int(rows[K.F_ADMISSION_DROPS]), "missing_updates": int(rows[K.F_MISSING_UPDATES]),
             "read_misses": int(rows[K.F_READ_MISSES]), "rebuilds": int(rows[K.F_REBUILDS]),

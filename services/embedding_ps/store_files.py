@@ -33,13 +33,12 @@ from typing import Literal
 import numpy as np
 
 from hybridrec import log
+from hybridrec.config import Config, EmbeddingOptimizerConfig
 from services.embedding_ps import kernels as K
-from services.embedding_ps.optimizers import OPTIMIZER_CODES, OptimizerSpec
+from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
 
 _log = log.get(__name__)
 
-DEFAULT_SHM_ROOT = Path("/dev/shm/hybridrec")
-"""Where the PS puts its stores unless configured otherwise (tmpfs: RAM, survives a process restart)."""
 MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
 LAYOUT_VERSION = 2
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
@@ -56,14 +55,15 @@ class StoreConfig:
 
     dim, capacity, optimizer name, seed and num_stripes are recorded in the
     files and must match on re-attach; the others (hyper-parameters included)
-    may change between runs.
+    may change between runs. The PS builds it from the job's config
+    (`from_config`); tests and benchmarks build stores with explicit settings.
     """
 
     dim: int
     """Embedding width."""
     capacity: int
     """Rows the store holds before it evicts least recently used ones."""
-    optimizer: OptimizerSpec
+    optimizer: EmbeddingOptimizerConfig
     """Optimizer applied by `update`; decides the state stored after each row."""
     seed: int = 0
     """Seed of the deterministic initialisation and admission draws."""
@@ -78,7 +78,19 @@ class StoreConfig:
     num_stripes: int = 16
     """Independently locked parts of the table (parallelism across request threads)."""
 
+    @classmethod
+    def from_config(cls, config: Config, dim: int) -> "StoreConfig":
+        """The store of width `dim` that the job's config asks for (on every PS shard)."""
+        ps = config.ps
+        return cls(dim=dim, capacity=ps.capacity, optimizer=config.optimizer.embedding, seed=config.training.seed,
+                   init_distribution=ps.init.distribution, init_scale=ps.init.scale,
+                   admit_probability=ps.admit_probability, weight_bound=ps.weight_bound,
+                   num_stripes=ps.num_stripes)
+
     def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, EmbeddingOptimizerConfig):
+            raise ValueError("store optimizer must be an EmbeddingOptimizerConfig, "
+                             f"got {type(self.optimizer).__name__}")
         if self.dim < 1:
             raise ValueError(f"store dim must be >= 1, got {self.dim}")
         if self.num_stripes < 1:
@@ -102,7 +114,7 @@ class StoreConfig:
     @property
     def row_width(self) -> int:
         """float32 values per row: the embedding, then the optimizer state."""
-        return self.dim + self.optimizer.state_width(self.dim)
+        return self.dim + state_width(self.optimizer, self.dim)
 
 
 @dataclass
@@ -128,8 +140,8 @@ class Layout:
     def expected_header(self) -> dict[int, tuple[str, int]]:
         c = self.config
         return {H_VERSION: ("layout version", LAYOUT_VERSION), H_DIM: ("dim", c.dim),
-                H_CAPACITY: ("capacity", c.capacity), H_OPTIMIZER: ("optimizer", c.optimizer.code),
-                H_STATE_WIDTH: ("state width", c.optimizer.state_width(c.dim)),
+                H_CAPACITY: ("capacity", c.capacity), H_OPTIMIZER: ("optimizer", optimizer_code(c.optimizer)),
+                H_STATE_WIDTH: ("state width", state_width(c.optimizer, c.dim)),
                 H_NUM_STRIPES: ("num_stripes", c.num_stripes), H_SEED: ("seed", c.seed),
                 H_INDEX_SLOTS: ("index slots per stripe", self.index_slots)}
 

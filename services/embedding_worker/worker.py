@@ -124,6 +124,8 @@ class EmbeddingWorker:
         `gradients` was decoded against `rows_of`, so its shapes match the batch."""
         ref = gradients.batch_ref
         batch = self._get(ref)
+        if batch.phase != "train":
+            raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
         per_dim: dict[int, np.ndarray] = {}
         for dim in self.dims:
             per_dim[dim] = np.zeros((batch.uniq[dim].shape[0], dim), np.float32)

@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from hybridrec.bundle import BundleManifest
-from hybridrec.criteo_parser import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, _OK, _parse_lines, error_text
+from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
+from hybridrec.criteo_parser import _OK, _parse_lines, error_text
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,

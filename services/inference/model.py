@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hybridrec import rpc
-from hybridrec.bundle import BundleManifest, EmbeddingTable, load_dense, open_bundle
+from hybridrec.bundle import BundleError, BundleManifest, EmbeddingTable, load_dense, open_bundle
 from hybridrec.compress import ValueCodec
 from hybridrec.config import ConfigError
 from hybridrec.frames import PSLookup, PSRows
@@ -143,13 +143,21 @@ def build_dense(manifest: BundleManifest, state_dict: dict) -> torch.nn.Module:
 def load_model(path: str | Path, *, table: Table | None = None, check: bool = True) -> LoadedModel:
     """A LoadedModel from bundle directory `path`; `table` replaces the bundle's own embedding tables."""
     manifest, local = open_bundle(Path(path), check=check)
+    if manifest.base_version is not None:
+        raise BundleError(f"{Path(path) / 'manifest.json'}: a delta on version {manifest.base_version} (a live "
+                          f"version), not a whole model: serve its versions directory with --follow")
     model = build_dense(manifest, load_dense(Path(path)))
-    pooler = Pooler(manifest.features, ValueCodec(fp16=False))
     if table is None:
         table = LocalTable(local)
     elif isinstance(table, RemotePSTable) and len(table.addresses) != manifest.num_shards:
         raise ConfigError(f"ps: lists {len(table.addresses)} shard(s); the bundle {path} has "
                          f"{manifest.num_shards}: give one address per shard, in shard order")
+    return assemble(manifest, model, table)
+
+
+def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table) -> LoadedModel:
+    """A LoadedModel of a built dense module and a table (a bundle's, or a followed version's merged one)."""
+    pooler = Pooler(manifest.features, ValueCodec(fp16=False))
     # One zero sample tells how many logits the model answers per sample.
     bags = pooler.from_columns(np.zeros((1, len(manifest.features)), np.uint64),
                                np.zeros((1, len(manifest.features)), bool))[1]

@@ -1,4 +1,4 @@
-"""`hybridrec serve inference --bundle DIR`: the inference service's process.
+"""`hybridrec serve inference --bundle DIR` (or `--follow VERSIONS_DIR`): the inference service's process.
 
 Live at once (grpc.health.v1 "liveness", ServerLive, /v2/health/live); the
 bundle is loaded next and only then do ServerReady, ModelReady, the overall
@@ -16,6 +16,7 @@ from hybridrec.inference_config import InferenceConfig
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
 from services.inference.core import InferenceCore
+from services.inference.follow import FollowSource, inference_model
 from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
 from services.inference.model import RemotePSTable, StaticSource, load_model
 from services.inference.rest import make_app
@@ -24,9 +25,10 @@ from services.inference.rest import make_app
 async def serve(settings: InferenceConfig) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    read_manifest(settings.bundle)  # not a bundle: say so before binding anything
-    host = ServiceHost.standalone("inference", address=f"{settings.host}:{settings.grpc_port}",
-                                  bind_host=settings.host, metrics_port=settings.metrics_port)
+    if settings.bundle is not None:
+        read_manifest(settings.bundle)  # not a bundle: say so before binding anything
+    host = ServiceHost.standalone("inference", listen=f"{settings.host}:{settings.grpc_port}",
+                                  metrics_port=settings.metrics_port)
     core = InferenceCore(settings.model_name, settings.max_request_rows)
     add_to_server(host.server, GRPCInferenceServicer(core))
     host.add(None, stats=core.stats)
@@ -44,25 +46,38 @@ async def serve(settings: InferenceConfig) -> None:
     table = (RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
              if settings.ps else None)
     loop = asyncio.get_running_loop()
+    follow = None
     try:
-        model = await loop.run_in_executor(None, lambda: load_model(settings.bundle, table=table,
-                                                                    check=settings.verify_bundle))
-    except BaseException:
+        if settings.follow is not None:  # live versions: the newest one, swapped in as they are published
+            follow = FollowSource(settings.follow, poll_s=settings.follow_poll_s, check=settings.verify_bundle,
+                                  make_model=inference_model)
+            host.add(None, stats=follow.stats)
+            await loop.run_in_executor(None, follow.start, settings.follow_wait_s)
+            source = follow
+        else:
+            source = StaticSource(await loop.run_in_executor(None, lambda: load_model(
+                settings.bundle, table=table, check=settings.verify_bundle)))
+    except BaseException:  # nothing to serve: close what is open, then report (exit 2 from the CLI)
+        if follow is not None:
+            await loop.run_in_executor(None, follow.stop)
         if table is not None:
             await table.close()
         if runner is not None:
             await runner.cleanup()
         await host.server.stop(grace=None)
         raise
-    batcher = Batcher(StaticSource(model), settings.batching)
+    model = source.current()
+    batcher = Batcher(source, settings.batching)
     batcher.start()
     core.serve(batcher.source, batcher)
-    host.log.info("model_loaded", bundle=settings.bundle, version=model.version, step=model.step,
-                  embeddings="ps" if settings.ps else "local", outputs=model.outputs)
+    host.log.info("model_loaded", bundle=settings.bundle, follow=settings.follow, version=model.version,
+                  step=model.step, embeddings="ps" if settings.ps else "local", outputs=model.outputs)
     await host.set_serving(True)
     try:
         await host.run_until_stopped()
     finally:
+        if follow is not None:
+            await loop.run_in_executor(None, follow.stop)
         await batcher.close()
         if table is not None:
             await table.close()

@@ -8,6 +8,13 @@ last consumed batch (gathered from the rank that trained it). The manifest is
 written last and the directory renamed into place, so a crash mid-checkpoint
 leaves the previous checkpoint as the newest complete one.
 
+When training ends, with `checkpoint.dir` set and `checkpoint.final` on (with
+or without an interval), the ranks write one more, final checkpoint the same
+way: after every gradient push is acknowledged and before evaluation, so it
+holds exactly the model that is evaluated. Every checkpoint carries the job's
+resolved `config.yaml`, so `hybridrec export` can turn it into a model bundle
+on its own.
+
 A restarted group (after any NN worker or the data loader died) calls
 `restore` before serving: all ranks load the dense state, rank 0 has the PS
 shards load their rows, and the data loader reads the same manifest to resume
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +34,7 @@ import torch.distributed as dist
 
 from hybridrec import checkpoints, log, rpc
 from hybridrec.checkpoints import JobManifest
-from hybridrec.config import Config
+from hybridrec.config import Config, Mode, dump_config
 from hybridrec.proto import pb
 
 PS_TIMEOUT_S = 600.0
@@ -40,20 +48,53 @@ class Checkpointer:
         self.rank, self.world_size, self.num_ps = rank, world_size, len(config.cluster.ps)
         self.trainer = trainer
         self.ps_addresses = config.cluster.ps
+        self.config = config
+        self.final = config.checkpoint.final
         self.log = log.get()
+        self.last_saved: int | None = None  # step of the newest checkpoint this group wrote
+        self.restored_step: int | None = None  # step of the checkpoint this group resumed from
+        self.resumed_at: tuple[int, tuple[int, ...]] = (-1, (0, 0, 0, 0))  # (seq, position) of the restored one
+        self.final_path: Path | None = None
+        self.final_s: float | None = None
 
     @property
     def enabled(self) -> bool:
+        """Interval checkpoints (and resuming from them) are on."""
         return bool(self.root and self.interval)
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.interval == 0
 
+    async def finish(self, step: int, seq: int, position: tuple[int, ...]) -> None:
+        """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
+
+        Not written again when a checkpoint of this step already holds the final
+        state: the one this group resumed from (every rank loaded it, so the
+        replicas are identical), or an interval checkpoint of the last step in a
+        mode whose replicas are always identical (hybrid, sync). `final_path`
+        names the checkpoint either way; `final_s` is set when one was written.
+        """
+        if not (self.root and self.final):
+            return
+        identical = self.config.training.mode in (Mode.HYBRID, Mode.SYNC)
+        if step == self.restored_step or (step == self.last_saved and identical):
+            self.final_path = checkpoints.step_dir(self.root, step)
+            return
+        started = time.monotonic()
+        await self.save(step, seq, position)
+        self.final_s = time.monotonic() - started
+        self.final_path = checkpoints.step_dir(self.root, step)
+        self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
+                      seconds=round(self.final_s, 3))
+
     async def _ps(self, method: str, directory: Path, step: int) -> None:
+        """Have every PS shard dump into / load from `directory`, named relative to the shared checkpoint root."""
+        name = directory.name
+
         async def one(address: str) -> None:
             async with rpc.channel(address) as ch:
                 call = rpc.control_method(ch, "EmbeddingPS", method)
-                await rpc.retry(lambda: call(pb.CheckpointRequest(directory=str(directory), step=step),
+                await rpc.retry(lambda: call(pb.CheckpointRequest(name=name, step=step),
                                              timeout=PS_TIMEOUT_S), deadline_s=PS_TIMEOUT_S)
 
         await asyncio.gather(*(one(a) for a in self.ps_addresses))
@@ -68,6 +109,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             await trainer._on_compute(self._save_dense, tmp / "dense.pt")
+            dump_config(self.config, tmp / "config.yaml")
             await self._ps("Checkpoint", tmp, step)
             stats = trainer.stats
             checkpoints.write_manifest(tmp, JobManifest(
@@ -78,6 +120,7 @@ class Checkpointer:
             checkpoints.prune(self.root, self.keep)
             self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
         await trainer._on_compute(dist.barrier)
+        self.last_saved = step
 
     def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         """The (seq, position) of the latest batch any rank trained: where the data resumes."""
@@ -93,7 +136,7 @@ class Checkpointer:
 
     async def restore(self) -> JobManifest | None:
         """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard)."""
-        found = checkpoints.latest(self.root) if self.enabled and self.resume else None
+        found = checkpoints.resume_from(self.config.checkpoint)
         if found is None:
             return None
         path, manifest = found
@@ -111,6 +154,7 @@ class Checkpointer:
         stats.steps = manifest.step
         stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
         stats.wall_offset = manifest.train_wall_s if self.rank == 0 else 0.0
+        self.restored_step, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
         return manifest
 

@@ -14,6 +14,8 @@ user's module, not part of it):
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridrec.config import Mode, TrainingConfig
+from hybridrec.config import Mode, TrainingConfig, split_address
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,15 @@ class DistEnv:
     device: torch.device
 
 
-def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: str,
+def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: str, bind_host: str = "0.0.0.0",
                        timeout_s: float = 300.0) -> DistEnv:
-    """Join the NN workers' process group (rank 0 hosts the TCP store at `rendezvous`)."""
+    """Join the NN workers' process group (rank 0 hosts the TCP store at `rendezvous`).
+
+    Every socket the group listens on stays on `bind_host` (cluster.bind_host):
+    rank 0's store listens on a socket we bind ourselves (torch's own binds
+    every interface), and Gloo's pairs use the interface that holds
+    `bind_host` unless it is a wildcard address.
+    """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -44,9 +52,32 @@ def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: 
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    host, port = split_address(rendezvous)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    interface = interface_of(bind_host)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    if rank == 0:
+        listener = socket.create_server((bind_host, port), backlog=1024, reuse_port=False)
+        store = dist.TCPStore(host, port, world_size, True, timeout=timeout, multi_tenant=True,
+                              master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(rank=rank, world_size=world_size, backend=backend, device=device)
+
+
+def interface_of(bind_host: str) -> str | None:
+    """The network interface that holds address `bind_host`; None for a wildcard or a name we cannot match."""
+    if bind_host in ("", "0.0.0.0", "::"):
+        return None
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == bind_host for a in addresses):
+            return name
+    return None
 
 
 class DenseSync:

@@ -6,6 +6,7 @@ the compute thread by every rank in the same order; rank 0 builds the
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle
-from hybridrec.summary import RunSummary, Staleness
+from hybridrec.summary import PublishSummary, RunSummary, Staleness
 from services.nn_worker.trainer import Trainer
 
 
@@ -40,16 +41,24 @@ def reduce_stats(trainer: Trainer) -> dict:
     dist.all_reduce(totals)
     hist = torch.from_numpy(s.staleness_hist.astype(np.int64))
     dist.all_reduce(hist)
-    wall = torch.tensor([s.wall_s], dtype=torch.float64)
+    # Longest rank's training time; the first rank's first step and the last rank's end as Unix times
+    # (negated start: one MAX reduction). A rank that trained nothing contributes -inf.
+    now_epoch, now = time.time(), time.monotonic()
+    start = now_epoch - (now - s.started) if s.started is not None else math.inf
+    end = now_epoch - (now - (s.finished or now)) if s.started is not None else -math.inf
+    wall = torch.tensor([s.wall_s, -start, end], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    first, last = -float(wall[1]), float(wall[2])
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
             "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),
             "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist(), "skipped_batches": int(totals[5]),
-            "skipped_eval_batches": int(totals[6])}
+            "skipped_eval_batches": int(totals[6]),
+            "train_started_at": first if math.isfinite(first) else None,
+            "train_ended_at": last if math.isfinite(last) else None}
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
-                  data: dict) -> RunSummary:
+                  data: dict, publish: dict | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions."""
     wall = totals["train_wall_s"]
     return RunSummary(
@@ -61,4 +70,6 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         eval_samples=int(labels.shape[0]), **binary_metrics(labels, preds),
         oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
+        train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
+        publish=PublishSummary(**publish) if publish is not None else None,
     )

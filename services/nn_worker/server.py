@@ -16,6 +16,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from hybridrec import checkpoints
 from hybridrec.config import Config
 from hybridrec.frames import Applied, decode_nn_batch
 from hybridrec.models import FeatureInfo, build_model
@@ -24,6 +25,7 @@ from hybridrec import rpc
 from hybridrec.service import ServiceHost
 from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import init_process_group
+from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Trainer
@@ -45,6 +47,7 @@ class NNWorkerServicer:
             return pb.TrainingStatus(phase=self.phase)
         return pb.TrainingStatus(done=self.phase == "done", step=stats.steps, samples=stats.samples,
                                  loss=stats.last_loss, phase=self.phase, train_auc=stats.train_auc,
+                                 train_s=stats.trained_here_s,
                                  samples_per_sec=stats.samples / stats.wall_s if stats.wall_s else 0.0)
 
     def stats(self) -> dict[str, float]:
@@ -55,6 +58,8 @@ class NNWorkerServicer:
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
                           skipped_batches_total=s.skipped_batches)
+            if self.trainer.publisher is not None:
+                values.update(self.trainer.publisher.metrics())
         return {k: float(v) for k, v in values.items()}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
@@ -64,6 +69,7 @@ class NNWorkerServicer:
 async def serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
+    checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(config.training.torch_threads)
     torch.manual_seed(config.training.seed)
@@ -78,6 +84,7 @@ async def serve(config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     env = await loop.run_in_executor(compute, lambda: init_process_group(
         rendezvous=config.cluster.rendezvous, rank=replica, world_size=world_size, backend=config.training.backend,
+        bind_host=config.cluster.bind_host,
         timeout_s=config.cluster.start_timeout_s * 5))
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size)
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
@@ -86,6 +93,8 @@ async def serve(config: Config, replica: int) -> None:
     await trainer.setup()
     trainer.checkpointer = Checkpointer(config, replica, world_size, trainer)
     await trainer.checkpointer.restore()
+    if replica == 0 and config.publish.enabled:
+        trainer.publisher = Publisher(config, trainer)
     servicer.trainer = trainer
     await rpc.wait_until_serving(config.cluster.embedding_workers, timeout_s=config.cluster.start_timeout_s,
                                  what="embedding workers")
@@ -102,7 +111,11 @@ async def serve(config: Config, replica: int) -> None:
         totals = await loop.run_in_executor(compute, reduce_stats, trainer)
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
-                                    data={"train": end_train, "eval": end_eval})
+                                    data={"train": end_train, "eval": end_eval},
+                                    publish=trainer.publisher.summary() if trainer.publisher else None)
+            checkpointer = trainer.checkpointer
+            if checkpointer.final_path is not None:
+                summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)

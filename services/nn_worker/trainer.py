@@ -65,6 +65,11 @@ class TrainStats:
             return self.wall_offset
         return self.wall_offset + (self.finished or time.monotonic()) - self.started
 
+    @property
+    def trained_here_s(self) -> float:
+        """Seconds this process has trained (first step to now or to the end of training), no resumed time."""
+        return 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
+
 
 Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings
 Push = Callable[[int, bytes], Awaitable[int]]  # (batch_ref, gradient frame) -> rows applied
@@ -83,6 +88,7 @@ class Trainer:
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
         self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
+        self.publisher = None  # services.nn_worker.publish.Publisher, set by the server on rank 0 when publishing
         self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
@@ -160,8 +166,11 @@ class Trainer:
                 permits.release()
 
         pushes: set[asyncio.Task] = set()
+        checkpointer = self.checkpointer
+        last = checkpointer.resumed_at if checkpointer is not None else (-1, (0, 0, 0, 0))
         async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
             async for batch, pending in batches:
+                last = (batch.seq, tuple(batch.position))
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
@@ -179,10 +188,16 @@ class Trainer:
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
                     await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
+                if self.publisher is not None:
+                    await self.publisher.maybe_publish(self.stats.steps)
         if pushes:
             await asyncio.gather(*pushes)
         await self._on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
+        if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
+            await checkpointer.finish(self.stats.steps, *last)
+        if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
+            await self.publisher.finish(self.stats.steps)
         return end
 
     async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:

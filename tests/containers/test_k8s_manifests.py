@@ -94,6 +94,9 @@ def test_base_has_the_expected_objects(base):
         ("PersistentVolumeClaim", "hybridrec-state"),
         ("Service", "dataloader"), ("Service", "embedding-worker"), ("Service", "nn-worker"), ("Service", "ps"),
         ("StatefulSet", "embedding-worker"), ("StatefulSet", "nn-worker"), ("StatefulSet", "ps"),
+        ("NetworkPolicy", "embedding-ps"), ("NetworkPolicy", "embedding-worker"),
+        ("NetworkPolicy", "hybridrec-default-deny"), ("NetworkPolicy", "hybridrec-metrics"),
+        ("NetworkPolicy", "nn-worker"),
     ])
 
 
@@ -179,6 +182,7 @@ def test_hardening_and_resources(base):
         spec = pod_spec(obj)
         name = obj["metadata"]["name"]
         assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert spec.get("automountServiceAccountToken") is False, name
         for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
@@ -211,3 +215,56 @@ def test_gpu_overlay_puts_nn_workers_on_gpus_with_nccl(base, gpu):
             for c in pod_spec(obj)["containers"]:
                 assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), obj["metadata"]["name"]
     assert sts["spec"]["replicas"] == len(hybridrec_config(gpu)["cluster"]["nn_workers"])
+
+
+def _allowed(policies: list[dict], source: dict, target: dict, port: str) -> bool:
+    """Whether ingress from pods labelled `source` (namespace labels under "ns") reaches `target` on `port`.
+
+    The NetworkPolicy rules: a pod selected by no policy is open; a selected pod admits what any of its
+    policies' rules admit (a rule without `ports` covers every port, one without `from` every peer).
+    """
+    def matches(selector: dict, labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    selecting = [p for p in policies if matches(p["spec"]["podSelector"], target)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                if "namespaceSelector" in peer and matches(peer["namespaceSelector"], source.get("ns", {})):
+                    return True
+                if "podSelector" in peer and "namespaceSelector" not in peer and not source.get("ns") \
+                        and matches(peer["podSelector"], source):
+                    return True
+    return False
+
+
+def test_network_policies_let_each_port_be_reached_only_by_its_callers(base):
+    policies = [o for o in base if o["kind"] == "NetworkPolicy"]
+    pods = {c: {"app.kubernetes.io/name": "hybridrec", "app.kubernetes.io/component": c}
+            for c in ("embedding-ps", "embedding-worker", "nn-worker", "dataloader")}
+    callers = {  # target -> the components that call its gRPC port
+        "embedding-ps": {"embedding-worker", "nn-worker"},
+        "embedding-worker": {"dataloader", "nn-worker"},
+        "nn-worker": {"dataloader", "nn-worker"},
+        "dataloader": set(),
+    }
+    for target, allowed in callers.items():
+        for source in pods:
+            assert _allowed(policies, pods[source], pods[target], "grpc") == (source in allowed), (source, target)
+        outsider = {"app.kubernetes.io/name": "other"}
+        assert not _allowed(policies, outsider, pods[target], "grpc"), target
+        monitoring = {"ns": {"kubernetes.io/metadata.name": "monitoring"}}
+        assert _allowed(policies, monitoring, pods[target], "metrics"), target
+        assert not _allowed(policies, monitoring, pods[target], "grpc"), target
+    # Gloo and the rendezvous store: NN workers reach each other on any port, nobody else does
+    assert _allowed(policies, pods["nn-worker"], pods["nn-worker"], 29500)
+    assert not _allowed(policies, pods["dataloader"], pods["nn-worker"], 29500)
+    assert not _allowed(policies, pods["embedding-ps"], pods["nn-worker"], 41234)

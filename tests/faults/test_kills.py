@@ -14,10 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from services.dataloader.synth import synthesize
 import yaml
 
+from hybridrec.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults

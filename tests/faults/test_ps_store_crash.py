@@ -20,14 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.embedding_ps.optimizers import OptimizerSpec
+from hybridrec.config import EmbeddingOptimizerConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 
 pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
 DIM, LR, SEED, NUM_TRACKED = 8, 0.1, 3, 2000
-CONFIG = StoreConfig(dim=DIM, capacity=1 << 15, optimizer=OptimizerSpec("sgd", lr=LR), seed=SEED, num_stripes=8)
+CONFIG = StoreConfig(dim=DIM, capacity=1 << 15, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=LR), seed=SEED,
+                     num_stripes=8)
 TRACKED = np.arange(NUM_TRACKED, dtype=np.uint64) * np.uint64(7) + np.uint64(1)
 
 CHILD = f"""

@@ -9,23 +9,18 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import subprocess
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from hybridrec import rpc
-from hybridrec.frames import PSLookup
 from hybridrec.config import TLSConfig
-from hybridrec.launcher import free_port
-from tests.conftest import HYBRIDREC, REPO
+from tests.faults.ps_process import lookup_status, ps_process
 
 pytestmark = pytest.mark.faults
 
@@ -68,49 +63,27 @@ def pki(tmp_path):
     return tmp_path
 
 
-async def _lookup(channel: grpc.aio.Channel) -> grpc.StatusCode:
-    call = channel.unary_unary("/hybridrec.EmbeddingPS/Lookup")
-    try:
-        await call(PSLookup({8: np.arange(1, 5, dtype=np.uint64)}, train=True).encode(), timeout=10)
-        return grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-
-
 def test_client_without_valid_certificate_is_refused(tmp_path, pki):
-    address = f"127.0.0.1:{free_port()}"
     tls = {"ca": str(pki / "ca.pem"), "cert": str(pki / "service.pem"), "key": str(pki / "service.key")}
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 8}],
-        "ps": {"capacity": 1000, "num_stripes": 2, "shm_dir": str(tmp_path / "shm")},
-        "cluster": {"ps": [address], "bind_host": "127.0.0.1", "tls": tls},
-    }))
-    ps = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"], cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=(tmp_path / "ps.log").open("wb"))
-    try:
+    with ps_process(tmp_path, tls=tls) as (address, _):
         async def scenario() -> dict[str, grpc.StatusCode]:
             rpc.use_tls(TLSConfig(**tls))
             await rpc.wait_until_serving([address], timeout_s=120)
             results = {}
             async with rpc.channel(address) as ch:
-                results["valid certificate"] = await _lookup(ch)
+                results["valid certificate"] = await lookup_status(ch)
             ca = (pki / "ca.pem").read_bytes()
             async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
-                results["no client certificate"] = await _lookup(ch)
+                results["no client certificate"] = await lookup_status(ch)
             rogue = grpc.ssl_channel_credentials(root_certificates=ca, private_key=(pki / "rogue.key").read_bytes(),
                                                  certificate_chain=(pki / "rogue.pem").read_bytes())
             async with grpc.aio.secure_channel(address, rogue) as ch:
-                results["certificate from another CA"] = await _lookup(ch)
+                results["certificate from another CA"] = await lookup_status(ch)
             async with grpc.aio.insecure_channel(address) as ch:
-                results["plaintext"] = await _lookup(ch)
+                results["plaintext"] = await lookup_status(ch)
             rpc.use_tls(None)
             return results
 
         results = asyncio.run(scenario())
-    finally:
-        rpc.use_tls(None)
-        ps.terminate()
-        ps.wait(timeout=30)
     assert results.pop("valid certificate") == grpc.StatusCode.OK
     assert all(code == grpc.StatusCode.UNAVAILABLE for code in results.values()), results

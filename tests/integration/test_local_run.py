@@ -82,6 +82,11 @@ def test_failed_service_is_named_and_everything_stops(tmp_path, small_data):
     assert "service nn_worker-" in result.stderr and "exited with code" in result.stderr
     assert "planted failure at step 3" in result.stderr  # the service's last log lines are shown
     assert time.monotonic() - started < 90
+    # A report of what was recorded, marked incomplete, naming the failed service.
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert 'data-status="incomplete"' in page and "service nn_worker-" in page
+    assert "planted failure at step 3" in page
+    assert f"partial report (incomplete run): {tmp_path / 'run' / 'report.html'}" in result.stderr
     _assert_clean(tmp_path / "run")
 
 
@@ -101,6 +106,7 @@ def test_ctrl_c_stops_every_service(tmp_path, small_config):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     _assert_clean(run_dir)
+    assert "interrupted (Ctrl-C)" in (run_dir / "report.html").read_text()  # a report of what was recorded
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 import yaml
 
 from hybridrec.config import load_config
+from hybridrec.criteo import feature_columns
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of
 from services.dataloader.batching import ReadCounters, iter_train_batches
-from services.dataloader.server import feature_columns
-from services.embedding_ps.server import shard_dir, store_config
-from services.embedding_ps.store import EmbeddingStore, init_rows
+from services.embedding_ps.server import shard_dir
+from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ STEPS, BATCH, LR_EMB, LR_DENSE = 200, 256, 0.5, 0.05
 
 def reference(config, steps: int):
     """Plain PyTorch: one embedding table over every ID seen, the same MLP, SGD, same batches in order."""
-    columns, groups = feature_columns(config)
+    columns, groups = feature_columns(config.features)
     batches = []
     for batch, _ in iter_train_batches(config.data.train, epochs=1, batch_size=config.training.batch_size,
                                        columns=columns, groups=groups, bad_lines="skip", counters=ReadCounters()):
@@ -91,7 +91,7 @@ def test_sync_sgd_matches_single_process_pytorch(tmp_path, small_data):
     rows = np.zeros_like(ref_rows)
     shards = shard_of(vocab, num_shards)
     for shard in range(num_shards):
-        store = EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", store_config(config, dim))
+        store = EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
         try:
             mine = shards == shard
             rows[mine] = store.lookup(vocab[mine], train=False)

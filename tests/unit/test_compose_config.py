@@ -49,3 +49,14 @@ def test_the_data_loader_sees_the_data(compose, config):
 def test_ps_shm_dir_is_a_volume(compose, config):
     for name in ("ps-0", "ps-1"):
         assert mounted(config["ps"]["shm_dir"], compose["services"][name]), name
+
+
+def test_every_container_is_hardened(compose):
+    """Read-only root, no capabilities, no privilege escalation, and an image that runs as a non-root user."""
+    for name, service in compose["services"].items():
+        assert service.get("read_only") is True, name
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text().splitlines()
+    users = [line.split()[1] for line in dockerfile if line.startswith("USER ")]
+    assert users and not users[-1].startswith(("0", "root")), f"the image's last USER is {users}"

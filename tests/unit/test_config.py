@@ -1,7 +1,11 @@
 """Config validation names the bad key; --set overrides any key."""
-import pytest
+import inspect
 
-from hybridrec.config import ConfigError, load_config
+import pytest
+from pydantic import BaseModel
+
+from hybridrec import config as config_module
+from hybridrec.config import ConfigError, EmbeddingOptimizer, from_dict, load_config
 
 
 def _write(tmp_path, text):
@@ -43,3 +47,63 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(_write(tmp_path, "data: [unclosed"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optimizer.embedding.lr_power=0.5", "optimizer.embedding.lr_power"),
+    ("optimizer.embedding.l1=-1", "optimizer.embedding.l1"),
+    ("optimizer.embedding.l2=-0.1", "optimizer.embedding.l2"),
+    ("data.source=criteo", "data.source: unknown key"),
+])
+def test_ftrl_keys_are_validated_and_data_source_is_gone(tmp_path, override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, BASE), [override])
+    assert key in str(info.value)
+
+
+def test_ftrl_keys_load():
+    config = from_dict({"data": {"train": ["a.tsv"]},
+                        "optimizer": {"embedding": {"name": "ftrl", "l1": 0.5, "l2": 0.25, "lr_power": -1}}})
+    opt = config.optimizer.embedding
+    assert (opt.name, opt.l1, opt.l2, opt.lr_power) == (EmbeddingOptimizer.FTRL, 0.5, 0.25, -1.0)
+    assert f"{opt.name}" == "ftrl"
+
+
+def _config_models() -> list[type[BaseModel]]:
+    return [obj for obj in vars(config_module).values()
+            if inspect.isclass(obj) and issubclass(obj, BaseModel) and obj.__module__ == config_module.__name__]
+
+
+def test_every_config_field_has_a_docstring():
+    """The pydantic models are the one spec of the config: every key says what it does, right under it."""
+    models = _config_models()
+    assert len(models) > 10 and config_module.Config in models
+    missing = [f"{model.__name__}.{name}" for model in models for name, field in model.model_fields.items()
+               if not (field.description or "").strip()]
+    assert not missing, f"config fields without a docstring: {', '.join(missing)}"
+
+
+def test_control_identities_need_tls():
+    from hybridrec.config import ConfigError, from_dict
+
+    tree = {"data": {"train": ["x"]}, "cluster": {"control_identities": ["nn-worker"]}}
+    with pytest.raises(ConfigError, match="cluster.control_identities"):
+        from_dict(tree)
+
+
+def test_checkpoint_names_resolve_inside_the_root(tmp_path):
+    from hybridrec.checkpoints import check_root, resolve_under
+
+    root = tmp_path / "root"
+    check_root(root)
+    assert resolve_under(root, "step-00000001") == (root / "step-00000001").resolve()
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")
+    for bad in ("", "/etc", "../x", "a/../../x", "link", "link/y"):
+        with pytest.raises(PermissionError):
+            resolve_under(root, bad)
+    with pytest.raises(PermissionError, match="no checkpoint root"):
+        resolve_under(None, "step-00000001")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="checkpoint.dir"):
+        check_root(tmp_path / "file" / "sub")

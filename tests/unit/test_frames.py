@@ -185,3 +185,10 @@ def test_proto_comments_name_existing_frames():
         comment = "\n".join(comment_lines)
         mentioned = set(re.findall(r"frames\.(\w+)", comment))
         assert mentioned and mentioned <= names, f"rpc {match.group(1)}: comment names {mentioned}"
+
+
+def test_architecture_doc_describes_every_frame():
+    """docs/architecture.md's frame table has one row per frame kind of hybridrec/frames.py."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    rows = set(re.findall(r"^\| (\w+) \|", doc, flags=re.M))
+    assert {cls.__name__ for cls in frames.FRAMES} <= rows, rows

@@ -27,3 +27,52 @@ def test_cpu_during_averages_only_the_training_window():
     cpu = cpu_during(resources, 1.0, 2.0)
     assert cpu == {"nn_worker-0": 80.0, "embedding_ps-0": 10.0, "total": 90.0}
     assert cpu_during({}, 0.0, 1.0) == {"total": pytest.approx(0.0)}
+
+
+def _entry(auc, wall, samples=1_000_000, **extra):
+    return {"auc": auc, "train_wall_s": wall, "samples": samples, "samples_per_sec": samples / wall, **extra}
+
+
+def test_plot_compares_one_auc_measure_for_every_system(tmp_path):
+    """Modes and baselines are drawn with the same measure: eval AUC on the held-out file after training.
+    The hybridrec progressive curves (a different measure) are not drawn."""
+    from benchmarks.modes import AUC_AXIS, auc_points, plot
+
+    result = {
+        "modes": {"hybrid": _entry(0.79, 30.0, curve=[(1.0, 0.6), (29.0, 0.9)], curve_kind="progressive"),
+                  "sync": _entry(0.78, 60.0, curve=[(1.0, 0.55)], curve_kind="progressive"),
+                  "async": {"auc": None, "train_wall_s": 10.0, "samples": 1_000_000}},  # failed eval: left out
+        "baselines": {"pytorch": _entry(0.785, 50.0, curve=[(20.0, 0.7), (50.0, 0.785)], curve_kind="eval AUC")},
+        "oracle_auc": 0.81,
+    }
+    points = auc_points(result)
+    assert [(p["name"], p["auc"], p["train_wall_s"]) for p in points] == [
+        ("hybrid", 0.79, 30.0), ("sync", 0.78, 60.0), ("pytorch", 0.785, 50.0)]
+    assert {p["samples"] for p in points} == {1_000_000}
+    assert "held-out" in AUC_AXIS and "eval" in AUC_AXIS
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        drawn["ylabel"] = ax.get_ylabel()
+        drawn["lines"] = [([float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()]) for line in ax.get_lines()]
+        return real_savefig(fig, *args, **kwargs)
+
+    plt.Figure.savefig = capture
+    try:
+        plot(result, tmp_path / "modes.png")
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert (tmp_path / "modes.png").stat().st_size > 5000
+    assert drawn["ylabel"] == AUC_AXIS
+    # one point per system plus the oracle line; no progressive-AUC curve among them
+    points_drawn = [xy for xy in drawn["lines"] if len(xy[0]) == 1]
+    assert sorted(points_drawn) == sorted([([30.0], [0.79]), ([60.0], [0.78]), ([50.0], [0.785])])
+    assert all(0.6 not in ys and 0.9 not in ys for _, ys in drawn["lines"])

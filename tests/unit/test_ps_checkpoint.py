@@ -8,14 +8,14 @@ import pytest
 
 from hybridrec.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard, inspect_checkpoint, load_shard, shard_dir_name
-from services.embedding_ps.optimizers import OptimizerSpec
+from hybridrec.config import EmbeddingOptimizerConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 DIMS = (4, 8)
-ADAM = OptimizerSpec("adam", lr=0.05)
+ADAM = EmbeddingOptimizerConfig(name="adam", lr=0.05)
 
 
-def cfg(dim: int, optimizer: OptimizerSpec = ADAM, capacity: int = 2000) -> StoreConfig:
+def cfg(dim: int, optimizer: EmbeddingOptimizerConfig = ADAM, capacity: int = 2000) -> StoreConfig:
     return StoreConfig(dim=dim, capacity=capacity, optimizer=optimizer, num_stripes=4, seed=2)
 
 
@@ -24,7 +24,7 @@ def stores(tmp_path):
     """stores(name) -> {dim: store} of fresh stores; all closed at the end."""
     opened = []
 
-    def make(name: str, optimizer: OptimizerSpec = ADAM, dims=DIMS, capacity: int = 2000):
+    def make(name: str, optimizer: EmbeddingOptimizerConfig = ADAM, dims=DIMS, capacity: int = 2000):
         group = {d: EmbeddingStore.open(tmp_path / "shm" / name / f"dim{d}", cfg(d, optimizer, capacity))
                  for d in dims}
         opened.extend(group.values())
@@ -193,7 +193,7 @@ def test_damaged_checkpoint_is_refused_with_nothing_loaded(checkpoint, stores, d
 def test_mismatched_stores_are_refused(checkpoint, stores):
     with pytest.raises(ValueError, match="widths"):
         load_shard(checkpoint, stores("w", dims=(4,)), shard=0, num_shards=2, shard_of=lambda i: shard_of(i, 2))
-    other = stores("o", optimizer=OptimizerSpec("adagrad"))
+    other = stores("o", optimizer=EmbeddingOptimizerConfig(name="adagrad"))
     with pytest.raises(ValueError, match="optimizer adam"):
         load_shard(checkpoint, other, shard=0, num_shards=2, shard_of=lambda i: shard_of(i, 2))
     assert all(store.stats()["rows"] == 0 for store in other.values())

@@ -1,18 +1,23 @@
 """The PS optimizers against torch.optim (and FTRL against TensorFlow's formula), several steps, within 1e-6."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from services.embedding_ps.optimizers import OptimizerSpec
+from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig, from_dict
+from services.embedding_ps import optimizers as O
+from services.embedding_ps.optimizers import OPTIMIZER_CODES, accumulator_width, hyper_parameters, state_width
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 
 DIM, ROWS, STEPS = 6, 40, 6
 KEYS = np.arange(1000, 1000 + ROWS, dtype=np.uint64)
 
 
-def make_store(tmp_path, spec: OptimizerSpec, *, weight_bound=None) -> tuple[EmbeddingStore, np.ndarray]:
+def make_store(tmp_path, spec: EmbeddingOptimizerConfig, *, weight_bound=None
+               ) -> tuple[EmbeddingStore, np.ndarray]:
     store = EmbeddingStore.open(tmp_path / spec.name, StoreConfig(
         dim=DIM, capacity=4 * ROWS, optimizer=spec, seed=5, init_scale=0.5, weight_bound=weight_bound,
         num_stripes=4))
@@ -32,7 +37,7 @@ def state_of(store: EmbeddingStore) -> np.ndarray:
     return values[np.argsort(keys)][np.argsort(np.argsort(KEYS))]
 
 
-def torch_optimizer(spec: OptimizerSpec, params):
+def torch_optimizer(spec: EmbeddingOptimizerConfig, params):
     if spec.name == "sgd":
         return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
     if spec.name == "adagrad":
@@ -42,7 +47,7 @@ def torch_optimizer(spec: OptimizerSpec, params):
                             weight_decay=spec.weight_decay)
 
 
-def torch_state(spec: OptimizerSpec, opt, param) -> np.ndarray:
+def torch_state(spec: EmbeddingOptimizerConfig, opt, param) -> np.ndarray:
     """torch's optimizer state laid out as the store's row state."""
     st = opt.state[param]
     if spec.name == "sgd":
@@ -54,12 +59,13 @@ def torch_state(spec: OptimizerSpec, opt, param) -> np.ndarray:
 
 
 SPECS = [
-    OptimizerSpec("sgd", lr=0.1),
-    OptimizerSpec("sgd", lr=0.05, weight_decay=0.01),
-    OptimizerSpec("adagrad", lr=0.1),
-    OptimizerSpec("adagrad", lr=0.3, initial_accumulator_value=0.1, weight_decay=0.02, eps=1e-6),
-    OptimizerSpec("adam", lr=0.01),
-    OptimizerSpec("adam", lr=0.02, beta1=0.3, beta2=0.9, adam_eps=1e-6, weight_decay=0.05),
+    EmbeddingOptimizerConfig(name="sgd", lr=0.1),
+    EmbeddingOptimizerConfig(name="sgd", lr=0.05, weight_decay=0.01),
+    EmbeddingOptimizerConfig(name="adagrad", lr=0.1),
+    EmbeddingOptimizerConfig(name="adagrad", lr=0.3, initial_accumulator_value=0.1, weight_decay=0.02,
+                             eps=1e-6),
+    EmbeddingOptimizerConfig(name="adam", lr=0.01),
+    EmbeddingOptimizerConfig(name="adam", lr=0.02, beta1=0.3, beta2=0.9, adam_eps=1e-6, weight_decay=0.05),
 ]
 
 
@@ -74,7 +80,7 @@ def test_dense_steps_match_torch(tmp_path, spec):
             param.grad = torch.from_numpy(grads.copy())
             opt.step()
         rows = state_of(store)
-        assert rows.shape == (ROWS, DIM + spec.state_width(DIM))
+        assert rows.shape == (ROWS, DIM + state_width(spec, DIM))
         np.testing.assert_allclose(rows[:, :DIM], param.detach().numpy(), rtol=0, atol=1e-6)
         np.testing.assert_allclose(rows[:, DIM:], torch_state(spec, opt, param), rtol=0, atol=1e-6)
         np.testing.assert_array_equal(store.lookup(KEYS, train=False), rows[:, :DIM])
@@ -108,7 +114,7 @@ def test_sparse_steps_match_torch_per_row(tmp_path, spec):
 
 
 def test_weight_bound_matches_torch_with_clamp(tmp_path):
-    spec = OptimizerSpec("adagrad", lr=0.5)
+    spec = EmbeddingOptimizerConfig(name="adagrad", lr=0.5)
     store, init = make_store(tmp_path, spec, weight_bound=0.3)
     param = torch.nn.Parameter(torch.from_numpy(init.copy()))
     opt = torch_optimizer(spec, [param])
@@ -137,7 +143,7 @@ def ftrl_reference(w, accum, linear, g, *, lr, lr_power, l1, l2):
 
 
 def test_ftrl_matches_tensorflow_formula(tmp_path):
-    spec = OptimizerSpec("ftrl", lr=0.1, initial_accumulator_value=0.1, l1=0.01, l2=0.001)
+    spec = EmbeddingOptimizerConfig(name="ftrl", lr=0.1, initial_accumulator_value=0.1, l1=0.01, l2=0.001)
     store, init = make_store(tmp_path, spec)
     w, accum, linear = init, np.full_like(init, 0.1), np.zeros_like(init)
     try:
@@ -155,11 +161,31 @@ def test_ftrl_matches_tensorflow_formula(tmp_path):
 
 
 def test_state_widths_and_spec_validation():
-    assert [OptimizerSpec(n).state_width(16) for n in ("sgd", "adagrad", "adam", "ftrl")] == [0, 16, 33, 32]
+    assert [state_width(EmbeddingOptimizerConfig(name=n), 16) for n in ("sgd", "adagrad", "adam", "ftrl")] \
+        == [0, 16, 33, 32]
     for kw, field in [(dict(name="rmsprop"), "name"), (dict(name="sgd", lr=0), "lr"),
                       (dict(name="adam", beta1=1.0), "beta1"), (dict(name="adagrad", eps=-1), "eps"),
                       (dict(name="ftrl", lr_power=0.5), "lr_power")]:
         with pytest.raises(ValueError, match=field):
-            OptimizerSpec(**kw)
-    spec = OptimizerSpec("adam", lr=0.5)
-    assert OptimizerSpec.from_dict(spec.to_dict()) == spec
+            EmbeddingOptimizerConfig(**kw)
+    spec = EmbeddingOptimizerConfig(name="adam", lr=0.5)
+    assert EmbeddingOptimizerConfig.model_validate(json.loads(json.dumps(spec.model_dump(mode="json")))) == spec
+
+
+def test_every_optimizer_has_a_kernel_code_and_state():
+    """The enum in hybridrec/config.py is the one list of names: the PS must handle each of its members."""
+    assert set(OPTIMIZER_CODES) == set(EmbeddingOptimizer)
+    assert len(set(OPTIMIZER_CODES.values())) == len(OPTIMIZER_CODES)
+    for name in EmbeddingOptimizer:
+        spec = EmbeddingOptimizerConfig(name=name)
+        assert state_width(spec, 8) >= accumulator_width(spec, 8) >= 0
+
+
+def test_ftrl_settings_reach_the_kernel_from_the_config():
+    config = from_dict({"data": {"train": ["a.tsv"]}, "optimizer": {"embedding": {
+        "name": "ftrl", "lr": 0.2, "l1": 0.25, "l2": 0.125, "lr_power": -0.75}}})
+    store = StoreConfig.from_config(config, 16)
+    assert store.optimizer is config.optimizer.embedding
+    hp = hyper_parameters(store.optimizer, store.weight_bound)
+    assert (hp[O.HP_LR], hp[O.HP_L1], hp[O.HP_L2], hp[O.HP_LR_POWER]) == (0.2, 0.25, 0.125, -0.75)
+    assert np.isnan(hp[O.HP_BOUND])

@@ -11,11 +11,11 @@ import pytest
 from hybridrec.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
-from services.embedding_ps.optimizers import OptimizerSpec
+from hybridrec.config import EmbeddingOptimizerConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 from services.embedding_ps.store_files import GLOBAL_FIELDS
 
-SGD = OptimizerSpec("sgd", lr=0.1)
+SGD = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
 
 
 def ids(*values: int) -> np.ndarray:
@@ -283,7 +283,7 @@ def test_update_skips_and_counts_missing_ids(open_store):
 
 
 def test_weight_bound_clips_after_update(open_store):
-    store = open_store(config(weight_bound=0.05, optimizer=OptimizerSpec("sgd", lr=1.0)))
+    store = open_store(config(weight_bound=0.05, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=1.0)))
     store.lookup(ids(1, 2), train=True)
     grads = np.array([[1, -1, 0.001, 0], [-0.02, 0.02, 0, 0]], np.float32)
     start = store.lookup(ids(1, 2), train=False)
@@ -293,7 +293,7 @@ def test_weight_bound_clips_after_update(open_store):
 
 # ------------------------------------------------------------------ persistence and recovery
 def test_reattach_after_close_keeps_rows_order_and_counters(tmp_path):
-    cfg = config(capacity=16, num_stripes=2, optimizer=OptimizerSpec("adagrad", lr=0.1))
+    cfg = config(capacity=16, num_stripes=2, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1))
     store = EmbeddingStore.open(tmp_path / "s", cfg)
     rng = np.random.default_rng(0)
     for _ in range(10):
@@ -315,7 +315,7 @@ def test_reattach_after_close_keeps_rows_order_and_counters(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("dim", 8), ("capacity", 128), ("num_stripes", 8), ("seed", 5),
-                                          ("optimizer", OptimizerSpec("adam"))])
+                                          ("optimizer", EmbeddingOptimizerConfig(name="adam"))])
 def test_reattach_with_other_config_names_the_mismatch(tmp_path, field, value):
     EmbeddingStore.open(tmp_path / "s", config()).close()
     with pytest.raises(ValueError, match=field):
@@ -435,13 +435,13 @@ def test_interrupted_creation_is_recreated(tmp_path):
 
 # ------------------------------------------------------------------ checkpoint helpers
 def test_items_and_load_rows_round_trip_with_recency(open_store):
-    src = open_store(config(capacity=32, num_stripes=1, optimizer=OptimizerSpec("adam")), "src")
+    src = open_store(config(capacity=32, num_stripes=1, optimizer=EmbeddingOptimizerConfig(name="adam")), "src")
     rng = np.random.default_rng(3)
     for _ in range(20):
         src.lookup(rng.integers(0, 50, 6).astype(np.uint64), train=True)
     keys, values = src.items()
     assert values.shape == (len(keys), 4 + 9)
-    dst = open_store(config(capacity=32, num_stripes=1, optimizer=OptimizerSpec("adam")), "dst")
+    dst = open_store(config(capacity=32, num_stripes=1, optimizer=EmbeddingOptimizerConfig(name="adam")), "dst")
     dst.load_rows(keys, values)
     k2, v2 = dst.items()
     np.testing.assert_array_equal(k2, keys)
@@ -535,7 +535,7 @@ def test_lookup_rejects_bad_out_and_load_rows_bad_width(open_store):
         store.lookup(ids(1), train=True, out=np.zeros((1, 3), np.float32))
     with pytest.raises(ValueError, match="dim"):
         store.load_rows(ids(1), np.zeros((1, 5), np.float32))
-    adam = open_store(config(optimizer=OptimizerSpec("adam")), "adam")
+    adam = open_store(config(optimizer=EmbeddingOptimizerConfig(name="adam")), "adam")
     with pytest.raises(ValueError, match="values"):
         adam.load_rows(ids(1), np.zeros((1, 4), np.float32))
 
@@ -550,7 +550,7 @@ def test_config_validation(kw, match):
 
 
 def test_stats_and_shm_bytes(open_store, tmp_path):
-    store = open_store(config(capacity=100, dim=8, optimizer=OptimizerSpec("adagrad")))
+    store = open_store(config(capacity=100, dim=8, optimizer=EmbeddingOptimizerConfig(name="adagrad")))
     files = sum(p.stat().st_size for p in (tmp_path / "store").glob("*.bin"))
     assert store.shm_bytes == files == store.stats()["shm_bytes"]
     assert files >= 100 * 16 * 4

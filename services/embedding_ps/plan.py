@@ -1,18 +1,22 @@
 """`hybridrec plan`: memory of the embedding PS before renting the machines.
 
-The numbers come from the store's own layout (services.embedding_ps
-.store_files.planned_shm_bytes): the values array (embedding + optimizer state per row),
-the open-addressing index (a power of two >= 2x each stripe's rows), the keys
-and the LRU prev/next arrays, per shard and in total.
+Runs in the CLI, which imports it by name (hybridrec/cli.py: `service_module`):
+it belongs to the PS because its numbers come from the store's own layout
+(`store_files.planned_shm_bytes`): the values array (embedding + optimizer
+state per row), the open-addressing index (a power of two >= 2x each stripe's
+rows), the keys and the LRU prev/next arrays, per shard and in total.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from hybridrec.config import Config
+from hybridrec.config import Config, EmbeddingOptimizer, EmbeddingOptimizerConfig
+from services.embedding_ps.kernels import MAX_STRIPE_ROWS
+from services.embedding_ps.optimizers import state_width
+from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
-OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
+OPTIMIZERS = tuple(m.value for m in EmbeddingOptimizer)
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,6 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
 
     `num_stripes` defaults to 16, or more when a stripe would exceed the store's row limit.
     """
-    from services.embedding_ps.kernels import MAX_STRIPE_ROWS
-    from services.embedding_ps.optimizers import OptimizerSpec
-    from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
-
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if shards < 1:
@@ -41,13 +41,13 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
     for table in tables:
         capacity = max(16, math.ceil(table.ids / shards * headroom))
         stripes = num_stripes or max(16, 1 << (math.ceil(capacity / MAX_STRIPE_ROWS) - 1).bit_length())
-        spec = OptimizerSpec(name=optimizer)
+        spec = EmbeddingOptimizerConfig(name=optimizer)
         parts = planned_shm_bytes(StoreConfig(dim=table.dim, capacity=capacity, optimizer=spec,
                                               num_stripes=stripes))
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
         rows += capacity
-        raw += capacity * (table.dim + spec.state_width(table.dim)) * 4
+        raw += capacity * (table.dim + state_width(spec, table.dim)) * 4
     shard_bytes = sum(per_shard.values())
     return {"shards": shards, "optimizer": optimizer, "rows_per_shard": rows, "per_shard_bytes": shard_bytes,
             "per_shard_parts": per_shard, "total_bytes": shard_bytes * shards,
@@ -57,16 +57,13 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
 
 def plan_config(config: Config) -> dict:
     """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
-    from services.embedding_ps.server import store_config
-    from services.embedding_ps.store_files import planned_shm_bytes
-
     per_shard: dict[str, int] = {}
     for dim in config.dims:
-        for name, nbytes in planned_shm_bytes(store_config(config, dim)).items():
+        for name, nbytes in planned_shm_bytes(StoreConfig.from_config(config, dim)).items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
     shards = len(config.cluster.ps)
     shard_bytes = sum(per_shard.values())
-    return {"shards": shards, "optimizer": config.optimizer.embedding.name,
+    return {"shards": shards, "optimizer": config.optimizer.embedding.name.value,
             "rows_per_shard": config.ps.capacity * len(config.dims), "per_shard_bytes": shard_bytes,
             "per_shard_parts": per_shard, "total_bytes": shard_bytes * shards}
 

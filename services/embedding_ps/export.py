@@ -1,0 +1,101 @@
+"""`hybridrec export`: a finished run or a job checkpoint as a model bundle (hybridrec/bundle.py).
+
+In the PS service because the PS owns the shard dumps' format
+(`services/embedding_ps/checkpoint.py`); the CLI loads this module by name.
+From the checkpoint it takes:
+
+* `config.yaml` (every checkpoint carries the job's resolved config): the
+  features, num_dense, the model's import path and kwargs, the precision;
+* `manifest.json` (the job manifest): the step;
+* `dense.pt`: the `model` state_dict (loaded with weights_only=True; the
+  optimizer state is left behind);
+* `ps/shard-*/`: each shard's keys and the first `dim` columns of its values
+  (no optimizer state), with the checkpoint's shard count and sharding, every
+  file's sha256 verified on the way.
+
+Every problem is an `ExportError` whose message names the file.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrec import checkpoints
+from hybridrec.bundle import BundleManifest, BundleWriter
+from hybridrec.config import ConfigError, load_config
+
+CONFIG = "config.yaml"
+DENSE = "dense.pt"
+
+
+class ExportError(ValueError):
+    """A source that cannot be exported or an output that cannot be written; the message names the file."""
+
+
+def find_checkpoint(source: Path) -> Path:
+    """The checkpoint directory SOURCE names: itself, or a run's (or checkpoint root's) newest complete one."""
+    source = Path(source)
+    if not source.is_dir():
+        raise ExportError(f"{source}: not a directory (expected a run directory or a checkpoint directory)")
+    if (source / checkpoints.MANIFEST).is_file() and (source / DENSE).exists():
+        return source
+    if (source / DENSE).exists() or source.name.endswith(".tmp"):
+        raise ExportError(f"{source / checkpoints.MANIFEST}: missing; {source} is a checkpoint that was never "
+                          "completed (half-written)")
+    for root in (source / "checkpoints", source):
+        try:
+            found = checkpoints.latest(root)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
+        if found is not None:
+            return found[0]
+    raise ExportError(f"{source}: no complete checkpoint (neither a checkpoint directory with "
+                      f"{checkpoints.MANIFEST} and {DENSE}, nor a run directory with checkpoints/step-*/"
+                      f"{checkpoints.MANIFEST})")
+
+
+def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
+    """Write the bundle `out` from SOURCE; returns the checkpoint used and the bundle's manifest."""
+    import torch
+
+    from services.embedding_ps.checkpoint import read_embeddings
+
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out}: already exists; choose a new bundle directory")
+    path = find_checkpoint(source)
+    try:
+        job = checkpoints.read_manifest(path)
+    except ValueError as exc:
+        raise ExportError(f"{path / checkpoints.MANIFEST}: {exc}") from None
+    if not (path / CONFIG).is_file():
+        raise ExportError(f"{path / CONFIG}: missing (checkpoints written before configs were stored in them "
+                          "cannot be exported)")
+    try:
+        config = load_config(path / CONFIG)
+    except ConfigError as exc:
+        raise ExportError(f"{path / CONFIG}: {exc}") from None
+    try:
+        state = torch.load(path / DENSE, map_location="cpu", weights_only=True)
+        weights = state["model"]
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds; the file is what is wrong
+        raise ExportError(f"{path / DENSE}: not a checkpoint's dense state: {exc}") from None
+    try:
+        ps, tables = read_embeddings(path)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if ps["widths"] != config.dims:
+        raise ExportError(f"{path / 'ps'}: embedding widths {ps['widths']}, but {path / CONFIG} has {config.dims}")
+    if ps["num_shards"] != job.num_ps or ps["step"] != job.step:
+        raise ExportError(f"{path / 'ps'}: dumps of {ps['num_shards']} shards at step {ps['step']}, but "
+                          f"{path / checkpoints.MANIFEST} says {job.num_ps} PS at step {job.step}")
+    manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
+                              model=config.model, precision=config.training.precision, num_shards=ps["num_shards"])
+    writer = BundleWriter(out, manifest)
+    try:
+        writer.add_dense(weights)
+        for shard, dim, keys, rows in tables:
+            writer.add_table(shard, dim, keys, rows)
+        return path, writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

@@ -1,0 +1,65 @@
+"""kill -9 of a PS shard while a run publishes live versions: the restarted shard has lost its change log, refuses
+the next delta (FAILED_PRECONDITION), that version is written in full, and the versions still merge to exactly
+the PS's final state."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from hybridrec.versions import Follower, list_versions, table_arrays
+from tests.conftest import HYBRIDREC, REPO, write_config
+from tests.faults.test_kills import _status
+from tests.integration.test_publish import _checkpoint_rows
+
+pytestmark = pytest.mark.faults
+
+STEPS = 100
+
+
+def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_path, small_data):
+    config = write_config(tmp_path / "config.yaml", small_data,
+                          training={"batch_size": 512, "epochs": 2, "max_steps": STEPS},
+                          ps={"capacity": 1_000_000},
+                          publish={"interval_steps": 10, "full_every": 1000, "keep": 1000})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (_status(run_dir) or 0) < 35:
+            assert time.monotonic() < deadline and proc.poll() is None, "training did not get going"
+            time.sleep(0.2)
+        config_path = str(run_dir / "config.yaml")
+        victims = [p for p in psutil.process_iter(["cmdline"])
+                   if f"serve embedding_ps --config {config_path} --replica 0" in " ".join(p.info["cmdline"] or [])]
+        assert victims
+        killed_at = _status(run_dir)
+        victims[0].send_signal(signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {(s["name"], s["replica"]): s["restarts"] for s in summary["services"]}[("embedding_ps", 0)] == 1
+    publish = summary["publish"]
+    assert publish["failed"] == 0 and publish["full"] >= 2, publish
+    versions, other = list_versions(run_dir / "versions")
+    assert not other
+    fulls = [v for v in versions if v.full]
+    assert fulls[0].version == 1 and fulls[1].manifest.step > killed_at  # the first version after the restart
+    assert "publish_full_instead" in (run_dir / "logs" / "nn_worker-0.log").read_text()
+    snapshot = Follower(run_dir / "versions").poll()
+    assert snapshot.step == STEPS
+    for dim in snapshot.manifest.widths:
+        keys, rows = table_arrays(snapshot.table, dim)
+        want_keys, want_rows = _checkpoint_rows(Path(summary["checkpoint"]), dim)
+        np.testing.assert_array_equal(keys, want_keys)
+        np.testing.assert_array_equal(rows, want_rows)

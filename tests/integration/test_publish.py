@@ -1,0 +1,152 @@
+"""Live versions end to end: `hybridrec run` with publish.interval_steps=10 writes versions whose merged table
+equals the PS at the end of training (the final job checkpoint, taken after every rank drained its updates), and whose last dense weights are the trained model's; a FollowSource following such a run stays
+fresh, and 8 clients reading through its swaps get predictions of exactly the version they name."""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.versions import Follower, list_versions, load_version, table_arrays
+from services.inference.follow import FollowSource, _default_make_model, build_dense
+from tests.conftest import HYBRIDREC, REPO, write_config
+
+pytestmark = pytest.mark.integration
+
+STEPS = 50
+
+
+def _checkpoint_rows(step_dir, dim):
+    keys, rows = [], []
+    for shard in sorted((step_dir / "ps").iterdir()):
+        k = np.load(shard / f"dim{dim}.keys.npy")
+        v = np.load(shard / f"dim{dim}.values.npy")
+        keys.append(k)
+        rows.append(v[:, :dim])
+    keys, rows = np.concatenate(keys), np.concatenate(rows)
+    order = np.argsort(keys)
+    return keys[order], rows[order]
+
+
+def test_published_versions_merge_to_the_final_ps_state(tmp_path, small_data):
+    config = write_config(tmp_path / "config.yaml", small_data,
+                          training={"batch_size": 512, "max_steps": STEPS},
+                          ps={"capacity": 1_000_000},
+                          publish={"interval_steps": 10, "full_every": 3, "keep": 2})
+    run_dir = tmp_path / "run"
+    result = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    publish = summary["publish"]
+    assert publish["failed"] == 0 and publish["published"] >= 4, publish
+    assert publish["published"] + publish["skipped"] >= STEPS // 10
+    assert publish["last_step"] == STEPS and publish["full"] >= 2
+
+    versions, other = list_versions(run_dir / "versions")
+    assert not other, other
+    numbers = [v.version for v in versions]
+    assert numbers[-1] == publish["last_version"]
+    # compaction kept the newest full snapshot, the deltas after it and the 2 newest, with their chains
+    fulls = [v.version for v in versions if v.full]
+    assert fulls and all(n >= fulls[0] for n in numbers)
+    assert all(v.manifest.base_version in numbers for v in versions if not v.full)
+
+    snapshot = Follower(run_dir / "versions").poll()
+    assert snapshot.version == numbers[-1] and snapshot.step == STEPS
+    step_dir = Path(summary["checkpoint"])  # the final checkpoint: every rank's updates applied
+    for dim in snapshot.manifest.widths:
+        keys, rows = table_arrays(snapshot.table, dim)
+        want_keys, want_rows = _checkpoint_rows(step_dir, dim)
+        np.testing.assert_array_equal(keys, want_keys)
+        np.testing.assert_array_equal(rows, want_rows)
+    trained = torch.load(run_dir / "dense_model.pt", weights_only=True)
+    assert trained.keys() == snapshot.dense_state.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(tensor, snapshot.dense_state[name]), name
+
+
+def predict(model, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """A forward pass as an inference service makes it: one ID per feature (sum pooling of one row)."""
+    embeddings = {f.name: torch.from_numpy(model.table.lookup(f.dim, ids[:, i]))
+                  for i, f in enumerate(model.manifest.features)}
+    with torch.no_grad():
+        return torch.sigmoid(model.dense(torch.from_numpy(dense), embeddings).reshape(-1)).numpy()
+
+
+def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, small_data):
+    config = write_config(tmp_path / "config.yaml", small_data,
+                          training={"batch_size": 512, "epochs": 2},
+                          publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
+    run_dir = tmp_path / "run"
+    root = run_dir / "versions"
+    run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    source = FollowSource(root, poll_s=0.2)
+    stop = threading.Event()
+    responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+    errors: list[str] = []
+    lag: list[tuple[int, float]] = []
+
+    def client(seed: int) -> None:
+        r = np.random.default_rng(seed)
+        while not stop.is_set():
+            try:
+                model = source.current()  # once per micro-batch
+                keys = table_arrays(model.table, model.manifest.widths[0])[0]
+                ids = r.choice(keys, size=(32, len(model.manifest.features)))
+                ids[:, 0] = r.integers(1, 1 << 40, 32).astype(np.uint64)  # and one unknown ID per sample
+                dense = r.standard_normal((32, model.manifest.num_dense)).astype(np.float32)
+                responses.append((model.version, dense, ids, predict(model, dense, ids)))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.02)
+
+    def monitor() -> None:
+        while not stop.is_set():
+            versions, _ = list_versions(root)
+            served = source.stats()["served_version"]
+            newer = [v for v in versions if v.version > served]
+            age = time.time() - min(v.manifest.created for v in newer) if newer else 0.0
+            lag.append((len(newer), age))
+            time.sleep(0.1)
+
+    try:
+        deadline = time.monotonic() + 240
+        while not list_versions(root)[0] and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        source.start(wait_s=30)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)] + [threading.Thread(target=monitor)]
+        for t in threads:
+            t.start()
+        _, stderr = run.communicate(timeout=600)
+        time.sleep(1.0)  # let the follower take the final version
+    finally:
+        stop.set()
+        if run.poll() is None:
+            run.kill()
+        source.stop()
+    for t in threads:
+        t.join()
+    assert run.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not errors, errors[:5]
+    assert source.swaps >= 5 and source.stats()["served_version"] == summary["publish"]["last_version"]
+    served = sorted({v for v, *_ in responses})
+    assert len(served) >= 5, served
+    worst_behind, worst_age = max(b for b, _ in lag), max(a for _, a in lag)
+    print(f"follower: {source.swaps} swaps, {len(responses)} responses over versions {served}; "
+          f"worst lag {worst_behind} versions / {worst_age:.2f} s; publish {summary['publish']}")
+    assert worst_behind <= 2 and worst_age <= 10.0, (worst_behind, worst_age)
+    reference: dict[int, object] = {}
+    for version, dense, ids, preds in responses[::max(1, len(responses) // 400)]:
+        if version not in reference:
+            snapshot = load_version(root, version)
+            reference[version] = _default_make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
+        np.testing.assert_allclose(predict(reference[version], dense, ids), preds, rtol=0, atol=1e-5)

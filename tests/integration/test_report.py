@@ -1,0 +1,80 @@
+"""The run report of a real `hybridrec run` tells the truth: its throughput series agrees with the summary,
+its phases match the NN workers' own clocks, and it renders cleanly in headless Chromium at 1280 px."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+
+import pytest
+
+from hybridrec.launcher import SAMPLE_EVERY_S
+from hybridrec.report import inspect_page, screenshot
+from tests.conftest import HYBRIDREC, REPO, write_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_data):
+    tmp = tmp_path_factory.mktemp("report")
+    config = write_config(tmp / "c.yaml", small_data)
+    run_dir = tmp / "run"
+    result = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--set", "training.epochs=3",
+                                         "--set", "training.batch_size=1024"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), json.loads((run_dir / "series.json").read_text())
+
+
+def test_throughput_series_agrees_with_the_summary(run):
+    _, summary, series = run
+    intervals = series["throughput"]
+    assert intervals, series["phases"]
+    rate = summary["samples_per_sec"]
+    one_interval = rate * SAMPLE_EVERY_S
+
+    # Integrated, the series is the summary's sample count (all NN workers, not rank 0's half).
+    total = sum(i["samples"] for i in intervals)
+    assert abs(total - summary["samples"]) <= one_interval, (total, summary["samples"])
+    # What the polls themselves saw (every NN worker's Status summed) climbs to within one interval of it.
+    polled = [p for p in series["training"] if p["phase"] == "train"]
+    assert max(p["samples"] for p in polled) <= summary["samples"]
+    assert summary["samples"] - max(p["samples"] for p in polled) <= 1.5 * one_interval
+    assert len(polled[-1]["ranks"]) == summary["nn_workers"]
+
+    # Its mean over the training window is the summary's samples/s.
+    window = intervals[-1]["t_end"] - intervals[0]["t_start"]
+    assert window == pytest.approx(summary["train_wall_s"], rel=0.05)
+    assert total / window == pytest.approx(rate, rel=0.05)
+
+
+def test_phases_from_t0_agree_with_the_nn_workers_clocks(run):
+    _, summary, series = run
+    phases = summary["phases"]
+    assert phases == series["phases"]
+    assert 0 < phases["first_step"] < phases["end_of_training"] <= phases["end_of_eval"] <= phases["end"]
+    assert phases["end"] == pytest.approx(summary["wall_s"], abs=0.01)
+    # The launcher's own estimate from Status (poll time - seconds trained) matches the summary's Unix times.
+    starts = [start for start, _ in series["rank_windows"].values() if start is not None]
+    assert min(starts) == pytest.approx(phases["first_step"], abs=0.5)
+
+
+def test_report_renders_at_desktop_width(run, tmp_path):
+    run_dir, summary, _ = run
+    png = tmp_path / "report.png"
+    verdict = screenshot(run_dir / "report.html", png, width=1280)
+    assert verdict["status"] == "complete", verdict["stderr"]
+    assert verdict["rendered"] == "4/4", verdict["stderr"]  # every image loaded (naturalWidth > 0)
+    assert verdict["overflow"] == "0", verdict["overflow_list"]  # no text wider than its box, no page scroll
+    assert verdict["height"] > 1500
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">I", head[16:20])[0] == 1280
+    dom = verdict["dom"]
+    assert "Where the time went" in dom and f"{summary['samples']:,}" in dom
+
+
+def test_report_of_a_narrow_window_still_has_no_overflow(run):
+    run_dir, _, _ = run
+    verdict = inspect_page(run_dir / "report.html", width=800)
+    assert verdict["rendered"] == "4/4" and verdict["overflow"] == "0", verdict["overflow_list"]

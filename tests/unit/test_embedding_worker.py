@@ -1,0 +1,310 @@
+"""EmbeddingWorker (put, lookup, push_gradients) against two real PS shards' servicers, called in-process.
+
+No gRPC: the worker's `ps_call` awaits the servicer's method directly, and every
+call is recorded so the tests can check what each shard was sent.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from hybridrec.compress import ValueCodec, dedup
+from hybridrec.config import Config
+from hybridrec.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBatch, worker_of_ref
+from hybridrec.ids import GROUP_SHIFT
+from hybridrec.rpc import NotFound
+from hybridrec.sharding import shard_of
+from services.embedding_ps.server import EmbeddingPSServicer, open_stores
+from services.embedding_worker.worker import EmbeddingWorker
+
+LR = 0.1
+NUM_SHARDS = 2
+REPLICA = 3
+# name, group, dim: "a" and "b" share group 1 (so the same IDs, hence the same rows); two widths.
+FEATURES = [("a", 1, 8), ("b", 1, 8), ("c", 2, 4), ("d", 3, 8)]
+WIDTHS = [dim for _, _, dim in FEATURES]
+
+
+def _gid(group: int, value: int) -> int:
+    return (group << GROUP_SHIFT) | value
+
+
+class Cluster:
+    """Two PS shards (real stores and servicers) and one embedding worker wired to them."""
+
+    def __init__(self, tmp_path):
+        self.config = Config.model_validate({
+            "data": {"train": ["unused"]},
+            "features": [{"name": n, "group": g, "dim": d} for n, g, d in FEATURES],
+            "cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]},  # never dialled
+            "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 4096, "num_stripes": 2},
+            "optimizer": {"embedding": {"name": "sgd", "lr": LR}},
+            "training": {"compression": {"fp16": False}},
+        })
+        self.values = ValueCodec(fp16=False)
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self.stores = [open_stores(self.config, s) for s in range(NUM_SHARDS)]
+        self.servicers = [EmbeddingPSServicer(stores, s, NUM_SHARDS, self.values, self.executor)
+                          for s, stores in enumerate(self.stores)]
+        self.calls: list[tuple[int, str, bytes]] = []
+        self.worker = EmbeddingWorker(self.config, REPLICA, self.ps_call)
+
+    async def ps_call(self, shard: int, method: str, frame: bytes) -> bytes:
+        self.calls.append((shard, method, frame))
+        return await getattr(self.servicers[shard], method)(frame, None)
+
+    def ps_rows(self, dim: int, ids) -> np.ndarray:
+        """Rows of `ids` read straight from the owning shard's store (read-only lookup)."""
+        ids = np.asarray(ids, np.uint64)
+        out = np.zeros((ids.size, dim), np.float32)
+        owner = shard_of(ids, NUM_SHARDS)
+        for s in range(NUM_SHARDS):
+            mask = owner == s
+            if mask.any():
+                out[mask] = self.stores[s][dim].lookup(ids[mask], train=False)
+        return out
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        for stores in self.stores:
+            for store in stores.values():
+                store.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _sparse(bags_per_feature: list[list[list[int]]], phase: str = "train") -> SparseBatch:
+    """A SparseBatch from explicit bags: bags_per_feature[f][i] is the list of IDs of feature f, sample i."""
+    batch_size = len(bags_per_feature[0])
+    uniq, pos, lengths = [], [], []
+    for bags in bags_per_feature:
+        assert len(bags) == batch_size
+        flat = np.array([i for bag in bags for i in bag], np.uint64)
+        u, p = dedup(flat)
+        uniq.append(u)
+        pos.append(p)
+        lengths.append(np.array([len(bag) for bag in bags], np.uint16))
+    return SparseBatch(batch_size=batch_size, uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+
+
+def _batch(seed: int = 0, batch_size: int = 6, phase: str = "train") -> SparseBatch:
+    """Multi-valued bags (some empty); features a and b draw from the same small pool of group-1 IDs."""
+    rng = np.random.default_rng(seed)
+    features = []
+    for _, group, _ in FEATURES:
+        pool = [_gid(group, v) for v in range(1, 9)]  # 8 IDs per group: many repeats, a/b overlap surely
+        features.append([[int(x) for x in rng.choice(pool, size=rng.integers(0, 4))] for _ in range(batch_size)])
+    # Make sure a and b share at least one ID even if the draw did not.
+    features[0][0].append(_gid(1, 1))
+    features[1][1].append(_gid(1, 1))
+    return _sparse(features, phase)
+
+
+def _index(uniq: np.ndarray, i: int) -> int:
+    """Position of ID i in a sorted uint64 array (np.searchsorted with a Python int goes through float64)."""
+    k = int(np.searchsorted(uniq, np.uint64(i)))
+    assert uniq[k] == np.uint64(i)
+    return k
+
+
+def _decode(worker: EmbeddingWorker, frame: bytes, batch_size: int) -> Embeddings:
+    return Embeddings.decode(frame, worker.values, WIDTHS, batch_size)
+
+
+def _feature_rows(emb: Embeddings, sparse: SparseBatch) -> list[np.ndarray]:
+    """Split an Embeddings frame's rows back into each feature's rows (features of a width in config order)."""
+    out, start = [], {d: 0 for d in set(WIDTHS)}
+    for f, dim in enumerate(WIDTHS):
+        n = int(emb.counts[f])
+        assert n == sparse.uniq[f].shape[0]
+        out.append(emb.rows[dim][start[dim]:start[dim] + n])
+        start[dim] += n
+    for dim, used in start.items():
+        assert used == emb.rows[dim].shape[0]
+    return out
+
+
+def test_put_returns_refs_naming_this_replica(cluster):
+    refs = [cluster.worker.put(_batch(seed)) for seed in range(3)]
+    assert [worker_of_ref(r) for r in refs] == [REPLICA] * 3
+    assert len(set(refs)) == 3
+    assert set(cluster.worker.buffer) == set(refs)
+    assert cluster.calls == []  # put only plans; the PS is not called until a lookup
+
+
+def test_put_refuses_a_batch_with_the_wrong_number_of_features(cluster):
+    sparse = _batch()
+    short = SparseBatch(sparse.batch_size, sparse.uniq[:-1], sparse.pos[:-1], sparse.lengths[:-1])
+    with pytest.raises(ValueError, match="3 features"):
+        cluster.worker.put(short)
+    assert cluster.worker.buffer == {}
+
+
+def test_lookup_returns_the_ps_rows_of_every_feature(cluster):
+    worker = cluster.worker
+    sparse = _batch(seed=1)
+    ref = worker.put(sparse)
+    emb = _decode(worker, asyncio.run(worker.lookup(ref)), sparse.batch_size)
+
+    assert emb.batch_size == sparse.batch_size
+    np.testing.assert_array_equal(emb.counts, [u.shape[0] for u in sparse.uniq])
+    np.testing.assert_array_equal(emb.pos, np.concatenate(sparse.pos))
+    np.testing.assert_array_equal(emb.lengths, np.stack(sparse.lengths))
+    per_feature = _feature_rows(emb, sparse)
+    for f, dim in enumerate(WIDTHS):
+        expected = cluster.ps_rows(dim, sparse.uniq[f])  # admitted by the worker's train lookup
+        assert np.abs(expected).sum() > 0, "train lookup should have admitted (non-zero) rows"
+        np.testing.assert_array_equal(per_feature[f], expected)
+    # a and b share IDs, hence rows: the same ID reads the same row in both features.
+    shared = np.intersect1d(sparse.uniq[0], sparse.uniq[1])
+    assert shared.size
+    for i in shared:
+        ra = per_feature[0][_index(sparse.uniq[0], i)]
+        rb = per_feature[1][_index(sparse.uniq[1], i)]
+        np.testing.assert_array_equal(ra, rb)
+    assert ref in worker.buffer  # a train batch waits for its gradients
+
+
+def test_each_shard_receives_only_its_own_ids_once(cluster):
+    worker = cluster.worker
+    sparse = _batch(seed=2, batch_size=20)
+    ref = worker.put(sparse)
+    asyncio.run(worker.lookup(ref))
+    rows_of = worker.rows_of(ref)
+    grads = Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in rows_of.items()})
+    asyncio.run(worker.push_gradients(Gradients.decode(grads.encode(worker.values), worker.values, worker.rows_of)))
+
+    lookups = [(s, PSLookup.decode(f, WIDTHS)) for s, m, f in cluster.calls if m == "Lookup"]
+    updates = [(s, PSUpdate.decode(f, worker.values, WIDTHS)) for s, m, f in cluster.calls if m == "Update"]
+    assert sorted(s for s, _ in lookups) == [0, 1] and sorted(s for s, _ in updates) == [0, 1]
+    for dim in sorted(set(WIDTHS)):
+        batch_ids = np.unique(np.concatenate([sparse.uniq[f] for f, w in enumerate(WIDTHS) if w == dim]))
+        for calls in (lookups, updates):
+            seen = []
+            for shard, frame in calls:
+                ids = frame.ids.get(dim, np.zeros(0, np.uint64))
+                assert (shard_of(ids, NUM_SHARDS) == shard).all(), f"shard {shard} got another shard's IDs"
+                assert np.unique(ids).size == ids.size, "IDs sent to a shard must be deduplicated"
+                seen.append(ids)
+            np.testing.assert_array_equal(np.sort(np.concatenate(seen)), batch_ids)
+    assert all(frame.train for _, frame in lookups)
+    # Both shards really hold IDs of this batch (else the split test above would be vacuous).
+    assert all(frame.ids[8].size for _, frame in lookups)
+
+
+def test_push_gradients_sums_shared_ids_and_the_ps_applies_sgd(cluster):
+    worker = cluster.worker
+    sparse = _batch(seed=3, batch_size=10)
+    ref = worker.put(sparse)
+    asyncio.run(worker.lookup(ref))
+    rows_of = worker.rows_of(ref)
+    assert rows_of == {d: int(sum(sparse.uniq[f].size for f, w in enumerate(WIDTHS) if w == d)) for d in (4, 8)}
+
+    # Gradients that are multiples of 1/64: their sums are exact in float32 whatever the order.
+    rng = np.random.default_rng(7)
+    grads = {d: (rng.integers(-64, 64, (n, d)) / 64).astype(np.float32) for d, n in rows_of.items()}
+    before = {d: {} for d in (4, 8)}
+    summed = {d: {} for d in (4, 8)}
+    start = {4: 0, 8: 0}
+    for f, dim in enumerate(WIDTHS):
+        for k, i in enumerate(sparse.uniq[f].tolist()):
+            g = grads[dim][start[dim] + k]
+            summed[dim][i] = summed[dim].get(i, np.zeros(dim, np.float32)) + g
+        start[dim] += sparse.uniq[f].size
+    for dim in (4, 8):
+        ids = np.array(sorted(summed[dim]), np.uint64)
+        before[dim] = dict(zip(ids.tolist(), cluster.ps_rows(dim, ids)))
+    shared = set(sparse.uniq[0].tolist()) & set(sparse.uniq[1].tolist())
+    assert shared, "the batch must hold an ID used by both features of group 1"
+
+    frame = Gradients(ref, grads).encode(worker.values)
+    applied = asyncio.run(worker.push_gradients(Gradients.decode(frame, worker.values, worker.rows_of)))
+    assert applied == len(summed[4]) + len(summed[8])  # one update per batch-unique ID, not per feature row
+
+    lr = np.float32(LR)
+    for dim in (4, 8):
+        ids = np.array(sorted(summed[dim]), np.uint64)
+        after = cluster.ps_rows(dim, ids)
+        for row, i in zip(after, ids.tolist()):
+            expected = before[dim][i] + (-lr) * summed[dim][i]
+            np.testing.assert_allclose(row, expected, rtol=0, atol=1e-7, err_msg=f"id {i:#x} width {dim}")
+    for i in shared:  # the shared IDs moved by the sum of both features' gradients
+        k0, k1 = _index(sparse.uniq[0], i), _index(sparse.uniq[1], i)
+        both = grads[8][k0] + grads[8][sparse.uniq[0].size + k1]
+        moved = cluster.ps_rows(8, [i])[0] - before[8][i]
+        np.testing.assert_allclose(moved, (-lr) * both, rtol=0, atol=1e-7)
+
+    # The batch is consumed: neither its embeddings nor another push are served.
+    assert ref not in worker.buffer
+    with pytest.raises(NotFound):
+        asyncio.run(worker.lookup(ref))
+    with pytest.raises(NotFound):
+        Gradients.decode(frame, worker.values, worker.rows_of)
+    with pytest.raises(NotFound):
+        asyncio.run(worker.push_gradients(Gradients(ref, grads)))
+
+
+def test_an_eval_batch_is_read_once_and_refuses_gradients(cluster):
+    worker = cluster.worker
+    train = _batch(seed=4)
+    asyncio.run(worker.lookup(worker.put(train)))  # admit some rows so the eval lookup reads real values
+    sparse = _batch(seed=4, phase="eval")
+    ref = worker.put(sparse)
+    with pytest.raises(ValueError, match="eval batch"):
+        worker.rows_of(ref)
+    dims = {8: 1, 4: 1}
+    with pytest.raises(ValueError, match="eval batch"):
+        Gradients.decode(Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in dims.items()})
+                         .encode(worker.values), worker.values, worker.rows_of)
+
+    calls = len(cluster.calls)
+    emb = _decode(worker, asyncio.run(worker.lookup(ref)), sparse.batch_size)
+    assert all(not PSLookup.decode(f, WIDTHS).train for _, _, f in cluster.calls[calls:])
+    for f, rows in enumerate(_feature_rows(emb, sparse)):
+        assert np.abs(rows).sum() > 0
+        np.testing.assert_array_equal(rows, cluster.ps_rows(WIDTHS[f], sparse.uniq[f]))
+    assert ref not in worker.buffer
+    with pytest.raises(NotFound):
+        asyncio.run(worker.lookup(ref))
+
+
+def test_eval_lookup_does_not_admit_new_ids(cluster):
+    worker = cluster.worker
+    sparse = _batch(seed=5, phase="eval")
+    emb = _decode(worker, asyncio.run(worker.lookup(worker.put(sparse))), sparse.batch_size)
+    for dim, rows in emb.rows.items():
+        np.testing.assert_array_equal(rows, 0)  # absent IDs read zeros in eval
+    for shard in cluster.stores:
+        assert all(store.stats()["rows"] == 0 for store in shard.values())
+
+
+def test_unknown_ref_is_not_found(cluster):
+    with pytest.raises(NotFound):
+        asyncio.run(cluster.worker.lookup(12345))
+    with pytest.raises(NotFound):
+        cluster.worker.rows_of(12345)
+
+
+def test_counters(cluster):
+    worker = cluster.worker
+    sparse = _batch(seed=6)
+    ref = worker.put(sparse)
+    asyncio.run(worker.lookup(ref))
+    rows_of = worker.rows_of(ref)
+    applied = asyncio.run(worker.push_gradients(
+        Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in rows_of.items()})))
+    unique = sum(np.unique(np.concatenate([sparse.uniq[f] for f, w in enumerate(WIDTHS) if w == d])).size
+                 for d in (4, 8))
+    stats = worker.stats()
+    assert applied == unique
+    assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
+                     "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
+                     "buffered_batches": 0.0}

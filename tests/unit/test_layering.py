@@ -1,0 +1,37 @@
+"""The shared package never imports a service: dependencies point from services/ to hybridrec/.
+
+The CLI reaches service code only by name at run time (hybridrec/cli.py: `service_module`).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hybridrec
+
+PACKAGE = Path(hybridrec.__file__).resolve().parent
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_shared_package_does_not_import_services():
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 10
+    offending = [f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+                 for path in modules
+                 for line, name in _imported_modules(ast.parse(path.read_text(), filename=str(path)))
+                 if name == "services" or name.startswith("services.")]
+    assert not offending, "hybridrec/ imports services/ (use cli.service_module):\n" + "\n".join(offending)
+
+
+def test_the_check_sees_imports_inside_functions():
+    tree = ast.parse("def f():\n    from services.embedding_ps import plan\n    import services.dataloader\n")
+    assert [name for _, name in _imported_modules(tree)] == ["services.embedding_ps", "services.dataloader"]
