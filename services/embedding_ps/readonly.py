@@ -130,6 +130,9 @@ class ReadOnlyPSServicer:
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         raise self._refuse("LoadCheckpoint")
 
+    async def Publish(self, request: pb.PublishRequest, context) -> pb.PublishReply:
+        raise self._refuse("Publish")
+
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())
 
