@@ -88,10 +88,11 @@ async def _check(manifest, table, addresses):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc.raw_method(channel, "EmbeddingPS", "Update")(update.encode(codec), timeout=30)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "read-only" in err.value.details()
-            for method in ("Checkpoint", "LoadCheckpoint"):
+            for method, request in (("Checkpoint", pb.CheckpointRequest(name="step-00000001", step=1)),
+                                    ("LoadCheckpoint", pb.CheckpointRequest(name="step-00000001", step=1)),
+                                    ("Publish", pb.PublishRequest())):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await rpc.control_method(channel, "EmbeddingPS", method)(
-                        pb.CheckpointRequest(directory="/tmp/x", step=1), timeout=30)
+                    await rpc.control_method(channel, "EmbeddingPS", method)(request, timeout=30)
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             # still serving, and the rows did not change
             reply = await lookup(PSLookup(ids).encode(), timeout=30)
@@ -102,7 +103,7 @@ async def _check(manifest, table, addresses):
             stats = await rpc.control_method(channel, "EmbeddingPS", "Stats")(pb.Empty(), timeout=30)
             for dim in manifest.widths:
                 assert stats.values[f"dim{dim}_rows"] == table.shards[shard].keys[dim].shape[0]
-            assert stats.values["refused_total"] == 3 and stats.values["lookups_total"] == 3
+            assert stats.values["refused_total"] == 4 and stats.values["lookups_total"] == 3  # Update + 3 control calls
 
 
 def test_a_corrupt_bundle_or_a_missing_shard_exits_2_naming_the_file(tmp_path, bundle):
