@@ -108,6 +108,25 @@ class Server:
             self.proc.kill()
 
 
+def rpc_cost(server: "Server", payload: bytes, n: int = 2000) -> dict:
+    channel = grpc.insecure_channel(server.address)
+    calls = {"ServerLive": (channel.unary_unary("/inference.GRPCInferenceService/ServerLive", request_serializer=None,
+                                                response_deserializer=oip.ServerLiveResponse.FromString), b""),
+             "ModelInfer_batch1": (channel.unary_unary(METHOD, request_serializer=None,
+                                                       response_deserializer=oip.ModelInferResponse.FromString),
+                                   payload)}
+    out = {}
+    for name, (call, arg) in calls.items():
+        for _ in range(100):
+            call(arg, timeout=30)
+        cpu = server.cpu_s()
+        for _ in range(n):
+            call(arg, timeout=30)
+        out[name] = (server.cpu_s() - cpu) / n * 1e6
+    channel.close()
+    return out
+
+
 def sequential(address: str, payload: bytes, n: int, warmup: int) -> dict:
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30),
                                                       ("grpc.max_send_message_length", 1 << 30)])
@@ -257,6 +276,8 @@ def main() -> None:
             seq[f"batch{n}"] = sequential(server.address, request_bytes(*batches[n]), reps, warmup=50)
             seq[f"batch{n}"]["rows_per_s"] = n / (seq[f"batch{n}"]["mean_ms"] / 1e3)
         result["grpc_sequential"] = seq
+        # What one call costs the server's CPU: an empty RPC (ServerLive) against a batch-1 inference.
+        seq["server_cpu_us_per_call"] = rpc_cost(server, request_bytes(*batches[1]))
         singles = [request_bytes(batches[512][0][i:i + 1], batches[512][1][i:i + 1]) for i in range(512)]
         cpu = server.cpu_s()
         on = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)

@@ -33,7 +33,7 @@ class BatchingConfig(_Model):
     """Micro-batches of at most this many rows run their forward pass on the event loop's thread: for
     them, handing over to the compute thread costs more than the forward pass. Larger ones run on the
     compute thread while the loop keeps receiving requests."""
-    max_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 0.5
+    max_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 1.0
     """How long a micro-batch waits for more requests, once requests are arriving concurrently
     (a request arriving alone on an idle server never waits). 0: take only what is queued."""
 

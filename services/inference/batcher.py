@@ -8,9 +8,10 @@ receiving requests; those form the next micro-batch (a small micro-batch runs
 on the loop's thread: the hand-over would cost more than its forward pass).
 
 Waiting: a request arriving at an idle server is answered at once. Only when
-the previous micro-batch merged several requests (requests are arriving
-concurrently) does a micro-batch wait up to `max_delay_ms` for more, so
-sequential callers pay no delay and concurrent ones get large batches. With
+requests are arriving concurrently (the previous micro-batch merged several,
+or most recent requests arrived while another was in flight) does a
+micro-batch wait up to `max_delay_ms` for more, so sequential callers pay no
+delay and concurrent ones get larger batches. With
 batching off every request is its own micro-batch, through the same code.
 """
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.counters = {"requests_total": 0, "rows_total": 0, "micro_batches_total": 0, "failed_requests_total": 0}
         self._concurrent = False  # did the last micro-batch merge several requests?
+        self.in_flight = 0  # requests given to infer() and not yet answered
+        self._overlap = 0.0  # moving average of "another request was in flight when this one arrived"
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._loop())
@@ -65,17 +68,26 @@ class Batcher:
 
     async def infer(self, samples: Samples, version: int | None = None) -> Result:
         pending = Pending(samples, version)
+        self._overlap = 0.8 * self._overlap + 0.2 * (self.in_flight > 0)
         self.counters["requests_total"] += 1
         self.counters["rows_total"] += len(samples)
-        await self.queue.put(pending)
-        return await pending.future
+        self.in_flight += 1
+        try:
+            await self.queue.put(pending)
+            return await pending.future
+        finally:
+            self.in_flight -= 1
 
     async def _take(self) -> list[Pending]:
         first = await self.queue.get()
         batch, rows = [first], len(first.samples)
         if not self.enabled:
             return batch
-        deadline = time.monotonic() + self.max_delay_s if self._concurrent else 0.0
+        # Wait for company only when requests are arriving concurrently: the last micro-batch merged
+        # several, or requests mostly arrive while others are in flight (a sequential caller never
+        # has another request in flight, so it never waits).
+        waiting = self._concurrent or self._overlap > 0.5
+        deadline = time.monotonic() + self.max_delay_s if waiting else 0.0
         while rows < self.max_rows:
             if self.queue.empty():
                 remaining = deadline - time.monotonic()

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridrec.bundle import BundleManifest
-from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
+from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
 from hybridrec.criteo_parser import _OK, _parse_lines, error_text
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 
@@ -79,14 +79,10 @@ class InputDecoder:
         self.columns: np.ndarray | None = None
         self.row_error = ""
         groups = list(range(NUM_SPARSE))
-        columns = []
-        for f in self.features:
-            name = f.name
-            if not (name.startswith("C") and name[1:].isdigit() and 1 <= int(name[1:]) <= NUM_SPARSE):
-                self.row_error = f"feature {name!r} is not a Criteo column (C1..C{NUM_SPARSE})"
-                break
-            groups[int(name[1:]) - 1] = f.group
-            columns.append(int(name[1:]) - 1)
+        try:
+            columns, groups = feature_columns(self.features)
+        except ValueError as exc:
+            self.row_error = str(exc)
         else:
             if self.num_dense != NUM_DENSE:
                 self.row_error = f"the model takes {self.num_dense} dense features, Criteo rows have {NUM_DENSE}"

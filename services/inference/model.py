@@ -24,6 +24,7 @@ import torch
 from hybridrec import rpc
 from hybridrec.bundle import BundleError, BundleManifest, EmbeddingTable, load_dense, open_bundle
 from hybridrec.compress import ValueCodec
+from hybridrec.config import ConfigError
 from hybridrec.frames import PSLookup, PSRows
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.pooling import Pooler
@@ -149,7 +150,7 @@ def load_model(path: str | Path, *, table: Table | None = None, check: bool = Tr
     if table is None:
         table = LocalTable(local)
     elif isinstance(table, RemotePSTable) and len(table.addresses) != manifest.num_shards:
-        raise ValueError(f"--ps lists {len(table.addresses)} shard(s); the bundle {path} has "
+        raise ConfigError(f"ps: lists {len(table.addresses)} shard(s); the bundle {path} has "
                          f"{manifest.num_shards}: give one address per shard, in shard order")
     return assemble(manifest, model, table)
 

@@ -12,6 +12,7 @@ import torch
 from aiohttp import web
 
 from hybridrec import rpc
+from hybridrec.bundle import read_manifest
 from hybridrec.inference_config import InferenceConfig
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
@@ -25,6 +26,8 @@ from services.inference.rest import make_app
 async def serve(settings: InferenceConfig) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    if settings.bundle is not None:
+        read_manifest(settings.bundle)  # not a bundle: say so before binding anything
     host = ServiceHost.standalone("inference", listen=f"{settings.host}:{settings.grpc_port}",
                                   metrics_port=settings.metrics_port)
     core = InferenceCore(settings.model_name, settings.max_request_rows)
@@ -47,15 +50,25 @@ async def serve(settings: InferenceConfig) -> None:
         table = RemotePSTable(settings.ps, timeout_s=settings.ps_timeout_s, kappa=settings.ps_kappa)
     loop = asyncio.get_running_loop()
     follow = None
-    if settings.follow is not None:  # live versions: the newest one, swapped in as they are published
-        follow = FollowSource(settings.follow, poll_s=settings.follow_poll_s, check=settings.verify_bundle,
-                              make_model=inference_model)
-        host.add(None, stats=follow.stats)
-        await loop.run_in_executor(None, follow.start, settings.follow_wait_s)
-        source = follow
-    else:
-        source = StaticSource(await loop.run_in_executor(None, lambda: load_model(
-            settings.bundle, table=table, check=settings.verify_bundle)))
+    try:
+        if settings.follow is not None:  # live versions: the newest one, swapped in as they are published
+            follow = FollowSource(settings.follow, poll_s=settings.follow_poll_s, check=settings.verify_bundle,
+                                  make_model=inference_model)
+            host.add(None, stats=follow.stats)
+            await loop.run_in_executor(None, follow.start, settings.follow_wait_s)
+            source = follow
+        else:
+            source = StaticSource(await loop.run_in_executor(None, lambda: load_model(
+                settings.bundle, table=table, check=settings.verify_bundle)))
+    except BaseException:  # nothing to serve: close what is open, then report (exit 2 from the CLI)
+        if follow is not None:
+            await loop.run_in_executor(None, follow.stop)
+        if table is not None:
+            await table.close()
+        if runner is not None:
+            await runner.cleanup()
+        await host.server.stop(grace=None)
+        raise
     model = source.current()
     batcher = Batcher(source, settings.batching)
     batcher.start()

@@ -288,3 +288,39 @@ def test_remote_ps_mode_gives_the_same_predictions(setup):
         server.stop()
         for s in shards:
             s.stop()
+
+
+def test_remote_mode_against_read_only_ps_processes(setup):
+    """The real read-only PS (`hybridrec serve embedding_ps --bundle DIR --replica N`) as the shards."""
+    import os
+    import signal
+
+    from hybridrec import rpc
+
+    _, bundle, known, tokens, tmp = setup
+    shards = []
+    for replica in range(2):
+        address = f"127.0.0.1:{_free_port()}"
+        log = open(tmp / f"ro-ps-{replica}.log", "wb")
+        shards.append((subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--bundle", str(bundle), "--replica",
+                                                     str(replica), "--listen", address],
+                                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)),
+                       address))
+    server = None
+    try:
+        import asyncio
+
+        asyncio.run(rpc.wait_until_serving([a for _, a in shards], timeout_s=90, what="read-only PS"))
+        server = Server(bundle, tmp / "ro-remote.log", *sum((["--ps", a] for _, a in shards), []))
+        ids, dense, lines = _samples(known, tokens, n=50, seed=17)
+        np.testing.assert_allclose(_probs(server.infer_grpc({"ids": ids, "dense": dense})),
+                                   reference(bundle, ids, dense), atol=ATOL)
+        np.testing.assert_allclose(_probs(server.infer_grpc({"rows": lines})), _rows_reference(bundle, lines),
+                                   atol=ATOL)
+    finally:
+        if server is not None:
+            server.stop()
+        for proc, _ in shards:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in shards:
+            proc.wait(timeout=20)
