@@ -131,6 +131,11 @@ class FakePS:
             "hybridrec.EmbeddingPS", {"Lookup": grpc.unary_unary_rpc_method_handler(lookup)})
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         self.server.add_generic_rpc_handlers((handler,))
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        status = health.HealthServicer()  # the inference service waits for its shards to report SERVING
+        status.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(status, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.server.start()
