@@ -63,7 +63,7 @@ class Proc:
 
 @dataclass
 class Fault:
-    """A network fault, `at_s` seconds after NN worker rank 0's process group is ready."""
+    """A network fault, `at_s` seconds after NN worker rank 0 reports serving (training starts then)."""
 
     at_s: float
     host: str
@@ -249,9 +249,10 @@ class Testbed:
             if now >= next_sample:
                 next_sample = now + 0.5
                 self.sample_cpu()
-                if ready_at is None and self._rank0_event("process_group_ready"):
-                    ready_at = now
+                if "ready" not in self.marks and self._rank0_event("process_group_ready"):
                     self.mark("ready")
+                if ready_at is None and self._rank0_event("serving"):
+                    ready_at = now
                 if "train_done" not in self.marks and self._rank0_event("train_done"):
                     self.mark("train_done")
                 if self.on_tick:
@@ -260,13 +261,15 @@ class Testbed:
                 while pending and now - ready_at >= pending[0].at_s:
                     fault = pending.pop(0)
                     self._apply(fault, True)
-                    entry = {"host": fault.host, "kind": fault.kind, "start_s": round(now - ready_at, 2)}
+                    entry = {"host": fault.host, "kind": fault.kind, "start_s": round(now - ready_at, 2),
+                             "started_in_training": "train_done" not in self.marks}
                     fault_log.append(entry)
                     active.append((now + fault.duration_s, fault, entry))
                 for item in list(active):
                     if now >= item[0]:
                         self._apply(item[1], False)
                         item[2]["end_s"] = round(now - ready_at, 2)
+                        item[2]["ended_in_training"] = "train_done" not in self.marks
                         active.remove(item)
         for _, fault, entry in active:
             self._apply(fault, False)
