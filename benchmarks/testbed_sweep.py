@@ -163,7 +163,7 @@ def main() -> int:
             result["targets"] = targets(result["runs"])
             result["load_avg_end"] = os.getloadavg()
             args.out.write_text(json.dumps(result, indent=1))
-    plot(result["runs"], args.out.with_suffix(".png"))
+            plot(result["runs"], args.out.with_suffix(".png"))  # after every run: a cut-short sweep keeps its plot
     print(json.dumps(result["targets"], indent=1))
     return 0
 
