@@ -80,7 +80,7 @@ def one(config_path: Path, data: Path, mode: str, rate: str, work: Path, overrid
 
 def targets(runs: list[dict]) -> dict:
     ok = {(r["mode"], r["rate"]): r for r in runs if "error" not in r}
-    rates = [r for r in dict.fromkeys(r["rate"] for r in runs)]
+    rates = sorted(dict.fromkeys(r["rate"] for r in runs), key=lambda r: -(parse_rate(r) or float("inf")))
     # The link rate where sync's exposed wait is first >= 1/3 of its step time (fastest such rate).
     pick = next((rate for rate in rates if (ok.get(("sync", rate)) or {}).get("exposed_fraction", 0) >= 1 / 3), None)
     out: dict = {"rate": pick}
