@@ -159,12 +159,14 @@ class Testbed:
     def start_services(self) -> None:
         for host, config in self.configs.items():
             dump_config(config, self.run_dir / f"config-{host}.yaml")
+        for stale in ("summary.json", "testbed.json", "services.json"):  # a reused run dir: nothing of a past run
+            (self.run_dir / stale).unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
         for proc in self.procs:
             cmd = ["ip", "netns", "exec", host_ns(self.prefix, proc.host), sys.executable, "-m", "hybridrec", "serve",
                    proc.service, "--config", str(self.run_dir / f"config-{proc.host}.yaml"),
                    "--replica", str(proc.replica), "--set", f"cluster.metrics_port={proc.metrics_port}"]
-            with open(proc.log_path, "ab") as out:
+            with open(proc.log_path, "wb") as out:  # fresh: the run's marks are read from these logs
                 proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                               env=env, preexec_fn=_die_with_parent, close_fds=True)
         self._write_services()
