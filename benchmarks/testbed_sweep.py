@@ -111,25 +111,49 @@ def targets(runs: list[dict]) -> dict:
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """Left: samples/s against link rate, one line per mode; right: exposed wait per step (the part that does
+    not depend on how busy the shared CPU was)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ok = [r for r in runs if "error" not in r]
     shaped = [r["rate_bits"] for r in ok if r["rate_bits"]]
     unshaped_x = (max(shaped) * 4) if shaped else 1e10
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in MODES:
-        pts = sorted(((r["rate_bits"] or unshaped_x), r["samples_per_sec"]) for r in ok if r["mode"] == mode)
-        if pts:
-            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=mode)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"embedding host link rate per direction, Mbit/s (rightmost: unshaped)")
-    ax.set_ylabel("training samples/s")
-    ax.set_title("hybridrec across two testbed hosts")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    x_of = lambda r: (r["rate_bits"] or unshaped_x) / 1e6  # noqa: E731
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, ax, label in (("samples_per_sec", axes[0], "training samples/s"),
+                           ("exposed_wait_per_step_s", axes[1], "exposed wait per step, s")):
+        for mode in MODES:
+            pts = sorted((x_of(r), r[key]) for r in ok if r["mode"] == mode)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ticks = sorted({x_of(r): r["rate"] for r in ok}.items())
+        ax.set_xscale("log")
+        ax.set_xticks([t for t, _ in ticks], [name for _, name in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("embedding host link rate, each direction")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("hybridrec across two testbed hosts (trainer | embedding)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(paths: list[Path], out: Path) -> int:
+    parts = [json.loads(p.read_text()) for p in paths]
+    runs: dict[tuple[str, str], dict] = {}
+    for part, path in zip(parts, paths):
+        for run in part["runs"]:
+            runs[(run["mode"], run["rate"])] = {**run, "from": str(path)}
+    result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": list(runs.values()),
+              "load_avg_start": [p["load_avg_start"] for p in parts], "load_avg_end": [p.get("load_avg_end") for p in parts]}
+    result["targets"] = targets(result["runs"])
+    out.write_text(json.dumps(result, indent=1))
+    plot(result["runs"], out.with_suffix(".png"))
+    print(json.dumps(result["targets"], indent=1))
+    return 0
 
 
 def main() -> int:
@@ -143,7 +167,12 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. training.staleness=8")
     parser.add_argument("--prefix", default="hrsw")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="combine sweep JSON files into --out (a later file's (mode, rate) run replaces an "
+                             "earlier one), recompute the targets and the plot; runs nothing")
     args = parser.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     rates = args.rates or list(QUICK_RATES if args.quick else FULL_RATES)
     for rate in rates:
