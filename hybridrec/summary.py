@@ -118,6 +118,12 @@ class RunSummary(BaseModel):
     """Training batches whose embeddings were lost (an embedding worker restarted)."""
     skipped_eval_batches: int
     staleness: Staleness
+    exposed_wait_per_step_s: float | None = None
+    """Mean seconds per training step (over steps and ranks) an NN worker's step loop waited for
+    communication: a batch's embeddings, and in sync mode its gradient push and the barrier."""
+    compute_per_step_s: float | None = None
+    """Mean seconds per training step on the compute thread (pooling, forward, backward, dense
+    AllReduce, optimizer step)."""
     eval_samples: int
     auc: float | None
     """Eval AUC on the held-out files (None without eval data or with one class only)."""

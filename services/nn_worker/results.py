@@ -49,12 +49,16 @@ def reduce_stats(trainer: Trainer) -> dict:
     wall = torch.tensor([s.wall_s, -start, end], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     first, last = -float(wall[1]), float(wall[2])
+    waits = torch.tensor([s.exposed_wait_s, s.compute_s], dtype=torch.float64)  # per-rank means below
+    dist.all_reduce(waits)
+    rank_steps = max(s.steps, 1) * trainer.env.world_size
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
             "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),
             "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist(), "skipped_batches": int(totals[5]),
             "skipped_eval_batches": int(totals[6]),
             "train_started_at": first if math.isfinite(first) else None,
-            "train_ended_at": last if math.isfinite(last) else None}
+            "train_ended_at": last if math.isfinite(last) else None,
+            "exposed_wait_per_step_s": float(waits[0]) / rank_steps, "compute_per_step_s": float(waits[1]) / rank_steps}
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
@@ -68,6 +72,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         mean_train_loss=totals["mean_train_loss"], lost_updates=totals["lost_updates"],
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
+        exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
         eval_samples=int(labels.shape[0]), **binary_metrics(labels, preds),
         oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),

@@ -57,7 +57,8 @@ class NNWorkerServicer:
             values.update(steps_total=s.steps, samples_total=s.samples, loss=s.last_loss, train_auc=s.train_auc,
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
-                          skipped_batches_total=s.skipped_batches)
+                          skipped_batches_total=s.skipped_batches,
+                          exposed_wait_seconds_total=s.exposed_wait_s, compute_seconds_total=s.compute_s)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())
         return {k: float(v) for k, v in values.items()}

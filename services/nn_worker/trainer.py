@@ -58,6 +58,8 @@ class TrainStats:
     pushes_failed: int = 0
     skipped_batches: int = 0
     skipped_eval_batches: int = 0
+    exposed_wait_s: float = 0.0  # training: step loop awaiting a batch's embeddings, and (sync) its push + barrier
+    compute_s: float = 0.0  # training: forward, backward, AllReduce and optimizer step on the compute thread
 
     @property
     def wall_s(self) -> float:
@@ -171,18 +173,25 @@ class Trainer:
         async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
             async for batch, pending in batches:
                 last = (batch.seq, tuple(batch.position))
+                waited = time.perf_counter()
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
+                else:  # the first batch's wait is start-up, not exposed communication
+                    self.stats.exposed_wait_s += time.perf_counter() - waited
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
                 # number of DDP all-reduces, or the group deadlocks.
+                computed = time.perf_counter()
                 loss, grad = await self._on_compute(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                self.stats.compute_s += time.perf_counter() - computed
                 task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
+                    waited = time.perf_counter()
                     await task
                     await self._on_compute(dist.barrier)
+                    self.stats.exposed_wait_s += time.perf_counter() - waited
                 self._account(loss, batch.labels.shape[0])
                 if self.checkpointer is not None and self.checkpointer.due(self.stats.steps):
                     if pushes:  # the PS must hold every update up to this step

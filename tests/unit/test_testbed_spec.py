@@ -1,0 +1,57 @@
+"""The testbed spec is validated before anything is created (benchmarks/testbed/spec.py)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.testbed.spec import SpecError, format_rate, load_spec, parse_rate, two_hosts
+
+REPLICAS = {"embedding_ps": 2, "embedding_worker": 1, "nn_worker": 2, "dataloader": 1}
+
+
+def test_rates_parse() -> None:
+    assert parse_rate("4gbit") == 4e9
+    assert parse_rate("250mbit") == 250e6
+    assert parse_rate("0.5Gbit") == 5e8
+    assert parse_rate(1e9) == 1e9
+    assert parse_rate("unshaped") is None and parse_rate(None) is None
+    assert format_rate(2.5e8) == "250mbit" and format_rate(None) == "unshaped"
+
+
+@pytest.mark.parametrize("rate", [0, -1, "0gbit", "-5mbit", "fast", "10 parsecs", "1e3", True])
+def test_impossible_rates_are_refused(rate) -> None:
+    with pytest.raises(SpecError, match=r"hosts\.0\.link\.up"):
+        load_spec({"hosts": [{"name": "a", "services": ["nn_worker"], "link": {"up": rate}}]})
+
+
+def test_unknown_service_is_refused() -> None:
+    with pytest.raises(SpecError, match="unknown service 'parameter_server'"):
+        load_spec({"hosts": [{"name": "a", "services": ["parameter_server"]}]})
+
+
+def test_host_without_services_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"hosts\.1\.services"):
+        load_spec({"hosts": [{"name": "a", "services": ["nn_worker"]}, {"name": "b", "services": []}]})
+
+
+def test_bad_host_names_and_duplicates() -> None:
+    with pytest.raises(SpecError, match="host name"):
+        load_spec({"hosts": [{"name": "Trainer-Host-1", "services": ["nn_worker"]}]})
+    with pytest.raises(SpecError, match="unique"):
+        load_spec({"hosts": [{"name": "a", "services": ["nn_worker"]}, {"name": "a", "services": ["dataloader"]}]})
+
+
+def test_every_replica_placed_exactly_once() -> None:
+    spec = two_hosts("1gbit")
+    where = spec.assign(REPLICAS)
+    assert where[("embedding_ps", 1)] == "embedding" and where[("nn_worker", 0)] == "trainer"
+    assert spec.address("trainer") != spec.address("embedding")
+    twice = load_spec({"hosts": [{"name": "a", "services": ["nn_worker", "dataloader"]},
+                                 {"name": "b", "services": ["embedding_ps", "embedding_worker", "nn_worker:1"]}]})
+    with pytest.raises(SpecError, match="nn_worker:1 is placed on both a and b"):
+        twice.assign(REPLICAS)
+    missing = load_spec({"hosts": [{"name": "a", "services": ["nn_worker", "dataloader", "embedding_ps:0"]},
+                                   {"name": "b", "services": ["embedding_worker"]}]})
+    with pytest.raises(SpecError, match="not placed on any host: embedding_ps:1"):
+        missing.assign(REPLICAS)
+    with pytest.raises(SpecError, match="embedding_ps:5 does not exist"):
+        load_spec({"hosts": [{"name": "a", "services": ["embedding_ps:5"]}]}).assign(REPLICAS)
