@@ -71,10 +71,14 @@ def _export(*args):
     return CliRunner().invoke(app, ["export", *map(str, args)])
 
 
-@pytest.mark.parametrize("which", ["run", "checkpoint"])
+@pytest.mark.parametrize("which", ["run", "root", "checkpoint"])
 def test_export_writes_the_trained_rows_and_weights(tmp_path, run_dir, which):
+    """SOURCE: a run dir, a checkpoint root holding step-* dirs (checkpoint.dir, e.g. compose's /checkpoints),
+    or one checkpoint."""
     run, ckpt, weights, truth = run_dir
-    result = _export(run if which == "run" else ckpt, "--out", tmp_path / "b")
+    source = {"run": run, "root": ckpt.parent, "checkpoint": ckpt}[which]
+    result = _export(source, "--out", tmp_path / "b")
+    assert f"from {ckpt} " in result.output
     assert result.exit_code == 0, result.output
     manifest, table = open_bundle(tmp_path / "b")
     assert manifest.step == 9 and manifest.num_shards == NUM_SHARDS and manifest.precision == "bf16"
