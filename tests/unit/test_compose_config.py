@@ -112,3 +112,16 @@ def test_inference_publishes_on_loopback_only_and_checks_its_health(compose):
     assert set(published) == {int(settings["http_port"]), int(settings["grpc_port"])}
     test = inference["healthcheck"]["test"]
     assert test[:3] == ["CMD", "hybridrec", "health"] and test[3] == f"127.0.0.1:{settings['grpc_port']}", test
+
+
+def test_named_volumes_mount_over_directories_the_image_gives_the_service_user(compose):
+    """A new named volume takes the ownership of the image's directory it is mounted over: a target the
+    Dockerfile does not create and chown would be root's, and the non-root services could not write it."""
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    chown = next(line for line in dockerfile.splitlines() if line.strip().startswith('chown "$UID:$UID"'))
+    owned = {PurePosixPath(p.rstrip(";\\")) for p in chown.split()[2:]}
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            parts = volume.split(":")
+            if len(parts) >= 2 and parts[0] in compose["volumes"] and parts[2:] != ["ro"]:
+                assert PurePosixPath(parts[1]) in owned, f"{name}: {volume} (the image chowns {sorted(map(str, owned))})"
