@@ -108,6 +108,9 @@ def test_bad_sources_and_outputs_exit_2_naming_the_file(tmp_path, run_dir):
     (tmp_path / "exists").mkdir()
     result = _export(run, "--out", tmp_path / "exists")
     assert result.exit_code == 2 and "already exists" in result.output
+    (tmp_path / "file").write_text("")
+    result = _export(run, "--out", tmp_path / "file" / "b")  # an --out that cannot be created (OSError)
+    assert result.exit_code == 2 and str(tmp_path / "file") in result.output and "Traceback" not in result.output
     (ckpt / "manifest.json").rename(tmp_path / "manifest.json")  # a half-written checkpoint
     result = _export(ckpt, "--out", tmp_path / "b")
     assert result.exit_code == 2 and "half-written" in result.output and str(ckpt) in result.output
