@@ -286,6 +286,8 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
         checkpoint, manifest = exporter.export(source, out)
     except (exporter.ExportError, BundleError) as exc:
         _fail(str(exc))
+    except OSError as exc:  # e.g. --out on a volume the user cannot write: a message naming it, not a traceback
+        _fail(f"{exc.filename or out}: {exc.strerror or exc}")
     size = sum(entry.bytes for entry in manifest.files.values())
     rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
     typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "

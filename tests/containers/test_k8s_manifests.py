@@ -5,8 +5,12 @@ validates every object against the Kubernetes JSON schemas bundled with the
 `kubernetes-validate` package (strict: unknown fields are errors), and checks
 the facts the deployment relies on: probes, the in-memory shm volume of the
 PS, replica counts that agree with the config's cluster section, a hybridrec
-config that loads, and what the GPU overlay adds. Needs kubectl, no cluster
-and no Docker.
+config that loads, and what the GPU overlay adds. Serving (deploy/k8s/serving,
+alone and with the base in overlays/serving) gets the same validation and
+checks. The KServe example (deploy/k8s/kserve) is of custom resources that
+kubernetes-validate has no schema for: a structural test checks its fields
+instead, and validates its container strictly as a Pod's. Needs kubectl, no
+cluster and no Docker.
 """
 from __future__ import annotations
 
@@ -50,6 +54,16 @@ def gpu() -> list[dict]:
     return render(K8S / "overlays" / "gpu")
 
 
+@pytest.fixture(scope="module")
+def serving() -> list[dict]:
+    return render(K8S / "serving")
+
+
+@pytest.fixture(scope="module")
+def serving_overlay() -> list[dict]:
+    return render(K8S / "overlays" / "serving")
+
+
 def one(objects: list[dict], kind: str, name: str) -> dict:
     found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
@@ -66,7 +80,7 @@ def hybridrec_config(objects: list[dict]) -> dict:
     return yaml.safe_load(maps[0]["data"]["config.yaml"])
 
 
-@pytest.mark.parametrize("variant", ["base", "gpu"])
+@pytest.mark.parametrize("variant", ["base", "gpu", "serving", "serving_overlay"])
 def test_every_object_validates_against_the_kubernetes_schemas(variant, request):
     try:
         import kubernetes_validate
@@ -145,7 +159,7 @@ def test_dataloader_is_a_job_with_a_stable_name(base):
 
 
 def workloads(objects):
-    return [o for o in objects if o["kind"] in ("StatefulSet", "Job")]
+    return [o for o in objects if o["kind"] in ("StatefulSet", "Job", "Deployment")]
 
 
 def test_grpc_probes(base):
@@ -177,8 +191,9 @@ def test_checkpoints_and_results_on_the_pvc(base):
         assert volume["persistentVolumeClaim"]["claimName"] == "hybridrec-state"
 
 
-def test_hardening_and_resources(base):
-    for obj in workloads(base):
+@pytest.mark.parametrize("variant", ["base", "serving"])
+def test_hardening_and_resources(variant, request):
+    for obj in workloads(request.getfixturevalue(variant)):
         spec = pod_spec(obj)
         name = obj["metadata"]["name"]
         assert spec["securityContext"]["runAsNonRoot"] is True, name
@@ -268,3 +283,146 @@ def test_network_policies_let_each_port_be_reached_only_by_its_callers(base):
     assert _allowed(policies, pods["nn-worker"], pods["nn-worker"], 29500)
     assert not _allowed(policies, pods["dataloader"], pods["nn-worker"], 29500)
     assert not _allowed(policies, pods["embedding-ps"], pods["nn-worker"], 41234)
+
+
+# --- serving: deploy/k8s/serving, overlays/serving, kserve ------------------------------------------------------
+
+def settings_of(args: list[str]) -> dict[str, str]:
+    """The `--set key=value` settings of a `hybridrec serve inference` command line."""
+    return dict(args[i + 1].split("=", 1) for i, arg in enumerate(args) if arg == "--set")
+
+
+def mounts_of(spec: dict, container: dict) -> dict[str, dict]:
+    """mountPath -> {volume's source, subPath, readOnly} of a container."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    return {m["mountPath"]: {**volumes[m["name"]], "subPath": m.get("subPath"), "readOnly": m.get("readOnly", False)}
+            for m in container["volumeMounts"]}
+
+
+def test_serving_has_the_expected_objects_and_the_overlay_adds_them_to_the_base(base, serving, serving_overlay):
+    names = sorted((o["kind"], o["metadata"]["name"]) for o in serving)
+    assert names == sorted([("Deployment", "inference"), ("Job", "export"), ("Service", "inference"),
+                            ("NetworkPolicy", "inference"), ("NetworkPolicy", "export")])
+    overlay = sorted((o["kind"], o["metadata"]["name"]) for o in serving_overlay)
+    assert overlay == sorted(names + [(o["kind"], o["metadata"]["name"]) for o in base])
+    for obj in serving:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hybridrec", obj["metadata"]["name"]
+    assert not [o for o in serving if o["kind"] in ("PersistentVolumeClaim", "ConfigMap")], \
+        "serving reuses the base's PVC and needs no job config"
+
+
+def test_export_writes_the_bundle_inference_reads_from_the_checkpoints_training_writes(base, serving):
+    config = hybridrec_config(base)
+    rank0 = pod_spec(one(base, "StatefulSet", "nn-worker"))
+    trained = mounts_of(rank0, rank0["containers"][0])
+    job = one(serving, "Job", "export")
+    spec = pod_spec(job)
+    assert spec["restartPolicy"] in ("OnFailure", "Never")
+    [export] = spec["containers"]
+    exported = mounts_of(spec, export)
+    for path in (config["checkpoint"]["dir"], config["output"]["dir"]):  # same PVC and subPath, read-only
+        assert exported[path]["persistentVolumeClaim"] == trained[path]["persistentVolumeClaim"], path
+        assert exported[path]["subPath"] == trained[path]["subPath"] and exported[path]["readOnly"], path
+    script = " ".join(export["args"])
+    assert f"{config['output']['dir']}/summary.json" in script, "export must wait for the end of training"
+    assert f"hybridrec export {config['checkpoint']['dir']} --out /models/bundle.new" in script
+    assert "mv /models/bundle.new /models/bundle" in script
+    models = exported["/models"]
+    assert models["persistentVolumeClaim"]["claimName"] == "hybridrec-state" and not models["readOnly"]
+
+    deployment = one(serving, "Deployment", "inference")
+    spec = pod_spec(deployment)
+    [inference] = spec["containers"]
+    assert inference["args"][:4] == ["serve", "inference", "--bundle", "/models/bundle"]
+    for container in [inference] + spec["initContainers"]:
+        served = mounts_of(spec, container)["/models"]
+        assert served["persistentVolumeClaim"]["claimName"] == "hybridrec-state", container["name"]
+        assert served["subPath"] == models["subPath"] and served["readOnly"], container["name"]
+    [wait] = spec["initContainers"]
+    assert "/models/bundle/manifest.json" in " ".join(wait["args"])
+
+
+def test_inference_ports_probes_and_service(serving):
+    deployment = one(serving, "Deployment", "inference")
+    [c] = pod_spec(deployment)["containers"]
+    settings = settings_of(c["args"])
+    assert settings["host"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": int(settings["http_port"]), "grpc": int(settings["grpc_port"]),
+                     "metrics": int(settings["metrics_port"])}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    svc = one(serving, "Service", "inference")
+    assert svc["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "grpc": "grpc"}
+
+
+def test_network_policies_open_inference_to_the_namespace_only(serving, serving_overlay):
+    pods = {c: {"app.kubernetes.io/name": "hybridrec", "app.kubernetes.io/component": c}
+            for c in ("inference", "export", "embedding-ps", "nn-worker")}
+    client = {"app": "some-frontend"}  # any pod of this namespace
+    elsewhere = {"ns": {"kubernetes.io/metadata.name": "other"}}
+    monitoring = {"ns": {"kubernetes.io/metadata.name": "monitoring"}}
+    for objects in (serving, serving_overlay):
+        policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        for port in ("http", "grpc"):
+            assert _allowed(policies, client, pods["inference"], port)
+            assert not _allowed(policies, elsewhere, pods["inference"], port)
+        assert _allowed(policies, monitoring, pods["inference"], "metrics")
+        assert not _allowed(policies, client, pods["inference"], "metrics")
+        assert not _allowed(policies, client, pods["export"], "http")
+    # serving adds nothing to the training pods' ingress
+    policies = [o for o in serving_overlay if o["kind"] == "NetworkPolicy"]
+    assert not _allowed(policies, pods["inference"], pods["embedding-ps"], "grpc")
+    assert not _allowed(policies, client, pods["nn-worker"], 29500)
+
+
+@pytest.fixture(scope="module")
+def kserve() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all((K8S / "kserve" / "inference-service.yaml").read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def test_kserve_example_structure(kserve, base):
+    """No schema is bundled for KServe's CRDs: check the fields KServe reads, by hand."""
+    assert sorted(kserve) == ["InferenceService", "ServingRuntime"]
+    runtime, isvc = kserve["ServingRuntime"], kserve["InferenceService"]
+    assert runtime["apiVersion"] == "serving.kserve.io/v1alpha1"
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+    assert set(runtime) == {"apiVersion", "kind", "metadata", "spec"} == set(isvc)
+    assert set(runtime["spec"]) <= {"supportedModelFormats", "protocolVersions", "containers", "volumes"}
+    assert "v2" in runtime["spec"]["protocolVersions"]
+    [container] = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"  # the container KServe routes to and mounts /mnt/models in
+    assert container["args"][:4] == ["serve", "inference", "--bundle", "/mnt/models"]
+    settings = settings_of(container["args"])
+    assert settings["host"] == "0.0.0.0" and settings["model_name"] == "{{.Name}}"
+    assert [p["containerPort"] for p in container["ports"]] == [int(settings["http_port"])] == [8080]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": 8080}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": 8080}
+    sc = container["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}
+
+    predictor = isvc["spec"]["predictor"]
+    assert set(isvc["spec"]) == {"predictor"} and set(predictor) <= {"model", "minReplicas", "maxReplicas"}
+    model = predictor["model"]
+    assert set(model) == {"modelFormat", "runtime", "protocolVersion", "storageUri"}
+    assert model["protocolVersion"] == "v2" and model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"] in [{k: f[k] for k in ("name", "version")}
+                                    for f in runtime["spec"]["supportedModelFormats"]]
+    pvc = one(base, "PersistentVolumeClaim", "hybridrec-state")["metadata"]["name"]
+    assert model["storageUri"] == f"pvc://{pvc}/models/bundle"  # where deploy/k8s/serving's export Job writes
+
+
+def test_kserve_runtime_container_validates_as_a_pods(kserve):
+    import kubernetes_validate
+
+    spec = kserve["ServingRuntime"]["spec"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hybridrec-predictor"},
+           "spec": {"containers": spec["containers"], "volumes": spec["volumes"]}}
+    kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)

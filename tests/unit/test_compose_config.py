@@ -60,3 +60,68 @@ def test_every_container_is_hardened(compose):
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text().splitlines()
     users = [line.split()[1] for line in dockerfile if line.startswith("USER ")]
     assert users and not users[-1].startswith(("0", "root")), f"the image's last USER is {users}"
+
+
+def test_every_container_has_a_tmpfs_at_tmp(compose):
+    """HOME and the numba cache live in /tmp (deploy/README.md): a read-only root needs it writable."""
+    for name, service in compose["services"].items():
+        assert "/tmp" in service.get("tmpfs", []), name
+
+
+SERVING = ("export", "inference")
+
+
+def test_serving_is_a_profile_that_training_does_not_start(compose):
+    """`up nn-worker-0` (train.sh) and plain `up` leave export and inference alone; --profile serve adds them."""
+    for name, service in compose["services"].items():
+        assert (service.get("profiles") == ["serve"]) == (name in SERVING), name
+    training = {"nn-worker-0"}
+    while True:  # everything `up nn-worker-0` starts: its depends_on, transitively
+        more = {dep for name in training for dep in compose["services"][name].get("depends_on", {})} - training
+        if not more:
+            break
+        training |= more
+    assert not training & set(SERVING)
+
+
+def test_export_reads_the_checkpoints_the_nn_workers_write_and_inference_reads_its_bundle(compose, config):
+    export, inference = compose["services"]["export"], compose["services"]["inference"]
+    root = config["checkpoint"]["dir"]
+    for name in ("nn-worker-0", "nn-worker-1"):
+        assert f"checkpoints:{root}" in compose["services"][name]["volumes"], name
+    assert f"checkpoints:{root}:ro" in export["volumes"]
+    script = export["command"][0]
+    assert f"hybridrec export {root} --out /models/bundle.new" in script, script
+    assert "models:/models" in export["volumes"] and "models:/models:ro" in inference["volumes"]
+    command = inference["command"]
+    assert command[:4] == ["serve", "inference", "--bundle", "/models/bundle"], command
+    assert inference["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
+    assert "models" in compose["volumes"]
+
+
+def test_inference_publishes_on_loopback_only_and_checks_its_health(compose):
+    inference = compose["services"]["inference"]
+    command = inference["command"]
+    settings = dict(command[i + 1].split("=", 1) for i, arg in enumerate(command) if arg == "--set")
+    assert settings["host"] == "0.0.0.0"  # inside the container; the host publishes loopback only
+    published = {}
+    for port in inference["ports"]:
+        host, container_port = port.rsplit(":", 1)  # "127.0.0.1:${HYBRIDREC_HTTP_PORT:-8000}:8000"
+        assert host.startswith("127.0.0.1:"), port
+        published[int(container_port)] = host
+    assert set(published) == {int(settings["http_port"]), int(settings["grpc_port"])}
+    test = inference["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "hybridrec", "health"] and test[3] == f"127.0.0.1:{settings['grpc_port']}", test
+
+
+def test_named_volumes_mount_over_directories_the_image_gives_the_service_user(compose):
+    """A new named volume takes the ownership of the image's directory it is mounted over: a target the
+    Dockerfile does not create and chown would be root's, and the non-root services could not write it."""
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    chown = next(line for line in dockerfile.splitlines() if line.strip().startswith('chown "$UID:$UID"'))
+    owned = {PurePosixPath(p.rstrip(";\\")) for p in chown.split()[2:]}
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            parts = volume.split(":")
+            if len(parts) >= 2 and parts[0] in compose["volumes"] and parts[2:] != ["ro"]:
+                assert PurePosixPath(parts[1]) in owned, f"{name}: {volume} (the image chowns {sorted(map(str, owned))})"

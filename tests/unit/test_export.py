@@ -71,10 +71,14 @@ def _export(*args):
     return CliRunner().invoke(app, ["export", *map(str, args)])
 
 
-@pytest.mark.parametrize("which", ["run", "checkpoint"])
+@pytest.mark.parametrize("which", ["run", "root", "checkpoint"])
 def test_export_writes_the_trained_rows_and_weights(tmp_path, run_dir, which):
+    """SOURCE: a run dir, a checkpoint root holding step-* dirs (checkpoint.dir, e.g. compose's /checkpoints),
+    or one checkpoint."""
     run, ckpt, weights, truth = run_dir
-    result = _export(run if which == "run" else ckpt, "--out", tmp_path / "b")
+    source = {"run": run, "root": ckpt.parent, "checkpoint": ckpt}[which]
+    result = _export(source, "--out", tmp_path / "b")
+    assert f"from {ckpt} " in result.output
     assert result.exit_code == 0, result.output
     manifest, table = open_bundle(tmp_path / "b")
     assert manifest.step == 9 and manifest.num_shards == NUM_SHARDS and manifest.precision == "bf16"
@@ -104,6 +108,9 @@ def test_bad_sources_and_outputs_exit_2_naming_the_file(tmp_path, run_dir):
     (tmp_path / "exists").mkdir()
     result = _export(run, "--out", tmp_path / "exists")
     assert result.exit_code == 2 and "already exists" in result.output
+    (tmp_path / "file").write_text("")
+    result = _export(run, "--out", tmp_path / "file" / "b")  # an --out that cannot be created (OSError)
+    assert result.exit_code == 2 and str(tmp_path / "file") in result.output and "Traceback" not in result.output
     (ckpt / "manifest.json").rename(tmp_path / "manifest.json")  # a half-written checkpoint
     result = _export(ckpt, "--out", tmp_path / "b")
     assert result.exit_code == 2 and "half-written" in result.output and str(ckpt) in result.output
