@@ -1,6 +1,7 @@
 """Files other processes read while they are being replaced: written whole or not at all."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,3 +25,19 @@ def write_json_atomic(path: str | Path, data: Any, *, fsync: bool = False) -> No
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes (sha256) and counts what goes through it.
+
+    `np.lib.format.write_array` writes through it, so an array's file and its
+    checksum come from one pass over the bytes (checkpoints, published versions).
+    """
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)

@@ -1,7 +1,7 @@
 """Prometheus metrics of every service (prometheus-client), served over HTTP by `ServiceHost`.
 
 Two kinds:
-* histograms observed on the hot path — RPC latency per method (in `rpc._guard`)
+* histograms observed on the hot path — RPC latency per method (in `rpc.guard`)
   and, on NN workers, the staleness of every lookup;
 * each service's `stats()` dictionary, read at scrape time by `StatsCollector`
   (no bookkeeping twice): a key ending in `_total` is a counter, anything else a

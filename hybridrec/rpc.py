@@ -3,7 +3,7 @@
 Services are registered from the service descriptors of protos/hybridrec.proto:
 a method whose request type is `Frame` is a data-plane method and gets identity
 (de)serializers, so the handler receives and returns the raw frame bytes and
-protobuf never touches a tensor. Every handler runs inside `_guard`, which turns
+protobuf never touches a tensor. Every handler runs inside `guard`, which turns
 a bad request into INVALID_ARGUMENT (a missing batch into NOT_FOUND, a request the
 server never accepts in its state, e.g. an update to a read-only PS, into
 FAILED_PRECONDITION) with a
@@ -62,7 +62,9 @@ class FailedPrecondition(RuntimeError):
     version it did not publish last); retrying the same request will not help."""
 
 
-def _guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
+def guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
+    """`fn` as a gRPC handler: user errors become status codes with their message, a bug INTERNAL, never a
+    dead server; latency observed, control methods authorised."""
     logger = log.get()
     latency = RPC_LATENCY.labels(service, method)
 
@@ -103,11 +105,11 @@ def add_service(server: grpc.aio.Server, service_name: str, impl: Any) -> None:
     for method in service.methods:
         fn = getattr(impl, method.name)
         if method.input_type is FRAME:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard(fn, service_name, method.name))
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(guard(fn, service_name, method.name))
         else:
             request_cls = getattr(pb, method.input_type.name)
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _guard(fn, service_name, method.name),
+                guard(fn, service_name, method.name),
                 request_deserializer=request_cls.FromString,
                 response_serializer=lambda msg: msg.SerializeToString(),
             )

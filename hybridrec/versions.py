@@ -19,7 +19,6 @@ reader (`list_versions`, `chain_to`, `Follower`); it imports no service.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridrec import log
+from hybridrec.files import HashingWriter
 from hybridrec.bundle import (BundleError, BundleManifest, EmbeddingTable, FileEntry, ShardTable, load_dense,
                               read_manifest, table_files, verify)
 
@@ -167,22 +167,12 @@ def compact(root: str | Path, keep: int) -> list[int]:
 
 
 # -- writing tables ---------------------------------------------------------------------------
-class _HashingFile:
-    def __init__(self, f) -> None:
-        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.bytes += len(data)
-        return self.f.write(data)
-
-
 def _save_npy(path: Path, array: np.ndarray) -> FileEntry:
     """Write `array` to `path` (tmp + rename), hashing as it goes."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
-            out = _HashingFile(f)
+            out = HashingWriter(f)
             np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
         os.replace(tmp, path)
     except BaseException:

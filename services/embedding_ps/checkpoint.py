@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from hybridrec import log
+from hybridrec.files import HashingWriter
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore
 
@@ -44,21 +45,9 @@ def shard_dir_name(shard: int, num_shards: int) -> str:
     return f"shard-{shard:05d}-of-{num_shards:05d}"
 
 
-class _HashingWriter:
-    """File wrapper that hashes and counts what np.lib.format.write_array writes through it."""
-
-    def __init__(self, f) -> None:
-        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.bytes += len(data)
-        return self.f.write(data)
-
-
 def _write_npy(path: Path, array: np.ndarray) -> dict:
     with open(path, "wb") as f:
-        writer = _HashingWriter(f)
+        writer = HashingWriter(f)
         np.lib.format.write_array(writer, np.ascontiguousarray(array), allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())

@@ -8,16 +8,14 @@ OIP client reads it).
 from __future__ import annotations
 
 import struct
-import time
 
 import grpc
 import numpy as np
 
-from hybridrec import log
-from hybridrec.metrics import RPC_LATENCY
+from hybridrec import rpc
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
 from services.inference.core import OUTPUT, InferenceCore
-from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
+from services.inference.inputs import DTYPES, BadInput, Tensor
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ELEMENTS = 1 << 26
@@ -136,37 +134,13 @@ class GRPCInferenceServicer:
         return response
 
 
-def _guard(fn, method: str):
-    logger = log.get()
-    latency = RPC_LATENCY.labels("inference", method)
-
-    async def handler(request, context: grpc.aio.ServicerContext):
-        started = time.perf_counter()
-        try:
-            return await fn(request, context)
-        except BadInput as exc:
-            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except NotFound as exc:
-            code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
-        except NotReady as exc:
-            code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; logged with its trace
-            logger.exception("rpc_failed", method=method)
-            code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        finally:
-            latency.observe(time.perf_counter() - started)
-        await context.abort(code, detail[:2000])
-
-    return handler
-
-
 def add_to_server(server: grpc.aio.Server, servicer: GRPCInferenceServicer) -> None:
     service = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
     for method in service.methods:
         request_cls = getattr(oip, method.input_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _guard(getattr(servicer, method.name), method.name),
+            rpc.guard(getattr(servicer, method.name), "inference", method.name),
             request_deserializer=request_cls.FromString,
             response_serializer=lambda msg: msg.SerializeToString(),
         )

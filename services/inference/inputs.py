@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hybridrec import rpc
 from hybridrec.bundle import BundleManifest
 from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
 from hybridrec.criteo_parser import _OK, _parse_lines, error_text
@@ -38,11 +39,11 @@ class BadInput(ValueError):
     """A request the model cannot answer: INVALID_ARGUMENT / HTTP 400 with this message."""
 
 
-class NotFound(LookupError):
+class NotFound(rpc.NotFound):
     """An unknown model or version: NOT_FOUND / HTTP 404."""
 
 
-class NotReady(RuntimeError):
+class NotReady(rpc.Unavailable):
     """The model is still loading: UNAVAILABLE / HTTP 503 (retry)."""
 
 
