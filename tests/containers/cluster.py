@@ -83,6 +83,9 @@ class Cluster:
         self.log_dir = log_dir
         self.network = Network().create()
         self.results_volume = make_volume(client, "hybridrec-results")
+        # checkpoint.dir of the compose config: shared by the PS shards (their dumps), the NN workers (dense
+        # state, manifests; the final checkpoint) and the data loader (resume), as a compose volume is.
+        self.checkpoints_volume = make_volume(client, "hybridrec-checkpoints")
         self.containers: dict[str, DockerContainer] = {}
 
     # -- lifecycle ----------------------------------------------------------
@@ -99,6 +102,7 @@ class Cluster:
             .with_volume_mapping(str(CONFIG), "/etc/hybridrec/config.yaml", "ro")
             .with_volume_mapping(self.data_volume, "/data", "ro")
             .with_volume_mapping(self.results_volume, "/results", "rw")
+            .with_volume_mapping(self.checkpoints_volume, "/checkpoints", "rw")
             .with_tmpfs_mount("/tmp")
             .with_kwargs(hostname=node.name, init=True, read_only=True, cap_drop=["ALL"],
                          security_opt=["no-new-privileges:true"], mounts=mounts,
@@ -116,7 +120,8 @@ class Cluster:
             container.stop(force=True, delete_volume=True)  # anonymous PS shm volumes too
         self.containers.clear()
         self.network.remove()
-        self.client.volumes.get(self.results_volume).remove(force=True)
+        for volume in (self.results_volume, self.checkpoints_volume):
+            self.client.volumes.get(volume).remove(force=True)
 
     # -- observation --------------------------------------------------------
     def docker(self, name: str):
