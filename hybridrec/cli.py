@@ -113,7 +113,7 @@ def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hybridrec.report import fmt_duration, fmt_int, fmt_rate, fmt_sig
+    from hybridrec.report_page import fmt_duration, fmt_int, fmt_rate, fmt_sig
 
     table = Table(title="hybridrec run", show_header=False)
     phases = summary.phases

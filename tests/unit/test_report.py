@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridrec.report import (DASH, Recorder, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, rerender,
-                              summary_rows, write_report)
+from hybridrec.report import Recorder, rerender, write_report
+from hybridrec.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
 from hybridrec.summary import Phases, RunSummary, ServiceInfo, Staleness
 
 
