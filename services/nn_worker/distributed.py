@@ -1,8 +1,8 @@
 """On the NN worker: the torch.distributed process group and how the dense replica is kept in sync.
 
-`parallelize(model, mode, ...)` is the one place that decides how dense
-parameters are synchronised (parallelism is a function applied to the
-user's module, not part of it):
+`DenseSync(model, env, training)` is the one place that decides how dense
+parameters are synchronised (parallelism is applied to the user's module,
+not built into it); the trainer calls forward on `DenseSync.module`:
 
 * hybrid, sync — DistributedDataParallel: gradients AllReduced every step,
   bucketed so communication overlaps the backward pass;
