@@ -25,15 +25,16 @@ _CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_
              "FP32": "fp32_contents", "FP64": "fp64_contents"}
 
 
-def _shape(dims) -> tuple[int, ...]:
+def checked_shape(dims, what: str = "") -> tuple[int, ...]:
+    """A tensor shape from either protocol, refused (BadInput) when negative or over MAX_ELEMENTS elements."""
     shape = tuple(int(d) for d in dims)
     if any(d < 0 for d in shape):
-        raise BadInput(f"shape {list(shape)} has a negative dimension")
+        raise BadInput(f"{what}shape {list(shape)} has a negative dimension")
     count = 1
     for d in shape:
         count *= d
         if count > MAX_ELEMENTS:
-            raise BadInput(f"shape {list(shape)} is too large")
+            raise BadInput(f"{what}shape {list(shape)} is too large")
     return shape
 
 
@@ -60,7 +61,7 @@ def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
                        "or none")
     tensors = []
     for i, inp in enumerate(request.inputs):
-        shape = _shape(inp.shape)
+        shape = checked_shape(inp.shape)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if inp.datatype == "BYTES":
             data = split_bytes(raw[i], inp.name) if raw else list(inp.contents.bytes_contents)

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from hybridrec import log
 from services.inference.core import OUTPUT, InferenceCore
-from services.inference.grpc_api import MAX_ELEMENTS, split_bytes
+from services.inference.grpc_api import checked_shape, split_bytes
 from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -35,15 +35,11 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
+    """JSON is untyped: the shape must be a list of non-negative integers before the shared bounds apply."""
     if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in value):
         raise BadInput(f"input {name!r}: shape must be a list of non-negative integers, got {value!r}")
-    count = 1
-    for d in value:
-        count *= d
-        if count > MAX_ELEMENTS:
-            raise BadInput(f"input {name!r}: shape {value} is too large")
-    return tuple(value)
+    return checked_shape(value, f"input {name!r}: ")
 
 
 def _flatten(data: Any) -> list:

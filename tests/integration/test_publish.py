@@ -81,14 +81,19 @@ def predict(model, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return torch.sigmoid(model.dense(torch.from_numpy(dense), embeddings).reshape(-1)).numpy()
 
 
-def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, small_data):
+def _start_publishing_run(tmp_path, small_data):
+    """A `hybridrec run` publishing a version every 10 steps; returns (process, run dir, versions dir)."""
     config = write_config(tmp_path / "config.yaml", small_data,
                           training={"batch_size": 512, "epochs": 2},
                           publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
     run_dir = tmp_path / "run"
-    root = run_dir / "versions"
     run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return run, run_dir, run_dir / "versions"
+
+
+def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, small_data):
+    run, run_dir, root = _start_publishing_run(tmp_path, small_data)
     source = FollowSource(root, poll_s=0.2)
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -171,13 +176,7 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
 
     from hybridrec.proto import grpc_predict_v2_pb2 as oip
 
-    config = write_config(tmp_path / "config.yaml", small_data,
-                          training={"batch_size": 512, "epochs": 2},
-                          publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
-    run_dir = tmp_path / "run"
-    root = run_dir / "versions"
-    run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run, run_dir, root = _start_publishing_run(tmp_path, small_data)
     grpc_port, http_port = _free_port(), _free_port()
     server = subprocess.Popen(HYBRIDREC + ["serve", "inference", "--follow", str(root), "--set", "model_name=ctr",
                                            "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
