@@ -119,7 +119,8 @@ class FollowSource:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.poll_once()
+                if self.poll_once():
+                    continue  # versions published while this one loaded are picked up now, not a poll later
             except Exception as exc:  # noqa: BLE001 - a bad version must not stop following; logged, counted
                 self.load_errors += 1
                 self.log.warning("version_load_failed", error=f"{type(exc).__name__}: {exc}")

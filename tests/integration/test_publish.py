@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridrec.ids import GROUP_SHIFT
-from hybridrec.versions import Follower, list_versions, load_version, table_arrays
+from hybridrec.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
 from services.inference.follow import FollowSource, _default_make_model, build_dense
 from tests.conftest import HYBRIDREC, REPO, write_config
 
@@ -84,7 +84,7 @@ def predict(model, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def _start_publishing_run(tmp_path, small_data):
     """A `hybridrec run` publishing a version every 10 steps; returns (process, run dir, versions dir)."""
     config = write_config(tmp_path / "config.yaml", small_data,
-                          training={"batch_size": 512, "epochs": 2},
+                          training={"batch_size": 512, "epochs": 4},  # ~24 versions
                           publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
     run_dir = tmp_path / "run"
     run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
@@ -92,20 +92,27 @@ def _start_publishing_run(tmp_path, small_data):
     return run, run_dir, run_dir / "versions"
 
 
-def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, small_data):
+def test_a_follower_answers_with_the_version_it_names(tmp_path, small_data):
+    """FollowSource in this process, with 8 client threads reading through its swaps: no errors, at least 5
+    swaps, the last version served, and every answer equal to a forward pass of the version it names.
+    Freshness (2 versions, 10 s) is the service's promise and is measured on the service below: here the 8
+    client threads share this process's GIL with the follower, and on a loaded 2-core machine they starve it
+    (docs/serving.md#following-versions)."""
     run, run_dir, root = _start_publishing_run(tmp_path, small_data)
     source = FollowSource(root, poll_s=0.2)
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     errors: list[str] = []
-    lag: list[tuple[int, float]] = []
 
     def client(seed: int) -> None:
         r = np.random.default_rng(seed)
-        while not stop.is_set():
+        known: dict[int, np.ndarray] = {}  # each version's IDs, gathered once: the clients load the process as
+        while not stop.is_set():           # request handlers would, not with a table scan per request
             try:
                 model = source.current()  # once per micro-batch
-                keys = table_arrays(model.table, model.manifest.widths[0])[0]
+                if model.version not in known:
+                    known[model.version] = table_arrays(model.table, model.manifest.widths[0])[0]
+                keys = known[model.version]
                 ids = r.choice(keys, size=(32, len(model.manifest.features)))
                 ids[:, 0] = r.integers(1, 1 << 40, 32).astype(np.uint64)  # and one unknown ID per sample
                 dense = r.standard_normal((32, model.manifest.num_dense)).astype(np.float32)
@@ -114,25 +121,18 @@ def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, 
                 errors.append(f"{type(exc).__name__}: {exc}")
             time.sleep(0.02)
 
-    def monitor() -> None:
-        while not stop.is_set():
-            versions, _ = list_versions(root)
-            served = source.stats()["served_version"]
-            newer = [v for v in versions if v.version > served]
-            age = time.time() - min(v.manifest.created for v in newer) if newer else 0.0
-            lag.append((len(newer), age))
-            time.sleep(0.1)
-
     try:
         deadline = time.monotonic() + 240
         while not list_versions(root)[0] and run.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         source.start(wait_s=30)
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)] + [threading.Thread(target=monitor)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
         _, stderr = run.communicate(timeout=600)
-        time.sleep(1.0)  # let the follower take the final version
+        newest, deadline = newest_version_number(root), time.monotonic() + 30
+        while source.stats()["served_version"] < newest and time.monotonic() < deadline:
+            time.sleep(0.1)  # let the follower take the final version
     finally:
         stop.set()
         if run.poll() is None:
@@ -146,10 +146,8 @@ def test_a_follower_stays_fresh_and_answers_with_the_version_it_names(tmp_path, 
     assert source.swaps >= 5 and source.stats()["served_version"] == summary["publish"]["last_version"]
     served = sorted({v for v, *_ in responses})
     assert len(served) >= 5, served
-    worst_behind, worst_age = max(b for b, _ in lag), max(a for _, a in lag)
     print(f"follower: {source.swaps} swaps, {len(responses)} responses over versions {served}; "
-          f"worst lag {worst_behind} versions / {worst_age:.2f} s; publish {summary['publish']}")
-    assert worst_behind <= 2 and worst_age <= 10.0, (worst_behind, worst_age)
+          f"publish {summary['publish']}")
     reference: dict[int, object] = {}
     for version, dense, ids, preds in responses[::max(1, len(responses) // 400)]:
         if version not in reference:
@@ -176,12 +174,15 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
 
     from hybridrec.proto import grpc_predict_v2_pb2 as oip
 
-    run, run_dir, root = _start_publishing_run(tmp_path, small_data)
+    root = tmp_path / "run" / "versions"  # where _start_publishing_run's run publishes
     grpc_port, http_port = _free_port(), _free_port()
+    # The service starts first and waits for a first version, so a slow start on a loaded machine cannot let
+    # the run publish most of its versions before anyone follows.
     server = subprocess.Popen(HYBRIDREC + ["serve", "inference", "--follow", str(root), "--set", "model_name=ctr",
                                            "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
                                            "--set", "follow_poll_s=0.2"],
                               cwd=REPO, stdout=open(tmp_path / "inference.log", "w"), stderr=subprocess.STDOUT)
+    run, run_dir, _ = _start_publishing_run(tmp_path, small_data)
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     errors: list[str] = []
@@ -216,8 +217,11 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
 
     def monitor() -> None:
         while not stop.is_set():
+            # List first, then ask: a version published between the two must not count as one the service
+            # had already failed to load when it answered.
+            published = list_versions(root)[0]
             served = served_version()
-            newer = [v for v in list_versions(root)[0] if v.version > served]
+            newer = [v for v in published if v.version > served]
             lag.append((len(newer), time.time() - min(v.manifest.created for v in newer) if newer else 0.0))
             time.sleep(0.1)
 
