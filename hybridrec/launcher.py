@@ -29,7 +29,7 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
-from hybridrec.service import SERVICE_KINDS, SERVICES
+from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES
 from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
@@ -144,7 +144,8 @@ class LocalCluster:
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
                 continue
-            if (proc.service in REJOINING and self._peers_hold_state(proc)
+            lost = rc < 0 or rc == EXIT_PEER_LOST  # killed, or stopped by a lost peer: not its own failure
+            if (lost and proc.service in REJOINING and self._peers_hold_state(proc)
                     and proc.restarts < self.config.cluster.max_restarts):
                 proc.restarts += 1
                 proc.joining = True
@@ -161,7 +162,7 @@ class LocalCluster:
                 self._spawn(proc)
                 self._write_services()
                 continue
-            if proc.service in GROUP and self._can_restart_group():
+            if lost and proc.service in GROUP and self._can_restart_group():
                 self._restart_group(proc, rc)
                 return False
             raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"

@@ -47,6 +47,11 @@ class ServiceKind:
     process and hand it their state (services/nn_worker/membership.py)."""
 
 
+EXIT_PEER_LOST = 75
+"""Exit status of a process that stopped because a peer it cannot work without was lost, not through a fault of
+its own (EX_TEMPFAIL): a supervisor restarts it, as it does one killed by a signal. Exit 1 is the process's
+own failure (a bug, bad input), which restarting would only repeat."""
+
 SERVICE_KINDS: tuple[ServiceKind, ...] = (
     ServiceKind("embedding_ps", "ps", "EmbeddingPS", restart_in_place=True),
     ServiceKind("embedding_worker", "embedding_workers", "EmbeddingWorker", restart_in_place=True),

@@ -16,16 +16,16 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from hybridrec import checkpoints
+from hybridrec import checkpoints, log
 from hybridrec.config import Config, Mode
 from hybridrec.frames import Consumed, DenseBatch, decode_nn_batch
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.proto import pb
 from hybridrec import rpc
-from hybridrec.service import ServiceHost
+from hybridrec.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import pin_interface, resolve_backend
-from services.nn_worker.membership import Fingerprint, Membership
+from services.nn_worker.membership import Fingerprint, Membership, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
@@ -91,6 +91,19 @@ class NNWorkerServicer:
 
 
 async def serve(config: Config, replica: int) -> None:
+    """Run rank `replica` to the end; exits EXIT_PEER_LOST when it stops only because a peer went away and the
+    group could not be re-formed around it (e.g. a collective outside a training step failed), so a supervisor
+    can tell that from the process's own failure (exit 1, not restarted by `hybridrec run`)."""
+    try:
+        await _serve(config, replica)
+    except Exception as exc:
+        if not is_group_failure(exc):
+            raise
+        log.get().error("peer_lost", error=str(exc).splitlines()[0][:300], exit_code=EXIT_PEER_LOST)
+        raise SystemExit(EXIT_PEER_LOST) from exc
+
+
+async def _serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
     checkpoints.check_root(config.checkpoint.dir)
