@@ -43,6 +43,8 @@ from hybridrec.proto import pb
 PS_TIMEOUT_S = 600.0
 AGREE_EVERY = 10
 """Steps between the ranks' agreements on whether the time interval is up."""
+MAX_OVERHEAD = 0.05
+"""Time checkpoints take at most this share of training: the interval stretches with their duration."""
 
 
 class Checkpointer:
@@ -50,7 +52,8 @@ class Checkpointer:
         self.root = config.checkpoint.dir
         self.interval = config.checkpoint.interval_steps
         self.interval_s = config.checkpoint.interval_s
-        self.last_time = time.monotonic()  # of the last checkpoint, or of the start
+        self.last_time = time.monotonic()  # end of the last checkpoint, or the start
+        self.last_cost_s = 0.0  # how long the last checkpoint took
         self.keep, self.resume = config.checkpoint.keep, config.checkpoint.resume
         self.rank, self.world_size, self.num_ps = rank, world_size, len(config.cluster.ps)
         self.trainer = trainer
@@ -74,7 +77,8 @@ class Checkpointer:
 
     def time_up(self) -> bool:
         """Collective, on the compute thread: True on every rank when any rank's interval is up."""
-        flag = torch.tensor([int(time.monotonic() - self.last_time >= self.interval_s)], dtype=torch.int32)
+        interval = max(self.interval_s, self.last_cost_s * (1 - MAX_OVERHEAD) / MAX_OVERHEAD)
+        flag = torch.tensor([int(time.monotonic() - self.last_time >= interval)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -114,6 +118,7 @@ class Checkpointer:
 
     async def save(self, step: int, seq: int, position: tuple[int, ...]) -> None:
         """Collective: every rank calls it at the same step, after draining its gradient pushes."""
+        started = time.monotonic()
         trainer = self.trainer
         last_seq, last_position = await trainer._on_compute(self._gather_position, seq, position)
         if self.rank == 0:
@@ -135,6 +140,7 @@ class Checkpointer:
         await trainer._on_compute(dist.barrier)
         self.last_saved = step
         self.last_time = time.monotonic()
+        self.last_cost_s = self.last_time - started
 
     def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         """The (seq, position) of the latest batch any rank trained: where the data resumes."""

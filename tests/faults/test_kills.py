@@ -39,14 +39,14 @@ def fault_config(tmp_path_factory) -> Path:
     return root / "config.yaml"
 
 
-def _run(config: Path, run_dir: Path, kill: str | None = None) -> dict:
+def _run(config: Path, run_dir: Path, kill: str | None = None, **how) -> dict:
     summary = run_dir / "summary-out.json"
     proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
                                          str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     killed = None
     if kill:
-        killed = _kill_mid_run(run_dir, kill)
+        killed = _kill_mid_run(run_dir, kill, **how)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(summary.read_text())
@@ -54,25 +54,26 @@ def _run(config: Path, run_dir: Path, kill: str | None = None) -> dict:
     return result
 
 
-def _kill_mid_run(run_dir: Path, service: str) -> int:
-    """SIGKILL replica 0 of `service` once NN rank 0 has trained ~30% of its steps."""
+def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: tuple[int, ...] = (0,)) -> int:
+    """SIGKILL `replicas` of `service` once NN rank 0 has trained `fraction` of its steps."""
     config_path = str(run_dir / "config.yaml")
     deadline = time.monotonic() + 600
     steps_total = ROWS // 4096 // 2
     while time.monotonic() < deadline:
         log = run_dir / "logs" / "nn_worker-0.log"
         status = _status(run_dir)
-        if status is not None and status >= steps_total * 0.3:
+        if status is not None and status >= steps_total * fraction:
             break
         time.sleep(0.2)
     else:
         raise AssertionError(f"training did not get going; see {log}")
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if f"serve {service} --config {config_path} --replica 0" in cmd:
-            p.send_signal(signal.SIGKILL)
-            return p.pid
-    raise AssertionError(f"no {service} process found")
+    targets = [p for p in psutil.process_iter(["cmdline"])
+               if any(f"serve {service} --config {config_path} --replica {r}" in " ".join(p.info["cmdline"] or [])
+                      for r in replicas)]
+    assert len(targets) == len(replicas), f"{service} replicas {replicas}: found {len(targets)} processes"
+    for p in targets:  # back to back: as good as at once for the launcher, which looks every 0.1 s
+        p.send_signal(signal.SIGKILL)
+    return targets[0].pid
 
 
 def _status(run_dir: Path) -> int | None:
@@ -116,3 +117,18 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
     assert result["samples"] == undisturbed["samples"]
     if service == "embedding_worker":
         assert result["skipped_batches"] + result["lost_updates"] > 0  # its buffered batches were dropped
+
+
+def test_losing_every_nn_worker_at_once_goes_back_to_the_newest_default_checkpoint(fault_config, undisturbed,
+                                                                                   tmp_path):
+    """Both NN workers killed together 60 % into the run (after the default 30 s time checkpoint): nobody holds
+    the dense state, so the group and the data loader restart from the newest checkpoint and finish."""
+    run_dir = tmp_path / "run"
+    result = _run(fault_config, run_dir, kill="nn_worker", fraction=0.6, replicas=(0, 1))
+    restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarted[("nn_worker", 0)] == restarted[("nn_worker", 1)] == restarted[("dataloader", 0)] == 1
+    logs = (run_dir / "logs" / "nn_worker-0.log").read_text()
+    restored = [json.loads(line) for line in logs.splitlines() if '"checkpoint_restored"' in line]
+    assert len(restored) == 1 and restored[0]["step"] > 0, restored
+    assert result["samples"] == undisturbed["samples"]
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
