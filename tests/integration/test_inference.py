@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -264,9 +265,14 @@ def test_dynamic_batching_merges_concurrent_requests(setup):
     server, bundle, known, tokens, _ = setup
     ids, dense, _ = _samples(known, tokens, n=64, seed=8)
     want = reference(bundle, ids, dense)
+    together = threading.Barrier(16)  # each round's 16 requests leave at once, even on a loaded machine
+
+    def one(i: int):
+        together.wait(timeout=60)
+        return server.infer_grpc({"ids": ids[i:i + 1], "dense": dense[i:i + 1]})
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        responses = list(pool.map(lambda i: server.infer_grpc({"ids": ids[i:i + 1], "dense": dense[i:i + 1]}),
-                                  range(64)))
+        responses = list(pool.map(one, range(64)))
     got = np.concatenate([_probs(r) for r in responses])
     np.testing.assert_allclose(got, want, atol=ATOL)
     merged = [r.parameters["micro_batch_rows"].int64_param for r in responses]

@@ -81,10 +81,12 @@ def predict(model, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return torch.sigmoid(model.dense(torch.from_numpy(dense), embeddings).reshape(-1)).numpy()
 
 
-def _start_publishing_run(tmp_path, small_data):
+def _start_publishing_run(tmp_path, small_data, epochs: int = 4):
     """A `hybridrec run` publishing a version every 10 steps; returns (process, run dir, versions dir)."""
     config = write_config(tmp_path / "config.yaml", small_data,
-                          training={"batch_size": 512, "epochs": 4},  # ~24 versions
+                          # 117 steps of 1,024 rows: 11 versions, one every ~0.8 s (batch 512 published one every
+                          # 0.4 s on a loaded 2-core machine: faster than a loaded follower could be asked to keep up)
+                          training={"batch_size": 1024, "epochs": epochs},
                           publish={"interval_steps": 10, "full_every": 4, "keep": 1000})
     run_dir = tmp_path / "run"
     run = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
@@ -182,7 +184,8 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                                            "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
                                            "--set", "follow_poll_s=0.2"],
                               cwd=REPO, stdout=open(tmp_path / "inference.log", "w"), stderr=subprocess.STDOUT)
-    run, run_dir, _ = _start_publishing_run(tmp_path, small_data)
+    run, run_dir, _ = _start_publishing_run(tmp_path, small_data, epochs=8)  # ~23 versions: a slow start leaves
+    # enough of them for the clients on a loaded machine
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     errors: list[str] = []
