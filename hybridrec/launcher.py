@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -68,7 +69,27 @@ class ServiceProcess:
                 "grpc": self.address, "metrics": self.metrics_address, "restarts": self.restarts}
 
 
+LISTEN_PORTS = (10000, 32768)
+"""Where `free_port` looks first: below Linux's default ephemeral range (32768-60999), so that no outgoing
+connection of this machine (a store client retrying while its peer restarts, say) can be given a port a
+service is about to listen on, which a port chosen by bind(0) cannot promise."""
+
+
 def free_port() -> int:
+    """A loopback port nobody listens on now, outside the ephemeral range when this machine allows it."""
+    low, high = LISTEN_PORTS
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, ephemeral_low)
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.sample(range(low, high), min(200, max(0, high - low))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

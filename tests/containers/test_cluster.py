@@ -31,9 +31,9 @@ class Run:
     wall_s: float = 0.0
 
 
-def start_servers(cluster: Cluster, run: Run, *, ps_restart: str = "no") -> None:
+def start_servers(cluster: Cluster, run: Run, *, ps_restart: str = "no", nn_restart: str = "no") -> None:
     for node in SERVERS:
-        cluster.start(node, restart=ps_restart if node in PS else "no")
+        cluster.start(node, restart=ps_restart if node in PS else nn_restart if node in NN_WORKERS else "no")
     for node in SERVERS:
         run.health[node.name] = cluster.wait_serving(node.name, timeout_s=START_TIMEOUT_S)
     not_serving = {n: h for n, h in run.health.items() if h != "SERVING"}
@@ -135,5 +135,45 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
               f"AUC {run.summary['auc']:.4f}; lost updates {run.summary.get('lost_updates')}; "
               f"skipped batches {run.summary.get('skipped_batches')}; "
               f"store reopened: {reopened[-1][:200]}")
+    finally:
+        cluster.close()
+
+
+def test_run_survives_docker_kill_of_an_nn_worker_container(docker_client, image, synthetic_data, log_root):
+    """`docker kill` of nn-worker-1 while the ranks train, then `docker start` of the same container (what an
+    orchestrator does; Docker's restart policy ignores a container stopped by `docker kill`). Rank 0 re-forms
+    the process group with the restarted process and hands it the dense state; no checkpoint is read and the run
+    finishes every sample, above the AUC threshold, with nothing skipped or lost."""
+    epochs = 3  # long enough to kill in the middle
+    cluster = Cluster(docker_client, image, synthetic_data, overrides=(f"training.epochs={epochs}",),
+                      log_dir=log_root / "nn-killed")
+    run = Run(cluster)
+    victim = NN_WORKERS[1].name
+    try:
+        start_servers(cluster, run, nn_restart="on-failure")
+        started = time.monotonic()
+        cluster.start(DATALOADER)
+        steps_per_rank = epochs * SYNTH_ROWS // (1024 * len(NN_WORKERS))
+        deadline = time.monotonic() + TRAIN_TIMEOUT_S
+        steps = 0.0
+        while steps < steps_per_rank * 0.3:
+            assert time.monotonic() < deadline, f"rank 0 made no progress\n{cluster.all_logs()}"
+            assert cluster.running("nn-worker-0"), f"rank 0 exited early\n{cluster.all_logs()}"
+            steps = cluster.nn_stats("nn-worker-0").get("steps_total", 0.0)
+            time.sleep(0.5)
+        container = cluster.docker(victim)
+        container.kill()
+        killed_at_step = steps
+        container.wait(timeout=60)
+        container.start()
+        finish(cluster, run, started)
+        assert killed_at_step < steps_per_rank * 0.8, "the kill came too late to be mid-training"
+        assert_trained(run, epochs=epochs)
+        rank0 = cluster.logs("nn-worker-0", tail=None)
+        assert '"group_reformed"' in rank0 and '"checkpoint_restored"' not in rank0, rank0[-3000:]
+        assert '"replaced_a_lost_rank"' in cluster.logs(victim, tail=None)
+        assert run.summary["skipped_batches"] == 0 and run.summary["lost_updates"] == 0, run.summary
+        print(f"nn-worker-1 killed at step {killed_at_step:.0f} of ~{steps_per_rank}; "
+              f"AUC {run.summary['auc']:.4f}; samples {run.summary['samples']}")
     finally:
         cluster.close()

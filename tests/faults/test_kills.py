@@ -46,7 +46,7 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, **how) -> dict:
                             text=True)
     killed = None
     if kill:
-        killed = _kill_mid_run(run_dir, kill, **how)
+        killed = _kill_mid_run(run_dir, kill, alive=lambda: proc.poll() is None, **how)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(summary.read_text())
@@ -54,7 +54,8 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, **how) -> dict:
     return result
 
 
-def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: tuple[int, ...] = (0,)) -> int:
+def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: tuple[int, ...] = (0,),
+                  alive=lambda: True) -> int:
     """SIGKILL `replicas` of `service` once NN rank 0 has trained `fraction` of its steps."""
     config_path = str(run_dir / "config.yaml")
     deadline = time.monotonic() + 600
@@ -64,6 +65,7 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
         status = _status(run_dir)
         if status is not None and status >= steps_total * fraction:
             break
+        assert alive(), f"the run ended before the kill; see {run_dir / 'logs'}"
         time.sleep(0.2)
     else:
         raise AssertionError(f"training did not get going; see {log}")
