@@ -64,7 +64,8 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
     while time.monotonic() < deadline:
         log = run_dir / "logs" / "nn_worker-0.log"
         status = _status(run_dir)
-        checkpointed = not after_checkpoint or any((run_dir / "checkpoints").glob("step-*/manifest.json"))
+        checkpointed = not after_checkpoint or any(not m.parent.name.endswith(".tmp")  # renamed into place
+                                                   for m in (run_dir / "checkpoints").glob("step-*/manifest.json"))
         if status is not None and status >= steps_total * fraction and checkpointed:
             assert status < steps_total, f"training ended (step {status}) before the kill"
             break
