@@ -19,6 +19,7 @@ import multiprocessing as mp
 import socket
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,7 +86,9 @@ def bench_wire_bytes() -> dict:
 
     rng = np.random.default_rng(1)
     ids, present = zipf_batch(rng)
-    config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]}})
+    scratch = tempfile.TemporaryDirectory(prefix="hybridrec-bench-")  # the worker's buffer directory
+    config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]},
+                                    "ps": {"shm_dir": scratch.name}})
     values = ValueCodec(fp16=True, kappa=config.training.compression.kappa)
 
     async def fake_ps(shard: int, method: str, frame: bytes) -> bytes:  # rows of the right shape, no network
@@ -95,10 +98,12 @@ def bench_wire_bytes() -> dict:
 
     worker = EmbeddingWorker(config, 0, fake_ps)
     ids_frame = SparseBatch.from_columns(ids, present, phase="train").encode()
-    ref = worker.put(SparseBatch.decode(ids_frame, FEATURES))
+    ref = worker.put(ids_frame)
     emb_frame = asyncio.run(worker.lookup(ref))
     rows = Embeddings.decode(emb_frame, values, [f.dim for f in config.features], BATCH).rows[DIM]
     grad_frame = Gradients(ref, {DIM: rng.standard_normal(rows.shape).astype(np.float32) * 1e-4}).encode(values)
+    worker.close()
+    scratch.cleanup()
     ours = len(ids_frame) + len(emb_frame) + len(grad_frame)
     baseline_ids = BATCH * FEATURES * 8
     baseline_values = BATCH * FEATURES * DIM * 4

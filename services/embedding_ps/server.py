@@ -8,10 +8,12 @@ accepting RPCs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import AsyncIterator
 
 import grpc
 import torch
@@ -27,6 +29,7 @@ from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
 from hybridrec.versions import version_dir
+from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
@@ -61,11 +64,42 @@ def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
             for dim in config.dims}
 
 
+def open_applied(config: Config, shard: int) -> AppliedLog:
+    """The shard's record of applied update ids, next to its stores (survives a restart like them)."""
+    return AppliedLog.open(shard_dir(config, shard) / "applied")
+
+
+class _PerId:
+    """One coroutine at a time per update id: a re-send racing its original waits for it, then finds
+    it recorded, instead of both applying."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, uid: int) -> AsyncIterator[None]:
+        lock, users = self._locks.get(uid, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[uid]
+            if users == 1:
+                del self._locks[uid]
+            else:
+                self._locks[uid] = (lock, users - 1)
+
+
 class EmbeddingPSServicer:
-    def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
+    def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
+                 values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
                  publish_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.applied = applied
+        """Update ids this shard applied: a re-sent update is acknowledged without applying it again."""
+        self._updating = _PerId()
         self.values, self.executor = values, executor
         self.checkpoint_root = checkpoint_root
         """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
@@ -82,6 +116,7 @@ class EmbeddingPSServicer:
     def stats(self) -> dict[str, float]:
         """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
         values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        values["updates_deduplicated_total"] = float(self.applied.deduplicated)  # all lives of this shard
         for dim, store in self.stores.items():
             st = store.stats()
             values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
@@ -111,12 +146,20 @@ class EmbeddingPSServicer:
         return PSRows(out).encode(self.values)
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Apply an update once: a re-send of an applied update id is acknowledged with 0 rows and counted."""
         update = PSUpdate.decode(request, self.values, self.stores)
-        applied = 0
-        for dim, ids in update.ids.items():
-            applied += await self._run(self.stores[dim].update, self._check_shard(ids), update.grads[dim])
-            if self.changes is not None:  # logged after the update is applied: never before its rows change
-                self.changes.add(dim, ids)
+        for ids in update.ids.values():  # every width checked before any row changes
+            self._check_shard(ids)
+        async with self._updating.hold(update.update_id):
+            if update.update_id in self.applied:
+                self.applied.count_duplicate()
+                return Applied(0).encode()
+            applied = 0
+            for dim, ids in update.ids.items():
+                applied += await self._run(self.stores[dim].update, ids, update.grads[dim])
+                if self.changes is not None:  # logged after the update is applied: never before its rows change
+                    self.changes.add(dim, ids)
+            self.applied.record(update.update_id)  # after the rows: a crash between re-applies, never drops
         self.counters["updates_total"] += 1
         self.counters["rows_updated_total"] += applied
         return Applied(applied).encode()
@@ -171,11 +214,13 @@ async def serve(config: Config, replica: int) -> None:
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     warm_up(config)
     stores = open_stores(config, replica)
+    applied = open_applied(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
-                  rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
+                  rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()},
+                  updates_deduplicated=applied.deduplicated)
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
+        servicer = EmbeddingPSServicer(stores, applied, replica, len(config.cluster.ps), values, executor,
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None)
         host.add(servicer, servicer.stats)
@@ -186,3 +231,4 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
+            applied.close()
