@@ -13,7 +13,6 @@ import dataclasses
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator
 
 import grpc
 import torch
@@ -21,7 +20,7 @@ import numpy as np
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
-from hybridrec import checkpoints
+from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
@@ -69,27 +68,10 @@ def open_applied(config: Config, shard: int) -> AppliedLog:
     return AppliedLog.open(shard_dir(config, shard) / "applied")
 
 
-class _PerId:
-    """One coroutine at a time per update id: a re-send racing its original waits for it, then finds
-    it recorded, instead of both applying."""
-
-    def __init__(self) -> None:
-        self._locks: dict[int, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, uid: int) -> AsyncIterator[None]:
-        lock, users = self._locks.get(uid, (None, 0))
-        lock = lock or asyncio.Lock()
-        self._locks[uid] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[uid]
-            if users == 1:
-                del self._locks[uid]
-            else:
-                self._locks[uid] = (lock, users - 1)
+def _observed(task: asyncio.Task) -> None:
+    """Retrieve an update task's error when its request was cancelled (the request logged nothing)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.get().warning("update_failed", error=str(task.exception()))
 
 
 class EmbeddingPSServicer:
@@ -99,7 +81,7 @@ class EmbeddingPSServicer:
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.applied = applied
         """Update ids this shard applied: a re-sent update is acknowledged without applying it again."""
-        self._updating = _PerId()
+        self._updating: dict[int, asyncio.Task] = {}  # update id -> the task applying it
         self.values, self.executor = values, executor
         self.checkpoint_root = checkpoint_root
         """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
@@ -150,19 +132,34 @@ class EmbeddingPSServicer:
         update = PSUpdate.decode(request, self.values, self.stores)
         for ids in update.ids.values():  # every width checked before any row changes
             self._check_shard(ids)
-        async with self._updating.hold(update.update_id):
-            if update.update_id in self.applied:
-                self.applied.count_duplicate()
-                return Applied(0).encode()
+        uid = update.update_id
+        while (running := self._updating.get(uid)) is not None:  # a re-send racing its original
+            with contextlib.suppress(Exception):
+                await asyncio.shield(running)
+        if uid in self.applied:
+            self.applied.count_duplicate()
+            return Applied(0).encode()
+        task = asyncio.ensure_future(self._apply(update))
+        self._updating[uid] = task
+        task.add_done_callback(_observed)
+        return Applied(await asyncio.shield(task)).encode()
+
+    async def _apply(self, update: PSUpdate) -> int:
+        """Apply an update's rows, then record its id. A task of its own, shielded from the request: when the
+        sender dies mid-call (gRPC cancels the handler) the rows still change in a thread, and the record
+        must follow them, or the sender's re-send would apply them twice."""
+        try:
             applied = 0
             for dim, ids in update.ids.items():
                 applied += await self._run(self.stores[dim].update, ids, update.grads[dim])
                 if self.changes is not None:  # logged after the update is applied: never before its rows change
                     self.changes.add(dim, ids)
             self.applied.record(update.update_id)  # after the rows: a crash between re-applies, never drops
-        self.counters["updates_total"] += 1
-        self.counters["rows_updated_total"] += applied
-        return Applied(applied).encode()
+            self.counters["updates_total"] += 1
+            self.counters["rows_updated_total"] += applied
+            return applied
+        finally:
+            del self._updating[update.update_id]
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())

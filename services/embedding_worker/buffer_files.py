@@ -1,4 +1,4 @@
-"""The embedding worker's batch buffer on file: what a restarted worker re-attaches to (docs/architecture.md#crash-rules).
+"""The embedding worker's batch buffer on file: a restarted worker re-attaches to it (docs/architecture.md#crash-rules).
 
 On the embedding worker. Every batch the data loader puts is kept here, as
 the `SparseBatch` frame bytes it arrived as, until it is consumed (an eval
@@ -223,7 +223,8 @@ def _seqs(directory: Path, suffix: str) -> Iterator[int]:
 
 
 def _expected(features: Sequence[FeatureConfig], replica: int) -> dict[int, tuple[str, int]]:
-    return {H_VERSION: ("layout version", LAYOUT_VERSION), H_FINGERPRINT: ("feature fingerprint", fingerprint(features)),
+    return {H_VERSION: ("layout version", LAYOUT_VERSION),
+            H_FINGERPRINT: ("feature fingerprint", fingerprint(features)),
             H_FEATURES: ("feature count", len(features)), H_REPLICA: ("replica", replica)}
 
 

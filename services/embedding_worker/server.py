@@ -7,7 +7,7 @@ import torch
 
 from hybridrec import rpc
 from hybridrec.config import Config
-from hybridrec.frames import Applied, BatchRef, Gradients, SparseBatch
+from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
@@ -16,9 +16,8 @@ from services.embedding_worker.worker import EmbeddingWorker
 
 
 class EmbeddingWorkerServicer:
-    def __init__(self, worker: EmbeddingWorker, num_features: int):
+    def __init__(self, worker: EmbeddingWorker):
         self.worker = worker
-        self.num_features = num_features
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return BatchRef(self.worker.put(request)).encode()
@@ -58,7 +57,7 @@ async def serve(config: Config, replica: int) -> None:
     worker = EmbeddingWorker(config, replica, ps_call)
     host.log.info("buffer_open", directory=str(worker.files.directory), incarnation=worker.incarnation,
                   batches=len(worker.buffer))
-    host.add(EmbeddingWorkerServicer(worker, len(config.features)), worker.stats)
+    host.add(EmbeddingWorkerServicer(worker), worker.stats)
     try:
         await host.start()
         await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s,

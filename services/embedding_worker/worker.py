@@ -218,7 +218,12 @@ class EmbeddingWorker:
             update = PSUpdate(ids, {dim: per_dim[dim][batch.by_shard[dim][shard]] for dim in ids}, uid)
             return Applied.decode(await self.ps_call(shard, "Update", update.encode(self.values))).applied
 
-        applied = sum(await asyncio.gather(*(one_shard(s) for s in range(self.num_shards))))
+        # Every shard's call ends before this does: a push that fails has left nothing running behind it.
+        results = await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        applied = sum(results)
         self._consumed(batch)
         self.counters["gradient_pushes_total"] += 1
         self.counters["rows_updated_total"] += applied
