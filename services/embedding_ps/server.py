@@ -69,7 +69,7 @@ def open_applied(config: Config, shard: int) -> AppliedLog:
 
 
 def _observed(task: asyncio.Task) -> None:
-    """Retrieve an update task's error when its request was cancelled (the request logged nothing)."""
+    """Retrieve and log an update task's error: when its request was cancelled, nothing else would."""
     if not task.cancelled() and task.exception() is not None:
         log.get().warning("update_failed", error=str(task.exception()))
 
