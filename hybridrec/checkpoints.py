@@ -91,12 +91,13 @@ def latest(root: str | Path | None) -> tuple[Path, JobManifest] | None:
 def resume_from(checkpoint_config) -> tuple[Path, JobManifest] | None:
     """The checkpoint a (re)started job resumes from, the same for NN workers and data loader.
 
-    Only with interval checkpoints on (`interval_steps` and `resume`): a final
-    checkpoint alone is for `hybridrec export`, so a job re-run into the same
-    directory without an interval starts from the beginning in every service.
+    Only with interval checkpoints on (`interval_steps` or `interval_s`, and
+    `resume`): a final checkpoint alone is for `hybridrec export`, so a job
+    re-run into the same directory without an interval starts from the
+    beginning in every service.
     """
     c = checkpoint_config
-    if not (c.dir and c.interval_steps and c.resume):
+    if not (c.periodic and c.resume):
         return None
     return latest(c.dir)
 

@@ -20,7 +20,8 @@ INVALID_ARGUMENT with the reason, and keeps serving.
 | `PSLookup`     | EmbeddingPS.Lookup request (EW -> PS shard)                 | unique IDs per width, train or eval |
 | `PSRows`       | EmbeddingPS.Lookup reply                                     | one row per requested ID, per width |
 | `PSUpdate`     | EmbeddingPS.Update request (EW -> PS shard)                 | unique IDs and their summed gradients, per width; the update's id |
-| `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies, NNWorker.PutBatch reply | rows the PS applied (0 for PutBatch) |
+| `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies  | rows the PS applied (0 for a re-sent update) |
+| `Consumed`     | NNWorker.PutBatch reply (NN worker -> data loader)          | the phase and the last stream index the rank has trained |
 
 Float rows and gradients travel as κ-scaled fp16 plus a float32 norm per
 vector when `training.compression.fp16` is on (`hybridrec.compress.ValueCodec`),
@@ -337,6 +338,27 @@ class Applied:
         return cls(codec.decode(buf).meta_int("applied", default=0))
 
 
+@dataclass
+class Consumed:
+    """An NN worker's reply to PutBatch: every batch of `phase` up to stream index `through` is trained (or, in
+    evaluation, predicted), and every phase before `phase` has ended. The data loader forgets those batches; it
+    keeps the rest to re-send should the rank be replaced (services/dataloader/delivery.py)."""
+
+    phase: str = "train"
+    through: int = -1
+
+    def encode(self) -> bytes:
+        return codec.encode(meta={"consumed_phase": self.phase, "through": int(self.through)})
+
+    @classmethod
+    def decode(cls, buf: bytes) -> "Consumed":
+        frame = codec.decode(buf)
+        phase = frame.meta.get("consumed_phase")
+        if phase not in PHASES:
+            raise FrameError(f"consumed_phase must be one of {PHASES}, got {phase!r}")
+        return cls(phase, frame.meta_int("through", default=-1))
+
+
 # -- embedding worker <-> PS shard -----------------------------------------------------------
 def _ids_per_width(frame: codec.Frame, dims: Iterable[int]) -> dict[int, np.ndarray]:
     return {d: frame.get(f"ids.{d}", np.uint64, 1) for d in _per_width("ids", frame.tensors, dims)}
@@ -416,5 +438,6 @@ class PSUpdate:
         return cls(ids, grads, uid)
 
 
-FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, PSLookup, PSRows, PSUpdate)
+FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, PSLookup, PSRows,
+          PSUpdate)
 """Every frame kind (docs and tests check they are all described)."""

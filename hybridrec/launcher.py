@@ -29,7 +29,7 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
-from hybridrec.service import SERVICE_KINDS, SERVICES
+from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES
 from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
@@ -37,6 +37,7 @@ START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
 FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
 RESTARTABLE = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_in_place)
 GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
+REJOINING = tuple(kind.name for kind in SERVICE_KINDS if kind.rejoins)
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -56,6 +57,7 @@ class ServiceProcess:
     finished: bool = False
     restarts: int = 0
     log_offset: int = 0  # how far the launcher has read the log (warnings are echoed, tagged)
+    joining: bool = False  # restarted to rejoin its peers and not yet seen training with them
 
     @property
     def name(self) -> str:
@@ -106,6 +108,7 @@ class LocalCluster:
         dump_config(self.config, self.config_path)
         self.log = log.get()
         self.group_restarts = 0
+        self.rejoins = 0
         self.procs: list[ServiceProcess] = []
         for service in START_ORDER:
             key = SERVICES[service].cluster_key
@@ -141,6 +144,17 @@ class LocalCluster:
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
                 continue
+            lost = rc < 0 or rc == EXIT_PEER_LOST  # killed, or stopped by a lost peer: not its own failure
+            if (lost and proc.service in REJOINING and self._peers_hold_state(proc)
+                    and proc.restarts < self.config.cluster.max_restarts):
+                proc.restarts += 1
+                proc.joining = True
+                self.rejoins += 1
+                self.log.warning("service_replaced", service=proc.name, exit_code=rc, restarts=proc.restarts,
+                                 log=str(proc.log_path))
+                self._spawn(proc)
+                self._write_services()
+                continue
             if proc.service in RESTARTABLE and proc.restarts < self.config.cluster.max_restarts:
                 proc.restarts += 1
                 self.log.warning("service_restarted", service=proc.name, exit_code=rc, restarts=proc.restarts,
@@ -148,7 +162,7 @@ class LocalCluster:
                 self._spawn(proc)
                 self._write_services()
                 continue
-            if proc.service in GROUP and self._can_restart_group():
+            if lost and proc.service in GROUP and self._can_restart_group():
                 self._restart_group(proc, rc)
                 return False
             raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
@@ -181,9 +195,20 @@ class LocalCluster:
                                      if k not in ("level", "timestamp", "service", "replica"))
                     print(f"[{proc.name}] {record['level']}: {event} {extra}", file=sys.stderr)
 
+    def _peers_hold_state(self, proc: ServiceProcess) -> bool:
+        """Another process of `proc`'s kind is alive and is not itself a replacement still joining."""
+        return any(p is not proc and p.service == proc.service and p.popen and p.popen.poll() is None
+                   and not p.joining for p in self.procs)
+
+    def note_statuses(self, statuses: list[pb.TrainingStatus | None]) -> None:
+        """A replacement that reports a training phase has rejoined its group."""
+        ranks = sorted((p for p in self.procs if p.service == "nn_worker"), key=lambda p: p.replica)
+        for proc, status in zip(ranks, statuses):
+            if proc.joining and status is not None and status.phase not in ("", "starting"):
+                proc.joining = False
+
     def _can_restart_group(self) -> bool:
-        checkpointing = self.config.checkpoint.interval_steps and self.config.checkpoint.dir
-        return bool(checkpointing) and self.group_restarts < self.config.cluster.max_restarts
+        return bool(self.config.checkpoint.dir) and self.group_restarts < self.config.cluster.max_restarts
 
     def _restart_group(self, failed: ServiceProcess, rc: int) -> None:
         """The dense part never loses a synchronisation: every NN worker and the data loader go back to
@@ -199,6 +224,7 @@ class LocalCluster:
         for proc in group:
             proc.restarts += 1
             proc.finished = False
+            proc.joining = False
             self._spawn(proc)
         self._write_services()
 
@@ -276,6 +302,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
                     statuses = cluster.statuses()
+                    cluster.note_statuses(statuses)
                     recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
                     cluster.echo_warnings()
                     if progress is not None:

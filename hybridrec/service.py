@@ -40,13 +40,22 @@ class ServiceKind:
     restart_in_place: bool = False
     """Restarted alone when it dies, like a container (its state is in shm, or it has none)."""
     restart_as_group: bool = False
-    """Restarted with every other group member from the newest checkpoint when one of them dies."""
+    """Restarted with every other group member from the newest checkpoint when one of them dies (for a kind
+    that `rejoins`: when no peer holds the state any more)."""
+    rejoins: bool = False
+    """Restarted alone while a peer of its kind still holds the state: the peers re-form the group with the new
+    process and hand it their state (services/nn_worker/membership.py)."""
 
+
+EXIT_PEER_LOST = 75
+"""Exit status of a process that stopped because a peer it cannot work without was lost, not through a fault of
+its own (EX_TEMPFAIL): a supervisor restarts it, as it does one killed by a signal. Exit 1 is the process's
+own failure (a bug, bad input), which restarting would only repeat."""
 
 SERVICE_KINDS: tuple[ServiceKind, ...] = (
     ServiceKind("embedding_ps", "ps", "EmbeddingPS", restart_in_place=True),
     ServiceKind("embedding_worker", "embedding_workers", "EmbeddingWorker", restart_in_place=True),
-    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True),
+    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True, rejoins=True),
     ServiceKind("dataloader", "dataloader", "DataLoader", finishes=True, restart_as_group=True),
 )
 """Every service, in the order `hybridrec run` starts them (servers before their clients)."""

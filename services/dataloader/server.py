@@ -26,6 +26,7 @@ from hybridrec.criteo import feature_columns
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec import checkpoints
+from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.batching import (Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_rows,
                                           iter_train_batches)
 
@@ -35,7 +36,8 @@ _DONE = object()
 class DataLoaderServicer:
     def __init__(self, replica: int):
         self.replica = replica
-        self.counters = {"train_batches_total": 0, "eval_batches_total": 0, "rows_sent_total": 0}
+        self.counters = {"train_batches_total": 0, "eval_batches_total": 0, "rows_sent_total": 0,
+                         "frames_resent_total": 0}
         self.reads: list[ReadCounters] = []  # the readers' own counters, summed at scrape time
 
     def stats(self) -> dict[str, float]:
@@ -61,6 +63,7 @@ class Dispatcher:
         self.ew_put = [rpc.raw_method(ch, "EmbeddingWorker", "PutBatch") for ch in self.ew_channels]
         self.nn_put = [rpc.raw_method(ch, "NNWorker", "PutBatch") for ch in self.nn_channels]
         self.next_ew = itertools.cycle(range(len(self.ew_put)))
+        self.windows = [Window() for _ in self.nn_put]  # per rank, across phases
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reader")
         self.lz4 = config.training.compression.lz4_ids
 
@@ -91,12 +94,12 @@ class Dispatcher:
                 ref = BatchRef.decode(reply).batch_ref
                 dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=first_seq + sent,
                                    position=tuple(position.as_list()) if position else ())
-                await self._put(queues[rank], senders, dense.encode())
+                await self._put(queues[rank], senders, (phase, dense.seq, dense.encode()))
                 sent += 1
                 self.servicer.counters[f"{phase}_batches_total"] += 1
                 self.servicer.counters["rows_sent_total"] += len(rows)
             for q in queues:
-                await self._put(q, senders, EndOfPhase(phase, end_meta()).encode())
+                await self._put(q, senders, (phase, END, EndOfPhase(phase, end_meta()).encode()))
                 await self._put(q, senders, _DONE)
             await asyncio.gather(*senders)
         finally:
@@ -112,8 +115,13 @@ class Dispatcher:
         await queue.put(item)
 
     async def _sender(self, rank: int, queue: asyncio.Queue) -> None:
-        while (frame := await queue.get()) is not _DONE:
-            await rpc.retry(lambda: self.nn_put[rank](frame, timeout=None), deadline_s=self.retry_s)
+        """Deliver rank `rank`'s frames in order; what it has not confirmed is kept for a replacement."""
+        window = self.windows[rank]
+        put = self.nn_put[rank]
+        while (item := await queue.get()) is not _DONE:
+            window.add(*item)
+            await deliver(window, lambda frame: put(frame, timeout=None), retry_s=self.retry_s)
+            self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
 
 
 def resume_point(config: Config) -> tuple[Position, int]:

@@ -1,6 +1,9 @@
 """On the NN workers: synchronised job checkpoints, and resuming from the newest one.
 
-Every `checkpoint.interval_steps` steps all ranks drain their gradient pushes
+Every `checkpoint.interval_steps` steps, and when `checkpoint.interval_s`
+seconds have passed since the last one (the ranks agree on that every
+`AGREE_EVERY` steps with a one-element AllReduce, so all of them checkpoint at
+the same step), all ranks drain their gradient pushes
 and meet at a barrier, so the PS holds exactly the updates of every batch
 trained so far. Rank 0 then writes the dense model and optimizer, has every PS
 shard dump its rows at that step, and records the data position after the
@@ -38,12 +41,19 @@ from hybridrec.config import Config, Mode, dump_config
 from hybridrec.proto import pb
 
 PS_TIMEOUT_S = 600.0
+AGREE_EVERY = 10
+"""Steps between the ranks' agreements on whether the time interval is up."""
+MAX_OVERHEAD = 0.05
+"""Time checkpoints take at most this share of training: the interval stretches with their duration."""
 
 
 class Checkpointer:
     def __init__(self, config: Config, rank: int, world_size: int, trainer):
         self.root = config.checkpoint.dir
         self.interval = config.checkpoint.interval_steps
+        self.interval_s = config.checkpoint.interval_s
+        self.last_time = time.monotonic()  # end of the last checkpoint, or the start
+        self.last_cost_s = 0.0  # how long the last checkpoint took
         self.keep, self.resume = config.checkpoint.keep, config.checkpoint.resume
         self.rank, self.world_size, self.num_ps = rank, world_size, len(config.cluster.ps)
         self.trainer = trainer
@@ -57,13 +67,20 @@ class Checkpointer:
         self.final_path: Path | None = None
         self.final_s: float | None = None
 
-    @property
-    def enabled(self) -> bool:
-        """Interval checkpoints (and resuming from them) are on."""
-        return bool(self.root and self.interval)
-
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.interval == 0
+        """The step trigger (the same on every rank without asking)."""
+        return bool(self.root and self.interval) and step % self.interval == 0
+
+    def asks_time(self, step: int) -> bool:
+        """Whether the ranks ask each other at this step if the time interval is up (`time_up`)."""
+        return bool(self.root and self.interval_s) and step % AGREE_EVERY == 0
+
+    def time_up(self) -> bool:
+        """Collective, on the compute thread: True on every rank when any rank's interval is up."""
+        interval = max(self.interval_s, self.last_cost_s * (1 - MAX_OVERHEAD) / MAX_OVERHEAD)
+        flag = torch.tensor([int(time.monotonic() - self.last_time >= interval)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     async def finish(self, step: int, seq: int, position: tuple[int, ...]) -> None:
         """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
@@ -101,6 +118,7 @@ class Checkpointer:
 
     async def save(self, step: int, seq: int, position: tuple[int, ...]) -> None:
         """Collective: every rank calls it at the same step, after draining its gradient pushes."""
+        started = time.monotonic()
         trainer = self.trainer
         last_seq, last_position = await trainer._on_compute(self._gather_position, seq, position)
         if self.rank == 0:
@@ -121,6 +139,8 @@ class Checkpointer:
             self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
         await trainer._on_compute(dist.barrier)
         self.last_saved = step
+        self.last_time = time.monotonic()
+        self.last_cost_s = self.last_time - started
 
     def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         """The (seq, position) of the latest batch any rank trained: where the data resumes."""

@@ -13,9 +13,7 @@ not built into it); the trainer calls forward on `DenseSync.module`:
 """
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridrec.config import Mode, TrainingConfig, split_address
+from hybridrec.config import Mode, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -34,15 +32,8 @@ class DistEnv:
     device: torch.device
 
 
-def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: str, bind_host: str = "0.0.0.0",
-                       timeout_s: float = 300.0) -> DistEnv:
-    """Join the NN workers' process group (rank 0 hosts the TCP store at `rendezvous`).
-
-    Every socket the group listens on stays on `bind_host` (cluster.bind_host):
-    rank 0's store listens on a socket we bind ourselves (torch's own binds
-    every interface), and Gloo's pairs use the interface that holds
-    `bind_host` unless it is a wildcard address.
-    """
+def resolve_backend(backend: str, rank: int, world_size: int) -> DistEnv:
+    """The backend (`auto`: NCCL with CUDA, else Gloo) and this rank's device; before the group forms."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -52,20 +43,15 @@ def init_process_group(*, rendezvous: str, rank: int, world_size: int, backend: 
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    host, port = split_address(rendezvous)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    return DistEnv(rank=rank, world_size=world_size, backend=backend, device=device)
+
+
+def pin_interface(bind_host: str) -> None:
+    """Gloo's pairs use the interface that holds `bind_host` (cluster.bind_host) unless it is a wildcard, so
+    every socket the group listens on stays there (rank 0's store binds it itself: services.nn_worker.membership)."""
     interface = interface_of(bind_host)
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    if rank == 0:
-        listener = socket.create_server((bind_host, port), backlog=1024, reuse_port=False)
-        store = dist.TCPStore(host, port, world_size, True, timeout=timeout, multi_tenant=True,
-                              master_listen_fd=listener.fileno())
-        listener.detach()  # the store owns the descriptor now
-    else:
-        store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return DistEnv(rank=rank, world_size=world_size, backend=backend, device=device)
 
 
 def interface_of(bind_host: str) -> str | None:
@@ -83,10 +69,10 @@ def interface_of(bind_host: str) -> str | None:
 class DenseSync:
     """Keeps dense replicas consistent; `module` is what the trainer calls forward on."""
 
-    def __init__(self, model: nn.Module, env: DistEnv, training: TrainingConfig):
+    def __init__(self, model: nn.Module, env: DistEnv, training: TrainingConfig, source: int = 0):
         self.env, self.training = env, training
         self.mode = training.mode
-        broadcast_parameters(model)
+        broadcast_parameters(model, source)
         if self.mode in (Mode.HYBRID, Mode.SYNC):
             self.module: nn.Module = DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
@@ -113,10 +99,10 @@ class DenseSync:
             average_parameters(self.model, self.env.world_size)
 
 
-def broadcast_parameters(model: nn.Module) -> None:
+def broadcast_parameters(model: nn.Module, source: int = 0) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
+            dist.broadcast(tensor, src=source)
 
 
 def average_parameters(model: nn.Module, world_size: int, group=None) -> None:

@@ -16,19 +16,25 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from hybridrec import checkpoints
-from hybridrec.config import Config
-from hybridrec.frames import Applied, decode_nn_batch
+from hybridrec import checkpoints, log
+from hybridrec.config import Config, Mode
+from hybridrec.frames import Consumed, DenseBatch, decode_nn_batch
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.proto import pb
 from hybridrec import rpc
-from hybridrec.service import ServiceHost
+from hybridrec.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker.checkpoint import Checkpointer
-from services.nn_worker.distributed import init_process_group
+from services.nn_worker.distributed import pin_interface, resolve_backend
+from services.nn_worker.membership import Fingerprint, Membership, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Trainer
+
+
+RECOVERABLE_MODES = (Mode.HYBRID, Mode.SYNC)
+"""Modes whose group survives losing a rank: the replicas are identical after every step (DDP), so any
+survivor's state is the group's. (async and shadow average replicas on their own schedule.)"""
 
 
 class NNWorkerServicer:
@@ -36,10 +42,25 @@ class NNWorkerServicer:
         self.config, self.replica, self.inbox = config, replica, inbox
         self.trainer: Trainer | None = None
         self.phase = "starting"
+        self.last_received = {"train": -1, "eval": -1}
+        self.ended: set[str] = set()
+        self.duplicates = 0
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        await self.inbox.put(decode_nn_batch(request, self.config.num_dense))
-        return Applied().encode()
+        """Queue a batch for the trainer; a re-sent one (the data loader replays what this rank has not yet
+        confirmed after any failed call) is dropped here. The reply says how far this rank has trained."""
+        item = decode_nn_batch(request, self.config.num_dense)
+        if isinstance(item, DenseBatch):
+            fresh = item.seq > self.last_received[item.phase]
+            self.last_received[item.phase] = max(item.seq, self.last_received[item.phase])
+        else:
+            fresh = item.phase not in self.ended
+            self.ended.add(item.phase)
+        if fresh:
+            await self.inbox.put(item)
+        else:
+            self.duplicates += 1
+        return (self.trainer.consumed if self.trainer else Consumed()).encode()
 
     async def Status(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.TrainingStatus:
         stats = self.trainer.stats if self.trainer else None
@@ -58,7 +79,9 @@ class NNWorkerServicer:
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
                           skipped_batches_total=s.skipped_batches,
-                          exposed_wait_seconds_total=s.exposed_wait_s, compute_seconds_total=s.compute_s)
+                          exposed_wait_seconds_total=s.exposed_wait_s, compute_seconds_total=s.compute_s,
+                          group_reformations_total=s.regroups, replayed_batches_dropped_total=s.replayed_dropped,
+                          duplicate_frames_total=self.duplicates)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())
         return {k: float(v) for k, v in values.items()}
@@ -68,6 +91,19 @@ class NNWorkerServicer:
 
 
 async def serve(config: Config, replica: int) -> None:
+    """Run rank `replica` to the end; exits EXIT_PEER_LOST when it stops only because a peer went away and the
+    group could not be re-formed around it (e.g. a collective outside a training step failed), so a supervisor
+    can tell that from the process's own failure (exit 1, not restarted by `hybridrec run`)."""
+    try:
+        await _serve(config, replica)
+    except Exception as exc:
+        if not is_group_failure(exc):
+            raise
+        log.get().error("peer_lost", error=str(exc).splitlines()[0][:300], exit_code=EXIT_PEER_LOST)
+        raise SystemExit(EXIT_PEER_LOST) from exc
+
+
+async def _serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     host = ServiceHost("nn_worker", config, replica)
     checkpoints.check_root(config.checkpoint.dir)
@@ -83,17 +119,24 @@ async def serve(config: Config, replica: int) -> None:
     await host.start()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
     loop = asyncio.get_running_loop()
-    env = await loop.run_in_executor(compute, lambda: init_process_group(
-        rendezvous=config.cluster.rendezvous, rank=replica, world_size=world_size, backend=config.training.backend,
-        bind_host=config.cluster.bind_host,
-        timeout_s=config.cluster.start_timeout_s * 5))
-    host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size)
+    env = resolve_backend(config.training.backend, replica, world_size)
+    pin_interface(config.cluster.bind_host)
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
                         config.num_dense, config.model.kwargs)
+    membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend)
+    plan = await loop.run_in_executor(compute, membership.join, None)
+    host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
+                  generation=plan.generation, source=plan.source)
     trainer = Trainer(config, env, model, workers.lookup, workers.push, inbox, compute)
-    await trainer.setup()
+    if config.training.mode in RECOVERABLE_MODES:
+        trainer.membership = membership
+    plan = await trainer.setup(plan)
     trainer.checkpointer = Checkpointer(config, replica, world_size, trainer)
-    await trainer.checkpointer.restore()
+    if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
+        await trainer.checkpointer.restore()
+        trainer.resume_at(trainer.stats.steps)
+    else:
+        host.log.warning("replaced_a_lost_rank", step=plan.step, source=plan.source, generation=plan.generation)
     if replica == 0 and config.publish.enabled:
         trainer.publisher = Publisher(config, trainer)
     servicer.trainer = trainer

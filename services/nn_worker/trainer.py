@@ -33,10 +33,12 @@ from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
 from hybridrec.evaluation import binary_metrics
-from hybridrec.frames import DenseBatch, EndOfPhase, Gradients
+from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
-from services.nn_worker.distributed import DenseSync, DistEnv
 from hybridrec.pooling import BatchEmbeddings, Pooler
+from services.nn_worker.distributed import DenseSync, DistEnv
+from services.nn_worker.handover import STATS_FIELDS, hand_over
+from services.nn_worker.membership import Membership, Plan, is_group_failure
 from services.nn_worker.routing import BatchLost
 
 
@@ -60,6 +62,8 @@ class TrainStats:
     skipped_eval_batches: int = 0
     exposed_wait_s: float = 0.0  # training: step loop awaiting a batch's embeddings, and (sync) its push + barrier
     compute_s: float = 0.0  # training: forward, backward, AllReduce and optimizer step on the compute thread
+    regroups: int = 0  # times this rank's group failed and was re-formed (a peer lost and replaced)
+    replayed_dropped: int = 0  # re-sent batches this rank dropped: the group had trained them already
 
     @property
     def wall_s(self) -> float:
@@ -95,11 +99,82 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
+        self.membership: Membership | None = None  # set by the server: re-forms the group when a peer is lost
+        self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
+        self.next_seq = env.rank  # stream index of this rank's next training batch (rank r gets r, r+N, ...)
 
-    async def setup(self) -> None:
-        """Wrap the model for dense synchronisation (collectives, so on the compute thread)."""
-        self.sync = await self._on_compute(DenseSync, self.model, self.env, self.training)
+    async def setup(self, plan: Plan) -> Plan:
+        """Build the optimizer and wrap the model for dense synchronisation (collectives: on the compute thread).
+
+        With a source in the plan (this process replaces a lost rank), take the model, optimizer and step from
+        it; without one, every rank starts alike (and the server then restores the newest checkpoint). Returns
+        the plan the group finally formed on (another round if a peer was lost meanwhile)."""
         self.optimizer = make_dense_optimizer(self.model, self.config)
+        while True:
+            try:
+                if plan.source is not None:
+                    await self._on_compute(self._adopt, plan)
+                else:
+                    self.sync = await self._on_compute(DenseSync, self.model, self.env, self.training)
+                return plan
+            except Exception as exc:  # noqa: BLE001 - a peer was lost while the group formed: join again
+                if self.membership is None or not is_group_failure(exc):
+                    raise
+                self.log.warning("group_failed", step=self.stats.steps, error=str(exc).splitlines()[0][:300])
+                plan = await self._on_compute(self.membership.join, None)
+
+    def resume_at(self, step: int) -> None:
+        """The group's state is at `step`: this rank's next training batch is the stream's step*N + rank."""
+        self.next_seq = step * self.env.world_size + self.env.rank
+        self.consumed = Consumed("train", self.next_seq - 1)
+
+    def _adopt(self, plan: Plan) -> None:
+        """Compute thread, right after a (re)formation with a source: everyone takes its state, then DDP is
+        rebuilt on the new group."""
+        stats = self.stats
+        handed = hand_over(self.model, self.optimizer, {k: getattr(stats, k) for k in STATS_FIELDS}, stats.wall_s,
+                           plan.source)
+        if self.env.rank in plan.joined_fresh:  # a replacement takes over its predecessor's share and place
+            for key, value in handed.stats.items():
+                setattr(stats, key, type(getattr(stats, key))(value))
+            stats.wall_offset, stats.started = handed.wall_s, None
+            self.resume_at(stats.steps)
+        self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
+
+    _SKIP = object()
+
+    async def _collective(self, fn, *args, after_regroup=_SKIP):
+        """Run `fn` (which holds collectives) on the compute thread; if the group broke because a peer was lost,
+        re-form it with the peer's replacement, hand it our state, and then run `fn` again — or, when
+        `after_regroup` is given, return that instead: a replacement starts at the top of a step, so a
+        collective that belongs after the step (the time-checkpoint vote, the sync barrier) must not be
+        repeated by the survivors alone."""
+        while True:
+            try:
+                return await self._on_compute(fn, *args)
+            except Exception as exc:  # noqa: BLE001 - anything but a lost peer is re-raised below
+                if self.membership is None or not is_group_failure(exc):
+                    raise
+                await self.regroup(exc)
+                if after_regroup is not self._SKIP:
+                    return after_regroup
+
+    async def regroup(self, exc: BaseException) -> None:
+        """Re-form the group after a lost peer (again, should another be lost during the hand-over)."""
+        while True:
+            self.log.warning("group_failed", step=self.stats.steps, generation=self.membership.generation,
+                             error=str(exc).splitlines()[0][:300])
+            plan = await self._on_compute(self.membership.join, self.stats.steps)
+            try:
+                await self._on_compute(self._adopt, plan)
+                break
+            except Exception as again:  # noqa: BLE001 - re-raised unless it is another lost peer
+                if not is_group_failure(again):
+                    raise
+                exc = again
+        self.stats.regroups += 1
+        self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
+                         replaced=list(plan.joined_fresh))
 
     async def _on_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
@@ -120,6 +195,8 @@ class Trainer:
                 while not isinstance(item := await self.inbox.get(), EndOfPhase):
                     if item.phase != phase:
                         raise RuntimeError(f"got a {item.phase} batch while expecting {phase} batches")
+                    if phase == "train" and not self._in_sequence(item):
+                        continue
                     if before_lookup is not None:
                         await before_lookup()
                     await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
@@ -140,6 +217,19 @@ class Trainer:
         finally:
             if not fetch.done():
                 fetch.cancel()
+
+    def _in_sequence(self, batch: DenseBatch) -> bool:
+        """False for a re-sent batch the group trained already (dropped); raises on a gap in the stream."""
+        if batch.seq < self.next_seq:
+            self.stats.replayed_dropped += 1
+            return False
+        if batch.seq > self.next_seq:
+            raise RuntimeError(
+                f"NN worker rank {self.env.rank} expected training batch {self.next_seq} of the stream and got "
+                f"{batch.seq}: the data loader is ahead of the group's state (every NN worker was lost and the "
+                f"group went back to a checkpoint) — restart the data loader with the group")
+        self.next_seq += self.env.world_size
+        return True
 
     async def train(self) -> dict:
         permits = asyncio.Semaphore(self.staleness_bound + 1)
@@ -182,18 +272,19 @@ class Trainer:
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
-                loss, grad = await self._on_compute(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                loss, grad = await self._collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
+                self.consumed = Consumed("train", batch.seq)
                 task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
                     waited = time.perf_counter()
                     await task
-                    await self._on_compute(dist.barrier)
+                    await self._collective(dist.barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
                 self._account(loss, batch.labels.shape[0])
-                if self.checkpointer is not None and self.checkpointer.due(self.stats.steps):
+                if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
                     await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
@@ -208,6 +299,11 @@ class Trainer:
         if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
             await self.publisher.finish(self.stats.steps)
         return end
+
+    async def _checkpoint_due(self, checkpointer) -> bool:
+        steps = self.stats.steps
+        return checkpointer.due(steps) or (checkpointer.asks_time(steps)
+                                           and await self._collective(checkpointer.time_up, after_regroup=False))
 
     async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:
         """The batch's embeddings, or empty ones and True when its embedding worker lost it."""
@@ -269,6 +365,7 @@ class Trainer:
                     continue
                 preds.append(await self._on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
+                self.consumed = Consumed("eval", batch.seq)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.float32)  # noqa: E731
         return cat(preds), cat(labels), end
 

@@ -60,11 +60,15 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from services.nn_worker.distributed import init_process_group
+        from services.nn_worker.distributed import resolve_backend
+        from services.nn_worker.membership import Fingerprint, Membership
 
         torch.set_num_threads(1)
-        env = init_process_group(rendezvous=f"127.0.0.1:{port}", rank=rank, world_size=WORLD, backend="gloo",
-                                 timeout_s=60)
+        env = resolve_backend("auto", rank, WORLD)
+        plan = Membership(rank=rank, world_size=WORLD, rendezvous=f"127.0.0.1:{port}", backend=env.backend,
+                          fingerprint=Fingerprint("test", WORLD, "test"), bind_host="127.0.0.1",
+                          join_timeout_s=60, collective_timeout_s=60).join(step=None)
+        assert plan.generation == 1 and plan.source is None and sorted(plan.joined_fresh) == list(range(WORLD))
         assert env.rank == rank and env.world_size == WORLD and env.backend == "gloo"
         assert env.device == torch.device("cpu")
         record: dict[str, np.ndarray] = {}

@@ -28,8 +28,11 @@ def test_only_interval_checkpoints_are_resumed_from(tmp_path):
     step = checkpoints.step_dir(tmp_path, 7)
     step.mkdir()
     checkpoints.write_manifest(step, JobManifest(step=7, seq=14, position=[0, 0, 100, 14]))
-    assert checkpoints.resume_from(_config(dir=str(tmp_path)).checkpoint) is None  # a final checkpoint alone
+    # a final checkpoint alone (no interval of either kind)
+    assert checkpoints.resume_from(_config(dir=str(tmp_path), interval_s=None).checkpoint) is None
     found = checkpoints.resume_from(_config(dir=str(tmp_path), interval_steps=5).checkpoint)
+    assert found is not None and found[1].step == 7
+    found = checkpoints.resume_from(_config(dir=str(tmp_path)).checkpoint)  # the default time interval
     assert found is not None and found[1].step == 7
     assert checkpoints.resume_from(_config(dir=str(tmp_path), interval_steps=5, resume=False).checkpoint) is None
     assert checkpoints.resume_from(_config(interval_steps=5).checkpoint) is None

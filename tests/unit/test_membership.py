@@ -1,0 +1,92 @@
+"""Forming and re-forming the NN workers' group (services/nn_worker/membership.py) and handing the dense state
+to a replacement (handover.py), with real processes and real Gloo groups."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from services.nn_worker.membership import Fingerprint, is_group_failure
+from tests.unit.membership_ranks import handover_rank, refusal_rank
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(procs: list, timeout: float = 120) -> None:
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+
+
+def test_a_fresh_rank_takes_model_optimizer_and_counters_from_the_source(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _port()
+    _run([ctx.Process(target=handover_rank, args=(r, port, str(tmp_path))) for r in range(2)])
+    errors = list(tmp_path.glob("*.err"))
+    assert not errors, errors[0].read_text()
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["first"] == [1, None] and r1["first"] == [1, None]  # nobody had state: a cold start
+    assert r0["second"] == [2, 0, [1]] == r1["second"]  # the next generation, rank 0 the source, rank 1 fresh
+    np.testing.assert_array_equal(r0["params"], r1["params"])
+    assert r0["moments"] == r1["moments"] and all(m != 0 for m in r0["moments"])  # Adam's moments came along
+    assert r1["steps"] == [5.0] * len(r1["steps"])
+    assert r1["handed"] == {"steps": 5.0} and r1["wall"] == 12.5
+
+
+def test_a_replacement_with_another_config_is_refused_and_the_group_waits_for_a_correct_one(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _port()
+    rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 60))
+    stranger = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "other", 60))
+    rank0.start()
+    stranger.start()
+    stranger.join(60)
+    assert json.loads((tmp_path / "rank1-other.json").read_text()) == {
+        "error": "rank 0 refused this NN worker (rank 1): its config (features, model, optimizer, training, data) "
+                 "differs"}
+    time.sleep(0.5)
+    assert rank0.is_alive()  # still waiting for a correct rank 1
+    correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
+    correct.start()
+    for p in (rank0, correct):
+        p.join(60)
+        assert p.exitcode == 0
+    assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
+    assert json.loads((tmp_path / "rank1-good.json").read_text()) == {"joined": 1}
+
+
+def test_the_group_stops_naming_missing_ranks_and_refusals_after_the_timeout(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _port()
+    rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 4))
+    stranger = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "other", 30))
+    _run([rank0, stranger], timeout=60)
+    error = json.loads((tmp_path / "rank0-good.json").read_text())["error"]
+    assert "rank(s) [1] did not join the group within cluster.rejoin_timeout_s=4s" in error
+    assert "refused: rank 1: its config" in error
+
+
+def test_fingerprints_name_what_differs():
+    a = Fingerprint("c1", 2, "m1")
+    assert a.differences(Fingerprint("c1", 2, "m1")) == []
+    assert a.differences(Fingerprint("c1", 3, "m2")) == [
+        "its world size is 3, the group's 2", "its dense model has other parameter names, shapes or dtypes"]
+
+
+@pytest.mark.parametrize("exc, lost", [
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+    (ValueError("gloo"), False),
+])
+def test_only_a_lost_peer_counts_as_a_group_failure(exc, lost):
+    assert is_group_failure(exc) is lost
