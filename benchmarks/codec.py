@@ -6,7 +6,9 @@
    int64 IDs + fp32 values per sample;
 3. max relative error of kappa-scaled fp16 vs a plain fp16 cast on gradient-like vectors (norms 1e-10..1e-1);
 4. loopback RPC throughput (MB/s) of 1 MB and 4 MB frames between two processes through grpc.aio
-   with raw-bytes methods vs a plain TCP socket sending the same bytes between two processes.
+   with raw-bytes methods vs a plain TCP socket sending the same bytes between two processes;
+5. the embedding worker's put of one Zipf batch: decoding and planning it vs keeping its frame in the
+   buffer on file (sequence number, temporary file, rename; under /dev/shm) and marking it consumed.
 
     python benchmarks/codec.py --out results/codec.json
 """
@@ -19,6 +21,7 @@ import multiprocessing as mp
 import socket
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,7 +88,9 @@ def bench_wire_bytes() -> dict:
 
     rng = np.random.default_rng(1)
     ids, present = zipf_batch(rng)
-    config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]}})
+    scratch = tempfile.TemporaryDirectory(prefix="hybridrec-bench-")  # the worker's buffer directory
+    config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]},
+                                    "ps": {"shm_dir": scratch.name}})
     values = ValueCodec(fp16=True, kappa=config.training.compression.kappa)
 
     async def fake_ps(shard: int, method: str, frame: bytes) -> bytes:  # rows of the right shape, no network
@@ -95,10 +100,12 @@ def bench_wire_bytes() -> dict:
 
     worker = EmbeddingWorker(config, 0, fake_ps)
     ids_frame = SparseBatch.from_columns(ids, present, phase="train").encode()
-    ref = worker.put(SparseBatch.decode(ids_frame, FEATURES))
+    ref = worker.put(ids_frame)
     emb_frame = asyncio.run(worker.lookup(ref))
     rows = Embeddings.decode(emb_frame, values, [f.dim for f in config.features], BATCH).rows[DIM]
     grad_frame = Gradients(ref, {DIM: rng.standard_normal(rows.shape).astype(np.float32) * 1e-4}).encode(values)
+    worker.close()
+    scratch.cleanup()
     ours = len(ids_frame) + len(emb_frame) + len(grad_frame)
     baseline_ids = BATCH * FEATURES * 8
     baseline_values = BATCH * FEATURES * DIM * 4
@@ -107,6 +114,41 @@ def bench_wire_bytes() -> dict:
             "unique_rows": int(rows.shape[0]), "bytes_ids": len(ids_frame), "bytes_embeddings": len(emb_frame),
             "bytes_gradients": len(grad_frame), "bytes_round_trip": ours,
             "baseline_bytes_round_trip": baseline, "wire_bytes_reduction": baseline / ours}
+
+
+def bench_buffer_write(repeats: int) -> dict:
+    """Median microseconds per batch of a put's planning (decode + dedup + shard split) and of its buffer file
+    (reserve, write under a temporary name, rename) and the file's consumption (rename, truncate)."""
+    from services.embedding_worker.worker import EmbeddingWorker
+
+    async def no_ps(shard: int, method: str, frame: bytes) -> bytes:
+        raise AssertionError("put calls no PS")
+
+    rng = np.random.default_rng(2)
+    frames = [SparseBatch.from_columns(*zipf_batch(rng), phase="train").encode() for _ in range(8)]
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    times: dict[str, list[float]] = {"plan": [], "write": [], "consume": []}
+    with tempfile.TemporaryDirectory(prefix="hybridrec-bench-", dir=shm) as scratch:
+        config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"] * 2},
+                                        "ps": {"shm_dir": scratch}})
+        worker = EmbeddingWorker(config, 0, no_ps)
+        for i in range(repeats * 10):
+            frame = frames[i % len(frames)]
+            t0 = time.perf_counter()
+            worker._plan(0, SparseBatch.decode(frame, FEATURES))
+            t1 = time.perf_counter()
+            seq = worker.files.reserve()
+            worker.files.write(seq, frame)
+            t2 = time.perf_counter()
+            worker.files.consumed(seq, eval_batch=False)
+            t3 = time.perf_counter()
+            for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name].append(dt * 1e6)
+        worker.close()
+    out = {f"{name}_us": float(np.median(values)) for name, values in times.items()}
+    out["frame_bytes"] = len(frames[0])
+    out["buffer_vs_plan"] = (out["write_us"] + out["consume_us"]) / out["plan_us"]
+    return out
 
 
 def bench_value_error() -> dict:
@@ -250,11 +292,13 @@ def main() -> None:
     result["wire"] = bench_wire_bytes()
     result["value_error"] = bench_value_error()
     result["rpc"] = bench_throughput(3 if args.quick else 6)
+    result["buffer"] = bench_buffer_write(repeats)
     result["frame_vs_protobuf_speedup"] = result["frame"]["frame_vs_protobuf_speedup"]
     result["wire_bytes_reduction"] = result["wire"]["wire_bytes_reduction"]
     result["rpc_vs_socket_ratio"] = result["rpc"]["rpc_vs_socket_ratio"]
     result["kappa_fp16_max_rel_error"] = result["value_error"]["kappa_max_rel_error"]
     result["plain_fp16_max_rel_error"] = result["value_error"]["plain_max_rel_error"]
+    result["buffer_vs_plan"] = result["buffer"]["buffer_vs_plan"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))

@@ -45,8 +45,8 @@ async def _client(address: str, seed: int, stop_at: float, capacity: int, batch:
             ids = ids.astype(np.uint64) + np.uint64(1)
             for name, call, frame in (
                 ("lookup", lookup, PSLookup({DIM: ids}, train=True).encode()),
-                ("update", update, PSUpdate({DIM: ids}, {DIM: rng.standard_normal((ids.size, DIM), np.float32)})
-                 .encode(ValueCodec(fp16=False))),
+                ("update", update, PSUpdate({DIM: ids}, {DIM: rng.standard_normal((ids.size, DIM), np.float32)},
+                                            update_id=int(rng.integers(1, 1 << 63))).encode(ValueCodec(fp16=False))),
             ):
                 started = time.perf_counter()
                 try:

@@ -128,6 +128,9 @@ def _print_summary(summary: RunSummary) -> None:
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]
+    if summary.batches_recovered or summary.updates_deduplicated:  # an embedding worker or PS restarted
+        rows.insert(-2, ("recovered batches / deduplicated updates",
+                         f"{fmt_int(summary.batches_recovered)} / {fmt_int(summary.updates_deduplicated)}"))
     if summary.publish is not None:
         p = summary.publish
         rows.insert(-2, ("versions published / full / skipped / failed",

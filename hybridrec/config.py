@@ -219,7 +219,8 @@ class PSConfig(_Model):
     capacity: Annotated[int, Field(gt=0)] = 2_000_000
     """Rows per shard per embedding width; the least recently used row is evicted beyond it."""
     shm_dir: str = "/dev/shm/hybridrec"
-    """Directory of the store's mmap'd files; a restarted PS re-attaches to it."""
+    """Directory of the store's mmap'd files (`shard-NNNNN/`) and of each embedding worker's batch buffer
+    (`embedding-worker-NNNNN/`); a restarted PS or embedding worker re-attaches to its own."""
     num_stripes: Annotated[int, Field(ge=1, le=1024)] = 16
     """Independently locked parts of each store (parallelism across request threads)."""
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -231,7 +232,7 @@ class PSConfig(_Model):
     threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Request threads running the store's kernels."""
     keep_shm: bool = False
-    """Keep the store files after `hybridrec run` ends (they are removed by default)."""
+    """Keep the store and buffer files after `hybridrec run` ends (they are removed by default)."""
 
 
 class TLSConfig(_Model):

@@ -1,6 +1,7 @@
-"""Files other processes read while they are being replaced: written whole or not at all."""
+"""Files shared between processes: written whole or not at all, and directories with one owner at a time."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,3 +42,23 @@ class HashingWriter:
         self.sha.update(data)
         self.bytes += len(data)
         return self.f.write(data)
+
+
+def lock_directory(directory: str | Path, *, what: str) -> int:
+    """Create `directory` if needed and take its exclusive lock (`store.lock`); returns the lock's fd.
+
+    Files a restarted process re-attaches to (a PS shard's store, an embedding
+    worker's buffer) must have one owner at a time. flock, not a pid file: the
+    kernel releases it when the owner dies, kill -9 included, so a restart
+    never waits for a stale lock. Close the fd to release it. Raises
+    RuntimeError naming `what` when another process (or handle) holds it.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(directory / "store.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise RuntimeError(f"{what} {directory} is already open (another process or handle)") from None
+    return lock_fd

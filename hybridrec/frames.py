@@ -19,8 +19,8 @@ INVALID_ARGUMENT with the reason, and keeps serving.
 | `Gradients`    | EmbeddingWorker.PushGradients request (NN worker -> EW)     | one gradient per row of the `Embeddings` frame |
 | `PSLookup`     | EmbeddingPS.Lookup request (EW -> PS shard)                 | unique IDs per width, train or eval |
 | `PSRows`       | EmbeddingPS.Lookup reply                                     | one row per requested ID, per width |
-| `PSUpdate`     | EmbeddingPS.Update request (EW -> PS shard)                 | unique IDs and their summed gradients, per width |
-| `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies  | rows the PS applied                      |
+| `PSUpdate`     | EmbeddingPS.Update request (EW -> PS shard)                 | unique IDs and their summed gradients, per width; the update's id |
+| `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies  | rows the PS applied (0 for a re-sent update) |
 | `Consumed`     | NNWorker.PutBatch reply (NN worker -> data loader)          | the phase and the last stream index the rank has trained |
 
 Float rows and gradients travel as κ-scaled fp16 plus a float32 norm per
@@ -56,11 +56,42 @@ def worker_of_ref(ref: int) -> int:
     return ref >> REF_SHIFT
 
 
+_U64 = (1 << 64) - 1
+
+
+def update_id(batch_ref: int, nonce: int) -> int:
+    """The id of a batch's gradient update on the PS shards: the same in every re-send of it.
+
+    A PS shard applies each id at most once, so an embedding worker that
+    re-sends an update (it restarted mid-push, or a shard restarted before
+    answering) never applies it twice. The id is splitmix64's finalizer of
+    batch_ref ^ nonce, where `nonce` is a random 64-bit number the worker drew
+    when its buffer was created (`BufferFiles`): the finalizer is a bijection,
+    so the batches of one buffer never share an id, and the nonce keeps them
+    apart from the ids of another worker, of a buffer lost with its machine, or
+    of an earlier job on the same PS store (a collision is a 2**-64 event).
+    Never 0, the PS's mark of an empty slot: the worker draws a nonce whose top
+    byte differs from its own index in every batch_ref, so batch_ref ^ nonce is
+    never 0, and the finalizer maps only 0 to 0.
+    """
+    z = (batch_ref ^ nonce) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
 def _phase(frame: codec.Frame) -> str:
     phase = frame.meta.get("phase", "train")
     if phase not in PHASES:
         raise FrameError(f"phase {phase!r} is not one of {PHASES}")
     return phase
+
+
+def _batch_ref(frame: codec.Frame) -> int:
+    ref = frame.meta_int("batch_ref")
+    if not 0 <= ref <= _U64:
+        raise FrameError(f"batch_ref {ref} is not a uint64")
+    return ref
 
 
 def _per_width(prefix: str, tensors: Iterable[str], dims: Iterable[int]) -> list[int]:
@@ -156,10 +187,7 @@ class BatchRef:
 
     @classmethod
     def decode(cls, buf: bytes) -> "BatchRef":
-        ref = codec.decode(buf).meta_int("batch_ref")
-        if not 0 <= ref < 1 << 64:
-            raise FrameError(f"batch_ref {ref} is not a uint64")
-        return cls(ref)
+        return cls(_batch_ref(codec.decode(buf)))
 
 
 # -- data loader -> NN worker -----------------------------------------------------------------
@@ -280,13 +308,18 @@ class Gradients:
             tensors.update(values.pack(f"grad.{dim}", grad, dim))
         return codec.encode(tensors, {"batch_ref": self.batch_ref})
 
+    @staticmethod
+    def batch_ref_of(buf: bytes) -> int:
+        """The batch_ref the frame names, before its tensors are checked: the embedding worker needs it to
+        tell a re-sent push of a batch it has already applied from one it must decode."""
+        return _batch_ref(codec.decode(buf))
+
     @classmethod
     def decode(cls, buf: bytes, values: ValueCodec,
                rows_of: Callable[[int], dict[int, int]]) -> "Gradients":
         """`rows_of(batch_ref)`: width -> rows of that batch's `Embeddings` frame; each must come back."""
         frame = codec.decode(buf)
-        ref = frame.meta_int("batch_ref")
-        expected = rows_of(ref)
+        expected = rows_of(ref := _batch_ref(frame))
         _per_width("grad", frame.tensors, expected)
         return cls(ref, {d: _unpack(values, frame, f"grad.{d}", d, n) for d, n in expected.items()})
 
@@ -372,28 +405,37 @@ class PSRows:
 
 @dataclass
 class PSUpdate:
-    """Summed gradients of unique IDs, per width, for a PS shard's optimizer."""
+    """Summed gradients of unique IDs, per width, for a PS shard's optimizer, under the update's id.
+
+    `update_id` (see `update_id`) is the same in every re-send of one batch's
+    update; a shard that has applied it answers the re-send without applying
+    it again.
+    """
 
     ids: dict[int, np.ndarray]  # width -> uint64 (n,) unique
     grads: dict[int, np.ndarray]  # width -> float32 (n, width)
+    update_id: int
 
     def encode(self, values: ValueCodec) -> bytes:
         tensors: dict[str, np.ndarray] = {}
         for dim, ids in self.ids.items():
             tensors[f"ids.{dim}"] = ids
             tensors.update(values.pack(f"grads.{dim}", self.grads[dim], dim))
-        return codec.encode(tensors)
+        return codec.encode(tensors, {"update_id": self.update_id})
 
     @classmethod
     def decode(cls, buf: bytes, values: ValueCodec, dims: Iterable[int]) -> "PSUpdate":
         frame = codec.decode(buf)
+        uid = frame.meta_int("update_id")
+        if not 0 < uid <= _U64:
+            raise FrameError(f"update_id {uid} is not a non-zero uint64")
         ids = _ids_per_width(frame, dims)
         grads = {}
         for dim, arr in ids.items():
             grads[dim] = _unpack(values, frame, f"grads.{dim}", dim, arr.shape[0])
             if np.unique(arr).shape[0] != arr.shape[0]:
                 raise FrameError(f"the IDs of width {dim} of an update must be unique")
-        return cls(ids, grads)
+        return cls(ids, grads, uid)
 
 
 FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, PSLookup, PSRows,

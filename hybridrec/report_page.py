@@ -149,6 +149,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("Skipped training batches", fmt_int(s.get("skipped_batches"))),
         ("Skipped eval batches", fmt_int(s.get("skipped_eval_batches"))),
         ("Lost embedding updates", fmt_int(s.get("lost_updates"))),
+        ("Batches recovered by restarted embedding workers", fmt_int(s.get("batches_recovered"))),
+        ("Re-sent updates the PS shards applied once", fmt_int(s.get("updates_deduplicated"))),
     ]
 
 

@@ -115,8 +115,15 @@ class RunSummary(BaseModel):
     lost_updates: int
     """Gradient pushes that failed for good (their updates never reached the PS)."""
     skipped_batches: int
-    """Training batches whose embeddings were lost (an embedding worker restarted)."""
+    """Training batches whose embeddings were lost (an embedding worker lost its buffer directory; a
+    restarted one re-attaches to it and loses nothing)."""
     skipped_eval_batches: int
+    batches_recovered: int | None = None
+    """Buffered batches that restarted embedding workers re-attached and served (all workers, all
+    restarts); None when a worker did not answer at the end of the run."""
+    updates_deduplicated: int | None = None
+    """Re-sent embedding updates the PS shards acknowledged without applying them again (they had applied
+    them before the sender restarted); None when a shard did not answer at the end of the run."""
     staleness: Staleness
     exposed_wait_per_step_s: float | None = None
     """Mean seconds per training step (over steps and ranks) an NN worker's step loop waited for

@@ -8,6 +8,7 @@ accepting RPCs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ import numpy as np
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
-from hybridrec import checkpoints
+from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from hybridrec.proto import pb
@@ -27,6 +28,7 @@ from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
 from hybridrec.versions import version_dir
+from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
@@ -61,11 +63,25 @@ def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
             for dim in config.dims}
 
 
+def open_applied(config: Config, shard: int) -> AppliedLog:
+    """The shard's record of applied update ids, next to its stores (survives a restart like them)."""
+    return AppliedLog.open(shard_dir(config, shard) / "applied")
+
+
+def _observed(task: asyncio.Task) -> None:
+    """Retrieve and log an update task's error: when its request was cancelled, nothing else would."""
+    if not task.cancelled() and task.exception() is not None:
+        log.get().warning("update_failed", error=str(task.exception()))
+
+
 class EmbeddingPSServicer:
-    def __init__(self, stores: dict[int, EmbeddingStore], shard: int, num_shards: int, values: ValueCodec,
-                 executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
+    def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
+                 values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
                  publish_root: str | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.applied = applied
+        """Update ids this shard applied: a re-sent update is acknowledged without applying it again."""
+        self._updating: dict[int, asyncio.Task] = {}  # update id -> the task applying it
         self.values, self.executor = values, executor
         self.checkpoint_root = checkpoint_root
         """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
@@ -82,6 +98,7 @@ class EmbeddingPSServicer:
     def stats(self) -> dict[str, float]:
         """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
         values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        values["updates_deduplicated_total"] = float(self.applied.deduplicated)  # all lives of this shard
         for dim, store in self.stores.items():
             st = store.stats()
             values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
@@ -111,15 +128,38 @@ class EmbeddingPSServicer:
         return PSRows(out).encode(self.values)
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Apply an update once: a re-send of an applied update id is acknowledged with 0 rows and counted."""
         update = PSUpdate.decode(request, self.values, self.stores)
-        applied = 0
-        for dim, ids in update.ids.items():
-            applied += await self._run(self.stores[dim].update, self._check_shard(ids), update.grads[dim])
-            if self.changes is not None:  # logged after the update is applied: never before its rows change
-                self.changes.add(dim, ids)
-        self.counters["updates_total"] += 1
-        self.counters["rows_updated_total"] += applied
-        return Applied(applied).encode()
+        for ids in update.ids.values():  # every width checked before any row changes
+            self._check_shard(ids)
+        uid = update.update_id
+        while (running := self._updating.get(uid)) is not None:  # a re-send racing its original
+            with contextlib.suppress(Exception):
+                await asyncio.shield(running)
+        if uid in self.applied:
+            self.applied.count_duplicate()
+            return Applied(0).encode()
+        task = asyncio.ensure_future(self._apply(update))
+        self._updating[uid] = task
+        task.add_done_callback(_observed)
+        return Applied(await asyncio.shield(task)).encode()
+
+    async def _apply(self, update: PSUpdate) -> int:
+        """Apply an update's rows, then record its id. A task of its own, shielded from the request: when the
+        sender dies mid-call (gRPC cancels the handler) the rows still change in a thread, and the record
+        must follow them, or the sender's re-send would apply them twice."""
+        try:
+            applied = 0
+            for dim, ids in update.ids.items():
+                applied += await self._run(self.stores[dim].update, ids, update.grads[dim])
+                if self.changes is not None:  # logged after the update is applied: never before its rows change
+                    self.changes.add(dim, ids)
+            self.applied.record(update.update_id)  # after the rows: a crash between re-applies, never drops
+            self.counters["updates_total"] += 1
+            self.counters["rows_updated_total"] += applied
+            return applied
+        finally:
+            del self._updating[update.update_id]
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())
@@ -171,11 +211,13 @@ async def serve(config: Config, replica: int) -> None:
     torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
     warm_up(config)
     stores = open_stores(config, replica)
+    applied = open_applied(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
-                  rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()})
+                  rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()},
+                  updates_deduplicated=applied.deduplicated)
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, replica, len(config.cluster.ps), values, executor,
+        servicer = EmbeddingPSServicer(stores, applied, replica, len(config.cluster.ps), values, executor,
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None)
         host.add(servicer, servicer.stats)
@@ -186,3 +228,4 @@ async def serve(config: Config, replica: int) -> None:
         finally:
             for store in stores.values():
                 store.close()
+            applied.close()

@@ -23,7 +23,6 @@ index (`Layout`). Changing any of this means bumping LAYOUT_VERSION.
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from hybridrec import log
+from hybridrec import files, log
 from hybridrec.config import Config, EmbeddingOptimizerConfig
 from services.embedding_ps import kernels as K
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
@@ -167,14 +166,7 @@ def lock_directory(directory: Path) -> int:
 
     Raises RuntimeError when another process (or handle) has the store open.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(directory / "store.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel if we die
-    except BlockingIOError:
-        os.close(lock_fd)
-        raise RuntimeError(f"embedding store {directory} is already open (another process or handle)") from None
-    return lock_fd
+    return files.lock_directory(directory, what="embedding store")
 
 
 def _map_file(path: Path, nbytes: int, *, create: bool) -> mmap.mmap:

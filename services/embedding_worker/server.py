@@ -7,7 +7,7 @@ import torch
 
 from hybridrec import rpc
 from hybridrec.config import Config
-from hybridrec.frames import Applied, BatchRef, Gradients, SparseBatch
+from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from hybridrec.service import ServiceHost
@@ -16,18 +16,18 @@ from services.embedding_worker.worker import EmbeddingWorker
 
 
 class EmbeddingWorkerServicer:
-    def __init__(self, worker: EmbeddingWorker, num_features: int):
+    def __init__(self, worker: EmbeddingWorker):
         self.worker = worker
-        self.num_features = num_features
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        sparse = SparseBatch.decode(request, self.num_features)
-        return BatchRef(self.worker.put(sparse)).encode()
+        return BatchRef(self.worker.put(request)).encode()
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self.worker.lookup(BatchRef.decode(request).batch_ref)
 
     async def PushGradients(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if self.worker.already_applied(Gradients.batch_ref_of(request)):
+            return Applied(0).encode()
         gradients = Gradients.decode(request, self.worker.values, self.worker.rows_of)
         return Applied(await self.worker.push_gradients(gradients)).encode()
 
@@ -53,13 +53,18 @@ async def serve(config: Config, replica: int) -> None:
 
     # Compile the aggregation kernel now, not inside the first gradient push's deadline.
     scatter_add_rows(np.zeros((1, 1), np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32))
+    # Before the server starts: a batch of a previous life is served the moment requests arrive.
     worker = EmbeddingWorker(config, replica, ps_call)
-    host.add(EmbeddingWorkerServicer(worker, len(config.features)), worker.stats)
-    await host.start()
-    await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s, what="PS shards")
-    await host.set_serving(True)
+    host.log.info("buffer_open", directory=str(worker.files.directory), incarnation=worker.incarnation,
+                  batches=len(worker.buffer))
+    host.add(EmbeddingWorkerServicer(worker), worker.stats)
     try:
+        await host.start()
+        await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s,
+                                     what="PS shards")
+        await host.set_serving(True)
         await host.run_until_stopped()
     finally:
         for ch in channels:
             await ch.close()
+        worker.close()

@@ -10,26 +10,41 @@ lengths it needs to pool them, and sends back one gradient per unique row — no
 one vector per sample. All per-batch planning (dedup per embedding width across
 features, the split by PS shard) happens in `put`, off the NN worker's critical
 path; a lookup is then one RPC per PS shard and a gather.
+
+The buffer outlives the process: every batch is also on file until it is
+consumed (`buffer_files.py`), so a worker restarted after kill -9 serves
+the batches its previous life held, under the same batch_refs; and every
+update it sends carries the batch's update id, which each PS shard applies
+at most once, so a push re-sent across a restart is never applied twice.
 """
 from __future__ import annotations
 
 import asyncio
-import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import numpy as np
 
+from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
-from hybridrec.frames import (Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch,
-                             make_batch_ref)
-from hybridrec.rpc import NotFound
+from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
+                              SparseBatch, make_batch_ref, update_id)
+from hybridrec.rpc import NotFound, Unavailable
 from hybridrec.sharding import split_by_shard
 from services.embedding_worker.aggregation import scatter_add_rows
+from services.embedding_worker.buffer_files import BufferFiles
 
 
 PSCall = Callable[[int, str, bytes], Awaitable[bytes]]  # (shard, method, frame) -> reply frame
+SEQ_MASK = (1 << INCARNATION_SHIFT) - 1
+
+
+def buffer_dir(config: Config, replica: int) -> Path:
+    """Where embedding worker `replica` keeps its buffered batches: next to the PS shards' stores, so
+    `hybridrec run`'s private shm directory (and its removal at the end) covers both."""
+    return Path(config.ps.shm_dir) / f"embedding-worker-{replica:05d}"
 
 
 @dataclass
@@ -43,47 +58,90 @@ class BufferedBatch:
 
 
 class EmbeddingWorker:
-    """The embedding worker's state and logic, independent of gRPC."""
+    """The embedding worker's state and logic, independent of gRPC.
+
+    Every buffered batch is also on file (`BufferFiles`, under `buffer_dir`):
+    a worker started on the directory of a dead one re-plans the batches it
+    left and serves them under their original batch_refs. Call `close` to
+    release the directory.
+    """
 
     def __init__(self, config: Config, replica: int, ps_call: PSCall):
         self.features = config.features
         self.num_shards = len(config.cluster.ps)
         self.replica = replica
         self.ps_call = ps_call
+        self.log = log.get(__name__)
         self.values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
         self.lz4 = config.training.compression.lz4_ids
         self.dims = sorted({f.dim for f in self.features})
         # Features of each width, in config order: the order of their rows in an Embeddings frame.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
         self.buffer: dict[int, BufferedBatch] = {}
-        # A restarted worker must never hand out a batch_ref its previous life gave out: an NN worker
-        # still holding an old ref gets NOT_FOUND, not some other batch's embeddings.
-        self.incarnation = secrets.randbelow(1 << 16)
-        self.next_seq = 0
+        # The incarnation (in every batch_ref) and the next sequence number live in the buffer's header:
+        # a restarted worker keeps handing out new refs of the same incarnation and serves the old ones;
+        # a worker on a new directory draws a new incarnation, so a ref of a lost buffer gets NOT_FOUND,
+        # never some other batch's embeddings.
+        self.files = BufferFiles.open(buffer_dir(config, replica), features=self.features, replica=replica)
+        self.incarnation = self.files.incarnation
         self.counters = {"batches_put_total": 0, "lookups_total": 0, "gradient_pushes_total": 0,
-                         "rows_looked_up_total": 0, "rows_updated_total": 0}
+                         "rows_looked_up_total": 0, "rows_updated_total": 0, "pushes_already_applied_total": 0,
+                         "lookups_repeated_total": 0}
+        self._recover()
+
+    def _recover(self) -> None:
+        """Re-plan every batch a previous life of this worker left buffered, under its original batch_ref."""
+        recovered = 0
+        for stored in self.files.stored():
+            try:
+                sparse = SparseBatch.decode(stored.frame, len(self.features))
+            except ValueError as exc:  # written whole by put, so only a foreign hand gets here
+                self.log.error("buffered_batch_unreadable", seq=stored.seq, error=str(exc))
+                self.files.drop(stored.seq)
+                continue
+            ref = make_batch_ref(self.replica, self.incarnation, stored.seq)
+            self.buffer[ref] = self._plan(ref, sparse)
+            recovered += 1
+        if recovered:
+            self.files.count_recovered(recovered)
+            self.log.info("buffer_recovered", batches=recovered, directory=str(self.files.directory))
+
+    def close(self) -> None:
+        self.files.close()
 
     # -- from the data loader -------------------------------------------------------------
-    def put(self, sparse: SparseBatch) -> int:
-        """Buffer a batch and return its batch_ref (this worker's replica in the top bits)."""
-        if len(sparse.uniq) != len(self.features):
-            raise ValueError(f"batch has {len(sparse.uniq)} features, the config has {len(self.features)}")
-        ref = make_batch_ref(self.replica, self.incarnation, self.next_seq)
-        self.next_seq += 1
+    def put(self, frame: bytes) -> int:
+        """Buffer a batch (a `SparseBatch` frame, as the data loader sent it) and return its batch_ref (this
+        worker's replica in the top bits). The batch is on file, as these very bytes, before the ref is
+        handed out."""
+        sparse = SparseBatch.decode(frame, len(self.features))
+        seq = self.files.reserve()
+        ref = make_batch_ref(self.replica, self.incarnation, seq)
+        batch = self._plan(ref, sparse)
+        try:
+            self.files.write(seq, frame)
+        except OSError as exc:  # e.g. a full /dev/shm: the data loader tries the next embedding worker
+            raise Unavailable(f"embedding worker {self.replica} cannot buffer a batch in "
+                              f"{self.files.directory}: {exc}") from exc
+        self.buffer[ref] = batch
+        self.counters["batches_put_total"] += 1
+        return ref
+
+    def _plan(self, ref: int, sparse: SparseBatch) -> BufferedBatch:
+        """Dedup per width across features and split by PS shard: all a lookup and a push need."""
         uniq, gidx = {}, {}
         for dim, members in self.members.items():
             uniq[dim], inverse = np.unique(np.concatenate([sparse.uniq[i] for i in members]), return_inverse=True)
             gidx[dim] = inverse.astype(np.int32).reshape(-1)
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
-        self.buffer[ref] = BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
-        self.counters["batches_put_total"] += 1
-        return ref
+        return BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:
         """An `Embeddings` frame: each feature's unique rows (per width, features concatenated), positions
-        and bag lengths."""
-        batch = self._get(ref)
+        and bag lengths. An eval batch is consumed by its lookup; asked again (this worker died before
+        its answer got out), it is served from its kept frame."""
+        batch = self.buffer.get(ref) or self._served_eval_batch(ref)
         train = batch.phase == "train"
         rows = {dim: np.empty((ids.shape[0], dim), np.float32) for dim, ids in batch.uniq.items()}
 
@@ -106,10 +164,19 @@ class EmbeddingWorker:
             rows={dim: rows[dim][batch.gidx[dim]] for dim in self.dims},
         ).encode(self.values, lz4=self.lz4)
         if not train:
-            del self.buffer[ref]
+            self._consumed(batch)
         self.counters["lookups_total"] += 1
         self.counters["rows_looked_up_total"] += sum(ids.shape[0] for ids in batch.uniq.values())
         return frame
+
+    def _served_eval_batch(self, ref: int) -> BufferedBatch:
+        """An eval batch this worker already looked up, planned again from its kept frame; NotFound if none."""
+        seq = self._own_seq(ref)
+        frame = self.files.served_frame(seq) if seq is not None else None
+        if frame is None:
+            raise self._not_found(ref)
+        self.counters["lookups_repeated_total"] += 1
+        return self._plan(ref, SparseBatch.decode(frame, len(self.features)))
 
     def rows_of(self, ref: int) -> dict[int, int]:
         """Rows per width of the `Embeddings` frame of a buffered train batch: what its gradients must hold."""
@@ -118,10 +185,22 @@ class EmbeddingWorker:
             raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
         return {dim: batch.gidx[dim].shape[0] for dim in self.dims}
 
+    def already_applied(self, ref: int) -> bool:
+        """Whether `ref` is a train batch of this worker whose update every PS shard has acknowledged: a push
+        of it again (this worker died before its answer got out) is answered without applying anything."""
+        seq = self._own_seq(ref)
+        if seq is None or ref in self.buffer or not self.files.was_applied(seq):
+            return False
+        self.counters["pushes_already_applied_total"] += 1
+        return True
+
     async def push_gradients(self, gradients: Gradients) -> int:
         """Sum gradients per batch-unique ID and apply them on the PS shards; returns rows updated.
 
-        `gradients` was decoded against `rows_of`, so its shapes match the batch."""
+        `gradients` was decoded against `rows_of`, so its shapes match the batch.
+        The batch stays buffered until every shard has acknowledged its part:
+        a push that fails, or a worker that dies midway, leaves it to be pushed
+        again, and each shard applies the batch's update id at most once."""
         ref = gradients.batch_ref
         batch = self._get(ref)
         if batch.phase != "train":
@@ -130,25 +209,45 @@ class EmbeddingWorker:
         for dim in self.dims:
             per_dim[dim] = np.zeros((batch.uniq[dim].shape[0], dim), np.float32)
             scatter_add_rows(gradients.grads[dim], batch.gidx[dim], per_dim[dim])
-        del self.buffer[ref]  # the batch is consumed whatever the PS answers
+        uid = update_id(ref, self.files.nonce)
 
         async def one_shard(shard: int) -> int:
             ids = {dim: batch.uniq[dim][pos[shard]] for dim, pos in batch.by_shard.items() if pos[shard].size}
             if not ids:
                 return 0
-            update = PSUpdate(ids, {dim: per_dim[dim][batch.by_shard[dim][shard]] for dim in ids})
+            update = PSUpdate(ids, {dim: per_dim[dim][batch.by_shard[dim][shard]] for dim in ids}, uid)
             return Applied.decode(await self.ps_call(shard, "Update", update.encode(self.values))).applied
 
-        applied = sum(await asyncio.gather(*(one_shard(s) for s in range(self.num_shards))))
+        # Every shard's call ends before this does: a push that fails has left nothing running behind it.
+        results = await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        applied = sum(results)
+        self._consumed(batch)
         self.counters["gradient_pushes_total"] += 1
         self.counters["rows_updated_total"] += applied
         return applied
 
+    def _consumed(self, batch: BufferedBatch) -> None:
+        self.buffer.pop(batch.ref, None)
+        self.files.consumed(batch.ref & SEQ_MASK, eval_batch=batch.phase != "train")
+
+    def _own_seq(self, ref: int) -> int | None:
+        """The sequence number of `ref` if this worker's incarnation made it, else None."""
+        seq = ref & SEQ_MASK
+        return seq if make_batch_ref(self.replica, self.incarnation, seq) == ref else None
+
     def _get(self, ref: int) -> BufferedBatch:
         batch = self.buffer.get(ref)
         if batch is None:
-            raise NotFound(f"batch_ref {ref} is not buffered on embedding worker {self.replica}")
+            raise self._not_found(ref)
         return batch
 
+    def _not_found(self, ref: int) -> NotFound:
+        return NotFound(f"batch_ref {ref} is not buffered on embedding worker {self.replica} "
+                        f"(incarnation {self.incarnation}, buffer {self.files.directory})")
+
     def stats(self) -> dict[str, float]:
-        return {**{k: float(v) for k, v in self.counters.items()}, "buffered_batches": float(len(self.buffer))}
+        return {**{k: float(v) for k, v in self.counters.items()}, "buffered_batches": float(len(self.buffer)),
+                "batches_recovered_total": float(self.files.recovered)}

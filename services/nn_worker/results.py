@@ -2,19 +2,23 @@
 
 Collectives only (all_gather / all_reduce of tensors: nothing pickled), run on
 the compute thread by every rank in the same order; rank 0 builds the
-`RunSummary`.
+`RunSummary`, adding what the embedding workers and PS shards recovered from
+restarts (their Stats counters).
 """
 from __future__ import annotations
 
 import math
 import time
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrec import log, rpc
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle
+from hybridrec.proto import pb
 from hybridrec.summary import PublishSummary, RunSummary, Staleness
 from services.nn_worker.trainer import Trainer
 
@@ -61,9 +65,47 @@ def reduce_stats(trainer: Trainer) -> dict:
             "exposed_wait_per_step_s": float(waits[0]) / rank_steps, "compute_per_step_s": float(waits[1]) / rank_steps}
 
 
+# RunSummary field -> (cluster list, gRPC service, the counter of its Stats summed over the replicas)
+RECOVERY_COUNTERS = {
+    "batches_recovered": ("embedding_workers", "EmbeddingWorker", "batches_recovered_total"),
+    "updates_deduplicated": ("ps", "EmbeddingPS", "updates_deduplicated_total"),
+}
+
+
+def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict[str, int | None]:
+    """What restarted services recovered during the run, from every embedding worker's and PS shard's Stats.
+
+    A field is None when a replica did not answer within `timeout_s` (a sum
+    without it would understate). All replicas are asked at once.
+    """
+    channels, pending = [], {}
+    try:
+        for field, (key, service, counter) in RECOVERY_COUNTERS.items():
+            calls = []
+            for address in getattr(config.cluster, key):
+                channels.append(channel := rpc.sync_channel(address))
+                stats = channel.unary_unary(f"/hybridrec.{service}/Stats",
+                                            request_serializer=pb.Empty.SerializeToString,
+                                            response_deserializer=pb.ServiceStats.FromString)
+                calls.append(stats.future(pb.Empty(), timeout=timeout_s))
+            pending[field] = (counter, calls)
+        out: dict[str, int | None] = {}
+        for field, (counter, calls) in pending.items():
+            try:
+                out[field] = sum(int(call.result().values.get(counter, 0.0)) for call in calls)
+            except grpc.RpcError as exc:
+                log.get().warning("recovery_counters_unavailable", field=field, error=str(exc))
+                out[field] = None
+        return out
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
                   data: dict, publish: dict | None = None) -> RunSummary:
-    """Rank 0's summary of the run from the reduced counters and every rank's eval predictions."""
+    """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
+    recovery counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
     wall = totals["train_wall_s"]
     return RunSummary(
         mode=config.training.mode.value, nn_workers=len(config.cluster.nn_workers),
@@ -77,4 +119,5 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
+        **recovery_counters(config),
     )

@@ -2,9 +2,16 @@
 
 The embedding worker that buffered a batch wrote its own index into the top
 bits of the batch_ref (`hybridrec.frames.make_batch_ref`), so lookups and
-gradient pushes of that batch go back to it. A NOT_FOUND answer means that
-worker no longer holds the batch (it restarted): `BatchLost`, which the trainer
-counts and skips.
+gradient pushes of that batch go back to it.
+
+An embedding worker that dies (kill -9 included) fails the calls in flight
+and refuses new ones with UNAVAILABLE until it is back; both are retried for
+`cluster.retry_s`. The restarted worker re-attaches to its buffer on file and
+serves the same batch_refs, and a push it had partly applied is re-sent under
+the same update id, which the PS shards apply at most once: retrying is safe
+for lookups and pushes alike. NOT_FOUND means the worker no longer has the
+batch at all (its buffer directory was lost, e.g. with its machine):
+`BatchLost`, which the trainer counts and skips.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from hybridrec.rpc import Unavailable
 
 
 class BatchLost(LookupError):
-    """The embedding worker no longer holds this batch (it restarted): the batch is skipped and counted."""
+    """The embedding worker no longer holds this batch (it lost its buffer): the batch is skipped and counted."""
 
 
 class EmbeddingWorkers:

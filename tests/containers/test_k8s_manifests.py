@@ -171,9 +171,10 @@ def test_grpc_probes(base):
                 assert c["startupProbe"]["grpc"]["port"] == GRPC_PORT, f"{obj['metadata']['name']}: startup"
 
 
-def test_ps_shm_is_an_in_memory_empty_dir_at_the_configured_path(base):
+@pytest.mark.parametrize("name", ["ps", "embedding-worker"])  # the stores; the batch buffer
+def test_ps_shm_is_an_in_memory_empty_dir_at_the_configured_path(base, name):
     shm_dir = hybridrec_config(base)["ps"]["shm_dir"]
-    spec = pod_spec(one(base, "StatefulSet", "ps"))
+    spec = pod_spec(one(base, "StatefulSet", name))
     mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
     assert shm_dir in mounts, f"nothing mounted at ps.shm_dir {shm_dir}"
     volume = next(v for v in spec["volumes"] if v["name"] == mounts[shm_dir])

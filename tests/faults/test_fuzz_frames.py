@@ -89,7 +89,7 @@ def services(tmp_path):
 def _base_frames() -> dict[str, list[bytes]]:
     ids = np.arange(1, 50, dtype=np.uint64)
     lookup = PSLookup({8: ids}, train=True).encode()
-    update = PSUpdate({8: ids}, {8: np.ones((ids.size, 8), np.float32)}).encode(ValueCodec())
+    update = PSUpdate({8: ids}, {8: np.ones((ids.size, 8), np.float32)}, update_id=1).encode(ValueCodec())
     cols = np.stack([ids[:20], ids[20:40]], axis=1)
     put = SparseBatch.from_columns(cols, np.ones_like(cols, dtype=bool), phase="train").encode()
     ew_lookup = BatchRef(12345).encode()

@@ -26,8 +26,10 @@ MOVING = {
 }
 PRESENT = {
     "embedding_ps": ["hybridrec_embedding_ps_dim16_capacity", "hybridrec_embedding_ps_dim16_evictions_total",
-                     "hybridrec_embedding_ps_dim16_admission_drops_total"],
-    "embedding_worker": ["hybridrec_embedding_worker_buffered_batches"],
+                     "hybridrec_embedding_ps_dim16_admission_drops_total",
+                     "hybridrec_embedding_ps_updates_deduplicated_total"],
+    "embedding_worker": ["hybridrec_embedding_worker_buffered_batches",
+                         "hybridrec_embedding_worker_batches_recovered_total"],
     "nn_worker": ["hybridrec_nn_worker_loss", "hybridrec_nn_worker_train_auc", "hybridrec_nn_worker_batches_in_flight",
                   "hybridrec_nn_worker_skipped_batches_total", "hybridrec_nn_worker_samples_per_sec"],
     "dataloader": ["hybridrec_dataloader_bad_lines_total"],

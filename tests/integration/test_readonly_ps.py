@@ -84,7 +84,7 @@ async def _check(manifest, table, addresses):
                 await lookup(PSLookup({manifest.widths[0]: other}).encode(), timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "another shard" in err.value.details()
             dim = manifest.widths[0]
-            update = PSUpdate({dim: ids[dim]}, {dim: np.ones((ids[dim].size, dim), np.float32)})
+            update = PSUpdate({dim: ids[dim]}, {dim: np.ones((ids[dim].size, dim), np.float32)}, update_id=1)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc.raw_method(channel, "EmbeddingPS", "Update")(update.encode(codec), timeout=30)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "read-only" in err.value.details()

@@ -47,7 +47,8 @@ def test_the_data_loader_sees_the_data(compose, config):
 
 
 def test_ps_shm_dir_is_a_volume(compose, config):
-    for name in ("ps-0", "ps-1"):
+    """The PS shards' stores and the embedding worker's batch buffer outlive a restarted process."""
+    for name in ("ps-0", "ps-1", "embedding-worker-0"):
         assert mounted(config["ps"]["shm_dir"], compose["services"][name]), name
 
 

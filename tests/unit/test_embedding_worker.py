@@ -17,7 +17,7 @@ from hybridrec.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBa
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.rpc import NotFound
 from hybridrec.sharding import shard_of
-from services.embedding_ps.server import EmbeddingPSServicer, open_stores
+from services.embedding_ps.server import EmbeddingPSServicer, open_applied, open_stores
 from services.embedding_worker.worker import EmbeddingWorker
 
 LR = 0.1
@@ -47,7 +47,8 @@ class Cluster:
         self.values = ValueCodec(fp16=False)
         self.executor = ThreadPoolExecutor(max_workers=1)
         self.stores = [open_stores(self.config, s) for s in range(NUM_SHARDS)]
-        self.servicers = [EmbeddingPSServicer(stores, s, NUM_SHARDS, self.values, self.executor)
+        self.applied = [open_applied(self.config, s) for s in range(NUM_SHARDS)]
+        self.servicers = [EmbeddingPSServicer(stores, self.applied[s], s, NUM_SHARDS, self.values, self.executor)
                           for s, stores in enumerate(self.stores)]
         self.calls: list[tuple[int, str, bytes]] = []
         self.worker = EmbeddingWorker(self.config, REPLICA, self.ps_call)
@@ -68,10 +69,13 @@ class Cluster:
         return out
 
     def close(self) -> None:
+        self.worker.close()
         self.executor.shutdown(wait=True)
         for stores in self.stores:
             for store in stores.values():
                 store.close()
+        for applied in self.applied:
+            applied.close()
 
 
 @pytest.fixture
@@ -133,7 +137,7 @@ def _feature_rows(emb: Embeddings, sparse: SparseBatch) -> list[np.ndarray]:
 
 
 def test_put_returns_refs_naming_this_replica(cluster):
-    refs = [cluster.worker.put(_batch(seed)) for seed in range(3)]
+    refs = [cluster.worker.put(_batch(seed).encode()) for seed in range(3)]
     assert [worker_of_ref(r) for r in refs] == [REPLICA] * 3
     assert len(set(refs)) == 3
     assert set(cluster.worker.buffer) == set(refs)
@@ -143,15 +147,16 @@ def test_put_returns_refs_naming_this_replica(cluster):
 def test_put_refuses_a_batch_with_the_wrong_number_of_features(cluster):
     sparse = _batch()
     short = SparseBatch(sparse.batch_size, sparse.uniq[:-1], sparse.pos[:-1], sparse.lengths[:-1])
-    with pytest.raises(ValueError, match="3 features"):
-        cluster.worker.put(short)
+    with pytest.raises(ValueError, match="4 features"):
+        cluster.worker.put(short.encode())
     assert cluster.worker.buffer == {}
+    assert not list(cluster.worker.files.directory.glob("*.batch"))
 
 
 def test_lookup_returns_the_ps_rows_of_every_feature(cluster):
     worker = cluster.worker
     sparse = _batch(seed=1)
-    ref = worker.put(sparse)
+    ref = worker.put(sparse.encode())
     emb = _decode(worker, asyncio.run(worker.lookup(ref)), sparse.batch_size)
 
     assert emb.batch_size == sparse.batch_size
@@ -176,7 +181,7 @@ def test_lookup_returns_the_ps_rows_of_every_feature(cluster):
 def test_each_shard_receives_only_its_own_ids_once(cluster):
     worker = cluster.worker
     sparse = _batch(seed=2, batch_size=20)
-    ref = worker.put(sparse)
+    ref = worker.put(sparse.encode())
     asyncio.run(worker.lookup(ref))
     rows_of = worker.rows_of(ref)
     grads = Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in rows_of.items()})
@@ -203,7 +208,7 @@ def test_each_shard_receives_only_its_own_ids_once(cluster):
 def test_push_gradients_sums_shared_ids_and_the_ps_applies_sgd(cluster):
     worker = cluster.worker
     sparse = _batch(seed=3, batch_size=10)
-    ref = worker.put(sparse)
+    ref = worker.put(sparse.encode())
     asyncio.run(worker.lookup(ref))
     rows_of = worker.rows_of(ref)
     assert rows_of == {d: int(sum(sparse.uniq[f].size for f, w in enumerate(WIDTHS) if w == d)) for d in (4, 8)}
@@ -242,7 +247,8 @@ def test_push_gradients_sums_shared_ids_and_the_ps_applies_sgd(cluster):
         moved = cluster.ps_rows(8, [i])[0] - before[8][i]
         np.testing.assert_allclose(moved, (-lr) * both, rtol=0, atol=1e-7)
 
-    # The batch is consumed: neither its embeddings nor another push are served.
+    # The batch is consumed: its embeddings are not served, and a push of it again is known as applied
+    # (the servicer answers it without decoding or applying anything).
     assert ref not in worker.buffer
     with pytest.raises(NotFound):
         asyncio.run(worker.lookup(ref))
@@ -250,14 +256,15 @@ def test_push_gradients_sums_shared_ids_and_the_ps_applies_sgd(cluster):
         Gradients.decode(frame, worker.values, worker.rows_of)
     with pytest.raises(NotFound):
         asyncio.run(worker.push_gradients(Gradients(ref, grads)))
+    assert worker.already_applied(ref) and not worker.already_applied(ref + 1)
 
 
 def test_an_eval_batch_is_read_once_and_refuses_gradients(cluster):
     worker = cluster.worker
     train = _batch(seed=4)
-    asyncio.run(worker.lookup(worker.put(train)))  # admit some rows so the eval lookup reads real values
+    asyncio.run(worker.lookup(worker.put(train.encode())))  # admit some rows so the eval lookup reads real values
     sparse = _batch(seed=4, phase="eval")
-    ref = worker.put(sparse)
+    ref = worker.put(sparse.encode())
     with pytest.raises(ValueError, match="eval batch"):
         worker.rows_of(ref)
     dims = {8: 1, 4: 1}
@@ -272,14 +279,16 @@ def test_an_eval_batch_is_read_once_and_refuses_gradients(cluster):
         assert np.abs(rows).sum() > 0
         np.testing.assert_array_equal(rows, cluster.ps_rows(WIDTHS[f], sparse.uniq[f]))
     assert ref not in worker.buffer
-    with pytest.raises(NotFound):
-        asyncio.run(worker.lookup(ref))
+    # Asked again (as after a restart that beat the answer out), the consumed eval batch is served again.
+    assert asyncio.run(worker.lookup(ref)) == asyncio.run(worker.lookup(ref))
+    assert ref not in worker.buffer and worker.stats()["lookups_repeated_total"] == 2
+    assert not worker.already_applied(ref)
 
 
 def test_eval_lookup_does_not_admit_new_ids(cluster):
     worker = cluster.worker
     sparse = _batch(seed=5, phase="eval")
-    emb = _decode(worker, asyncio.run(worker.lookup(worker.put(sparse))), sparse.batch_size)
+    emb = _decode(worker, asyncio.run(worker.lookup(worker.put(sparse.encode()))), sparse.batch_size)
     for dim, rows in emb.rows.items():
         np.testing.assert_array_equal(rows, 0)  # absent IDs read zeros in eval
     for shard in cluster.stores:
@@ -296,7 +305,7 @@ def test_unknown_ref_is_not_found(cluster):
 def test_counters(cluster):
     worker = cluster.worker
     sparse = _batch(seed=6)
-    ref = worker.put(sparse)
+    ref = worker.put(sparse.encode())
     asyncio.run(worker.lookup(ref))
     rows_of = worker.rows_of(ref)
     applied = asyncio.run(worker.push_gradients(
@@ -307,4 +316,5 @@ def test_counters(cluster):
     assert applied == unique
     assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
                      "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
-                     "buffered_batches": 0.0}
+                     "buffered_batches": 0.0, "batches_recovered_total": 0.0,
+                     "pushes_already_applied_total": 0.0, "lookups_repeated_total": 0.0}

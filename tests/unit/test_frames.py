@@ -12,8 +12,8 @@ import pytest
 from hybridrec import codec, frames
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec
-from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup, PSRows,
-                              PSUpdate, SparseBatch, decode_nn_batch)
+from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup,
+                              PSRows, PSUpdate, SparseBatch, decode_nn_batch, make_batch_ref, update_id)
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = ValueCodec(fp16=True, kappa=1024.0)
@@ -49,7 +49,7 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
         "PSLookup": (PSLookup({8: ids, 4: ids[:3]}, train=True).encode(), lambda b: PSLookup.decode(b, [4, 8])),
         "PSRows": (PSRows({8: np.ones((10, 8), np.float32)}).encode(VALUES),
                    lambda b: PSRows.decode(b, VALUES, {8: 10})),
-        "PSUpdate": (PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}).encode(VALUES),
+        "PSUpdate": (PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}, update_id(7 << 56 | 3, 99)).encode(VALUES),
                      lambda b: PSUpdate.decode(b, VALUES, [8])),
     }
 
@@ -81,6 +81,8 @@ def test_round_trips():
     assert cases["PSRows"][1](cases["PSRows"][0]).rows[8].shape == (10, 8)
     update = cases["PSUpdate"][1](cases["PSUpdate"][0])
     np.testing.assert_allclose(update.grads[8], 1.0, rtol=1e-3)
+    assert update.update_id == update_id(7 << 56 | 3, 99)
+    assert Gradients.batch_ref_of(cases["Gradients"][0]) == 9
 
 
 def test_float32_values_when_fp16_is_off():
@@ -128,10 +130,19 @@ def test_inconsistent_frames_are_refused():
         PSLookup.decode(PSLookup({16: ids}).encode(), [8])
     # gradients for fewer rows than IDs, and duplicate IDs in an update
     with pytest.raises(FrameError, match="shape"):
-        PSUpdate.decode(PSUpdate({8: ids}, {8: np.ones((9, 8), np.float32)}).encode(VALUES), VALUES, [8])
+        PSUpdate.decode(PSUpdate({8: ids}, {8: np.ones((9, 8), np.float32)}, 1).encode(VALUES), VALUES, [8])
     with pytest.raises(FrameError, match="unique"):
-        PSUpdate.decode(PSUpdate({8: np.ones(3, np.uint64)}, {8: np.ones((3, 8), np.float32)}).encode(VALUES),
+        PSUpdate.decode(PSUpdate({8: np.ones(3, np.uint64)}, {8: np.ones((3, 8), np.float32)}, 1).encode(VALUES),
                         VALUES, [8])
+    # an update without its id, or with one that is no non-zero uint64
+    for bad in (0, -1, 1 << 64, True, "7", None):
+        with pytest.raises(FrameError, match="update_id"):
+            PSUpdate.decode(PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}, bad).encode(VALUES), VALUES, [8])
+    # a batch_ref that is no uint64
+    with pytest.raises(FrameError, match="batch_ref"):
+        Gradients.batch_ref_of(Gradients(1 << 64, {}).encode(VALUES))
+    with pytest.raises(FrameError, match="batch_ref"):
+        BatchRef.decode(BatchRef(-1).encode())
     # an embedding frame whose positions point past its feature's rows
     emb = _embeddings()
     emb.pos = emb.pos.copy()
@@ -160,9 +171,22 @@ def test_inconsistent_frames_are_refused():
         decode_nn_batch(codec.encode(meta={"end_of": "later"}), 3)
 
 
+def test_update_ids_are_stable_distinct_and_never_zero():
+    """One batch's update id is the same in every re-send; a worker's batches never share one; 0 (the PS's
+    empty slot) never occurs, even for the batch_ref that equals the nonce but for its top byte."""
+    nonce = (3 ^ 0xFF) << 56 | 0x1234_5678_9ABC  # a worker of replica 3 draws its nonce so
+    refs = [make_batch_ref(3, 77, seq) for seq in range(100_000)]
+    ids = [update_id(ref, nonce) for ref in refs]
+    assert ids == [update_id(ref, nonce) for ref in refs]
+    assert len(set(ids)) == len(ids) and 0 not in ids and all(0 < i < 1 << 64 for i in ids)
+    assert update_id(nonce & ((1 << 56) - 1) | 3 << 56, nonce) != 0
+    other = (4 ^ 0xFF) << 56 | 0x9E37_79B9_7F4A  # worker 4's nonce: its ids are apart from worker 3's
+    assert not set(ids) & {update_id(make_batch_ref(4, 77, seq), other) for seq in range(100_000)}
+
+
 def test_no_frame_key_is_spelled_outside_the_frames_module():
     """The tensor and meta keys of data-plane frames appear only in hybridrec/frames.py."""
-    keys = r"""["'](ids|rows|grads?)\.|f["'](ids|rows|grads?)\.\{|["'](batch_ref|end_of|counts|lengths)["']"""
+    keys = r"""["'](ids|rows|grads?)\.|f["'](ids|rows|grads?)\.\{|["'](batch_ref|end_of|counts|lengths|update_id)["']"""
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.split()
     offenders = []

@@ -18,6 +18,7 @@ from hybridrec.frames import PSLookup, PSUpdate
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
 from hybridrec.versions import Follower, table_arrays, version_dir
+from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog
 from services.embedding_ps.server import EmbeddingPSServicer
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
@@ -33,11 +34,13 @@ def ps(tmp_path):
                                      StoreConfig(dim=d, capacity=50_000, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1),
                                                  num_stripes=4)) for d in WIDTHS}
     executor = ThreadPoolExecutor(2)
-    servicer = EmbeddingPSServicer(stores, 0, 1, VALUES, executor, publish_root=str(tmp_path / "versions"))
+    applied = AppliedLog.open(tmp_path / "shm" / "applied")
+    servicer = EmbeddingPSServicer(stores, applied, 0, 1, VALUES, executor, publish_root=str(tmp_path / "versions"))
     yield servicer
     executor.shutdown()
     for store in stores.values():
         store.close()
+    applied.close()
 
 
 def train_batch(servicer, rng, key_space):
@@ -45,7 +48,8 @@ def train_batch(servicer, rng, key_space):
     ids = {d: np.unique(rng.integers(1, key_space, size=300).astype(np.uint64)) for d in WIDTHS}
     asyncio.run(servicer.Lookup(PSLookup(ids, train=True).encode(), None))
     grads = {d: rng.standard_normal((ids[d].size, d)).astype(np.float32) for d in WIDTHS}
-    asyncio.run(servicer.Update(PSUpdate(ids, grads).encode(VALUES), None))
+    update_id = int(rng.integers(1, 1 << 63))
+    asyncio.run(servicer.Update(PSUpdate(ids, grads, update_id).encode(VALUES), None))
     return ids
 
 
@@ -111,13 +115,15 @@ def test_a_delta_on_a_version_this_shard_did_not_publish_is_refused(ps):
 def test_publishing_is_off_without_a_directory(tmp_path):
     store = EmbeddingStore.open(tmp_path / "s", StoreConfig(dim=4, capacity=64, optimizer=EmbeddingOptimizerConfig(name="sgd"),
                                                             num_stripes=2))
+    applied = AppliedLog.open(tmp_path / "applied")
     try:
-        servicer = EmbeddingPSServicer({4: store}, 0, 1, VALUES, ThreadPoolExecutor(1))
+        servicer = EmbeddingPSServicer({4: store}, applied, 0, 1, VALUES, ThreadPoolExecutor(1))
         assert servicer.changes is None
         with pytest.raises(ValueError, match="publish.dir"):
             publish(servicer, 1, full=True)
     finally:
         store.close()
+        applied.close()
 
 
 def test_peek_neither_admits_nor_refreshes(ps):
