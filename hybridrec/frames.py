@@ -203,11 +203,14 @@ class DenseBatch:
     """Index of the batch in the job's training stream (all ranks together)."""
     position: tuple[int, ...] = ()
     """Where the data loader resumes reading after this batch (epoch, file, byte offset, line)."""
+    rows_before: int = 0
+    """Samples of this phase the data loader sent this batch's rank before it (since the loader started): a
+    replacement NN worker takes over its predecessor's sample count from it."""
 
     def encode(self) -> bytes:
         return codec.encode({"dense": self.dense, "labels": self.labels},
                             {"batch_ref": self.batch_ref, "phase": self.phase, "seq": self.seq,
-                             "position": list(self.position)})
+                             "position": list(self.position), "rows_before": int(self.rows_before)})
 
 
 @dataclass
@@ -241,8 +244,11 @@ def decode_nn_batch(buf: bytes, num_dense: int) -> DenseBatch | EndOfPhase:
     position = frame.meta.get("position", [])
     if not isinstance(position, list) or not all(isinstance(v, int) and v >= 0 for v in position):
         raise FrameError(f"position must be a list of non-negative integers, got {position!r}")
+    rows_before = frame.meta_int("rows_before", default=0)
+    if rows_before < 0:
+        raise FrameError(f"rows_before must be non-negative, got {rows_before}")
     return DenseBatch(batch_ref=frame.meta_int("batch_ref"), dense=dense, labels=labels, phase=_phase(frame),
-                      seq=frame.meta_int("seq", default=0), position=tuple(position))
+                      seq=frame.meta_int("seq", default=0), position=tuple(position), rows_before=rows_before)
 
 
 # -- embedding worker <-> NN worker -----------------------------------------------------------

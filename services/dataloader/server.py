@@ -83,6 +83,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         prepared = self._prepared(items, phase)
         queues = [asyncio.Queue(maxsize=2) for _ in self.nn_put]
+        rank_rows = [0] * len(self.nn_put)  # samples of this phase sent to each rank so far
         senders = [asyncio.ensure_future(self._sender(rank, q)) for rank, q in enumerate(queues)]
         sent = 0
         try:
@@ -93,7 +94,9 @@ class Dispatcher:
                                         deadline_s=self.retry_s)
                 ref = BatchRef.decode(reply).batch_ref
                 dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=first_seq + sent,
-                                   position=tuple(position.as_list()) if position else ())
+                                   position=tuple(position.as_list()) if position else (),
+                                   rows_before=rank_rows[rank])
+                rank_rows[rank] += len(rows)
                 await self._put(queues[rank], senders, (phase, dense.seq, dense.encode()))
                 sent += 1
                 self.servicer.counters[f"{phase}_batches_total"] += 1

@@ -173,6 +173,7 @@ class Checkpointer:
         stats = trainer.stats
         stats.steps = manifest.step
         stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
+        stats.restored_samples = manifest.samples
         stats.wall_offset = manifest.train_wall_s if self.rank == 0 else 0.0
         self.restored_step, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)

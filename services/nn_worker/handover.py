@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "train_auc")
+STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "train_auc", "restored_samples")
 """The trainer counters a replacement takes over from its source (the per-rank share of the run)."""
 
 

@@ -62,6 +62,7 @@ class TrainStats:
     skipped_eval_batches: int = 0
     exposed_wait_s: float = 0.0  # training: step loop awaiting a batch's embeddings, and (sync) its push + barrier
     compute_s: float = 0.0  # training: forward, backward, AllReduce and optimizer step on the compute thread
+    restored_samples: int = 0  # the job's samples at the checkpoint this group resumed from (every rank)
     regroups: int = 0  # times this rank's group failed and was re-formed (a peer lost and replaced)
     replayed_dropped: int = 0  # re-sent batches this rank dropped: the group had trained them already
 
@@ -102,6 +103,7 @@ class Trainer:
         self.membership: Membership | None = None  # set by the server: re-forms the group when a peer is lost
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
         self.next_seq = env.rank  # stream index of this rank's next training batch (rank r gets r, r+N, ...)
+        self.count_from_stream = False
 
     async def setup(self, plan: Plan) -> Plan:
         """Build the optimizer and wrap the model for dense synchronisation (collectives: on the compute thread).
@@ -139,6 +141,7 @@ class Trainer:
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
             self.resume_at(stats.steps)
+            self.count_from_stream = True  # the source's sample count is not its predecessor's: see _account
         self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
 
     _SKIP = object()
@@ -283,6 +286,10 @@ class Trainer:
                     await task
                     await self._collective(dist.barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
+                if self.count_from_stream:  # a replacement: its predecessor trained what came before this batch
+                    base = self.stats.restored_samples if self.env.rank == 0 else 0  # rank 0 holds the restored
+                    self.stats.samples = base + batch.rows_before                      # job total (checkpoint.py)
+                    self.count_from_stream = False
                 self._account(loss, batch.labels.shape[0])
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step

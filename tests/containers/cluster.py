@@ -26,7 +26,7 @@ from testcontainers.core.network import Network
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "deploy" / "compose" / "config.yaml"
 PS_SHM_DIR = "/var/lib/hybridrec/shm"
-"""ps.shm_dir of deploy/compose/config.yaml."""
+"""ps.shm_dir of deploy/compose/config.yaml (PS stores and embedding-worker buffers)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,10 @@ class Cluster:
         args = ["serve", node.service, "--config", "/etc/hybridrec/config.yaml", "--replica", str(node.replica)]
         for item in self.overrides:
             args += ["--set", item]
-        mounts = [Mount(target=PS_SHM_DIR, source=None, type="volume")] if node.service == "embedding_ps" else []
+        # ps.shm_dir: the PS store and the embedding worker's buffer of batches live there, on a volume that
+        # outlives a restart of the container (both re-attach), as in docker-compose.yml.
+        stateful = node.service in ("embedding_ps", "embedding_worker")
+        mounts = [Mount(target=PS_SHM_DIR, source=None, type="volume")] if stateful else []
         container = (
             DockerContainer(self.image)
             .with_command(args)

@@ -109,7 +109,7 @@ def undisturbed(fault_config, tmp_path_factory) -> dict:
     return _run(fault_config, tmp_path_factory.mktemp("undisturbed"))
 
 
-@pytest.mark.parametrize("service", ["embedding_ps", "embedding_worker", "nn_worker"])
+@pytest.mark.parametrize("service", ["embedding_ps", "embedding_worker", "nn_worker", "dataloader"])
 def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
     result = _run(fault_config, tmp_path / "run", kill=service)
     restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
@@ -123,6 +123,9 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
         assert result["skipped_batches"] == 0 and result["lost_updates"] == 0
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
     assert result["samples"] == undisturbed["samples"]
+    if service == "dataloader":  # the NN workers and the loader went back to the newest checkpoint (or the start)
+        assert restarted[("nn_worker", 0)] == restarted[("nn_worker", 1)] == 1
+        assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
     if service == "embedding_worker":
         assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
         assert result["skipped_eval_batches"] == 0
