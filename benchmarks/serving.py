@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,15 +45,13 @@ from services.inference.inputs import InputDecoder, Tensor  # noqa: E402
 from services.inference.model import StaticSource, load_model  # noqa: E402
 from hybridrec.inference_config import BatchingConfig  # noqa: E402
 from tests.inference_util import make_bundle, random_ids  # noqa: E402
+from hybridrec.launcher import free_port  # noqa: E402
 
 MODEL = "ctr"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # below the ephemeral range: no outgoing connection can take it first
 
 
 def request_bytes(ids: np.ndarray, dense: np.ndarray) -> bytes:

@@ -166,22 +166,14 @@ class LocalCluster:
                 proc.finished = True
                 continue
             lost = rc < 0 or rc == EXIT_PEER_LOST  # killed, or stopped by a lost peer: not its own failure
-            if (lost and proc.service in REJOINING and self._peers_hold_state(proc)
-                    and proc.restarts < self.config.cluster.max_restarts):
-                proc.restarts += 1
+            may_restart = proc.restarts < self.config.cluster.max_restarts
+            if lost and proc.service in REJOINING and self._peers_hold_state(proc) and may_restart:
                 proc.joining = True
                 self.rejoins += 1
-                self.log.warning("service_replaced", service=proc.name, exit_code=rc, restarts=proc.restarts,
-                                 log=str(proc.log_path))
-                self._spawn(proc)
-                self._write_services()
+                self._restart_alone(proc, rc, "service_replaced")
                 continue
-            if proc.service in RESTARTABLE and proc.restarts < self.config.cluster.max_restarts:
-                proc.restarts += 1
-                self.log.warning("service_restarted", service=proc.name, exit_code=rc, restarts=proc.restarts,
-                                 log=str(proc.log_path))
-                self._spawn(proc)
-                self._write_services()
+            if proc.service in RESTARTABLE and may_restart:
+                self._restart_alone(proc, rc, "service_restarted")
                 continue
             if lost and proc.service in GROUP and self._can_restart_group():
                 self._restart_group(proc, rc)
@@ -215,6 +207,12 @@ class LocalCluster:
                     extra = " ".join(f"{k}={v}" for k, v in record.items()
                                      if k not in ("level", "timestamp", "service", "replica"))
                     print(f"[{proc.name}] {record['level']}: {event} {extra}", file=sys.stderr)
+
+    def _restart_alone(self, proc: ServiceProcess, rc: int, event: str) -> None:
+        proc.restarts += 1
+        self.log.warning(event, service=proc.name, exit_code=rc, restarts=proc.restarts, log=str(proc.log_path))
+        self._spawn(proc)
+        self._write_services()
 
     def _peers_hold_state(self, proc: ServiceProcess) -> bool:
         """Another process of `proc`'s kind is alive and is not itself a replacement still joining."""

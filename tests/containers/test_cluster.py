@@ -40,6 +40,18 @@ def start_servers(cluster: Cluster, run: Run, *, ps_restart: str = "no", nn_rest
     assert not not_serving, f"not SERVING after start: {not_serving}\n{cluster.all_logs()}"
 
 
+def wait_for_steps(cluster: Cluster, steps: float) -> float:
+    """Rank 0's step count (Stats RPC) once it reaches `steps`; fails if rank 0 stalls or exits first."""
+    deadline = time.monotonic() + TRAIN_TIMEOUT_S
+    done = 0.0
+    while done < steps:
+        assert time.monotonic() < deadline, f"rank 0 made no progress\n{cluster.all_logs()}"
+        assert cluster.running("nn-worker-0"), f"rank 0 exited early\n{cluster.all_logs()}"
+        done = cluster.nn_stats("nn-worker-0").get("steps_total", 0.0)
+        time.sleep(0.5)
+    return done
+
+
 def finish(cluster: Cluster, run: Run, started: float) -> None:
     """Wait for rank 0 to exit, then collect exit codes and the summary."""
     code = cluster.wait_exit("nn-worker-0", timeout_s=TRAIN_TIMEOUT_S)
@@ -109,13 +121,7 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
         cluster.start(DATALOADER)
         # Kill once rank 0 has done some steps (Stats RPC), well before the end of training.
         steps_per_rank = epochs * SYNTH_ROWS // (1024 * len(NN_WORKERS))
-        deadline = time.monotonic() + TRAIN_TIMEOUT_S
-        steps = 0.0
-        while steps < steps_per_rank * 0.2:
-            assert time.monotonic() < deadline, f"rank 0 made no progress\n{cluster.all_logs()}"
-            assert cluster.running("nn-worker-0"), f"rank 0 exited early\n{cluster.all_logs()}"
-            steps = cluster.nn_stats("nn-worker-0").get("steps_total", 0.0)
-            time.sleep(0.5)
+        steps = wait_for_steps(cluster, steps_per_rank * 0.2)
         # docker kill would count as a manual stop and disable the restart policy, so the PS
         # process (the child of docker-init, PID 1) is killed from inside the container.
         code, out = cluster.exec(victim, ["sh", "-c", "kill -KILL $(cat /proc/1/task/1/children)"])
@@ -154,13 +160,7 @@ def test_run_survives_docker_kill_of_an_nn_worker_container(docker_client, image
         started = time.monotonic()
         cluster.start(DATALOADER)
         steps_per_rank = epochs * SYNTH_ROWS // (1024 * len(NN_WORKERS))
-        deadline = time.monotonic() + TRAIN_TIMEOUT_S
-        steps = 0.0
-        while steps < steps_per_rank * 0.3:
-            assert time.monotonic() < deadline, f"rank 0 made no progress\n{cluster.all_logs()}"
-            assert cluster.running("nn-worker-0"), f"rank 0 exited early\n{cluster.all_logs()}"
-            steps = cluster.nn_stats("nn-worker-0").get("steps_total", 0.0)
-            time.sleep(0.5)
+        steps = wait_for_steps(cluster, steps_per_rank * 0.3)
         container = cluster.docker(victim)
         container.kill()
         killed_at_step = steps

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,6 +22,7 @@ import uuid
 
 import pytest
 
+from hybridrec.launcher import free_port
 from tests.containers.cluster import REPO
 from tests.containers.conftest import AUC_THRESHOLD, IMAGE, SYNTH_ROWS
 
@@ -62,10 +62,6 @@ def test_compose_accepts_the_file_with_and_without_the_serve_profile(flavor):
             assert not {"export", "inference"} & services, proc.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:

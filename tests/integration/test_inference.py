@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hybridrec.launcher import free_port
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
 from tests.conftest import HYBRIDREC, REPO
 from tests.inference_util import FakePS, criteo_lines, make_bundle, random_ids, reference, tokens_for
@@ -27,10 +27,7 @@ ATOL = 1e-5
 MODEL = "ctr"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # below the ephemeral range: no outgoing connection can take it first
 
 
 class Server:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridrec.ids import GROUP_SHIFT
+from hybridrec.launcher import free_port
 from hybridrec.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
 from services.inference.follow import FollowSource, _default_make_model, build_dense
 from tests.conftest import HYBRIDREC, REPO, write_config
@@ -158,12 +159,7 @@ def test_a_follower_answers_with_the_version_it_names(tmp_path, small_data):
         np.testing.assert_allclose(predict(reference[version], dense, ids), preds, rtol=0, atol=1e-5)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # below the ephemeral range: no outgoing connection can take it first
 
 
 def test_the_inference_service_follows_a_training_run(tmp_path, small_data):

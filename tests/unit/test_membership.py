@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import time
 
 import numpy as np
 import pytest
 
+from hybridrec.launcher import free_port
 from services.nn_worker.membership import Fingerprint, is_group_failure
 from tests.unit.membership_ranks import handover_rank, refusal_rank
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_port = free_port  # below the ephemeral range: no outgoing connection can take it first
 
 
 def _run(procs: list, timeout: float = 120) -> None:
