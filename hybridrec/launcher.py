@@ -129,7 +129,6 @@ class LocalCluster:
         dump_config(self.config, self.config_path)
         self.log = log.get()
         self.group_restarts = 0
-        self.rejoins = 0
         self.procs: list[ServiceProcess] = []
         for service in START_ORDER:
             key = SERVICES[service].cluster_key
@@ -169,7 +168,6 @@ class LocalCluster:
             may_restart = proc.restarts < self.config.cluster.max_restarts
             if lost and proc.service in REJOINING and self._peers_hold_state(proc) and may_restart:
                 proc.joining = True
-                self.rejoins += 1
                 self._restart_alone(proc, rc, "service_replaced")
                 continue
             if proc.service in RESTARTABLE and may_restart:

@@ -105,6 +105,12 @@ def is_group_failure(exc: BaseException) -> bool:
                                               or "Connection reset by peer" in text)
 
 
+def failure_line(exc: BaseException) -> str:
+    """The first line of a collective's error, for a log field (Gloo's messages run to several lines)."""
+    lines = str(exc).splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
+
+
 class Membership:
     """This rank's view of the group: joins it at start and re-joins it after a failure."""
 

@@ -25,7 +25,7 @@ from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker.checkpoint import Checkpointer
 from services.nn_worker.distributed import pin_interface, resolve_backend
-from services.nn_worker.membership import Fingerprint, Membership, is_group_failure
+from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
@@ -99,7 +99,7 @@ async def serve(config: Config, replica: int) -> None:
     except Exception as exc:
         if not is_group_failure(exc):
             raise
-        log.get().error("peer_lost", error=str(exc).splitlines()[0][:300], exit_code=EXIT_PEER_LOST)
+        log.get().error("peer_lost", error=failure_line(exc), exit_code=EXIT_PEER_LOST)
         raise SystemExit(EXIT_PEER_LOST) from exc
 
 

@@ -38,7 +38,7 @@ from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.distributed import DenseSync, DistEnv
 from services.nn_worker.handover import STATS_FIELDS, hand_over
-from services.nn_worker.membership import Membership, Plan, is_group_failure
+from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.routing import BatchLost
 
 
@@ -122,7 +122,7 @@ class Trainer:
             except Exception as exc:  # noqa: BLE001 - a peer was lost while the group formed: join again
                 if self.membership is None or not is_group_failure(exc):
                     raise
-                self.log.warning("group_failed", step=self.stats.steps, error=str(exc).splitlines()[0][:300])
+                self.log.warning("group_failed", step=self.stats.steps, error=failure_line(exc))
                 plan = await self._on_compute(self.membership.join, None)
 
     def resume_at(self, step: int) -> None:
@@ -166,7 +166,7 @@ class Trainer:
         """Re-form the group after a lost peer (again, should another be lost during the hand-over)."""
         while True:
             self.log.warning("group_failed", step=self.stats.steps, generation=self.membership.generation,
-                             error=str(exc).splitlines()[0][:300])
+                             error=failure_line(exc))
             plan = await self._on_compute(self.membership.join, self.stats.steps)
             try:
                 await self._on_compute(self._adopt, plan)
