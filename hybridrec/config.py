@@ -277,7 +277,10 @@ class ClusterConfig(_Model):
     retry_s: Annotated[float, Field(gt=0)] = 120.0
     """How long a caller keeps retrying a peer that answers UNAVAILABLE (e.g. a PS restarting in place)."""
     max_restarts: Annotated[int, Field(ge=0)] = 3
-    """`hybridrec run`: how often a crashed PS or embedding worker is restarted in place."""
+    """`hybridrec run`: how many deaths of one process are restarted when they look like a crash loop — it
+    failed on its own (a PS or embedding worker is restarted even then) or died before it ever served — and
+    how many such group restarts from a checkpoint. A process killed from outside (a signal, a lost peer)
+    after it was serving is always restarted: that is a machine or an operator, not a loop."""
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     """How long a service waits for the peers it depends on to report SERVING."""
     rejoin_timeout_s: Annotated[float, Field(gt=0)] = 300.0
