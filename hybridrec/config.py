@@ -249,7 +249,8 @@ class LifecycleConfig(_Model):
     """Rows (hash functions) of the count-min sketch: an ID's count is the smallest of its counters."""
     sketch_window: Annotated[int, Field(gt=0)] | None = None
     """Occurrences counted in a store's sketch after which every counter is halved, so that the sketch follows
-    the recent stream instead of filling up (None: 8 x sketch_width)."""
+    the recent stream instead of filling up: an ID needs its admit_after occurrences within about this many
+    (None: sketch_width, which keeps the share of once-seen IDs admitted by collisions near 5 %)."""
     sweep_interval_s: Annotated[float, Field(gt=0)] = 1.0
     """With a TTL: seconds between two sweeps that remove expired rows (a row may outlive its TTL by this)."""
 

@@ -96,7 +96,7 @@ class StoreConfig:
     sketch_depth: int = 4
     """Count-min rows (hash functions)."""
     sketch_window: int | None = None
-    """Occurrences counted before every sketch counter is halved (None: 8 x sketch_width)."""
+    """Occurrences counted before every sketch counter is halved (None: sketch_width)."""
 
     @classmethod
     def from_config(cls, config: Config, dim: int) -> "StoreConfig":
@@ -168,7 +168,7 @@ class StoreConfig:
     @property
     def stripe_window(self) -> int:
         """Occurrences a stripe counts before it halves its counters (each stripe sees 1/num_stripes of them)."""
-        window = self.sketch_window if self.sketch_window is not None else 8 * self.sketch_width
+        window = self.sketch_window if self.sketch_window is not None else self.sketch_width
         return max(1, window // self.num_stripes)
 
     @property
