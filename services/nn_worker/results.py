@@ -113,17 +113,23 @@ def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict:
     for field, (key, _, counter) in RECOVERY_COUNTERS.items():
         replicas = stats[key]
         out[field] = None if replicas is None else sum(int(values.get(counter, 0.0)) for values in replicas)
-    shards = stats["ps"]
-    out["ps_rows"] = None if shards is None else sum(int(v) for values in shards for k, v in values.items()
-                                                     if _PS_ROWS.match(k))
+    out.update(ps_totals(stats["ps"]))
+    return out
+
+
+def ps_totals(shards: list[dict[str, float]] | None) -> dict:
+    """`ps_rows` and per-table `lifecycle` of the summary from every PS shard's Stats values (None: a shard
+    did not answer)."""
+    if shards is None:
+        return {"ps_rows": None, "lifecycle": None}
+    rows = sum(int(v) for values in shards for k, v in values.items() if _PS_ROWS.match(k))
     tables: dict[int, dict[str, int]] = {}
-    for values in shards or []:
+    for values in shards:
         for name, value in values.items():
             if match := _TABLE_COUNTER.match(name):
                 counters = tables.setdefault(int(match[1]), {})
                 counters[match[2]] = counters.get(match[2], 0) + int(value)
-    out["lifecycle"] = None if shards is None else {g: TableLifecycle(**c) for g, c in sorted(tables.items())}
-    return out
+    return {"ps_rows": rows, "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())}}
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,

@@ -278,3 +278,66 @@ def test_lifecycle_config_resolves_per_table_and_names_bad_keys():
                      ({"tables": {1: {"ttl_s": 0}}}, "ps.lifecycle.tables.1.ttl_s")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             from_dict({**tree, "ps": {"lifecycle": bad}})
+
+
+# ------------------------------------------------------------------ the PS service
+def test_ps_service_counts_per_table_ticks_per_update_and_sweeps(tmp_path):
+    """A real PS shard servicer: per-table counters in its Stats (the metrics and the run summary read them),
+    one clock tick per update request, ttl_steps scaled by the NN worker count, the sweep removing rows."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybridrec.compress import ValueCodec
+    from hybridrec.frames import PSLookup, PSUpdate
+    from services.embedding_ps.server import EmbeddingPSServicer, open_applied, open_stores
+    from services.nn_worker.results import ps_totals
+
+    cfg = from_dict({"data": {"train": ["unused"]},
+                     "features": [{"name": "a", "group": 1, "dim": 4}, {"name": "b", "group": 2, "dim": 4}],
+                     "cluster": {"ps": ["127.0.0.1:1"], "nn_workers": ["127.0.0.1:2", "127.0.0.1:3"]},
+                     "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 1024, "num_stripes": 2,
+                            "lifecycle": {"ttl_steps": 2, "tables": {1: {"admit_after": 2}},
+                                          "sweep_interval_s": 0.05}},
+                     "optimizer": {"embedding": {"name": "sgd", "lr": 0.1}},
+                     "training": {"compression": {"fp16": False}}})
+    stores, applied = open_stores(cfg, 0), open_applied(cfg, 0)
+    values = ValueCodec(fp16=False)
+    a, b = group_ids(1, np.arange(1, 11)), group_ids(2, np.arange(1, 6))
+    batch = np.concatenate([a, b])
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        ps = EmbeddingPSServicer(stores, applied, 0, 1, values, executor)
+        assert stores[4].config.ttl_updates == {1: 4, 2: 4}  # 2 steps x 2 NN workers
+
+        async def scenario():
+            await ps.Lookup(PSLookup({4: batch}, train=True).encode(), None)
+            grads = np.ones((batch.size, 4), np.float32)
+            await ps.Update(PSUpdate({4: batch}, {4: grads}, 7).encode(values), None)
+            stats = ps.stats()
+            assert stats["table1_rejected_total"] == 10 and stats["table1_dropped_gradients_total"] == 10
+            assert stats["table2_admitted_total"] == 5 and stats["dim4_rows"] == 5
+            assert stats["dim4_sketch_bytes"] == stores[4].stats()["sketch_bytes"] > 0
+            await ps.Lookup(PSLookup({4: a}, train=True).encode(), None)  # 2nd occurrence of a: admitted
+            assert ps.stats()["table1_admitted_total"] == 10
+            for uid in range(8, 12):
+                await ps.Update(PSUpdate({4: a}, {4: np.ones((a.size, 4), np.float32)}, uid).encode(values), None)
+            assert stores[4].clock == 5
+            sweeper = asyncio.ensure_future(ps.sweep_expired(cfg.ps.lifecycle.sweep_interval_s))
+            await asyncio.sleep(0.3)
+            sweeper.cancel()
+            stats = ps.stats()
+            assert stats["table2_expired_total"] == 5 and stats["dim4_rows"] == 10  # b untouched since clock 0
+            # What the run summary makes of two such shards
+            totals = ps_totals([stats, stats])
+            assert totals["ps_rows"] == 20
+            assert totals["lifecycle"][1].model_dump() == {"admitted": 20, "rejected": 20, "expired": 0,
+                                                          "dropped_gradients": 20}
+            assert totals["lifecycle"][2].expired == 10
+            assert ps_totals(None) == {"ps_rows": None, "lifecycle": None}
+
+        asyncio.run(scenario())
+    finally:
+        executor.shutdown(wait=True)
+        for store in stores.values():
+            store.close()
+        applied.close()
