@@ -54,6 +54,7 @@ def warm_up(config: Config) -> None:
                 store.lookup(ids, train=True)
                 store.update(ids, np.zeros((ids.size, dim), np.float32))
                 store.lookup(ids, train=False)
+                store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
             finally:
                 store.close()
 
