@@ -27,7 +27,7 @@ from hybridrec import log
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
-from services.embedding_ps.store_files import (GLOBAL_FIELDS, H_CLOCK, Layout, StoreConfig, attach_files,
+from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory)
 
 __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
@@ -46,23 +46,16 @@ _CHECK_MESSAGES = {
 
 def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale: float) -> np.ndarray:
     """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits)."""
-    ids = _as_ids(ids, "ids")
+    ids = as_ids(ids, "ids")
     out = np.empty((ids.shape[0], dim), np.float32)
     K.init_rows_kernel(ids, out, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal", float(scale))
     return out
 
 
-def _as_ids(ids: np.ndarray, what: str) -> np.ndarray:
-    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
-        desc = f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
-        raise ValueError(f"{what} must be a 1-D uint64 numpy array, got {desc}")
-    # Contiguous and writable: read-only arrays (np.frombuffer of a request) are another numba type,
-    # which would cost a second compilation on the first request; the copy is cheap next to a lookup.
-    return np.require(ids, requirements=["C", "W"])
-
-
-class EmbeddingStore:
+class EmbeddingStore(L.StoreLifecycle):
     """Array-based LRU embedding table in shared memory; thread-safe, one process at a time.
+
+    Its lifecycle methods (clock, expiry, sketch) come from `lifecycle.StoreLifecycle`.
 
     On the embedding PS: the servicer calls `lookup`/`update` from request
     threads (never the event loop: the kernels take milliseconds).
@@ -230,7 +223,7 @@ class EmbeddingStore:
         drop), initialised from (seed, id), evicting the stripe's least recently
         used row when full. train=False: read-only, absent IDs read zeros.
         """
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         if out is None:
             out = np.empty((n, dim), np.float32)
@@ -244,7 +237,7 @@ class EmbeddingStore:
         init = (self._init_key, c.init_distribution == "normal", c.init_scale,
                 c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim))
         r = self._rules
-        life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.now_ms()))
+        life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], self._next_serial(s),
@@ -261,7 +254,7 @@ class EmbeddingStore:
         `ids` should be unique (the embedding worker aggregates gradients per
         ID); a repeated ID simply gets two steps, in order.
         """
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (n, dim):
             desc = f"{grads.dtype} {grads.shape}" if isinstance(grads, np.ndarray) else type(grads).__name__
@@ -271,7 +264,7 @@ class EmbeddingStore:
         offsets = K.partition(ids, self.config.num_stripes, perm)
         code, hp = O.optimizer_code(self.config.optimizer), self._hp
         stamp = self.config.uses_ttl
-        now = (np.int64(self.clock), np.int64(L.now_ms()))
+        now = (np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
@@ -288,7 +281,7 @@ class EmbeddingStore:
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
         no read miss (for publishing model versions; absent IDs read zeros)."""
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         out = np.zeros((n, dim), np.float32)
         found = np.zeros(n, bool)
@@ -348,7 +341,7 @@ class EmbeddingStore:
 
         `touched` (n, 2) int64: the rows' last updates (store clock, unix ms) as `snapshot` gave them;
         None: they count as updated now. Ignored by a store without a TTL."""
-        keys = _as_ids(keys, "keys")
+        keys = as_ids(keys, "keys")
         shape = (keys.shape[0], self.config.row_width)
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != shape:
             desc = f"{values.dtype} {values.shape}" if isinstance(values, np.ndarray) else type(values).__name__
@@ -358,7 +351,7 @@ class EmbeddingStore:
         values = np.require(values, requirements=["C", "W"])
         if touched is None:
             touched = np.empty((keys.shape[0], 2), np.int64)
-            touched[:, 0], touched[:, 1] = self.clock, L.now_ms()
+            touched[:, 0], touched[:, 1] = self.clock, L.wall_ms()
         elif touched.dtype != np.int64 or touched.shape != (keys.shape[0], 2):
             raise ValueError(f"touched must be int64 of shape {(keys.shape[0], 2)}, got {touched.dtype} "
                              f"{touched.shape}")
@@ -381,71 +374,6 @@ class EmbeddingStore:
                     raise AssertionError(f"embedding store {self.directory} stripe {s}: {_CHECK_MESSAGES[code]}")
                 if hdr[K.F_DIRTY]:
                     raise AssertionError(f"embedding store {self.directory} stripe {s} is marked dirty")
-
-    # ------------------------------------------------------------ lifecycle (lifecycle.py)
-    @property
-    def clock(self) -> int:
-        """Updates this store applied over all its lives: the unit of step TTLs."""
-        return int(self._arrays["header"][H_CLOCK])
-
-    def tick(self, n: int = 1) -> None:
-        """Advance the clock by n updates (the servicer ticks every store once per update request)."""
-        with self._clock_lock:
-            self._arrays["header"][H_CLOCK] += n
-
-    def advance_clock(self, to: int) -> None:
-        """Set the clock to `to` if it is behind (a restored checkpoint's rows carry its clock's stamps)."""
-        with self._clock_lock:
-            header = self._arrays["header"]
-            header[H_CLOCK] = max(int(header[H_CLOCK]), int(to))
-
-    def expire(self, *, now_ms: int | None = None) -> int:
-        """Remove every row whose table's TTL passed since its last update; returns how many.
-
-        Called periodically by the PS (`ps.lifecycle.sweep_interval_s`); each stripe is swept
-        under its own lock, so requests on the other stripes go on meanwhile.
-        """
-        if not self._rules.expires:
-            return 0
-        r, now = self._rules, (np.int64(self.clock), np.int64(L.now_ms() if now_ms is None else now_ms))
-
-        def run(s: int, lo: int, hi: int) -> int:
-            touched, _, tables = self._life[s]
-            return K.expire_stripe(*self._stripes[s], touched, tables, self._stamps[s], r.ttl_clock, r.ttl_ms, *now)
-
-        return self._run_stripes(np.arange(self.config.num_stripes + 1), run, mutates=True)
-
-    def occurrences(self, ids: np.ndarray) -> np.ndarray:
-        """The sketch's count (int64) of each ID since the last halving; 0 everywhere without a sketch."""
-        ids = _as_ids(ids, "ids")
-        out = np.zeros(ids.shape[0], np.int64)
-        perm = np.empty(ids.shape[0], np.int32)
-        offsets = K.partition(ids, self.config.num_stripes, perm)
-
-        def run(s: int, lo: int, hi: int) -> int:
-            K.sketch_counts_stripe(ids, perm, lo, hi, self._life[s][1], self._rules.sketch_key, out)
-            return 0
-
-        self._run_stripes(offsets, run, mutates=False)
-        return out
-
-    def sketch(self) -> np.ndarray | None:
-        """A copy of the sketch (uint8 (stripes, depth, columns)), None without one."""
-        if not self.config.uses_sketch:
-            return None
-        with self._all_locks():
-            return self._arrays["sketch"].copy()
-
-    def merge_sketch(self, dumps: list[np.ndarray]) -> None:
-        """Restore the sketch from checkpoint dumps of the same shape (`lifecycle.merge_sketches`)."""
-        if not self.config.uses_sketch or not dumps:
-            return
-        with self._all_locks():
-            self._arrays["sketch"][:] = L.merge_sketches(self._arrays["sketch"], dumps)
-
-    def table_stats(self) -> dict[int, dict[str, int]]:
-        """Admitted, rejected and expired rows and dropped gradients per table (group) with any."""
-        return L.table_stats(self._arrays["tables"])
 
     @property
     def shm_bytes(self) -> int:

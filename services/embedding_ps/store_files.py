@@ -221,6 +221,16 @@ class Layout:
                 H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl))}
 
 
+def as_ids(ids: np.ndarray, what: str) -> np.ndarray:
+    """`ids` as the kernels take them, or ValueError naming `what`."""
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        desc = f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise ValueError(f"{what} must be a 1-D uint64 numpy array, got {desc}")
+    # Contiguous and writable: read-only arrays (np.frombuffer of a request) are another numba type,
+    # which would cost a second compilation on the first request; the copy is cheap next to a lookup.
+    return np.require(ids, requirements=["C", "W"])
+
+
 def file_dtype(name: str) -> type[np.generic]:
     """Element type of file `name` ("header" or a key of DATA_FILES)."""
     return np.int64 if name == "header" else DATA_FILES[name]
