@@ -277,7 +277,8 @@ class PSConfig(_Model):
     num_stripes: Annotated[int, Field(ge=1, le=1024)] = 16
     """Independently locked parts of each store (parallelism across request threads)."""
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0
-    """Chance that a training lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
+    """Chance that a training lookup of a new ID inserts it, drawn once the ID has its `lifecycle.admit_after`
+    occurrences (at once by default); each later lookup draws again, so an ID gets in after about 1/p of them."""
     weight_bound: Annotated[float, Field(gt=0)] | None = None
     """Clip embedding weights to [-bound, bound] after each update (None: no clipping)."""
     init: InitConfig = Field(default_factory=InitConfig)

@@ -80,7 +80,8 @@ class StoreConfig:
     init_scale: float = 0.01
     """Half-width (uniform) or standard deviation (normal) of new rows."""
     admit_probability: float = 1.0
-    """Chance that a train lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
+    """Chance that a train lookup of a new ID inserts it, drawn once the ID's table has counted its admit_after
+    occurrences; each later lookup draws again."""
     weight_bound: float | None = None
     """Clip weights to [-bound, bound] after each update; None: no clipping."""
     num_stripes: int = 16
