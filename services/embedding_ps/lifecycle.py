@@ -1,4 +1,5 @@
-"""On the embedding PS: the embedding lifecycle's rules and counters of one store (docs/architecture.md#embedding-lifecycle).
+"""On the embedding PS: the embedding lifecycle of one store: rules, counters, the store's clock, expiry and sketch
+(docs/architecture.md#embedding-lifecycle).
 
 Per table (a feature group, the top 8 bits of an ID): an ID gets a row only
 after `admit_after` occurrences, counted in a count-min sketch that lives in
