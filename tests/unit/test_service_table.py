@@ -23,5 +23,6 @@ def test_every_kind_names_a_cluster_key_a_proto_service_and_a_package():
 def test_launcher_roles():
     assert launcher.START_ORDER == ("embedding_ps", "embedding_worker", "nn_worker", "dataloader")
     assert launcher.FINISHING == ("nn_worker", "dataloader")
-    assert launcher.RESTARTABLE == ("embedding_ps", "embedding_worker")
+    assert tuple(k.name for k in SERVICE_KINDS if k.restart_in_place) == ("embedding_ps", "embedding_worker")
     assert launcher.GROUP == ("nn_worker", "dataloader")
+    assert launcher.RESUMES_FROM == {"nn_worker": "nn_worker", "dataloader": "nn_worker"}
