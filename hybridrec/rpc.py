@@ -285,10 +285,14 @@ async def is_serving(address: str, *, timeout_s: float = 2.0, service: str = "")
 
 
 async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: str = "services") -> None:
-    """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards."""
+    """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards.
+
+    The backoff stops growing at a quarter of a second: each service waits here for its peers at start-up, so a
+    longer sleep would be added to the job's start-up for nothing (a health check on loopback costs a
+    millisecond)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    delay = 0.05
+    delay = 0.02
     pending = list(addresses)
     while pending:
         results = await asyncio.gather(*(is_serving(a) for a in pending))
@@ -298,7 +302,7 @@ async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: st
         if loop.time() > deadline:
             raise TimeoutError(f"{what} not SERVING after {timeout_s:.0f} s: {', '.join(pending)}")
         await asyncio.sleep(delay * (0.5 + random.random()))
-        delay = min(delay * 2, 1.0)
+        delay = min(delay * 2, 0.25)
 
 
 async def retry(call: Callable[[], Awaitable[Any]], *, deadline_s: float, base_delay_s: float = 0.05,
