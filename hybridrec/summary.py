@@ -113,7 +113,10 @@ class RunSummary(BaseModel):
     """samples / train_wall_s."""
     mean_train_loss: float
     lost_updates: int
-    """Gradient pushes that failed for good (their updates never reached the PS)."""
+    """Training batches whose embedding update never reached the PS: what the embedding workers still held,
+    looked up but not applied, at the end of the run (they keep such a batch until its update is applied, so
+    this counts pushes that failed for good and pushes lost with an NN worker that died). When an embedding
+    worker did not answer at the end, the NN workers' own count of failed pushes."""
     skipped_batches: int
     """Training batches whose embeddings were lost (an embedding worker lost its buffer directory; a
     restarted one re-attaches to it and loses nothing)."""

@@ -69,6 +69,7 @@ def reduce_stats(trainer: Trainer) -> dict:
 RECOVERY_COUNTERS = {
     "batches_recovered": ("embedding_workers", "EmbeddingWorker", "batches_recovered_total"),
     "updates_deduplicated": ("ps", "EmbeddingPS", "updates_deduplicated_total"),
+    "unapplied_updates": ("embedding_workers", "EmbeddingWorker", "unapplied_train_batches"),
 }
 
 
@@ -107,11 +108,17 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
     recovery counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
     wall = totals["train_wall_s"]
+    recovered = recovery_counters(config)
+    # The embedding workers keep a looked-up training batch until its update is applied, so what they still
+    # hold now is every lost update — including pushes lost with an NN worker that died, which no surviving
+    # NN worker counted. Without every worker's answer, the NN workers' own count of failed pushes stands.
+    unapplied = recovered.pop("unapplied_updates")
+    lost = unapplied if unapplied is not None else totals["lost_updates"]
     return RunSummary(
         mode=config.training.mode.value, nn_workers=len(config.cluster.nn_workers),
         steps=totals["steps"], samples=totals["samples"], train_wall_s=wall,
         samples_per_sec=totals["samples"] / wall if wall else 0.0,
-        mean_train_loss=totals["mean_train_loss"], lost_updates=totals["lost_updates"],
+        mean_train_loss=totals["mean_train_loss"], lost_updates=lost,
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
@@ -119,5 +126,5 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
-        **recovery_counters(config),
+        **recovered,
     )
