@@ -6,7 +6,8 @@
    int64 IDs + fp32 values per sample;
 3. max relative error of kappa-scaled fp16 vs a plain fp16 cast on gradient-like vectors (norms 1e-10..1e-1);
 4. loopback RPC throughput (MB/s) of 1 MB and 4 MB frames between two processes through grpc.aio
-   with raw-bytes methods vs a plain TCP socket sending the same bytes between two processes;
+   with raw-bytes methods, both on uvloop with the services' allocator settings (rpc.tune_allocator), vs a
+   plain TCP socket sending the same bytes between two processes;
 5. the embedding worker's put of one Zipf batch: decoding and planning it vs keeping its frame in the
    buffer on file (sequence number, temporary file, rename; under /dev/shm) and marking it consumed.
 
@@ -182,6 +183,8 @@ def bench_value_error() -> dict:
 def _grpc_server(port_q: mp.Queue) -> None:
     import grpc
 
+    rpc.tune_allocator()  # as ServiceHost does in every service
+
     async def main():
         server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
 
@@ -237,7 +240,9 @@ def throughput_grpc(port: int, payload: bytes, count: int) -> float:
                 await call(payload)
             return len(payload) * count / (time.perf_counter() - t) / 1e6
 
-    return asyncio.run(main())
+    import uvloop
+
+    return uvloop.run(main())  # the event loop every service runs (hybridrec serve)
 
 
 def throughput_socket(port: int, payload: bytes, count: int) -> float:
@@ -261,7 +266,7 @@ def throughput_socket(port: int, payload: bytes, count: int) -> float:
 def bench_throughput(rounds: int) -> dict:
     grpc_proc, grpc_port = _start(_grpc_server)
     sock_proc, sock_port = _start(_socket_server)
-    out = {}
+    out: dict = {"allocator_tuned": rpc.tune_allocator()}
     try:
         for mb in (1, 4):
             payload = codec.encode({"x": np.random.default_rng(mb).standard_normal((mb << 20) // 4).astype(np.float32)})

@@ -10,7 +10,10 @@ embeddings, Adam on the MLP):
   on CPU (DistributedModelParallel, fused FBGEMM kernel, optimizer in backward).
 
 Writes JSON (modes.<mode>.{samples_per_sec, auc}, baselines.<name>.{...} and the
-ratios in `targets`) and a PNG that compares like with like: one point per
+ratios in `targets`; per mode an `accounting` table: core-seconds per 1M training
+samples of each service (CPU time of its processes during training, psutil), the
+MLP's share (the same model's forward, backward and Adam step timed alone on one
+thread) and the overhead outside it) and a PNG that compares like with like: one point per
 system, its eval AUC on the same held-out file after the same training samples
 (one epoch) against its training wall time (`auc_points`). The JSON keeps each
 system's curve with its kind (hybridrec: progressive-validation AUC of rank 0;
@@ -71,7 +74,9 @@ def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     t1 = t1 if t1 is not None else (train[-1]["t"] if train else 0.0)
     rank0 = [(p["t"] - t0, r["train_auc"]) for p in train for r in p["ranks"] if r["rank"] == 0]
     curve = [(t, auc) for t, auc in rank0 if auc is not None and auc == auc]
-    return {"cpu_percent": cpu_during(series["resources"], t0, t1), "samples_per_sec": summary["samples_per_sec"],
+    return {"cpu_percent": cpu_during(series["resources"], t0, t1),
+            "accounting": accounting(series["resources"], t0, t1, summary["samples"], mlp_core_s_per_1m()),
+            "samples_per_sec": summary["samples_per_sec"],
             "auc": summary["auc"], "logloss": summary["logloss"],
             "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
             "samples": summary["samples"], "staleness": summary["staleness"], "curve": curve,
@@ -91,6 +96,84 @@ def cpu_during(resources: dict[str, list[dict]], t0: float, t1: float) -> dict[s
             out[name] = round(sum(values) / len(values), 1)
     out["total"] = round(sum(out.values()), 1)
     return out
+
+
+def core_seconds(points: list[dict], t0: float, t1: float) -> float:
+    """CPU seconds a service's process(es) spent in [t0, t1], from cumulative `cpu_s` samples (linear in between;
+    a counter that drops is a restarted process, counted from zero)."""
+    points = sorted((p for p in points if "cpu_s" in p), key=lambda p: p["t"])
+    total = 0.0
+    for a, b in zip(points, points[1:]):
+        if b["t"] <= a["t"]:
+            continue
+        used = b["cpu_s"] - a["cpu_s"] if b["cpu_s"] >= a["cpu_s"] else b["cpu_s"]
+        overlap = max(0.0, min(b["t"], t1) - max(a["t"], t0))
+        total += used * overlap / (b["t"] - a["t"])
+    return total
+
+
+def service_kind(name: str) -> str:
+    """`embedding_ps-1` -> `embedding_ps`: replicas are summed per service."""
+    return name.rsplit("-", 1)[0]
+
+
+def accounting(resources: dict[str, list[dict]], t0: float, t1: float, samples: int, mlp_per_1m: float) -> dict:
+    """Core-seconds per 1M training samples by service, the MLP's share and the overhead outside it.
+
+    The MLP costs the same in every system (same model, batch and precision); what hybridrec spends around it
+    (parsing, dedup, routing, the PS, pooling, RPCs, the NN workers' own loop) is `overhead_core_s_per_1m`."""
+    per_1m: dict[str, float] = {}
+    for name, points in resources.items():
+        kind = service_kind(name)
+        per_1m[kind] = per_1m.get(kind, 0.0) + core_seconds(points, t0, t1) * 1e6 / max(samples, 1)
+    total = sum(per_1m.values())
+    nn = per_1m.get("nn_worker", 0.0)
+    return {"samples": samples, "window_s": round(t1 - t0, 3),
+            "core_s_per_1m": {k: round(v, 2) for k, v in sorted(per_1m.items())} | {"total": round(total, 2)},
+            "mlp_core_s_per_1m": round(mlp_per_1m, 2),
+            "nn_worker_outside_mlp_core_s_per_1m": round(nn - mlp_per_1m, 2),
+            "overhead_core_s_per_1m": round(total - mlp_per_1m, 2)}
+
+
+_MLP_CACHE: dict[tuple, float] = {}
+
+
+def mlp_core_s_per_1m(hidden: tuple[int, ...] = (512, 256, 128), batch: int = 4096, steps: int = 20) -> float:
+    """CPU seconds per 1M samples of the benchmark's MLP alone: forward, backward and Adam step on one thread
+    (torch_threads is 1 per NN worker), timed with the thread's CPU clock so a busy machine does not inflate it."""
+    key = (hidden, batch, steps)
+    if key in _MLP_CACHE:
+        return _MLP_CACHE[key]
+    import torch
+
+    from hybridrec.config import Config
+    from hybridrec.models import DNN, FeatureInfo
+
+    config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]}})
+    features = [FeatureInfo(f.name, f.dim) for f in config.features]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = DNN(features=features, num_dense=config.num_dense, hidden=list(hidden))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        dense = torch.randn(batch, config.num_dense, generator=gen)
+        emb = {f.name: torch.randn(batch, f.dim, generator=gen, requires_grad=True) for f in features}
+        labels = torch.randint(0, 2, (batch,), generator=gen).float()
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), labels).backward()
+            opt.step()
+
+        step()
+        started = time.thread_time()
+        for _ in range(steps):
+            step()
+        _MLP_CACHE[key] = (time.thread_time() - started) / (steps * batch) * 1e6
+    finally:
+        torch.set_num_threads(threads)
+    return _MLP_CACHE[key]
 
 
 def run_baseline(name: str, data: Path, work: Path) -> dict:

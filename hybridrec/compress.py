@@ -9,12 +9,11 @@
 """
 from __future__ import annotations
 
+import threading
+import warnings
 from dataclasses import dataclass
 
-import warnings
-
 import numpy as np
-import torch
 
 # Frames decode into read-only numpy views; torch warns when it wraps one, but the
 # codec only ever reads them (every result is a new tensor).
@@ -52,6 +51,29 @@ class ValueCodec:
         return unscale_fp16(values.reshape(-1, vector_dim), norms.reshape(-1), self.kappa).reshape(values.shape)
 
 
+def import_torch(threads: int | None = None):
+    """torch, imported on first use rather than with this module.
+
+    Importing torch costs seconds of CPU, and every service imports this module
+    (through hybridrec.frames): the data loader never needs torch, and the PS and
+    the embedding worker only for fp16 values, so they call this on a background
+    thread at start-up (`threads`: the torch thread count they want) instead of
+    paying for it before they listen.
+    """
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch
+
+
+def import_torch_in_background(threads: int) -> threading.Thread:
+    """Start importing torch on a daemon thread, so that it overlaps the rest of a service's start-up."""
+    thread = threading.Thread(target=import_torch, args=(threads,), name="import-torch", daemon=True)
+    thread.start()
+    return thread
+
+
 def scaled_fp16(vectors: np.ndarray, kappa: float) -> tuple[np.ndarray, np.ndarray]:
     """(fp16 vectors of norm kappa, float32 norms); zero vectors stay zero.
 
@@ -59,6 +81,7 @@ def scaled_fp16(vectors: np.ndarray, kappa: float) -> tuple[np.ndarray, np.ndarr
     instructions, about 15x faster here than numpy's. Inputs and outputs are
     numpy arrays shared with torch without copies.
     """
+    torch = import_torch()
     x = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
     norms = torch.linalg.vector_norm(x, dim=1)
     scale = torch.where(norms > 0, kappa / norms, torch.ones_like(norms))
@@ -69,6 +92,7 @@ def scaled_fp16(vectors: np.ndarray, kappa: float) -> tuple[np.ndarray, np.ndarr
 
 def unscale_fp16(half: np.ndarray, norms: np.ndarray, kappa: float) -> np.ndarray:
     """float32 vectors from kappa-scaled fp16 vectors and their norms."""
+    torch = import_torch()
     h = torch.from_numpy(np.ascontiguousarray(half))
     n = torch.from_numpy(np.ascontiguousarray(norms, dtype=np.float32))
     # A zero vector was sent unscaled; its fp16 zeros times any norm are still zeros.

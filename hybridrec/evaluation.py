@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-from sklearn.metrics import log_loss, roc_auc_score
 
 from hybridrec import log
 
@@ -14,6 +13,9 @@ EPS = 1e-7
 
 def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float | None]:
     """AUC (None when only one class is present) and log loss of predicted click probabilities."""
+    # scikit-learn (and scipy under it) costs seconds of CPU to import: not at every service's start-up.
+    from sklearn.metrics import log_loss, roc_auc_score
+
     labels = np.asarray(labels, dtype=np.float64)
     probs = np.clip(np.asarray(probs, dtype=np.float64), EPS, 1 - EPS)
     if labels.size == 0:

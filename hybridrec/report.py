@@ -110,10 +110,12 @@ class Recorder:
                 continue
             try:
                 proc = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
-                cpu, rss = proc.cpu_percent(None), proc.memory_info().rss
+                cpu, rss, times = proc.cpu_percent(None), proc.memory_info().rss, proc.cpu_times()
             except psutil.Error:
                 continue
-            self.resources.setdefault(name, []).append({"t": now, "cpu_percent": cpu, "rss_bytes": rss})
+            # cpu_s: the process's CPU seconds so far (user + system), for core-seconds per sample (modes benchmark)
+            self.resources.setdefault(name, []).append({"t": now, "cpu_percent": cpu, "rss_bytes": rss,
+                                                        "cpu_s": round(times.user + times.system, 3)})
 
     def mark(self, boundary: str) -> None:
         """Record a phase boundary (end_of_eval, end) at the current time."""

@@ -12,6 +12,7 @@ readable detail, so hostile input never takes a server down.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import random
 import signal
 import time
@@ -28,7 +29,9 @@ from hybridrec.proto import pb
 
 MAX_MESSAGE_BYTES = 1 << 30
 # Embedding frames are megabytes: large HTTP/2 frames and a large flow-control window
-# let one message go out without waiting for window updates (benchmarks/codec.py).
+# let one message go out without waiting for window updates. On loopback this made no
+# measurable difference (docs/architecture.md#what-a-large-frame-costs); across a network
+# with a longer round trip the window is what keeps a large frame moving.
 HTTP2_OPTIONS = [
     ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
     ("grpc.http2.initial_window_size", 64 * 1024 * 1024),
@@ -47,6 +50,33 @@ SERVER_OPTIONS = [*HTTP2_OPTIONS,
     ("grpc.so_reuseport", 0),
 ]
 FRAME = pb.DESCRIPTOR.message_types_by_name["Frame"]
+
+# glibc malloc settings for processes that move megabyte frames (tune_allocator).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+"""Allocations below this come from the heap, not from a fresh mmap (glibc's largest allowed value)."""
+MALLOC_TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
+"""Free memory at the top of the heap kept for reuse rather than handed back to the kernel."""
+
+
+def tune_allocator() -> bool:
+    """Keep megabyte frame buffers on the malloc heap, reused from one message to the next.
+
+    grpcio's Python layer turns each received message into a new bytes object
+    (one per received slice, then a join) and copies each sent one into a new
+    slice. With glibc's default, adaptive thresholds a 4 MB buffer is often
+    mmap'd and unmapped again, or the heap trimmed after it, so every message
+    pays a page fault per 4 kB page, which more than doubled the receiving
+    process's CPU time per frame in benchmarks/codec.py
+    (docs/architecture.md#what-a-large-frame-costs). Fixed thresholds stop
+    that. Returns False where the C library has no mallopt (not glibc).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)
+                and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES))
 
 
 class NotFound(LookupError):
@@ -265,10 +295,14 @@ def is_serving_now(address: str, *, timeout_s: float = 1.0) -> bool:
 
 
 async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: str = "services") -> None:
-    """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards."""
+    """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards.
+
+    The backoff stops growing at a quarter of a second: each service waits here for its peers at start-up, so a
+    longer sleep would be added to the job's start-up for nothing (a health check on loopback costs a
+    millisecond)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    delay = 0.05
+    delay = 0.02
     pending = list(addresses)
     while pending:
         results = await asyncio.gather(*(is_serving(a) for a in pending))
@@ -278,7 +312,7 @@ async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: st
         if loop.time() > deadline:
             raise TimeoutError(f"{what} not SERVING after {timeout_s:.0f} s: {', '.join(pending)}")
         await asyncio.sleep(delay * (0.5 + random.random()))
-        delay = min(delay * 2, 1.0)
+        delay = min(delay * 2, 0.25)
 
 
 async def retry(call: Callable[[], Awaitable[Any]], *, deadline_s: float, base_delay_s: float = 0.05,

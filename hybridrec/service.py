@@ -119,6 +119,7 @@ class ServiceHost:
         self.service, self.replica, self.address = service, replica, address
         self.bind_host, self.metrics_port = bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
+        rpc.tune_allocator()
         rpc.use_tls(tls)
         rpc.use_authorization(control_identities)
         self.server = rpc.new_server()

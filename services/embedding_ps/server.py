@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import torch
 import numpy as np
 
-from hybridrec.compress import ValueCodec
+from hybridrec.compress import ValueCodec, import_torch_in_background
 from hybridrec.config import Config
 from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
@@ -226,7 +225,8 @@ class EmbeddingPSServicer:
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
     checkpoints.check_root(config.checkpoint.dir)
-    torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
+    if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
+        import_torch_in_background(threads=1)
     warm_up(config)
     stores = open_stores(config, replica)
     applied = open_applied(config, replica)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
-import torch
 
 from hybridrec import rpc
+from hybridrec.compress import import_torch_in_background
 from hybridrec.config import Config
 from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb
@@ -37,7 +37,8 @@ class EmbeddingWorkerServicer:
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_worker", config, replica)
-    torch.set_num_threads(1)  # only the value codec uses torch here; one thread beats contention
+    if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
+        import_torch_in_background(threads=1)
     channels = [rpc.channel(address) for address in config.cluster.ps]
     methods = {(s, m): rpc.raw_method(ch, "EmbeddingPS", m) for s, ch in enumerate(channels)
                for m in ("Lookup", "Update")}

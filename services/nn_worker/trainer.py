@@ -333,7 +333,9 @@ class Trainer:
         with self._autocast():
             logits = self.sync.module(dense, embeddings).reshape(-1).float()
         loss = F.binary_cross_entropy_with_logits(logits, labels) * weight
-        if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == 0:
+        # At the end of every PROGRESSIVE_AUC_EVERY-th step, not the first: the first AUC imports scikit-learn,
+        # which would otherwise hold up the first step (start-up, docs/architecture.md#start-up).
+        if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == PROGRESSIVE_AUC_EVERY - 1:
             self._progressive_auc(logits.detach().cpu().numpy(), batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -76,3 +76,33 @@ def test_plot_compares_one_auc_measure_for_every_system(tmp_path):
     points_drawn = [xy for xy in drawn["lines"] if len(xy[0]) == 1]
     assert sorted(points_drawn) == sorted([([30.0], [0.79]), ([60.0], [0.78]), ([50.0], [0.785])])
     assert all(0.6 not in ys and 0.9 not in ys for _, ys in drawn["lines"])
+
+
+def test_core_seconds_counts_cpu_inside_the_window_and_across_a_restart():
+    from benchmarks.modes import core_seconds
+
+    points = [{"t": 0.0, "cpu_s": 10.0}, {"t": 2.0, "cpu_s": 12.0}, {"t": 4.0, "cpu_s": 16.0},
+              {"t": 6.0, "cpu_s": 1.0}]  # restarted between t=4 and t=6: its new counter counts from zero
+    assert core_seconds(points, 1.0, 4.0) == pytest.approx(1.0 + 4.0)
+    assert core_seconds(points, 0.0, 6.0) == pytest.approx(2.0 + 4.0 + 1.0)
+    assert core_seconds([{"t": 0.0, "cpu_percent": 5.0}], 0.0, 1.0) == 0.0  # an old series without cpu_s
+
+
+def test_accounting_sums_replicas_per_service_and_subtracts_the_mlp():
+    from benchmarks.modes import accounting
+
+    ramp = lambda rate: [{"t": 0.0, "cpu_s": 0.0}, {"t": 10.0, "cpu_s": 10.0 * rate}]  # noqa: E731
+    resources = {"nn_worker-0": ramp(1.0), "nn_worker-1": ramp(1.0), "embedding_ps-0": ramp(0.2),
+                 "embedding_ps-1": ramp(0.2), "dataloader-0": ramp(0.5)}
+    table = accounting(resources, 0.0, 10.0, samples=2_000_000, mlp_per_1m=6.0)
+    assert table["core_s_per_1m"] == {"dataloader": 2.5, "embedding_ps": 2.0, "nn_worker": 10.0, "total": 14.5}
+    assert table["nn_worker_outside_mlp_core_s_per_1m"] == 4.0
+    assert table["overhead_core_s_per_1m"] == 8.5
+
+
+def test_mlp_reference_is_the_cpu_time_of_a_real_training_step():
+    from benchmarks.modes import mlp_core_s_per_1m
+
+    small = mlp_core_s_per_1m(hidden=(16,), batch=256, steps=3)
+    large = mlp_core_s_per_1m(hidden=(512, 256, 128), batch=256, steps=3)
+    assert 0 < small < large

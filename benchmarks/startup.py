@@ -1,0 +1,120 @@
+"""Start-up benchmark: seconds from `hybridrec run CONFIG` to the first training step. Writes JSON.
+
+Runs the README example (examples/criteo_synth.yaml: two PS shards, an embedding worker, two NN workers and
+the data loader, six processes) twice on one numba cache directory:
+
+* cold: an empty NUMBA_CACHE_DIR, so every compiled kernel is compiled in the services' start-up;
+* warm: the cache the cold run left, as on every run after the first.
+
+The operating system's file cache is warm in both (the Python packages were read before). For each run it
+reports `first_step_s`, from starting the command to the first training step of any NN worker (the summary's
+`train_started_at`: the moment a rank has its first batch's embeddings and starts computing), the launcher's
+own `phases.first_step` (from its launch, after the `hybridrec run` process's own imports), and per service
+when it logged `listening` and `serving`, in seconds from the command's start: where the time goes.
+
+Each run stops after --steps training steps per NN worker and evaluates --eval-rows held-out rows, so a run
+lasts a few seconds beyond its start-up. The data is --data DIR (train.tsv, eval.tsv; the README's
+data/synth when it exists) or, without it, --rows synthetic rows written first.
+
+    python benchmarks/startup.py --out results/startup.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
+README_DATA = REPO / "data" / "synth"
+
+
+def synthesize(out: Path, rows: int) -> Path:
+    """A small Criteo-format data set (train.tsv, eval.tsv) under `out`."""
+    subprocess.run([sys.executable, "-m", "hybridrec", "data", "synth", "--out", str(out), "--rows", str(rows),
+                    "--eval-rows", str(max(rows // 10, 1000))], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def head(src: Path, dst: Path, lines: int) -> Path:
+    """The first `lines` lines of `src` (a held-out set small enough that evaluation ends the run quickly)."""
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        for _, line in zip(range(lines), f):
+            out.write(line)
+    return dst
+
+
+def log_events(path: Path, events: tuple[str, ...] = ("listening", "serving")) -> dict[str, float]:
+    """Unix time of the first line of each of `events` in a service's JSON log."""
+    found: dict[str, float] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        event = entry.get("event")
+        if event in events and event not in found and "timestamp" in entry:
+            found[event] = datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+    return found
+
+
+def run_once(config: Path, run_dir: Path, cache_dir: Path, overrides: list[str]) -> dict:
+    """One `hybridrec run`; start-up figures from its summary and logs, in seconds from the command's start."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.time() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"hybridrec run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    services = {}
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        services[log.stem] = {event: round(t - started, 3) for event, t in log_events(log).items()}
+    return {"first_step_s": round(summary["train_started_at"] - started, 3),
+            "launcher_first_step_s": summary["phases"]["first_step"], "wall_s": round(wall, 3),
+            "steps": summary["steps"], "services": services}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=README_CONFIG)
+    parser.add_argument("--data", type=Path, default=README_DATA if (README_DATA / "train.tsv").exists() else None,
+                        help="a directory with train.tsv and eval.tsv (default: data/synth when it exists)")
+    parser.add_argument("--rows", type=int, default=200_000, help="synthetic training rows when there is no --data")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per NN worker of each run")
+    parser.add_argument("--eval-rows", type=int, default=20_000)
+    parser.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hybridrec-startup-") as scratch:
+        scratch = Path(scratch)
+        data = args.data or synthesize(scratch / "data", args.rows)
+        eval_file = head(data / "eval.tsv", scratch / "eval.tsv", args.eval_rows)
+        overrides = [f"data.train=[{data / 'train.tsv'}]", f"data.eval=[{eval_file}]", "data.oracle=null",
+                     f"training.max_steps={args.steps}"]
+        cache = scratch / "numba-cache"
+        cache.mkdir()
+        runs = [run_once(args.config, scratch / "run-cold", cache, overrides)]
+        for i in range(args.warm_runs):
+            runs.append(run_once(args.config, scratch / f"run-warm-{i}", cache, overrides))
+    warm = runs[1:]
+    result = {"benchmark": "startup", "config": str(args.config), "data": str(args.data or f"synthetic {args.rows} rows"),
+              "cpus": os.cpu_count(), "cold": runs[0], "warm": warm,
+              "cold_first_step_s": runs[0]["first_step_s"],
+              "warm_first_step_s": min(r["first_step_s"] for r in warm) if warm else None}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
