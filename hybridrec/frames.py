@@ -141,6 +141,15 @@ class SparseBatch:
             lengths.append(mask.astype(np.uint16))
         return cls(batch_size=ids.shape[0], uniq=uniq, pos=pos, lengths=lengths, phase=phase)
 
+    @classmethod
+    def from_bags(cls, values: Sequence[np.ndarray], lengths: Sequence[np.ndarray], *, batch_size: int,
+                  phase: str) -> "SparseBatch":
+        """From variable-length bags (Parquet): feature f's IDs `values[f]`, `lengths[f][i]` of them for sample i,
+        in order. Scalar bags (lengths 0 or 1) give exactly what `from_columns` gives for the same IDs."""
+        uniq, pos = zip(*(dedup(v) for v in values)) if values else ((), ())
+        return cls(batch_size=batch_size, uniq=list(uniq), pos=list(pos),
+                   lengths=[np.asarray(n).astype(np.uint16) for n in lengths], phase=phase)
+
     def encode(self, *, lz4: bool = True) -> bytes:
         tensors: dict[str, np.ndarray] = {}
         for f, (u, p, n) in enumerate(zip(self.uniq, self.pos, self.lengths)):
