@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybridrec import checkpoints, log
 from hybridrec.config import Config, Mode
 from hybridrec.frames import Consumed, DenseBatch, decode_nn_batch
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
@@ -45,11 +45,12 @@ class NNWorkerServicer:
         self.last_received = {"train": -1, "eval": -1}
         self.ended: set[str] = set()
         self.duplicates = 0
+        self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc.<task>, eval_logloss.<task>
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Queue a batch for the trainer; a re-sent one (the data loader replays what this rank has not yet
         confirmed after any failed call) is dropped here. The reply says how far this rank has trained."""
-        item = decode_nn_batch(request, self.config.num_dense)
+        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks)
         if isinstance(item, DenseBatch):
             fresh = item.seq > self.last_received[item.phase]
             self.last_received[item.phase] = max(item.seq, self.last_received[item.phase])
@@ -84,6 +85,7 @@ class NNWorkerServicer:
                           duplicate_frames_total=self.duplicates)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())
+        values.update(self.eval_metrics)
         return {k: float(v) for k, v in values.items()}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
@@ -121,8 +123,8 @@ async def _serve(config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     env = resolve_backend(config.training.backend, replica, world_size)
     pin_interface(config.cluster.bind_host)
-    model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
-                        config.num_dense, config.model.kwargs)
+    model = build_model(config.model.path, feature_infos(config.features),
+                        config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
     membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend)
     plan = await loop.run_in_executor(compute, membership.join, None)
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
@@ -163,6 +165,7 @@ async def _serve(config: Config, replica: int) -> None:
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)
+            servicer.eval_metrics = summary.task_metrics()
         await loop.run_in_executor(compute, dist.barrier)
         servicer.phase = "done"
 
