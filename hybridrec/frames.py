@@ -22,6 +22,7 @@ INVALID_ARGUMENT with the reason, and keeps serving.
 | `PSUpdate`     | EmbeddingPS.Update request (EW -> PS shard)                 | unique IDs and their summed gradients, per width; the update's id |
 | `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies  | rows the PS applied (0 for a re-sent update) |
 | `Consumed`     | NNWorker.PutBatch reply (NN worker -> data loader)          | the phase and the last stream index the rank has trained |
+| `Received`     | NNWorker.Received reply (NN worker -> a restarted data loader) | how far the rank holds each phase's stream; recent batch ends |
 
 Float rows and gradients travel as κ-scaled fp16 plus a float32 norm per
 vector when `training.compression.fp16` is on (`hybridrec.compress.ValueCodec`),
@@ -44,6 +45,8 @@ PHASES = ("train", "eval")
 # the embedding worker makes refs, the NN worker routes each lookup by the top bits.
 REF_SHIFT = 56
 INCARNATION_SHIFT = 40
+POSITION_FIELDS = 4
+"""A training batch's position: (epoch, file, byte offset, line) after it (services/dataloader/batching.py)."""
 MAX_BATCH = 65535
 """Samples per batch: positions and bag lengths travel as uint16."""
 
@@ -377,6 +380,47 @@ class Consumed:
         return cls(phase, frame.meta_int("through", default=-1))
 
 
+@dataclass
+class Received:
+    """An NN worker's answer to a restarted data loader: how far this rank holds each phase's stream.
+
+    `through[phase]` is the last stream index the rank holds — received into its inbox or already trained by
+    the group — or -1; the rank got every earlier batch of its share. `marks` are (stream index, position
+    after it, samples of the phase sent to this rank through it) for the rank's latest training batches: the
+    loader restarts reading after a round of batches whose end it finds there (services/dataloader/resume.py).
+    """
+
+    through: dict[str, int] = field(default_factory=lambda: {phase: -1 for phase in PHASES})
+    ended: frozenset[str] = frozenset()
+    marks: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        seqs = np.array([m[0] for m in self.marks], np.int64)
+        positions = np.array([m[1] for m in self.marks], np.int64).reshape(len(self.marks), POSITION_FIELDS)
+        rows = np.array([m[2] for m in self.marks], np.int64)
+        return codec.encode({"mark_seq": seqs, "mark_position": positions, "mark_rows": rows},
+                            {"through": {k: int(v) for k, v in self.through.items()}, "ended": sorted(self.ended)})
+
+    @classmethod
+    def decode(cls, buf: bytes) -> "Received":
+        frame = codec.decode(buf)
+        through, ended = frame.meta.get("through"), frame.meta.get("ended")
+        if (not isinstance(through, dict) or set(through) != set(PHASES)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in through.values())):
+            raise FrameError(f"through must map each of {PHASES} to an index >= -1, got {through!r}")
+        if not isinstance(ended, list) or not set(ended) <= set(PHASES):
+            raise FrameError(f"ended must list phases of {PHASES}, got {ended!r}")
+        seqs, rows = frame.get("mark_seq", np.int64, 1), frame.get("mark_rows", np.int64, 1)
+        positions = frame.get("mark_position", np.int64, 2)
+        if not (len(seqs) == len(rows) == positions.shape[0]) or positions.shape[1] != POSITION_FIELDS:
+            raise FrameError(f"marks disagree: {len(seqs)} indices, {len(rows)} row counts, positions "
+                             f"{positions.shape}")
+        if (seqs < 0).any() or (rows < 0).any() or (positions < 0).any():
+            raise FrameError("marks must be non-negative")
+        marks = [(int(s), tuple(int(v) for v in p), int(r)) for s, p, r in zip(seqs, positions, rows)]
+        return cls(dict(through), frozenset(ended), marks)
+
+
 # -- embedding worker <-> PS shard -----------------------------------------------------------
 def _ids_per_width(frame: codec.Frame, dims: Iterable[int]) -> dict[int, np.ndarray]:
     return {d: frame.get(f"ids.{d}", np.uint64, 1) for d in _per_width("ids", frame.tensors, dims)}
@@ -456,6 +500,6 @@ class PSUpdate:
         return cls(ids, grads, uid)
 
 
-FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, PSLookup, PSRows,
-          PSUpdate)
+FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
+          PSLookup, PSRows, PSUpdate)
 """Every frame kind (docs and tests check they are all described)."""

@@ -38,7 +38,7 @@ START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
 FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
 RESTARTABLE = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_in_place)
 GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
-REJOINING = tuple(kind.name for kind in SERVICE_KINDS if kind.rejoins)
+RESUMES_FROM = {kind.name: kind.resumes_from for kind in SERVICE_KINDS if kind.resumes_from}
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
 
@@ -166,8 +166,8 @@ class LocalCluster:
                 continue
             lost = rc < 0 or rc == EXIT_PEER_LOST  # killed, or stopped by a lost peer: not its own failure
             may_restart = proc.restarts < self.config.cluster.max_restarts
-            if lost and proc.service in REJOINING and self._peers_hold_state(proc) and may_restart:
-                proc.joining = True
+            if lost and proc.service in RESUMES_FROM and self._state_held_for(proc) and may_restart:
+                proc.joining = proc.service == RESUMES_FROM[proc.service]  # rejoins its peers
                 self._restart_alone(proc, rc, "service_replaced")
                 continue
             if proc.service in RESTARTABLE and may_restart:
@@ -212,10 +212,14 @@ class LocalCluster:
         self._spawn(proc)
         self._write_services()
 
-    def _peers_hold_state(self, proc: ServiceProcess) -> bool:
-        """Another process of `proc`'s kind is alive and is not itself a replacement still joining."""
-        return any(p is not proc and p.service == proc.service and p.popen and p.popen.poll() is None
-                   and not p.joining for p in self.procs)
+    def _state_held_for(self, proc: ServiceProcess) -> bool:
+        """The state `proc` continues from is alive: for an NN worker, a peer that is not itself a replacement
+        still joining; for the data loader, every NN worker (each tells it how far its share has come)."""
+        holders = [p for p in self.procs if p is not proc and p.service == RESUMES_FROM[proc.service]]
+        alive = [p for p in holders if p.popen and p.popen.poll() is None]
+        if proc.service == RESUMES_FROM[proc.service]:
+            return any(not p.joining for p in alive)
+        return bool(holders) and len(alive) == len(holders)
 
     def note_statuses(self, statuses: list[pb.TrainingStatus | None]) -> None:
         """A replacement that reports a training phase has rejoined its group."""

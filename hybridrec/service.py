@@ -41,10 +41,11 @@ class ServiceKind:
     """Restarted alone when it dies, like a container (its state is in shm, or it has none)."""
     restart_as_group: bool = False
     """Restarted with every other group member from the newest checkpoint when one of them dies (for a kind
-    that `rejoins`: when no peer holds the state any more)."""
-    rejoins: bool = False
-    """Restarted alone while a peer of its kind still holds the state: the peers re-form the group with the new
-    process and hand it their state (services/nn_worker/membership.py)."""
+    that `resumes_from` others: when they no longer hold the state)."""
+    resumes_from: str | None = None
+    """Restarted alone while the processes of this kind hold the state it continues from: an NN worker's peers
+    re-form the group with the new process and hand it their state (services/nn_worker/membership.py); a data
+    loader asks the NN workers how far they are (services/dataloader/resume.py)."""
 
 
 EXIT_PEER_LOST = 75
@@ -55,8 +56,10 @@ own failure (a bug, bad input), which restarting would only repeat."""
 SERVICE_KINDS: tuple[ServiceKind, ...] = (
     ServiceKind("embedding_ps", "ps", "EmbeddingPS", restart_in_place=True),
     ServiceKind("embedding_worker", "embedding_workers", "EmbeddingWorker", restart_in_place=True),
-    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True, rejoins=True),
-    ServiceKind("dataloader", "dataloader", "DataLoader", finishes=True, restart_as_group=True),
+    ServiceKind("nn_worker", "nn_workers", "NNWorker", finishes=True, restart_as_group=True,
+                resumes_from="nn_worker"),
+    ServiceKind("dataloader", "dataloader", "DataLoader", finishes=True, restart_as_group=True,
+                resumes_from="nn_worker"),
 )
 """Every service, in the order `hybridrec run` starts them (servers before their clients)."""
 SERVICES: dict[str, ServiceKind] = {kind.name: kind for kind in SERVICE_KINDS}

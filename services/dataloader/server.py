@@ -20,12 +20,13 @@ from typing import Iterator
 import grpc
 
 from hybridrec import rpc
-from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, SparseBatch
+from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received, SparseBatch
 from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec import checkpoints
 from services.dataloader.delivery import END, Window, deliver
+from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
 from services.dataloader.sources import eval_rows as read_eval_rows, train_batches
 
@@ -36,7 +37,7 @@ class DataLoaderServicer:
     def __init__(self, replica: int):
         self.replica = replica
         self.counters = {"train_batches_total": 0, "eval_batches_total": 0, "rows_sent_total": 0,
-                         "frames_resent_total": 0}
+                         "frames_resent_total": 0, "batches_held_by_ranks_total": 0}
         self.reads: list[ReadCounters] = []  # the readers' own counters, summed at scrape time
 
     def stats(self) -> dict[str, float]:
@@ -62,6 +63,7 @@ class Dispatcher:
         self.nn_channels = [rpc.channel(a) for a in config.cluster.nn_workers]
         self.ew_put = [rpc.raw_method(ch, "EmbeddingWorker", "PutBatch") for ch in self.ew_channels]
         self.nn_put = [rpc.raw_method(ch, "NNWorker", "PutBatch") for ch in self.nn_channels]
+        self.nn_received = [rpc.raw_method(ch, "NNWorker", "Received") for ch in self.nn_channels]
         self.next_ew = itertools.cycle(range(len(self.ew_put)))
         self.windows = [Window() for _ in self.nn_put]  # per rank, across phases
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reader")
@@ -77,23 +79,40 @@ class Dispatcher:
             sparse = rows.sparse(phase).encode(lz4=self.lz4)
             yield rank, sparse, rows, position
 
+    async def received(self) -> list[Received]:
+        """Every rank's answer to `Received`, in rank order (waiting out ranks that are still joining)."""
+        async def ask(rank: int) -> Received:
+            reply = await rpc.retry(lambda: self.nn_received[rank](Received().encode(), timeout=self.timeout),
+                                    deadline_s=self.retry_s)
+            return Received.decode(reply)
+
+        return list(await asyncio.gather(*(ask(rank) for rank in range(len(self.nn_received)))))
+
     async def run_phase(self, phase: str, items: Iterator[tuple[int, Rows, Position | None]], end_meta,
-                        first_seq: int = 0) -> int:
-        """Stream one phase; returns the number of batches sent."""
+                        resume: PhaseResume = PhaseResume()) -> int:
+        """Stream one phase from batch `resume.first_seq` on, leaving out what each rank holds already;
+        returns the number of batches sent."""
         loop = asyncio.get_running_loop()
         prepared = self._prepared(items, phase)
         queues = [asyncio.Queue(maxsize=2) for _ in self.nn_put]
-        rank_rows = [0] * len(self.nn_put)  # samples of this phase sent to each rank so far
+        # samples of this phase sent to each rank so far (by this loader or, before a restart, its predecessor)
+        rank_rows = [n or 0 for n in resume.rows_sent] or [0] * len(self.nn_put)
         senders = [asyncio.ensure_future(self._sender(rank, q)) for rank, q in enumerate(queues)]
         sent = 0
         try:
-            while (item := await loop.run_in_executor(self.executor, next, prepared, None)) is not None:
+            for seq in itertools.count(resume.first_seq):
+                item = await loop.run_in_executor(self.executor, next, prepared, None)
+                if item is None:
+                    break
                 rank, sparse_frame, rows, position = item
+                if resume.skips(rank, seq):
+                    self.servicer.counters["batches_held_by_ranks_total"] += 1
+                    continue
                 # On failure the next attempt goes to the next embedding worker: a dead one is routed around.
                 reply = await rpc.retry(lambda: self.ew_put[next(self.next_ew)](sparse_frame, timeout=self.timeout),
                                         deadline_s=self.retry_s)
                 ref = BatchRef.decode(reply).batch_ref
-                dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=first_seq + sent,
+                dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=seq,
                                    position=tuple(position.as_list()) if position else (),
                                    rows_before=rank_rows[rank])
                 rank_rows[rank] += len(rows)
@@ -127,13 +146,28 @@ class Dispatcher:
             self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
 
 
-def resume_point(config: Config) -> tuple[Position, int]:
-    """(position, first batch index) of the newest checkpoint, or the start of the data."""
+def checkpoint_point(config: Config) -> tuple[Position, int]:
+    """(position, next batch index) of the newest checkpoint, or the start of the data."""
     found = checkpoints.resume_from(config.checkpoint)
     if found is None:
         return Position(), 0
     _, manifest = found
     return Position(*manifest.position), manifest.seq
+
+
+async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters) -> int:
+    """Read and send the training stream from `resume` on; returns the number of batches sent."""
+    training, num_ranks = config.training, len(config.cluster.nn_workers)
+    first_seq = resume.train.first_seq
+    batches = train_batches(config, counts, resume.position)
+    items = deal_evenly(batches, num_ranks, counts)
+    if training.max_steps is not None:
+        items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
+
+    def end_meta() -> dict:  # a restarted loader's counters start at its first batch
+        return {**vars(counts), **({"first_seq": first_seq} if first_seq else {})}
+
+    return await dispatcher.run_phase("train", items, end_meta, resume.train)
 
 
 async def serve(config: Config, replica: int) -> None:
@@ -152,18 +186,17 @@ async def serve(config: Config, replica: int) -> None:
         started = time.monotonic()
         train_counts, eval_counts = ReadCounters(), ReadCounters()
         servicer.reads = [train_counts, eval_counts]
-        start, first_seq = resume_point(config)
-        if first_seq:
-            host.log.info("resuming", seq=first_seq, position=start.as_list())
-        batches = train_batches(config, train_counts, start)
-        items = deal_evenly(batches, num_ranks, train_counts)
-        if training.max_steps is not None:
-            items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
-        n = await dispatcher.run_phase("train", items, lambda: vars(train_counts).copy(), first_seq)
-        host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
+        resume = plan(await dispatcher.received(), checkpoint_point(config))
+        if resume.source != "start" or resume.train.skip_through or resume.train_done:
+            host.log.warning("resuming", source=resume.source, seq=resume.train.first_seq,
+                             position=resume.position.as_list(), train_done=resume.train_done,
+                             held=list(resume.train.skip_through), notes=resume.notes)
+        if not resume.train_done:
+            n = await send_training(config, dispatcher, resume, train_counts)
+            host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
         eval_rows = read_eval_rows(config, eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
-        n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy())
+        n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
 
     try:

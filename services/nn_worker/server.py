@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from hybridrec import checkpoints, log
 from hybridrec.config import Config, Mode
-from hybridrec.frames import Consumed, DenseBatch, decode_nn_batch
+from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, Received, decode_nn_batch
 from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
@@ -32,6 +33,10 @@ from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Trainer
 
 
+MARKS_KEPT = 256
+"""Recent training batches whose ends a rank remembers for a restarted data loader: far more than the ranks
+can drift apart (each holds at most its inbox and prefetch ahead of the group's step)."""
+
 RECOVERABLE_MODES = (Mode.HYBRID, Mode.SYNC)
 """Modes whose group survives losing a rank: the replicas are identical after every step (DDP), so any
 survivor's state is the group's. (async and shadow average replicas on their own schedule.)"""
@@ -42,26 +47,47 @@ class NNWorkerServicer:
         self.config, self.replica, self.inbox = config, replica, inbox
         self.trainer: Trainer | None = None
         self.phase = "starting"
-        self.last_received = {"train": -1, "eval": -1}
+        self.last_received = {phase: -1 for phase in PHASES}
         self.ended: set[str] = set()
         self.duplicates = 0
-        self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc.<task>, eval_logloss.<task>
+        self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
+        self.marks: deque[tuple[int, tuple[int, ...], int]] = deque(maxlen=MARKS_KEPT)
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Queue a batch for the trainer; a re-sent one (the data loader replays what this rank has not yet
-        confirmed after any failed call) is dropped here. The reply says how far this rank has trained."""
+        confirmed after any failed call) is dropped here. The reply says how far this rank has trained.
+
+        A batch counts as received only once it is in the inbox: a call cut off while waiting for room (its
+        loader died) leaves no trace, and a restarted loader sends that batch again."""
         item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks)
         if isinstance(item, DenseBatch):
             fresh = item.seq > self.last_received[item.phase]
-            self.last_received[item.phase] = max(item.seq, self.last_received[item.phase])
         else:
             fresh = item.phase not in self.ended
-            self.ended.add(item.phase)
-        if fresh:
-            await self.inbox.put(item)
-        else:
+        if not fresh:
             self.duplicates += 1
-        return (self.trainer.consumed if self.trainer else Consumed()).encode()
+            return self._consumed().encode()
+        await self.inbox.put(item)
+        if isinstance(item, DenseBatch):
+            self.last_received[item.phase] = max(item.seq, self.last_received[item.phase])
+            if item.phase == "train" and len(item.position) == POSITION_FIELDS:
+                self.marks.append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
+        else:
+            self.ended.add(item.phase)
+        return self._consumed().encode()
+
+    def _consumed(self) -> Consumed:
+        return self.trainer.consumed if self.trainer else Consumed()
+
+    async def Received(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """How far this rank holds each phase's stream, for a restarted data loader: what it received, or what
+        the group had trained when this process took over (a replacement, or a restored checkpoint)."""
+        if self.trainer is None:
+            raise rpc.Unavailable("the NN worker is still joining its group")
+        trained = self.trainer.next_seq - self.trainer.env.world_size  # the group trained up to here
+        through = {"train": max(self.last_received["train"], trained), "eval": self.last_received["eval"]}
+        ended = set(self.ended) | ({"train"} if self.phase in ("eval", "done") else set())
+        return Received(through, frozenset(ended), list(self.marks)).encode()
 
     async def Status(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.TrainingStatus:
         stats = self.trainer.stats if self.trainer else None

@@ -1,7 +1,8 @@
-"""kill -9 of a PS, an embedding-worker or an NN-worker process mid-run: `hybridrec run` finishes normally.
+"""kill -9 of a PS, an embedding-worker, an NN-worker or the data-loader process mid-run: `hybridrec run` finishes
+normally.
 
-With the README example's defaults: a lost NN worker is replaced and its peer hands it the dense state (no
-checkpoint involved, nothing skipped or lost).
+With the README example's defaults: a lost NN worker is replaced and its peer hands it the dense state, and a
+lost data loader reads on from where the NN workers are (no checkpoint involved, nothing skipped or lost).
 
 Each disturbed run must end within 0.005 eval AUC of an undisturbed run of the
 same config, having trained every sample, with the restart counted in the
@@ -123,9 +124,13 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
         assert result["skipped_batches"] == 0 and result["lost_updates"] == 0
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
     assert result["samples"] == undisturbed["samples"]
-    if service == "dataloader":  # the NN workers and the loader went back to the newest checkpoint (or the start)
-        assert restarted[("nn_worker", 0)] == restarted[("nn_worker", 1)] == 1
+    if service == "dataloader":  # the new loader read on from where the NN workers were; they were not restarted
+        assert restarted[("nn_worker", 0)] == restarted[("nn_worker", 1)] == 0
+        resumed = [json.loads(line) for line in (tmp_path / "run" / "logs" / "dataloader-0.log").read_text()
+                   .splitlines() if '"resuming"' in line]
+        assert len(resumed) == 1 and resumed[0]["source"] == "ranks" and resumed[0]["seq"] > 0, resumed
         assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+        assert result["data"]["train"]["first_seq"] == resumed[0]["seq"]
     if service == "embedding_worker":
         assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
         assert result["skipped_eval_batches"] == 0

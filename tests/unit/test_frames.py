@@ -13,7 +13,7 @@ from hybridrec import codec, frames
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec
 from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup,
-                              PSRows, PSUpdate, SparseBatch, decode_nn_batch, make_batch_ref, update_id)
+                              PSRows, PSUpdate, Received, SparseBatch, decode_nn_batch, make_batch_ref, update_id)
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = ValueCodec(fp16=True, kappa=1024.0)
@@ -46,6 +46,9 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
                       lambda b: Gradients.decode(b, VALUES, lambda ref: {8: 5, 4: 4})),
         "Applied": (Applied(12).encode(), Applied.decode),
         "Consumed": (Consumed("eval", 41).encode(), Consumed.decode),
+        "Received": (Received({"train": 9, "eval": -1}, frozenset({"train"}), [(7, (0, 0, 4096, 12), 300),
+                                                                             (9, (1, 0, 0, 1), 400)]).encode(),
+                     Received.decode),
         "PSLookup": (PSLookup({8: ids, 4: ids[:3]}, train=True).encode(), lambda b: PSLookup.decode(b, [4, 8])),
         "PSRows": (PSRows({8: np.ones((10, 8), np.float32)}).encode(VALUES),
                    lambda b: PSRows.decode(b, VALUES, {8: 10})),
@@ -76,6 +79,10 @@ def test_round_trips():
     assert grads.batch_ref == 9 and grads.grads[4].shape == (4, 4)
     assert cases["Applied"][1](cases["Applied"][0]).applied == 12
     assert cases["Consumed"][1](cases["Consumed"][0]) == Consumed("eval", 41)
+    received = cases["Received"][1](cases["Received"][0])
+    assert received.through == {"train": 9, "eval": -1} and received.ended == {"train"}
+    assert received.marks == [(7, (0, 0, 4096, 12), 300), (9, (1, 0, 0, 1), 400)]
+    assert Received.decode(Received().encode()) == Received()
     lookup = cases["PSLookup"][1](cases["PSLookup"][0])
     assert lookup.train and sorted(lookup.ids) == [4, 8] and lookup.ids[4].tolist() == [1, 2, 3]
     assert cases["PSRows"][1](cases["PSRows"][0]).rows[8].shape == (10, 8)
