@@ -142,11 +142,12 @@ class Pooler:
                 bags = bags.view(len(bagged), emb.batch_size, dim)
                 for k, f in enumerate(bagged):
                     pooled[self.names[f]] = bags[k]
-            for f in members:
-                if f in emb.sequences:
+            sequences = [f for f in members if f in emb.sequences]
+            if sequences:  # index -1 (past a sample's length) reads the zero row appended last
+                padded = torch.cat([leaf, leaf.new_zeros(1, dim)])
+                for f in sequences:
                     index, lengths = (torch.from_numpy(a).to(device) for a in emb.sequences[f])
-                    values = leaf[index.clamp(min=0)] * (index >= 0).unsqueeze(-1).to(leaf.dtype)
-                    pooled[self.names[f]] = SeqEmbedding(values, lengths)
+                    pooled[self.names[f]] = SeqEmbedding(padded[index], lengths)
         return leaves, {name: pooled[name] for name in self.names}
 
 
