@@ -142,6 +142,9 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("versions published / full / skipped / failed",
                          f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
                          f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
+    for task in summary.tasks or []:
+        rows.insert(-2, (f"task {task.name}: eval AUC / oracle / logloss",
+                         f"{fmt_sig(task.auc)} / {fmt_sig(task.oracle_auc)} / {fmt_sig(task.logloss)}"))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)

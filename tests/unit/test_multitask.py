@@ -133,3 +133,13 @@ def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tm
     effect = [SEQ_SCALE * sum(SEQ_DECAY ** (len(h) - 1 - j) for j, c in enumerate(h) if c == t)
               for h, t in zip(hist, cat)]
     assert np.std(effect) > 0.2
+
+
+def test_report_lists_every_task():
+    from hybridrec.report_page import summary_rows
+
+    rows = dict(summary_rows({"auc": 0.7, "tasks": [{"name": "click", "auc": 0.75, "oracle_auc": 0.76,
+                                                     "logloss": 0.45},
+                                                    {"name": "conversion", "auc": 0.68, "logloss": 0.3}]}))
+    assert rows["Task click: eval AUC / oracle / log loss"].startswith("0.75")
+    assert "Task conversion: eval AUC / oracle / log loss" in rows
