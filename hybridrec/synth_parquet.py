@@ -20,12 +20,14 @@ Columns (one row group per block of BLOCK_ROWS rows):
 **The sequence effect needs order and the target.** hist_cats holds the
 categories of the user's past items; each element is the target's category
 (item_cat) with probability MATCH_P, else a random one. The effect is
-SEQ_SCALE * sum over elements equal to item_cat of SEQ_DECAY ** age, where age
-counts back from the newest element (0). So it depends on the interaction of
-each element with the target (a match), and on where in the sequence the
-matches sit: a sum-pooled history loses the order and blurs the match count
-into a sum of every element's embedding. DIN's target attention with a
-recency embedding (`hybridrec.models.TargetAttention`) can represent it.
+SEQ_SCALE * sum over elements equal to item_cat of (SEQ_DECAY ** age -
+SEQ_STALE), where age counts back from the newest element (0): a recent match
+raises both tasks' odds, an old one lowers them a little. So it depends on the
+interaction of each element with the target (a match), and on where in the
+sequence the matches sit: the same number of matches can raise or lower the
+odds. A sum-pooled history keeps neither the order nor, except blurred into a
+sum of every element's embedding, the matches; DIN's target attention with a
+recency embedding (`hybridrec.models.TargetAttention`) can represent both.
 
 **Two correlated tasks**: conversion shares the user, tag and sequence
 effects (scaled) with click and has an item effect correlated with click's
@@ -53,12 +55,13 @@ NUM_USERS, NUM_ITEMS, NUM_CATEGORIES, NUM_TAGS = 20_000, 5_000, 100, 500
 NUM_DENSE = 4
 MAX_TAGS, MAX_HISTORY = 6, 40
 USER_SCALE, ITEM_SCALE, CATEGORY_SCALE, TAG_SCALE = 0.4, 0.4, 0.3, 0.5
-ID_TAPER_FREQ = 2e-4
+ID_TAPER_FREQ = 5e-4
 """IDs rarer than this (probability per row) carry proportionally less signal."""
 MATCH_P = 0.15
 """Chance that a history element is the target's category (besides matching by chance)."""
-SEQ_SCALE, SEQ_DECAY = 1.0, 0.5
-"""Sequence effect: SEQ_SCALE * sum of SEQ_DECAY ** age over elements matching the target's category."""
+SEQ_SCALE, SEQ_DECAY, SEQ_STALE = 1.5, 0.5, 0.15
+"""Sequence effect: SEQ_SCALE * sum of (SEQ_DECAY ** age - SEQ_STALE) over elements matching the target's
+category: a recent match attracts, an old one has gone stale and repels a little."""
 CONV_ITEM_CORR = 0.6
 TARGET_CTR, TARGET_CVR = 0.2, 0.1
 TASKS = ("click", "conversion")
@@ -156,7 +159,8 @@ def _draw(m: _Planted, rng: np.random.Generator, n: int):
     hist_row = np.repeat(np.arange(n), hist_len)
     hist = np.where(rng.random(total) < MATCH_P, cat[hist_row], _draw_ids(m.cat_cdf, rng, total))
     age = np.repeat(np.cumsum(hist_len), hist_len) - 1 - np.arange(total)  # 0: the newest element
-    seq_term = SEQ_SCALE * np.bincount(hist_row, weights=(hist == cat[hist_row]) * SEQ_DECAY ** age, minlength=n)
+    seq_term = SEQ_SCALE * np.bincount(hist_row, weights=(hist == cat[hist_row]) * (SEQ_DECAY ** age - SEQ_STALE),
+                                       minlength=n)
     dense = rng.standard_normal((n, NUM_DENSE))
     user_term = np.where(user_null, 0.0, m.user_eff[user])
     click = user_term + m.item_eff[item] + m.cat_eff[cat] + tag_term + seq_term + dense @ m.dense_click
@@ -233,7 +237,8 @@ def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: in
               "eval_rows": eval_rows, "train_file": "train.parquet", "eval_file": "eval.parquet",
               "oracle_auc": tasks["click"]["oracle_auc"], "tasks": tasks,
               "label_correlation": round(float(np.corrcoef(train_labels.T)[0, 1]), 4),
-              "sequence": {"match_p": MATCH_P, "scale": SEQ_SCALE, "decay": SEQ_DECAY, "max_history": MAX_HISTORY}}
+              "sequence": {"match_p": MATCH_P, "scale": SEQ_SCALE, "decay": SEQ_DECAY, "stale": SEQ_STALE,
+                           "max_history": MAX_HISTORY}}
     oracle_path = out / "oracle.json"
     oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")
     return MultitaskSummary(str(out), str(out / "train.parquet"), str(out / "eval.parquet"), str(oracle_path),

@@ -118,7 +118,7 @@ def test_set_reaches_into_lists(tmp_path):
 def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tmp_path):
     import pyarrow.parquet as pq
 
-    from hybridrec.synth_parquet import SEQ_DECAY, SEQ_SCALE, synthesize_multitask
+    from hybridrec.synth_parquet import SEQ_DECAY, SEQ_SCALE, SEQ_STALE, synthesize_multitask
 
     s = synthesize_multitask(tmp_path, rows=20_000, eval_rows=10_000, seed=1)
     oracle = json.loads((tmp_path / "oracle.json").read_text())
@@ -128,11 +128,13 @@ def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tm
     table = pq.read_table(tmp_path / "train.parquet")
     assert table.schema.field("hist_cats").type.value_type.bit_width == 64
     assert abs(float(np.mean(table.column("click").to_numpy())) - 0.2) < 0.02
-    # the planted effect of a match decays with its age: the newest element weighs 1, the one before 0.5
-    hist, cat = table.column("hist_cats").to_pylist()[:2000], table.column("item_cat").to_numpy()[:2000]
-    effect = [SEQ_SCALE * sum(SEQ_DECAY ** (len(h) - 1 - j) for j, c in enumerate(h) if c == t)
-              for h, t in zip(hist, cat)]
-    assert np.std(effect) > 0.2
+    # the planted effect of a match falls with its age, below zero for old ones: the match count alone does not
+    # tell it (what a sum-pooled history could at best recover)
+    hist, cat = table.column("hist_cats").to_pylist()[:5000], table.column("item_cat").to_numpy()[:5000]
+    effect = np.array([SEQ_SCALE * sum(SEQ_DECAY ** (len(h) - 1 - j) - SEQ_STALE for j, c in enumerate(h) if c == t)
+                       for h, t in zip(hist, cat)])
+    matches = np.array([sum(c == t for c in h) for h, t in zip(hist, cat)])
+    assert np.std(effect) > 0.3 and abs(np.corrcoef(effect, matches)[0, 1]) < 0.7
 
 
 def test_report_lists_every_task():
