@@ -85,8 +85,8 @@ class Position:
 
     epoch: int = 0
     file: int = 0
-    offset: int = 0  # byte offset in the file's uncompressed stream
-    line: int = 1  # 1-based line number at that offset
+    offset: int = 0  # byte offset in the file's uncompressed stream (Parquet: the file row)
+    line: int = 1  # 1-based line number at that offset (Parquet: that row, 1-based)
 
     def as_list(self) -> list[int]:
         return [self.epoch, self.file, self.offset, self.line]
