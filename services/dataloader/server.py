@@ -20,7 +20,7 @@ from typing import Iterator
 import grpc
 
 from hybridrec import rpc
-from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received, SparseBatch
+from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received
 from hybridrec.config import Config
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
@@ -174,7 +174,7 @@ async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
-    training, data = config.training, config.data
+    training = config.training
     num_ranks = len(config.cluster.nn_workers)
     await host.start()
     await host.set_serving(True)

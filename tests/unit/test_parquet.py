@@ -9,7 +9,7 @@ import pytest
 from hybridrec.config import ConfigError, from_dict
 from hybridrec.parquet_data import tsv_to_parquet
 from hybridrec.synth import synthesize
-from services.dataloader.batching import Position, ReadCounters
+from services.dataloader.batching import ReadCounters
 from services.dataloader.parquet import ParquetFormatError, ParquetSpec, read_parquet
 from services.dataloader.sources import eval_rows, train_batches
 
