@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.testbed.bed import TestbedError, run_testbed  # noqa: E402
-from benchmarks.testbed.spec import format_rate, parse_rate, two_hosts  # noqa: E402
+from benchmarks.testbed.spec import cpus_option, format_rate, parse_rate, two_hosts  # noqa: E402
 from hybridrec.config import load_config  # noqa: E402
 
 MODES = ("hybrid", "sync", "async")
@@ -47,14 +47,14 @@ def ensure_data(rows: int) -> Path:
 
 
 def one(config_path: Path, data: Path, mode: str, rate: str, work: Path, overrides: list[str],
-        prefix: str) -> dict:
+        prefix: str, cpus: tuple[str, str] | None = None) -> dict:
     sets = [f"data.train=[{data / 'train.tsv'}]", f"data.eval=[{data / 'eval.tsv'}]",
             f"data.oracle={data / 'oracle.json'}", f"training.mode={mode}", *overrides]
     config = load_config(config_path, sets)
     run_dir = work / f"{mode}-{rate}"
     started = time.monotonic()
     try:
-        result = run_testbed(config, two_hosts(rate), run_dir, prefix=prefix, timeout_s=1800)
+        result = run_testbed(config, two_hosts(rate, cpus=cpus), run_dir, prefix=prefix, timeout_s=1800)
     except TestbedError as exc:
         return {"mode": mode, "rate": rate, "error": str(exc)[-2000:]}
     s = result["summary"]
@@ -167,6 +167,10 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. training.staleness=8")
     parser.add_argument("--prefix", default="hrsw")
+    parser.add_argument("--cpus", default="split",
+                        help="'split' (default): the trainer host on one half of the CPUs, the embedding host on "
+                             "the other, as separate machines would be; 'shared': both on every CPU; or "
+                             "TRAINER/EMBEDDING CPU lists, e.g. 0/1")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="combine sweep JSON files into --out (a later file's (mode, rate) run replaces an "
                              "earlier one), recompute the targets and the plot; runs nothing")
@@ -175,16 +179,21 @@ def main() -> int:
         return merge(args.merge, args.out)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     rates = args.rates or list(QUICK_RATES if args.quick else FULL_RATES)
-    for rate in rates:
-        parse_rate(rate)  # refuse a bad ladder before the first run
+    try:
+        cpus = cpus_option(args.cpus)
+        for rate in rates:
+            parse_rate(rate)  # refuse a bad ladder before the first run
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     data = ensure_data(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / (args.out.stem + "-runs")
     result = {"rows": rows, "rates": rates, "modes": args.modes, "overrides": args.overrides,
-              "load_avg_start": os.getloadavg(), "cpus": os.cpu_count(), "runs": []}
+              "load_avg_start": os.getloadavg(), "cpus": os.cpu_count(),
+              "host_cpus": {"trainer": cpus[0], "embedding": cpus[1]} if cpus else "shared", "runs": []}
     for rate in rates:
         for mode in args.modes:
-            row = one(args.config, data, mode, rate, work, args.overrides, args.prefix)
+            row = one(args.config, data, mode, rate, work, args.overrides, args.prefix, cpus)
             result["runs"].append(row)
             print(json.dumps({k: row.get(k) for k in ("mode", "rate", "samples_per_sec", "auc",
                                                       "exposed_wait_per_step_s", "compute_per_step_s",

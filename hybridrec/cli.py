@@ -137,6 +137,10 @@ def _print_summary(summary: RunSummary) -> None:
     if summary.batches_recovered or summary.updates_deduplicated:  # an embedding worker or PS restarted
         rows.insert(-2, ("recovered batches / deduplicated updates",
                          f"{fmt_int(summary.batches_recovered)} / {fmt_int(summary.updates_deduplicated)}"))
+    rows.insert(-2, ("PS rows held at the end", fmt_int(summary.ps_rows)))
+    if summary.lifecycle:  # admission or expiry did something: per table admitted / rejected / expired
+        totals = [sum(getattr(t, f) for t in summary.lifecycle.values()) for f in ("admitted", "rejected", "expired")]
+        rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))
     if summary.publish is not None:
         p = summary.publish
         rows.insert(-2, ("versions published / full / skipped / failed",
@@ -341,8 +345,13 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
                                        help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
          shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
+         admit_after: int = typer.Option(1, "--admit-after", min=1, max=255,
+                                         help="Occurrences before an ID gets a row (> 1: a count-min sketch)."),
+         sketch_width: int = typer.Option(1 << 22, "--sketch-width", help="Sketch counters per row per store."),
+         sketch_depth: int = typer.Option(4, "--sketch-depth", min=1, max=8, help="Sketch rows."),
+         ttl: bool = typer.Option(False, "--ttl", help="Rows expire by age (16 bytes of stamps per row)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """Memory per PS shard and in total, index overhead included."""
+    """Memory per PS shard and in total, index overhead and the embedding lifecycle included."""
     planner = service_module("embedding_ps", "plan")
     if dtype != "float32":
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
@@ -353,7 +362,9 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
             if (ids is None) == (params is None):
                 _fail("give --ids or --params (or --config)")
             rows = int(ids if ids is not None else params / dim)
-            result = planner.plan_tables([planner.Table(rows, dim)], optimizer=optimizer, shards=shards)
+            result = planner.plan_tables([planner.Table(rows, dim)], optimizer=optimizer, shards=shards,
+                                         admit_after=admit_after, ttl=ttl, sketch_width=sketch_width,
+                                         sketch_depth=sketch_depth)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:

@@ -277,6 +277,59 @@ class InitConfig(_Model):
     """Half-width (uniform) or standard deviation (normal) of a new row."""
 
 
+class TableLifecycleConfig(_Model):
+    """One table's own lifecycle settings (a table is a feature group); an unset key takes `ps.lifecycle`'s."""
+
+    admit_after: Annotated[int, Field(ge=1, le=255)] | None = None
+    """Occurrences before this table's IDs get a row (None: `ps.lifecycle.admit_after`)."""
+    ttl_steps: Annotated[int, Field(gt=0)] | None = None
+    """Training steps without an update after which this table's rows expire (None: `ps.lifecycle.ttl_steps`)."""
+    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    """Seconds without an update after which this table's rows expire (None: `ps.lifecycle.ttl_s`)."""
+
+
+class LifecycleConfig(_Model):
+    """Which IDs get a row and how long a row lives, per table (docs/architecture.md#embedding-lifecycle).
+
+    The defaults (admit at once, no expiry) keep every ID the PS sees until LRU capacity evicts it; no sketch
+    and no per-row stamps are allocated then.
+    """
+
+    admit_after: Annotated[int, Field(ge=1, le=255)] = 1
+    """Occurrences an ID needs (training batches that look it up, counted in a count-min sketch on its PS
+    shard) before it gets a row; until then it reads zeros and its gradients are dropped. 1: at once (no
+    sketch). `ps.admit_probability` is drawn after this count is reached."""
+    ttl_steps: Annotated[int, Field(gt=0)] | None = None
+    """Rows not updated for this many training steps are removed (None: no step limit). The PS counts steps
+    as the updates it applied divided by the number of NN workers (one update per NN worker per step)."""
+    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    """Rows not updated for this many seconds are removed (None: no time limit)."""
+    tables: dict[Annotated[int, Field(ge=0, lt=MAX_GROUPS)], TableLifecycleConfig] = Field(default_factory=dict)
+    """Per-table overrides, keyed by feature group (`features[].group`), e.g. `{4: {admit_after: 3}}`."""
+    sketch_width: Annotated[int, Field(ge=1024, le=1 << 31)] = 1 << 22
+    """Counters per sketch row of each store (one store per width per shard); the sketch takes
+    sketch_width x sketch_depth bytes (one-byte counters) whatever the number of IDs."""
+    sketch_depth: Annotated[int, Field(ge=1, le=8)] = 4
+    """Rows (hash functions) of the count-min sketch: an ID's count is the smallest of its counters."""
+    sketch_window: Annotated[int, Field(gt=0)] | None = None
+    """Occurrences counted in a store's sketch after which every counter is halved, so that the sketch follows
+    the recent stream instead of filling up: an ID needs its admit_after occurrences within about this many
+    (None: sketch_width, which keeps the share of once-seen IDs admitted by collisions near 5 %)."""
+    sweep_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    """With a TTL: seconds between two sweeps that remove expired rows (a row may outlive its TTL by this)."""
+
+    def admit_after_of(self, group: int) -> int:
+        """The occurrence threshold of table `group`."""
+        own = self.tables.get(group)
+        return own.admit_after if own is not None and own.admit_after is not None else self.admit_after
+
+    def ttl_of(self, group: int) -> tuple[int | None, float | None]:
+        """(ttl_steps, ttl_s) of table `group`."""
+        own = self.tables.get(group) or TableLifecycleConfig()
+        return (own.ttl_steps if own.ttl_steps is not None else self.ttl_steps,
+                own.ttl_s if own.ttl_s is not None else self.ttl_s)
+
+
 class PSConfig(_Model):
     """The embedding parameter server: one store per embedding width on every shard."""
 
@@ -288,7 +341,8 @@ class PSConfig(_Model):
     num_stripes: Annotated[int, Field(ge=1, le=1024)] = 16
     """Independently locked parts of each store (parallelism across request threads)."""
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0
-    """Chance that a training lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
+    """Chance that a training lookup of a new ID inserts it, drawn once the ID has its `lifecycle.admit_after`
+    occurrences (at once by default); each later lookup draws again, so an ID gets in after about 1/p of them."""
     weight_bound: Annotated[float, Field(gt=0)] | None = None
     """Clip embedding weights to [-bound, bound] after each update (None: no clipping)."""
     init: InitConfig = Field(default_factory=InitConfig)
@@ -297,6 +351,8 @@ class PSConfig(_Model):
     """Request threads running the store's kernels."""
     keep_shm: bool = False
     """Keep the store and buffer files after `hybridrec run` ends (they are removed by default)."""
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+    """Admission after k occurrences and expiry by age (TTL), per table."""
 
 
 class TLSConfig(_Model):
@@ -341,7 +397,10 @@ class ClusterConfig(_Model):
     retry_s: Annotated[float, Field(gt=0)] = 120.0
     """How long a caller keeps retrying a peer that answers UNAVAILABLE (e.g. a PS restarting in place)."""
     max_restarts: Annotated[int, Field(ge=0)] = 3
-    """`hybridrec run`: how often a crashed PS or embedding worker is restarted in place."""
+    """`hybridrec run`: how many deaths of one process are restarted when they look like a crash loop — it
+    failed on its own (a PS or embedding worker is restarted even then) or died before it ever served — and
+    how many such group restarts from a checkpoint. A process killed from outside (a signal, a lost peer)
+    after it was serving is always restarted: that is a machine or an operator, not a loop."""
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     """How long a service waits for the peers it depends on to report SERVING."""
     rejoin_timeout_s: Annotated[float, Field(gt=0)] = 300.0
@@ -477,6 +536,10 @@ class Config(_Model):
         for f in self.features:
             if dims.setdefault(f.group, f.dim) != f.dim:
                 raise ValueError(f"features: group {f.group} is used with widths {dims[f.group]} and {f.dim}")
+        for group in self.ps.lifecycle.tables:
+            if group not in dims:
+                raise ValueError(f"ps.lifecycle.tables.{group}: no feature has group {group} "
+                                 f"(groups in use: {sorted(dims)})")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ launcher killed with SIGKILL leaves no service behind.
 from __future__ import annotations
 
 import ctypes
+import enum
 import json
 import os
 import random
@@ -30,17 +31,48 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.files import write_json_atomic
 from hybridrec.report import Recorder, write_report
-from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES
+from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.summary import Phases, RunSummary, ServiceInfo
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
 FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
-RESTARTABLE = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_in_place)
 GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
 RESUMES_FROM = {kind.name: kind.resumes_from for kind in SERVICE_KINDS if kind.resumes_from}
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
+
+
+class Action(enum.Enum):
+    """What the launcher does about a process that exited (other than a clean finish)."""
+
+    REPLACE = "replace"  # restart it alone; it continues from the state others hold (resumes_from)
+    RESTART = "restart"  # restart it alone, in place (its state is in shm, or it has none)
+    GROUP = "group"  # restart the NN workers and the data loader from the newest checkpoint
+    FAIL = "fail"  # stop the run, naming it
+
+
+def is_lost(rc: int) -> bool:
+    """Killed by a signal, or stopped because a peer it needs was lost: not the process's own failure."""
+    return rc < 0 or rc == EXIT_PEER_LOST
+
+
+def after_death(kind: ServiceKind, rc: int, *, serving: bool, budget_left: bool, state_held: bool,
+                checkpoints: bool, group_budget_left: bool) -> Action:
+    """The restart policy. A process killed from outside after it was serving (a machine, an operator, a
+    chaos test) is always restarted; its own failures and deaths before it ever served look like a crash
+    loop and are restarted only while `budget_left` (cluster.max_restarts). `state_held`: the processes it
+    resumes from are alive; a group restart needs a checkpoint directory (and, unless excused, group restarts
+    left)."""
+    lost = is_lost(rc)
+    excused = lost and serving
+    if lost and kind.resumes_from and state_held and (excused or budget_left):
+        return Action.REPLACE
+    if kind.restart_in_place and (excused or budget_left):
+        return Action.RESTART
+    if lost and kind.restart_as_group and checkpoints and (excused or group_budget_left):
+        return Action.GROUP
+    return Action.FAIL
 
 
 class LaunchError(RuntimeError):
@@ -59,6 +91,8 @@ class ServiceProcess:
     restarts: int = 0
     log_offset: int = 0  # how far the launcher has read the log (warnings are echoed, tagged)
     joining: bool = False  # restarted to rejoin its peers and not yet seen training with them
+    serving: bool = False  # this process (since its last start) has answered the health check with SERVING
+    failures: int = 0  # deaths that count against cluster.max_restarts (see LocalCluster.check)
 
     @property
     def name(self) -> str:
@@ -153,6 +187,7 @@ class LocalCluster:
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           env=env, preexec_fn=_die_with_parent, close_fds=True)
+        proc.serving = False
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
     def check(self) -> bool:
@@ -164,17 +199,22 @@ class LocalCluster:
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
                 continue
-            lost = rc < 0 or rc == EXIT_PEER_LOST  # killed, or stopped by a lost peer: not its own failure
-            may_restart = proc.restarts < self.config.cluster.max_restarts
-            if lost and proc.service in RESUMES_FROM and self._state_held_for(proc) and may_restart:
+            counted = not (proc.serving and is_lost(rc))
+            proc.failures += counted
+            action = after_death(SERVICES[proc.service], rc, serving=proc.serving,
+                                 budget_left=proc.failures <= self.config.cluster.max_restarts,
+                                 state_held=proc.service in RESUMES_FROM and self._state_held_for(proc),
+                                 checkpoints=bool(self.config.checkpoint.dir),
+                                 group_budget_left=self.group_restarts < self.config.cluster.max_restarts)
+            if action is Action.REPLACE:
                 proc.joining = proc.service == RESUMES_FROM[proc.service]  # rejoins its peers
                 self._restart_alone(proc, rc, "service_replaced")
                 continue
-            if proc.service in RESTARTABLE and may_restart:
+            if action is Action.RESTART:
                 self._restart_alone(proc, rc, "service_restarted")
                 continue
-            if lost and proc.service in GROUP and self._can_restart_group():
-                self._restart_group(proc, rc)
+            if action is Action.GROUP:
+                self._restart_group(proc, rc, counted=counted)
                 return False
             raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
                               f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "
@@ -228,13 +268,11 @@ class LocalCluster:
             if proc.joining and status is not None and status.phase not in ("", "starting"):
                 proc.joining = False
 
-    def _can_restart_group(self) -> bool:
-        return bool(self.config.checkpoint.dir) and self.group_restarts < self.config.cluster.max_restarts
-
-    def _restart_group(self, failed: ServiceProcess, rc: int) -> None:
+    def _restart_group(self, failed: ServiceProcess, rc: int, *, counted: bool) -> None:
         """The dense part never loses a synchronisation: every NN worker and the data loader go back to
-        the newest checkpoint together (Persia paper (Lian et al., KDD 2022) §4.2.4)."""
-        self.group_restarts += 1
+        the newest checkpoint together (Persia paper (Lian et al., KDD 2022) §4.2.4). `counted`: against
+        cluster.max_restarts (not when `failed` was killed from outside while serving)."""
+        self.group_restarts += counted
         self.log.warning("group_restart", failed=failed.name, exit_code=rc, restarts=self.group_restarts,
                          checkpoint_dir=self.config.checkpoint.dir)
         group = [p for p in self.procs if p.service in GROUP]
@@ -248,6 +286,12 @@ class LocalCluster:
             proc.joining = False
             self._spawn(proc)
         self._write_services()
+
+    def note_serving(self) -> None:
+        """Ask each live process not yet seen SERVING since its start (a few, and only until they serve)."""
+        for proc in self.procs:
+            if not proc.serving and proc.popen and proc.popen.poll() is None:
+                proc.serving = rpc.is_serving_now(proc.address, timeout_s=0.3)
 
     def statuses(self) -> list[pb.TrainingStatus | None]:
         """Every NN worker's training status in rank order (asked in parallel); None for a rank that does not
@@ -324,6 +368,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
                     statuses = cluster.statuses()
                     cluster.note_statuses(statuses)
+                    cluster.note_serving()
                     recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
                     cluster.echo_warnings()
                     if progress is not None:

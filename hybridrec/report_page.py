@@ -164,7 +164,18 @@ def _result_rows(s: dict) -> list[tuple[str, str]]:
         ("Lost embedding updates", fmt_int(s.get("lost_updates"))),
         ("Batches recovered by restarted embedding workers", fmt_int(s.get("batches_recovered"))),
         ("Re-sent updates the PS shards applied once", fmt_int(s.get("updates_deduplicated"))),
+        ("Embedding rows held by the PS at the end", fmt_int(s.get("ps_rows"))),
+        ("Rows admitted / rejected / expired (all tables)", _lifecycle_totals(s.get("lifecycle"))),
     ]
+
+
+def _lifecycle_totals(tables: dict | None) -> str:
+    """'admitted / rejected / expired' summed over the summary's per-table lifecycle counters."""
+    if not isinstance(tables, dict):
+        return DASH
+    sums = [sum(int(t.get(f, 0)) for t in tables.values() if isinstance(t, dict))
+            for f in ("admitted", "rejected", "expired")]
+    return " / ".join(fmt_int(n) for n in sums)
 
 
 def _phase_table(phases: dict) -> str:

@@ -254,6 +254,16 @@ async def is_serving(address: str, *, timeout_s: float = 2.0, service: str = "")
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def is_serving_now(address: str, *, timeout_s: float = 1.0) -> bool:
+    """`is_serving` for blocking callers (the launcher)."""
+    with sync_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: str = "services") -> None:
     """Poll health with jittered backoff until every address is SERVING; TimeoutError names the laggards."""
     loop = asyncio.get_running_loop()

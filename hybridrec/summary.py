@@ -78,6 +78,20 @@ class PublishSummary(BaseModel):
     """The versions directory (publish.dir)."""
 
 
+class TableLifecycle(BaseModel):
+    """One table's embedding lifecycle over the run (ps.lifecycle), summed over the PS shards."""
+
+    admitted: int = 0
+    """Rows created for the table's IDs (an ID expired or evicted and seen again counts again)."""
+    rejected: int = 0
+    """Training lookups of an ID without a row that did not create one: fewer than admit_after
+    occurrences yet, or not drawn by admit_probability."""
+    expired: int = 0
+    """Rows removed because they were not updated within the table's TTL."""
+    dropped_gradients: int = 0
+    """Gradients of IDs without a row (not admitted, expired or evicted), dropped by the PS."""
+
+
 class Phases(BaseModel):
     """Where the run's time went: seconds since launch (t = 0) of each phase boundary, on the launcher's clock.
 
@@ -126,7 +140,10 @@ class RunSummary(BaseModel):
     """samples / train_wall_s."""
     mean_train_loss: float
     lost_updates: int
-    """Gradient pushes that failed for good (their updates never reached the PS)."""
+    """Training batches whose embedding update never reached the PS: what the embedding workers still held,
+    looked up but not applied, at the end of the run (they keep such a batch until its update is applied, so
+    this counts pushes that failed for good and pushes lost with an NN worker that died). When an embedding
+    worker did not answer at the end, the NN workers' own count of failed pushes."""
     skipped_batches: int
     """Training batches whose embeddings were lost (an embedding worker lost its buffer directory; a
     restarted one re-attaches to it and loses nothing)."""
@@ -137,6 +154,12 @@ class RunSummary(BaseModel):
     updates_deduplicated: int | None = None
     """Re-sent embedding updates the PS shards acknowledged without applying them again (they had applied
     them before the sender restarted); None when a shard did not answer at the end of the run."""
+    ps_rows: int | None = None
+    """Embedding rows the PS shards held at the end of the run (every shard and width); None when a shard
+    did not answer."""
+    lifecycle: dict[int, TableLifecycle] | None = None
+    """Per table (feature group) with any activity: rows admitted, rejected and expired, gradients dropped
+    (docs/architecture.md#embedding-lifecycle); None when a shard did not answer."""
     staleness: Staleness
     exposed_wait_per_step_s: float | None = None
     """Mean seconds per training step (over steps and ranks) an NN worker's step loop waited for

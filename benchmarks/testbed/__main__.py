@@ -11,7 +11,7 @@ import yaml
 
 from benchmarks.testbed.bed import Fault, TestbedError, run_testbed
 from benchmarks.testbed.net import NetError, cleanup
-from benchmarks.testbed.spec import SpecError, load_spec, two_hosts
+from benchmarks.testbed.spec import SpecError, cpus_option, load_spec, two_hosts
 from hybridrec.config import ConfigError, load_config
 
 
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--spec", type=Path, help="YAML testbed spec (hosts, services, link rates); default: two hosts")
     run.add_argument("--rate", default=None, help="embedding host's link rate both ways (default spec), e.g. 1gbit")
     run.add_argument("--trainer-rate", default=None, help="trainer host's link rate both ways (default spec)")
+    run.add_argument("--cpus", default=None,
+                     help="default spec: TRAINER/EMBEDDING CPU lists (e.g. 0/1) or 'split' (halves of the CPUs); "
+                          "default: both hosts on every CPU")
     run.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     run.add_argument("--run-dir", type=Path, default=None)
     run.add_argument("--prefix", default="hrtb", help="name prefix of namespaces and shm files")
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = load_config(args.config, args.overrides)
-        spec = load_spec(yaml.safe_load(args.spec.read_text())) if args.spec else two_hosts(args.rate, args.trainer_rate)
+        spec = load_spec(yaml.safe_load(args.spec.read_text())) if args.spec else two_hosts(
+            args.rate, args.trainer_rate, cpus=cpus_option(args.cpus))
         faults = [parse_fault(f) for f in args.fault]
     except (ConfigError, SpecError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ success, on any failure, on SIGTERM and on Ctrl-C.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -70,6 +71,13 @@ class Fault:
     kind: str  # "down": link down for duration_s; "slow": rate / factor for duration_s
     duration_s: float
     factor: float = 10.0
+
+
+def _start_on(cpus: set[int] | None) -> None:
+    """In the child before exec: die with the testbed, and run on the host's CPUs (inherited by exec)."""
+    _die_with_parent()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 def resolve(config: Config, spec: TestbedSpec, prefix: str, run_dir: Path) -> tuple[dict[str, Config], list[Proc]]:
@@ -166,9 +174,10 @@ class Testbed:
             cmd = ["ip", "netns", "exec", host_ns(self.prefix, proc.host), sys.executable, "-m", "hybridrec", "serve",
                    proc.service, "--config", str(self.run_dir / f"config-{proc.host}.yaml"),
                    "--replica", str(proc.replica), "--set", f"cluster.metrics_port={proc.metrics_port}"]
+            cpus = next(h for h in self.spec.hosts if h.name == proc.host).cpu_set()
             with open(proc.log_path, "wb") as out:  # fresh: the run's marks are read from these logs
                 proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                              env=env, preexec_fn=_die_with_parent, close_fds=True)
+                                              env=env, preexec_fn=functools.partial(_start_on, cpus), close_fds=True)
         self._write_services()
 
     def _write_services(self) -> None:

@@ -6,6 +6,7 @@ all are refused with a message naming the host and the entry.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Any
 
@@ -43,6 +44,44 @@ def parse_rate(value: Any) -> float | None:
     return bits
 
 
+def parse_cpus(text: str) -> set[int]:
+    """{0, 1, 3} from "0-1,3"; ValueError for a malformed list or a CPU this machine does not let us use."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"cpus {text!r}: expected a list like 0, 0-3 or 0,2")
+        cpus.update(range(int(first), int(last if dash else first) + 1))
+    usable = os.sched_getaffinity(0)
+    if not cpus <= usable:
+        raise ValueError(f"cpus {text!r}: CPU {sorted(cpus - usable)} is not available here "
+                         f"(usable: {sorted(usable)})")
+    return cpus
+
+
+def split_cpus() -> tuple[str, str] | None:
+    """Two disjoint halves of the usable CPUs, (trainer, embedding), the trainer taking the larger; None with
+    a single CPU."""
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        return None
+    half = (len(usable) + 1) // 2
+    return ",".join(map(str, usable[:half])), ",".join(map(str, usable[half:]))
+
+
+def cpus_option(choice: str | None) -> tuple[str, str] | None:
+    """(trainer, embedding) CPU lists from a command line's --cpus: 'split' (`split_cpus`), 'shared' or None
+    (every CPU for both), or TRAINER/EMBEDDING lists such as 0/1."""
+    if choice in (None, "shared"):
+        return None
+    if choice == "split":
+        return split_cpus()
+    trainer, sep, embedding = choice.partition("/")
+    if not sep or not trainer or not embedding:
+        raise ValueError(f"--cpus {choice!r}: expected split, shared or TRAINER/EMBEDDING CPU lists (e.g. 0/1)")
+    return trainer, embedding
+
+
 def format_rate(bits: float | None) -> str:
     if bits is None:
         return "unshaped"
@@ -78,6 +117,21 @@ class HostSpec(BaseModel):
     services: Annotated[list[str], Field(min_length=1)]
     """`SERVICE` (every replica of it) or `SERVICE:REPLICA`."""
     link: LinkSpec = Field(default_factory=LinkSpec)
+    cpus: str | None = None
+    """The CPUs the host's processes run on, as `taskset -c` writes them ("0", "0-3", "0,2"); None: every
+    CPU. Separate machines have separate cores: pinning keeps one host's work (the embedding host's gRPC, PS
+    and embedding worker) off another's (the trainer's dense compute), as it would be off it across a real
+    network. Hosts may share CPUs; every CPU must exist here."""
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, cpus: str | None) -> str | None:
+        if cpus is not None:
+            parse_cpus(cpus)
+        return cpus
+
+    def cpu_set(self) -> set[int] | None:
+        return parse_cpus(self.cpus) if self.cpus is not None else None
 
     @field_validator("name")
     @classmethod
@@ -160,10 +214,14 @@ def load_spec(tree: dict[str, Any]) -> TestbedSpec:
         raise SpecError("invalid testbed spec:\n" + "\n".join(lines)) from None
 
 
-def two_hosts(rate: Any = None, trainer_rate: Any = None) -> TestbedSpec:
+def two_hosts(rate: Any = None, trainer_rate: Any = None, cpus: tuple[str, str] | None = None) -> TestbedSpec:
     """The default: `trainer` (data loader, NN workers) and `embedding` (PS shards, embedding workers);
-    `rate` shapes the embedding host's link both ways, `trainer_rate` the trainer's."""
+    `rate` shapes the embedding host's link both ways, `trainer_rate` the trainer's; `cpus` pins the two
+    hosts to (trainer, embedding) CPU lists (`split_cpus()` halves this machine)."""
+    trainer_cpus, embedding_cpus = cpus or (None, None)
     return load_spec({"hosts": [
-        {"name": "trainer", "services": ["dataloader", "nn_worker"], "link": {"up": trainer_rate, "down": trainer_rate}},
-        {"name": "embedding", "services": ["embedding_ps", "embedding_worker"], "link": {"up": rate, "down": rate}},
+        {"name": "trainer", "services": ["dataloader", "nn_worker"], "link": {"up": trainer_rate, "down": trainer_rate},
+         "cpus": trainer_cpus},
+        {"name": "embedding", "services": ["embedding_ps", "embedding_worker"], "link": {"up": rate, "down": rate},
+         "cpus": embedding_cpus},
     ]})

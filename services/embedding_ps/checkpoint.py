@@ -5,6 +5,16 @@ On the embedding PS (and the `hybridrec checkpoint inspect` CLI). Layout:
     CKPT/ps/shard-00000-of-00002/manifest.json
                                  dim16.keys.npy     uint64 (n,)
                                  dim16.values.npy   float32 (n, dim + state width)
+                                 dim16.touched.npy  int64 (n, 2): last update (store clock, unix ms),
+                                                    with a TTL (ps.lifecycle)
+                                 dim16.sketch.npy   uint8 (stripes, depth, columns): the admission
+                                                    sketch, with admit_after > 1
+
+The embedding lifecycle's state travels with the rows: each row's last
+update (so a restored row expires when it would have), the store's clock (the
+unit of step TTLs) and its admission sketch (so an ID counted before the
+checkpoint does not start from zero). Sketches are merged by adding the
+dumps' counters (they count disjoint shards' IDs), which never undercounts.
 
 A shard is written into a hidden temporary directory and renamed into place,
 so a crash mid-dump never leaves a half-written shard under its final name.
@@ -39,6 +49,7 @@ PS_SUBDIR = "ps"
 MANIFEST = "manifest.json"
 _SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _CHUNK_BYTES = 16 << 20
+_LIFECYCLE_PARTS = ("touched", "sketch")  # optional files of a table (older dumps have neither)
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
@@ -81,7 +92,8 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
         tables = {}
         for dim, store in sorted(store_by_dim.items()):
             config = store.config
-            keys, values = store.items()
+            keys, values, touched = store.snapshot()
+            sketch = store.sketch()
             tables[str(dim)] = {
                 "dim": config.dim, "state_width": state_width(config.optimizer, config.dim),
                 "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": int(keys.shape[0]),
@@ -89,7 +101,12 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
                 "init": {"distribution": config.init_distribution, "scale": config.init_scale},
                 "files": {"keys": _write_npy(tmp / f"dim{dim}.keys.npy", keys),
                           "values": _write_npy(tmp / f"dim{dim}.values.npy", values)},
+                "clock": store.clock,
             }
+            if touched is not None:
+                tables[str(dim)]["files"]["touched"] = _write_npy(tmp / f"dim{dim}.touched.npy", touched)
+            if sketch is not None:
+                tables[str(dim)]["files"]["sketch"] = _write_npy(tmp / f"dim{dim}.sketch.npy", sketch)
         manifest = {"format_version": FORMAT_VERSION, "kind": "hybridrec-ps-shard", "shard": shard,
                     "num_shards": num_shards, "step": int(step), "created_unix": time.time(),
                     "widths": sorted(int(d) for d in store_by_dim), "tables": tables}
@@ -142,8 +159,11 @@ def _check_schema(path: Path, manifest) -> None:
             raise bad(f"table {width}: dim/state_width/num_rows")
         if not isinstance(table.get("optimizer"), dict) or "name" not in table["optimizer"]:
             raise bad(f"table {width}: optimizer")
-        for part in ("keys", "values"):
-            entry = table.get("files", {}).get(part) if isinstance(table.get("files"), dict) else None
+        if not isinstance(table.get("clock", 0), int):
+            raise bad(f"table {width}: clock")
+        files = table.get("files") if isinstance(table.get("files"), dict) else {}
+        for part in ("keys", "values", *(p for p in _LIFECYCLE_PARTS if p in files)):
+            entry = files.get(part)
             if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
                     or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("file"), str) \
                     or Path(entry["file"]).name != entry["file"]:
@@ -216,6 +236,19 @@ def _open_table(path: Path, table: dict, dim: int) -> tuple[np.ndarray, np.ndarr
     return keys, values
 
 
+def _open_lifecycle(path: Path, table: dict, dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Memory-mapped (touched, sketch) of one verified table, None where the dump has none."""
+    out = []
+    for part, dtype in (("touched", np.int64), ("sketch", np.uint8)):
+        entry = table["files"].get(part)
+        array = None if entry is None else np.load(path / entry["file"], mmap_mode="r", allow_pickle=False)
+        if array is not None and (array.dtype != dtype or (part == "touched" and array.shape != (table["num_rows"], 2))
+                                  or (part == "sketch" and array.ndim != 3)):
+            raise ValueError(f"{path} dim {dim}: {part} array {array.dtype}{array.shape} does not match the manifest")
+        out.append(array)
+    return out[0], out[1]
+
+
 def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *, shard: int, num_shards: int,
                shard_of: Callable[[np.ndarray], np.ndarray]) -> dict:
     """Insert into the stores the checkpoint rows that `shard_of` assigns to `shard` of `num_shards`.
@@ -245,19 +278,34 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
             if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",
                              dim=dim, checkpoint=table["optimizer"], configured=spec.model_dump(mode="json"))
-            for part in ("keys", "values"):
+            for part in ("keys", "values", *(p for p in _LIFECYCLE_PARTS if p in table["files"])):
                 _verify_file(path / table["files"][part]["file"], table["files"][part])
             keys, values = _open_table(path, table, dim)
+            touched, sketch = _open_lifecycle(path, table, dim)
             mine = np.flatnonzero(np.asarray(shard_of(np.asarray(keys))) == shard)
             if source_shards == num_shards and len(mine) != len(keys):
                 raise ValueError(f"{path} dim {dim}: {len(keys) - len(mine)} rows do not belong to shard {shard} "
                                  "under the given shard function (was the checkpoint sharded differently?)")
-            selected.append((dim, keys, values, mine))
+            selected.append((dim, keys, values, mine, touched, sketch, table.get("clock", 0)))
     rows: dict[int, int] = {dim: 0 for dim in store_by_dim}
-    for dim, keys, values, mine in selected:  # everything verified: now insert
+    clocks: dict[int, int] = {}
+    for dim, *_, clock in selected:
+        clocks[dim] = max(clocks.get(dim, 0), clock)
+    for dim, clock in clocks.items():  # before the rows: their stamps are on the checkpoint's clock
+        store_by_dim[dim].advance_clock(clock)
+    for dim, keys, values, mine, touched, _, _ in selected:  # everything verified: now insert
         if len(mine):
-            store_by_dim[dim].load_rows(np.ascontiguousarray(keys[mine]), np.ascontiguousarray(values[mine]))
+            store_by_dim[dim].load_rows(np.ascontiguousarray(keys[mine]), np.ascontiguousarray(values[mine]),
+                                        None if touched is None else np.ascontiguousarray(touched[mine]))
         rows[dim] += len(mine)
+    for dim, store in store_by_dim.items():
+        own = store.sketch()
+        sketches = [np.asarray(sk) for d, *_, sk, _ in selected if d == dim and sk is not None]
+        if own is not None and any(sk.shape != own.shape for sk in sketches):
+            _log.warning("checkpoint sketch has another shape; admission counts start from zero", dim=dim,
+                         checkpoint=[sk.shape for sk in sketches], store=own.shape)
+        else:
+            store.merge_sketch(sketches)
     for dim, n in rows.items():
         if n > store_by_dim[dim].config.capacity:
             _log.warning("checkpoint holds more rows than the store's capacity; the oldest were evicted",

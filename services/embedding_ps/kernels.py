@@ -53,7 +53,19 @@ F_INSERTS = 8
 F_READ_MISSES = 9    # train=False lookups of absent IDs
 F_REBUILDS = 10      # times the stripe was rebuilt after a crash
 F_STALE = 11         # index entries left by evictions, not yet swept (an upper bound)
+F_SKETCH_ADDS = 12   # occurrences counted in the stripe's sketch since its last halving
+F_SKETCH_HALVINGS = 13  # times the stripe's sketch counters were halved
 STRIPE_FIELDS = 16
+
+# Per-table counters (tables.bin: int64 [stripe, feature group, field]).
+T_ADMITTED = 0       # rows created for the table's IDs
+T_REJECTED = 1       # training lookups of an ID without a row that did not admit it (count or probability)
+T_EXPIRED = 2        # rows removed because they were not updated within the table's TTL
+T_DROPPED = 3        # gradients of IDs without a row (not admitted, expired or evicted), dropped by update()
+TABLE_FIELDS = 4
+NUM_TABLES = 256     # one per feature group (hybridrec.ids.MAX_GROUPS)
+_GROUP_SHIFT = np.uint64(56)  # hybridrec.ids.GROUP_SHIFT
+_U32_MASK = np.uint64(0xFFFFFFFF)
 
 _U11, _U32, _U33 = np.uint64(11), np.uint64(32), np.uint64(33)
 _FM1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -309,9 +321,73 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
     hdr[F_INSERTS] += 1
 
 
+@njit(inline="always", error_model="numpy")
+def group_of(key):
+    """Feature group (table) of an ID: its top 8 bits (hybridrec/ids.py)."""
+    return np.int64(key >> _GROUP_SHIFT)
+
+
+@njit(inline="always", error_model="numpy")
+def _sketch_cell(h, r, cols):
+    """Column of row r of the count-min sketch for a key of hash h (double hashing, then multiply-shift)."""
+    x = ((h & _U32_MASK) + np.uint64(r) * ((h >> _U32) | np.uint64(1))) & _U32_MASK
+    return np.int64((x * np.uint64(cols)) >> _U32)
+
+
+@njit(inline="always", error_model="numpy")
+def _sketch_count(sketch, key, sketch_key):
+    """An ID's count: the smallest of its counters (never below its true count since the last halving)."""
+    h = fmix64(key ^ sketch_key)
+    m = 255
+    for r in range(sketch.shape[0]):
+        v = np.int64(sketch[r, _sketch_cell(h, r, sketch.shape[1])])
+        if v < m:
+            m = v
+    return m
+
+
+@njit(inline="always", error_model="numpy")
+def _sketch_add(sketch, key, sketch_key, hdr, window):
+    """Count one occurrence of `key`; returns its new count (saturating at 255).
+
+    Conservative update: only the counters at the minimum grow, which keeps
+    other IDs' over-estimates smaller than a plain count-min increment. Every
+    `window` occurrences the stripe's counters are halved (aging), so the
+    sketch keeps counting the recent stream instead of filling up.
+    """
+    h = fmix64(key ^ sketch_key)
+    cols = sketch.shape[1]
+    m = 255
+    for r in range(sketch.shape[0]):
+        v = np.int64(sketch[r, _sketch_cell(h, r, cols)])
+        if v < m:
+            m = v
+    new = m + 1 if m < 255 else 255
+    for r in range(sketch.shape[0]):
+        c = _sketch_cell(h, r, cols)
+        if sketch[r, c] < new:
+            sketch[r, c] = new
+    hdr[F_SKETCH_ADDS] += 1
+    if hdr[F_SKETCH_ADDS] >= window:
+        for r in range(sketch.shape[0]):
+            for c in range(cols):
+                sketch[r, c] >>= 1
+        hdr[F_SKETCH_ADDS] = 0
+        hdr[F_SKETCH_HALVINGS] += 1
+    return new
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
+    """out[perm[j]] = the sketch's count of ids[perm[j]] for j in [lo, hi) (no counting)."""
+    for j in range(lo, hi):
+        out[perm[j]] = _sketch_count(sketch, ids[perm[j]], sketch_key) if sketch.shape[0] > 0 else 0
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                  train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width):
+                  train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                  touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
 
     Hits are resolved, copied and refreshed in separate passes (each pass's
@@ -322,7 +398,9 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     first occurrence (`stamps[s] == serial` marks rows already refreshed), so
     the call's rows end up most recent, ordered by first occurrence.
     admit_threshold < 0 admits everything; else a new ID is admitted when a
-    53-bit draw is below it.
+    53-bit draw is below it. Before that draw, an ID of a table whose
+    admit_after[group] > 1 is counted in `sketch` and admitted only once its
+    count reaches that threshold.
     """
     dim = out.shape[1]
     _resolve(ids, perm, lo, hi, slots, index, keys)
@@ -359,12 +437,14 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 hdr[F_READ_MISSES] += 1
         return
     _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width)
+                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width):
+                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
 
     Done in batches rather than ID by ID, so that the random index accesses of
@@ -400,12 +480,19 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
         if local_pos[b] >= 0:
             slots[j] = -2 - local_pos[b]
             continue
+        g = group_of(key)
+        if admit_after[g] > 1 and _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
+            slots[j] = -1  # not seen often enough yet: reads zeros, its gradient will be dropped
+            hdr[F_ADMISSION_DROPS] += 1
+            tables[g, T_REJECTED] += 1
+            continue
         if admit_threshold >= 0 or key == EMPTY_KEY:  # each occurrence of a new ID gets a draw
             draw = fmix64(key ^ admit_key ^ fmix64(np.uint64(hdr[F_ADMIT_DRAWS])))
             hdr[F_ADMIT_DRAWS] += 1
             if key == EMPTY_KEY or np.int64(draw >> _U11) >= admit_threshold:
                 slots[j] = -1
                 hdr[F_ADMISSION_DROPS] += 1
+                tables[g, T_REJECTED] += 1
                 continue
         local_keys[b] = key
         local_pos[b] = n
@@ -421,12 +508,17 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
         _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
+    for q in range(n):
+        tables[group_of(new_keys[q]), T_ADMITTED] += 1
     new_slots = np.empty(n, np.int32)
     for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail
         new_slots[q] = _take_slot(keys, prev, nxt, hdr)
     for q in range(ghosts, n):  # (3) rows are complete before their key is published (crash ordering)
         s = new_slots[q]
         _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+        if touched.shape[0] > 0:  # a new row counts as updated now (TTL)
+            touched[s, 0] = now_clock
+            touched[s, 1] = now_ms
         keys[s] = new_keys[q]
     # (4) The evictions above may have pushed the stale entries over the sweep limit: then one
     # reindex covers every published key, new ones included. Otherwise, live + stale <= 3/4 of
@@ -454,8 +546,10 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, values, hdr):
-    """Insert rows verbatim (checkpoint restore); an existing key is overwritten and refreshed."""
+def load_stripe(new_keys, new_values, new_touched, perm, lo, hi, index, keys, prev, nxt, values, hdr, touched):
+    """Insert rows verbatim (checkpoint restore); an existing key is overwritten and refreshed.
+
+    `new_touched` (n, 2): each row's last update (store clock, unix ms), kept when the store has a TTL."""
     for j in range(lo, hi):
         i = perm[j]
         key = new_keys[i]
@@ -468,6 +562,9 @@ def load_stripe(new_keys, new_values, perm, lo, hi, index, keys, prev, nxt, valu
             s = _take_slot(keys, prev, nxt, hdr)
             _copy_row(values, s, new_values, i, values.shape[1])
             _insert(index, keys, prev, nxt, hdr, key, s)
+        if touched.shape[0] > 0:
+            touched[s, 0] = new_touched[i, 0]
+            touched[s, 1] = new_touched[i, 1]
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -476,9 +573,86 @@ def resolve_stripe(ids, perm, lo, hi, slots, index, keys):
     _resolve(ids, perm, lo, hi, slots, index, keys)
 
 
+@njit(nogil=True, cache=True, error_model="numpy")
+def after_update_stripe(ids, perm, lo, hi, slots, touched, tables, now_clock, now_ms):
+    """After `update` applied a stripe's rows: stamp them as updated (TTL) and count, per table, the
+    gradients of IDs without a row, which were dropped."""
+    stamp = touched.shape[0] > 0
+    for j in range(lo, hi):
+        s = slots[j]
+        if s < 0:
+            tables[group_of(ids[perm[j]]), T_DROPPED] += 1
+        elif stamp:
+            touched[s, 0] = now_clock
+            touched[s, 1] = now_ms
+
+
+@njit(inline="always", error_model="numpy")
+def _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s):
+    """Remove live slot s and keep rows compact in [0, used): the last used row moves into s.
+
+    Crash ordering: s's key is cleared first (its index entry goes stale, as an
+    eviction's does); the moved row is complete in s before its key is written
+    there, and its old slot's key is cleared last, so a rebuild from `keys` sees
+    the moved key once or twice (it drops the repeat), never with a partial row.
+    """
+    _unlink(prev, nxt, hdr, s)
+    keys[s] = EMPTY_KEY
+    hdr[F_STALE] += 1
+    last = hdr[F_USED] - 1
+    if last != s:
+        key = keys[last]
+        h = key_hash(key)
+        b = _find(index, keys, key, h)[1]  # its entry, pointing to `last` (s holds no key now)
+        _copy_row(values, s, values, last, values.shape[1])
+        if touched.shape[0] > 0:
+            touched[s, 0] = touched[last, 0]
+            touched[s, 1] = touched[last, 1]
+        stamps[s] = stamps[last]
+        keys[s] = key
+        index[b] = _entry(h, s)
+        p = prev[last]
+        n = nxt[last]
+        prev[s] = p
+        nxt[s] = n
+        if p >= 0:
+            nxt[p] = s
+        else:
+            hdr[F_HEAD] = s
+        if n >= 0:
+            prev[n] = s
+        else:
+            hdr[F_TAIL] = s
+        keys[last] = EMPTY_KEY
+    hdr[F_USED] = last
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def expire_stripe(index, keys, prev, nxt, values, hdr, touched, tables, stamps, ttl_clock, ttl_ms,
+                  now_clock, now_ms):
+    """Remove the rows whose table's TTL has passed since their last update; returns how many.
+
+    ttl_clock[g] / ttl_ms[g] <= 0: table g has no such limit. Slots are
+    scanned from the last down, so the row that `_remove_slot` moves into a
+    freed slot has been checked already.
+    """
+    removed = 0
+    s = hdr[F_USED] - 1
+    while s >= 0:
+        g = group_of(keys[s])
+        if (ttl_clock[g] > 0 and now_clock - touched[s, 0] >= ttl_clock[g]) or \
+                (ttl_ms[g] > 0 and now_ms - touched[s, 1] >= ttl_ms[g]):
+            _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s)
+            tables[g, T_EXPIRED] += 1
+            removed += 1
+        s -= 1
+    _sweep_stale(index, keys, hdr)
+    return removed
+
+
 # ---------------------------------------------------------------- recovery and checks
 @njit(nogil=True, cache=True, error_model="numpy")
-def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr):
+def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr, touched):
     """Recreate index, LRU list and `used` from `keys` alone (after a crash).
 
     Live rows are compacted to slots [0, used); keys that are empty, belong to
@@ -497,6 +671,9 @@ def rebuild_stripe(stripe, num_stripes, index, keys, prev, nxt, values, hdr):
             continue
         if r != w:
             _copy_row(values, w, values, r, values.shape[1])
+            if touched.shape[0] > 0:
+                touched[w, 0] = touched[r, 0]
+                touched[w, 1] = touched[r, 1]
             keys[w] = k
             keys[r] = EMPTY_KEY
         index[b] = _entry(h, w)
@@ -534,8 +711,8 @@ def check_stripe(stripe, num_stripes, index, keys, prev, nxt, hdr):
     n = 0
     for b in range(index.shape[0]):
         e = index[b]
-        if e < EMPTY or (e >= 0 and (e & SLOT_MASK) >= used):
-            return 6  # garbage, or an entry to a slot not in use
+        if e < EMPTY or (e >= 0 and (e & SLOT_MASK) >= cap):
+            return 6  # garbage (stale entries may point to slots freed by expiry)
         n += e >= 0
     if n < used or n - used > hdr[F_STALE]:
         return 7  # every live row has an entry; the others are at most the evictions since the sweep

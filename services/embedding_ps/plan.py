@@ -4,7 +4,10 @@ Runs in the CLI, which imports it by name (hybridrec/cli.py: `service_module`):
 it belongs to the PS because its numbers come from the store's own layout
 (`store_files.planned_shm_bytes`): the values array (embedding + optimizer
 state per row), the open-addressing index (a power of two >= 2x each stripe's
-rows), the keys and the LRU prev/next arrays, per shard and in total.
+rows), the keys and the LRU prev/next arrays, the lifecycle's per-table
+counters, and where the lifecycle uses them its admission sketch (fixed:
+sketch_width x sketch_depth bytes per store) and per-row update stamps (16
+bytes per row, with a TTL), per shard and in total.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ class Table:
 
 
 def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes: int | None = None,
-                headroom: float = 1.0) -> dict:
+                headroom: float = 1.0, admit_after: int = 1, ttl: bool = False, sketch_width: int = 1 << 22,
+                sketch_depth: int = 4) -> dict:
     """Per-shard and total bytes for tables sharded evenly over `shards` (capacity = ids/shards x headroom).
 
     `num_stripes` defaults to 16, or more when a stripe would exceed the store's row limit.
+    admit_after > 1 adds each store's sketch (sketch_width x sketch_depth bytes), `ttl` the rows' stamps.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -43,7 +48,9 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
         stripes = num_stripes or max(16, 1 << (math.ceil(capacity / MAX_STRIPE_ROWS) - 1).bit_length())
         spec = EmbeddingOptimizerConfig(name=optimizer)
         parts = planned_shm_bytes(StoreConfig(dim=table.dim, capacity=capacity, optimizer=spec,
-                                              num_stripes=stripes))
+                                              num_stripes=stripes, admit_after={0: admit_after},
+                                              ttl_updates={0: 1} if ttl else {}, sketch_width=sketch_width,
+                                              sketch_depth=sketch_depth))
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
         rows += capacity

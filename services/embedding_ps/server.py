@@ -54,6 +54,7 @@ def warm_up(config: Config) -> None:
                 store.lookup(ids, train=True)
                 store.update(ids, np.zeros((ids.size, dim), np.float32))
                 store.lookup(ids, train=False)
+                store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
             finally:
                 store.close()
 
@@ -104,8 +105,23 @@ class EmbeddingPSServicer:
             values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
                            f"dim{dim}_evictions_total": st["evictions"],
                            f"dim{dim}_admission_drops_total": st["admission_drops"],
-                           f"dim{dim}_shm_bytes": st["shm_bytes"]})
+                           f"dim{dim}_missing_updates_total": st["missing_updates"],
+                           f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"]})
+            for group, counters in st["tables"].items():  # the lifecycle's counters per table (feature group)
+                for name, count in counters.items():
+                    values[f"table{group}_{name}_total"] = values.get(f"table{group}_{name}_total", 0.0) + count
         return values
+
+    async def sweep_expired(self, interval_s: float) -> None:
+        """Remove expired rows (`ps.lifecycle` TTLs) every `interval_s` until cancelled; on the event loop,
+        each store's sweep on the request threads (one stripe locked at a time)."""
+        stores = [store for store in self.stores.values() if store.config.uses_ttl]
+        while stores:
+            await asyncio.sleep(interval_s)
+            for store in stores:
+                removed = await self._run(store.expire)
+                if removed:
+                    log.get().debug("rows_expired", dim=store.config.dim, rows=removed)
 
     def _check_shard(self, ids: np.ndarray) -> np.ndarray:
         if ids.size and not np.all(shard_of(ids, self.num_shards) == self.shard):
@@ -155,6 +171,8 @@ class EmbeddingPSServicer:
                 if self.changes is not None:  # logged after the update is applied: never before its rows change
                     self.changes.add(dim, ids)
             self.applied.record(update.update_id)  # after the rows: a crash between re-applies, never drops
+            for store in self.stores.values():  # the clock of step TTLs: one tick per update request
+                store.tick()
             self.counters["updates_total"] += 1
             self.counters["rows_updated_total"] += applied
             return applied
@@ -223,9 +241,13 @@ async def serve(config: Config, replica: int) -> None:
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)
+        sweeper = asyncio.ensure_future(servicer.sweep_expired(config.ps.lifecycle.sweep_interval_s))
         try:
             await host.run_until_stopped()
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             for store in stores.values():
                 store.close()
             applied.close()

@@ -25,8 +25,9 @@ import numpy as np
 
 from hybridrec import log
 from services.embedding_ps import kernels as K
+from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
-from services.embedding_ps.store_files import (FILE_NAMES, GLOBAL_FIELDS, Layout, StoreConfig, attach_files,
+from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory)
 
 __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
@@ -37,7 +38,7 @@ _INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
 _CHECK_MESSAGES = {
     1: "used row count out of range", 2: "key stored beyond the used slots", 3: "empty key inside the used slots",
     4: "key stored in the wrong stripe", 5: "live key not found at its slot by the index (or duplicated)",
-    6: "index entry is garbage or points to a free slot",
+    6: "index entry is garbage (points beyond the capacity)",
     7: "index entries missing, or more stale entries than evictions since the last sweep",
     8: "LRU list has a cycle, a free slot or a broken prev link", 9: "LRU list length or tail differs from rows",
 }
@@ -45,23 +46,16 @@ _CHECK_MESSAGES = {
 
 def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale: float) -> np.ndarray:
     """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits)."""
-    ids = _as_ids(ids, "ids")
+    ids = as_ids(ids, "ids")
     out = np.empty((ids.shape[0], dim), np.float32)
     K.init_rows_kernel(ids, out, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal", float(scale))
     return out
 
 
-def _as_ids(ids: np.ndarray, what: str) -> np.ndarray:
-    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
-        desc = f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
-        raise ValueError(f"{what} must be a 1-D uint64 numpy array, got {desc}")
-    # Contiguous and writable: read-only arrays (np.frombuffer of a request) are another numba type,
-    # which would cost a second compilation on the first request; the copy is cheap next to a lookup.
-    return np.require(ids, requirements=["C", "W"])
-
-
-class EmbeddingStore:
+class EmbeddingStore(L.StoreLifecycle):
     """Array-based LRU embedding table in shared memory; thread-safe, one process at a time.
+
+    Its lifecycle methods (clock, expiry, sketch) come from `lifecycle.StoreLifecycle`.
 
     On the embedding PS: the servicer calls `lookup`/`update` from request
     threads (never the event loop: the kernels take milliseconds).
@@ -91,12 +85,18 @@ class EmbeddingStore:
         self._stamps = [stamps[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
         self._serials = [0] * c.num_stripes
         self._stripes = []  # per stripe: (index, keys, prev, next, values, header row) views
+        self._life = []  # per stripe: (touched, sketch, tables) views; empty touched/sketch when unused
+        self._rules = L.rules_of(c)
+        self._clock_lock = threading.Lock()
         a, m = self._arrays, layout.index_slots
+        no_touched, no_sketch = np.zeros((0, 2), np.int64), np.zeros((0, 1), np.uint8)
         for s in range(c.num_stripes):
             lo, hi = layout.bases[s], layout.bases[s + 1]
             hdr = a["header"][GLOBAL_FIELDS + s * K.STRIPE_FIELDS:GLOBAL_FIELDS + (s + 1) * K.STRIPE_FIELDS]
             self._stripes.append((a["index"][s * m:(s + 1) * m], a["keys"][lo:hi], a["prev"][lo:hi],
                                   a["next"][lo:hi], a["values"][lo:hi], hdr))
+            self._life.append((a["touched"][lo:hi] if c.uses_ttl else no_touched,
+                               a["sketch"][s] if c.uses_sketch else no_sketch, a["tables"][s]))
 
     # ------------------------------------------------------------ open / close
     @classmethod
@@ -128,7 +128,8 @@ class EmbeddingStore:
     def _recover(self) -> None:
         for s, (index, keys, prev, nxt, values, hdr) in enumerate(self._stripes):
             if hdr[K.F_DIRTY]:
-                rows = K.rebuild_stripe(s, self.config.num_stripes, index, keys, prev, nxt, values, hdr)
+                rows = K.rebuild_stripe(s, self.config.num_stripes, index, keys, prev, nxt, values, hdr,
+                                        self._life[s][0])
                 hdr[K.F_REBUILDS] += 1
                 hdr[K.F_DIRTY] = 0
                 _log.warning("rebuilt dirty stripe from keys", directory=str(self.directory), stripe=s, rows=rows)
@@ -216,12 +217,13 @@ class EmbeddingStore:
     def lookup(self, ids: np.ndarray, *, train: bool, out: np.ndarray | None = None) -> np.ndarray:
         """Rows (n, dim) float32 of `ids` (1-D uint64, duplicates allowed).
 
-        train=True: hits move to the LRU head; a new ID is admitted with
+        train=True: hits move to the LRU head; a new ID is admitted once its
+        table's `admit_after` occurrences are counted (in the sketch), then with
         `admit_probability` (else it reads zeros and counts as an admission
         drop), initialised from (seed, id), evicting the stripe's least recently
         used row when full. train=False: read-only, absent IDs read zeros.
         """
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         if out is None:
             out = np.empty((n, dim), np.float32)
@@ -234,22 +236,25 @@ class EmbeddingStore:
         c = self.config
         init = (self._init_key, c.init_distribution == "normal", c.init_scale,
                 c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim))
+        r = self._rules
+        life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], self._next_serial(s),
-                            bool(train), self._admit_threshold, self._admit_key, *init)
+                            bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life)
             return 0
 
         self._run_stripes(offsets, run, mutates=bool(train))
         return out
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
-        """Apply one optimizer step per row; returns rows applied (absent IDs are skipped and counted).
+        """Apply one optimizer step per row; returns rows applied (absent IDs are skipped and counted
+        per table as dropped gradients). With a TTL, the rows count as updated now.
 
         `ids` should be unique (the embedding worker aggregates gradients per
         ID); a repeated ID simply gets two steps, in order.
         """
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (n, dim):
             desc = f"{grads.dtype} {grads.shape}" if isinstance(grads, np.ndarray) else type(grads).__name__
@@ -258,12 +263,17 @@ class EmbeddingStore:
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
         code, hp = O.optimizer_code(self.config.optimizer), self._hp
+        stamp = self.config.uses_ttl
+        now = (np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim)
             hdr[K.F_MISSING_UPDATES] += hi - lo - applied
+            if stamp or applied < hi - lo:  # rows' update times (TTL); dropped gradients per table
+                touched, _, tables = self._life[s]
+                K.after_update_stripe(ids, perm, lo, hi, slots, touched, tables, *now)
             return applied
 
         return self._run_stripes(offsets, run, mutates=True)
@@ -271,7 +281,7 @@ class EmbeddingStore:
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
         no read miss (for publishing model versions; absent IDs read zeros)."""
-        ids = _as_ids(ids, "ids")
+        ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], self.config.dim
         out = np.zeros((n, dim), np.float32)
         found = np.zeros(n, bool)
@@ -309,18 +319,29 @@ class EmbeddingStore:
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of all live (keys, values incl. state), each stripe from least to most recently
         used, so `load_rows` of the result restores the recency order too."""
-        keys_out, values_out = [], []
+        keys, values, _ = self.snapshot()
+        return keys, values
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """`items` plus each row's last update (int64 (n, 2): store clock, unix ms; None without a TTL),
+        taken under every stripe lock: one consistent checkpoint of the rows and their ages."""
+        keys_out, values_out, touched_out = [], [], []
         with self._all_locks():
-            for _, keys, prev, _, values, hdr in self._stripes:
+            for (_, keys, prev, _, values, hdr), (touched, _, _) in zip(self._stripes, self._life):
                 order = np.empty(int(hdr[K.F_USED]), np.int64)
                 order = order[:K.lru_order(prev, hdr, order)]
                 keys_out.append(keys[order])
                 values_out.append(values[order])
-        return np.concatenate(keys_out), np.concatenate(values_out)
+                touched_out.append(touched[order] if self.config.uses_ttl else touched[:0])
+        touched = np.concatenate(touched_out) if self.config.uses_ttl else None
+        return np.concatenate(keys_out), np.concatenate(values_out), touched
 
-    def load_rows(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts."""
-        keys = _as_ids(keys, "keys")
+    def load_rows(self, keys: np.ndarray, values: np.ndarray, touched: np.ndarray | None = None) -> None:
+        """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts.
+
+        `touched` (n, 2) int64: the rows' last updates (store clock, unix ms) as `snapshot` gave them;
+        None: they count as updated now. Ignored by a store without a TTL."""
+        keys = as_ids(keys, "keys")
         shape = (keys.shape[0], self.config.row_width)
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != shape:
             desc = f"{values.dtype} {values.shape}" if isinstance(values, np.ndarray) else type(values).__name__
@@ -328,11 +349,18 @@ class EmbeddingStore:
         if np.any(keys == K.EMPTY_KEY):
             raise ValueError(f"key {int(K.EMPTY_KEY):#x} is reserved for empty slots and cannot be stored")
         values = np.require(values, requirements=["C", "W"])
+        if touched is None:
+            touched = np.empty((keys.shape[0], 2), np.int64)
+            touched[:, 0], touched[:, 1] = self.clock, L.wall_ms()
+        elif touched.dtype != np.int64 or touched.shape != (keys.shape[0], 2):
+            raise ValueError(f"touched must be int64 of shape {(keys.shape[0], 2)}, got {touched.dtype} "
+                             f"{touched.shape}")
+        touched = np.require(touched, requirements=["C", "W"])
         perm = np.empty(keys.shape[0], np.int32)
         offsets = K.partition(keys, self.config.num_stripes, perm)
 
         def run(s: int, lo: int, hi: int) -> int:
-            K.load_stripe(keys, values, perm, lo, hi, *self._stripes[s])
+            K.load_stripe(keys, values, touched, perm, lo, hi, *self._stripes[s], self._life[s][0])
             return 0
 
         self._run_stripes(offsets, run, mutates=True)
@@ -350,7 +378,7 @@ class EmbeddingStore:
     @property
     def shm_bytes(self) -> int:
         """Bytes of all files backing the store."""
-        return sum(file_nbytes(self._layout, name) for name in FILE_NAMES)
+        return sum(file_nbytes(self._layout, name) for name in self._layout.file_names)
 
     @property
     def num_rows(self) -> int:
@@ -370,5 +398,8 @@ class EmbeddingStore:
             "read_misses": int(rows[K.F_READ_MISSES]), "rebuilds": int(rows[K.F_REBUILDS]),
             "index_stale_entries": int(rows[K.F_STALE]),
             "stripe_rows_min": min(used), "stripe_rows_max": max(used), "shm_bytes": self.shm_bytes,
+            "clock": self.clock, "sketch_bytes": file_nbytes(self._layout, "sketch") if self.config.uses_sketch else 0,
+            "sketch_halvings": int(rows[K.F_SKETCH_HALVINGS]) // self.config.num_stripes,
+            "tables": self.table_stats(),
         }
 

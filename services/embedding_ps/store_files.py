@@ -18,7 +18,12 @@ kernels._reindex), `keys.bin` (uint64 slot -> key, EMPTY_KEY when free),
 `prev.bin`/`next.bin` (int32 array-based LRU list) and `values.bin` (float32
 slot -> embedding then optimizer state). Stripe s owns slots
 [bases[s], bases[s+1]) of every per-slot file and its own region of the
-index (`Layout`). Changing any of this means bumping LAYOUT_VERSION.
+index (`Layout`). The embedding lifecycle adds `tables.bin` (int64 counters
+per stripe and table), and only when it is used `sketch.bin` (uint8 count-min
+counters, one block per stripe: a stripe's IDs are counted in its own block,
+under its own lock) and `touched.bin` (int64 per slot: store clock and unix
+ms of the row's last update, for TTLs). Changing any of this means bumping
+LAYOUT_VERSION.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 import numpy as np
 
@@ -39,13 +44,17 @@ from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, st
 _log = log.get(__name__)
 
 MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
-H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS = range(9)
+(H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS,
+ H_SKETCH_COLS, H_SKETCH_DEPTH, H_TTL, H_CLOCK) = range(13)
+# H_CLOCK: updates the store applied (`EmbeddingStore.tick`), the unit of step TTLs; survives restarts.
 GLOBAL_FIELDS = 16
-DATA_FILES = {"index": np.int32, "keys": np.uint64, "prev": np.int32, "next": np.int32, "values": np.float32}
+DATA_FILES = {"index": np.int32, "keys": np.uint64, "prev": np.int32, "next": np.int32, "values": np.float32,
+              "tables": np.int64, "sketch": np.uint8, "touched": np.int64}
 """Element type of each file besides the header (int64), by name: the file is `{name}.bin`."""
-FILE_NAMES = ("header", *DATA_FILES)
+OPTIONAL_FILES = ("sketch", "touched")
+"""Files that exist only when the lifecycle uses them (`Layout.file_names`)."""
 
 
 @dataclass(frozen=True)
@@ -71,20 +80,40 @@ class StoreConfig:
     init_scale: float = 0.01
     """Half-width (uniform) or standard deviation (normal) of new rows."""
     admit_probability: float = 1.0
-    """Chance that a train lookup of a new ID inserts it; an ID seen k times gets in with 1-(1-p)^k."""
+    """Chance that a train lookup of a new ID inserts it, drawn once the ID's table has counted its admit_after
+    occurrences; each later lookup draws again."""
     weight_bound: float | None = None
     """Clip weights to [-bound, bound] after each update; None: no clipping."""
     num_stripes: int = 16
     """Independently locked parts of the table (parallelism across request threads)."""
+    admit_after: Mapping[int, int] = field(default_factory=dict)
+    """Per table (feature group): occurrences an ID needs before it gets a row; a table not named: 1."""
+    ttl_updates: Mapping[int, int] = field(default_factory=dict)
+    """Per table: rows not updated during this many store updates (`tick`) are removed by `expire`."""
+    ttl_ms: Mapping[int, int] = field(default_factory=dict)
+    """Per table: rows not updated for this many milliseconds are removed by `expire`."""
+    sketch_width: int = 1 << 22
+    """Count-min counters per sketch row (the sketch exists only when a table's admit_after > 1)."""
+    sketch_depth: int = 4
+    """Count-min rows (hash functions)."""
+    sketch_window: int | None = None
+    """Occurrences counted before every sketch counter is halved (None: sketch_width)."""
 
     @classmethod
     def from_config(cls, config: Config, dim: int) -> "StoreConfig":
         """The store of width `dim` that the job's config asks for (on every PS shard)."""
-        ps = config.ps
+        ps, life = config.ps, config.ps.lifecycle
+        groups = sorted({f.group for f in config.features if f.dim == dim})
+        admit = {g: life.admit_after_of(g) for g in groups if life.admit_after_of(g) > 1}
+        # One update per NN worker per training step reaches every shard: a step is that many store ticks.
+        ticks_per_step = len(config.cluster.nn_workers)
+        ttl_updates = {g: life.ttl_of(g)[0] * ticks_per_step for g in groups if life.ttl_of(g)[0] is not None}
+        ttl_ms = {g: max(1, round(life.ttl_of(g)[1] * 1000)) for g in groups if life.ttl_of(g)[1] is not None}
         return cls(dim=dim, capacity=ps.capacity, optimizer=config.optimizer.embedding, seed=config.training.seed,
                    init_distribution=ps.init.distribution, init_scale=ps.init.scale,
                    admit_probability=ps.admit_probability, weight_bound=ps.weight_bound,
-                   num_stripes=ps.num_stripes)
+                   num_stripes=ps.num_stripes, admit_after=admit, ttl_updates=ttl_updates, ttl_ms=ttl_ms,
+                   sketch_width=life.sketch_width, sketch_depth=life.sketch_depth, sketch_window=life.sketch_window)
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, EmbeddingOptimizerConfig):
@@ -109,6 +138,39 @@ class StoreConfig:
             raise ValueError(f"store admit_probability must be in [0, 1], got {self.admit_probability}")
         if self.weight_bound is not None and not self.weight_bound > 0:
             raise ValueError(f"store weight_bound must be > 0 or None, got {self.weight_bound}")
+        for what, table, low, high in (("admit_after", self.admit_after, 1, 255),
+                                       ("ttl_updates", self.ttl_updates, 1, 2**62),
+                                       ("ttl_ms", self.ttl_ms, 1, 2**62)):
+            for group, value in table.items():
+                if not 0 <= group < K.NUM_TABLES or not low <= value <= high:
+                    raise ValueError(f"store {what}[{group}] must be in [{low}, {high}] for a group in "
+                                     f"[0, {K.NUM_TABLES}), got {value}")
+        if self.uses_sketch and not (self.num_stripes <= self.sketch_width <= 2**31 and 1 <= self.sketch_depth <= 8):
+            raise ValueError(f"store sketch_width must be in [num_stripes, 2**31] and sketch_depth in [1, 8], got "
+                             f"{self.sketch_width} x {self.sketch_depth}")
+        if self.sketch_window is not None and self.sketch_window < 1:
+            raise ValueError(f"store sketch_window must be >= 1 or None, got {self.sketch_window}")
+
+    @property
+    def uses_sketch(self) -> bool:
+        """A table admits only after k > 1 occurrences: the store counts them in a sketch."""
+        return any(k > 1 for k in self.admit_after.values())
+
+    @property
+    def uses_ttl(self) -> bool:
+        """A table's rows expire by age: the store stamps every row's last update."""
+        return bool(self.ttl_updates or self.ttl_ms)
+
+    @property
+    def sketch_cols(self) -> int:
+        """Sketch counters per row per stripe (0 without a sketch)."""
+        return -(-self.sketch_width // self.num_stripes) if self.uses_sketch else 0
+
+    @property
+    def stripe_window(self) -> int:
+        """Occurrences a stripe counts before it halves its counters (each stripe sees 1/num_stripes of them)."""
+        window = self.sketch_window if self.sketch_window is not None else self.sketch_width
+        return max(1, window // self.num_stripes)
 
     @property
     def row_width(self) -> int:
@@ -130,10 +192,21 @@ class Layout:
         largest = max(b - a for a, b in zip(self.bases, self.bases[1:]))
         self.index_slots = max(8, 1 << (2 * largest - 1).bit_length())
 
+    @property
+    def file_names(self) -> tuple[str, ...]:
+        """The files of this store: the lifecycle's sketch and stamps only when the config uses them."""
+        c = self.config
+        skip = {"sketch"} if not c.uses_sketch else set()
+        skip |= {"touched"} if not c.uses_ttl else set()
+        return ("header", *(name for name in DATA_FILES if name not in skip))
+
     def shape(self, name: str) -> tuple[int, ...]:
         c = self.config
         return {"header": (GLOBAL_FIELDS + c.num_stripes * K.STRIPE_FIELDS,),
-                "index": (c.num_stripes * self.index_slots,), "values": (c.capacity, c.row_width)
+                "index": (c.num_stripes * self.index_slots,), "values": (c.capacity, c.row_width),
+                "tables": (c.num_stripes, K.NUM_TABLES, K.TABLE_FIELDS),
+                "sketch": (c.num_stripes, c.sketch_depth if c.uses_sketch else 0, c.sketch_cols),
+                "touched": (c.capacity if c.uses_ttl else 0, 2),
                 }.get(name, (c.capacity,))
 
     def expected_header(self) -> dict[int, tuple[str, int]]:
@@ -142,11 +215,25 @@ class Layout:
                 H_CAPACITY: ("capacity", c.capacity), H_OPTIMIZER: ("optimizer", optimizer_code(c.optimizer)),
                 H_STATE_WIDTH: ("state width", state_width(c.optimizer, c.dim)),
                 H_NUM_STRIPES: ("num_stripes", c.num_stripes), H_SEED: ("seed", c.seed),
-                H_INDEX_SLOTS: ("index slots per stripe", self.index_slots)}
+                H_INDEX_SLOTS: ("index slots per stripe", self.index_slots),
+                H_SKETCH_COLS: ("sketch columns per stripe (ps.lifecycle.sketch_width / num_stripes, 0: no sketch)",
+                                c.sketch_cols),
+                H_SKETCH_DEPTH: ("sketch depth (0: no sketch)", c.sketch_depth if c.uses_sketch else 0),
+                H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl))}
+
+
+def as_ids(ids: np.ndarray, what: str) -> np.ndarray:
+    """`ids` as the kernels take them, or ValueError naming `what`."""
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        desc = f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise ValueError(f"{what} must be a 1-D uint64 numpy array, got {desc}")
+    # Contiguous and writable: read-only arrays (np.frombuffer of a request) are another numba type,
+    # which would cost a second compilation on the first request; the copy is cheap next to a lookup.
+    return np.require(ids, requirements=["C", "W"])
 
 
 def file_dtype(name: str) -> type[np.generic]:
-    """Element type of file `name` (a key of FILE_NAMES)."""
+    """Element type of file `name` ("header" or a key of DATA_FILES)."""
     return np.int64 if name == "header" else DATA_FILES[name]
 
 
@@ -158,7 +245,7 @@ def file_nbytes(layout: Layout, name: str) -> int:
 def planned_shm_bytes(config: StoreConfig) -> dict[str, int]:
     """Bytes of each file a store of `config` allocates under its shm directory (the capacity planner's source)."""
     layout = Layout(config)
-    return {name: file_nbytes(layout, name) for name in FILE_NAMES}
+    return {name: file_nbytes(layout, name) for name in layout.file_names}
 
 
 def lock_directory(directory: Path) -> int:
@@ -211,7 +298,7 @@ def attach_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap] | None
                              f"but the config asks for {what}={want}")
     maps: dict[str, mmap.mmap] = {}
     try:
-        for name in FILE_NAMES:
+        for name in layout.file_names:
             path = directory / f"{name}.bin"
             if not path.exists():
                 raise ValueError(f"embedding store {directory} is missing {path.name}")
@@ -226,7 +313,7 @@ def attach_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap] | None
 def create_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap]:
     """New empty files; the header's magic is written last, sealing a complete store."""
     maps = {name: _map_file(directory / f"{name}.bin", file_nbytes(layout, name), create=True)
-            for name in (*DATA_FILES, "header")}
+            for name in (*layout.file_names[1:], "header")}
     np.frombuffer(maps["keys"], dtype=np.uint64)[:] = K.EMPTY_KEY
     np.frombuffer(maps["index"], dtype=np.int32)[:] = -1
     header = np.frombuffer(maps["header"], dtype=np.int64)
@@ -235,7 +322,7 @@ def create_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap]:
         row[K.F_HEAD] = row[K.F_TAIL] = -1
     for pos, (_, value) in layout.expected_header().items():
         header[pos] = value
-    for name in DATA_FILES:
+    for name in layout.file_names[1:]:
         maps[name].flush()
     header[H_MAGIC] = MAGIC
     maps["header"].flush()

@@ -55,6 +55,7 @@ class BufferedBatch:
     uniq: dict[int, np.ndarray]  # width -> batch-unique IDs of every feature of that width
     gidx: dict[int, np.ndarray]  # width -> int32 index into uniq[width] of each feature-unique row, features concatenated
     by_shard: dict[int, list[np.ndarray]]  # width -> per shard, positions into uniq[width]
+    looked_up: bool = False  # a train batch whose embeddings an NN worker has had: its update is owed
 
 
 class EmbeddingWorker:
@@ -163,7 +164,9 @@ class EmbeddingWorker:
             lengths=np.stack(sparse.lengths),
             rows={dim: rows[dim][batch.gidx[dim]] for dim in self.dims},
         ).encode(self.values, lz4=self.lz4)
-        if not train:
+        if train:
+            batch.looked_up = True
+        else:
             self._consumed(batch)
         self.counters["lookups_total"] += 1
         self.counters["rows_looked_up_total"] += sum(ids.shape[0] for ids in batch.uniq.values())
@@ -249,5 +252,8 @@ class EmbeddingWorker:
                         f"(incarnation {self.incarnation}, buffer {self.files.directory})")
 
     def stats(self) -> dict[str, float]:
+        """Counters, and what the buffer holds now: `unapplied_train_batches` were trained on (looked up) and
+        their update is not yet applied — at the end of a run, exactly the updates that were lost."""
+        unapplied = sum(1 for b in self.buffer.values() if b.looked_up)
         return {**{k: float(v) for k, v in self.counters.items()}, "buffered_batches": float(len(self.buffer)),
-                "batches_recovered_total": float(self.files.recovered)}
+                "unapplied_train_batches": float(unapplied), "batches_recovered_total": float(self.files.recovered)}

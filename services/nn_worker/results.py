@@ -8,6 +8,7 @@ restarts (their Stats counters).
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import grpc
@@ -19,7 +20,7 @@ from hybridrec import log, rpc
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
-from hybridrec.summary import PublishSummary, RunSummary, Staleness, TaskMetrics
+from hybridrec.summary import PublishSummary, RunSummary, Staleness, TableLifecycle, TaskMetrics
 from services.nn_worker.trainer import Trainer
 
 
@@ -74,18 +75,19 @@ def reduce_stats(trainer: Trainer) -> dict:
 RECOVERY_COUNTERS = {
     "batches_recovered": ("embedding_workers", "EmbeddingWorker", "batches_recovered_total"),
     "updates_deduplicated": ("ps", "EmbeddingPS", "updates_deduplicated_total"),
+    "unapplied_updates": ("embedding_workers", "EmbeddingWorker", "unapplied_train_batches"),
 }
+_SERVICES = {"embedding_workers": "EmbeddingWorker", "ps": "EmbeddingPS"}
+_PS_ROWS = re.compile(r"^dim\d+_rows$")
+_TABLE_COUNTER = re.compile(r"^table(\d+)_(admitted|rejected|expired|dropped_gradients)_total$")
 
 
-def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict[str, int | None]:
-    """What restarted services recovered during the run, from every embedding worker's and PS shard's Stats.
-
-    A field is None when a replica did not answer within `timeout_s` (a sum
-    without it would understate). All replicas are asked at once.
-    """
+def _all_stats(config: Config, timeout_s: float) -> dict[str, list[dict[str, float]] | None]:
+    """Every embedding worker's and PS shard's Stats values, asked all at once; None for a service with a
+    replica that did not answer within `timeout_s` (a sum without it would understate)."""
     channels, pending = [], {}
     try:
-        for field, (key, service, counter) in RECOVERY_COUNTERS.items():
+        for key, service in _SERVICES.items():
             calls = []
             for address in getattr(config.cluster, key):
                 channels.append(channel := rpc.sync_channel(address))
@@ -93,32 +95,67 @@ def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict[str, in
                                             request_serializer=pb.Empty.SerializeToString,
                                             response_deserializer=pb.ServiceStats.FromString)
                 calls.append(stats.future(pb.Empty(), timeout=timeout_s))
-            pending[field] = (counter, calls)
-        out: dict[str, int | None] = {}
-        for field, (counter, calls) in pending.items():
+            pending[key] = calls
+        out: dict[str, list[dict[str, float]] | None] = {}
+        for key, calls in pending.items():
             try:
-                out[field] = sum(int(call.result().values.get(counter, 0.0)) for call in calls)
+                out[key] = [dict(call.result().values) for call in calls]
             except grpc.RpcError as exc:
-                log.get().warning("recovery_counters_unavailable", field=field, error=str(exc))
-                out[field] = None
+                log.get().warning("service_stats_unavailable", service=key, error=str(exc))
+                out[key] = None
         return out
     finally:
         for channel in channels:
             channel.close()
 
 
+def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict:
+    """What restarted services recovered during the run, and what the PS holds at its end, from every embedding
+    worker's and PS shard's Stats: the RECOVERY_COUNTERS, `ps_rows` (rows of every width on every shard) and
+    `lifecycle` (admitted, rejected, expired rows and dropped gradients per table). A field is None when a
+    replica of its service did not answer within `timeout_s`."""
+    stats = _all_stats(config, timeout_s)
+    out: dict = {}
+    for field, (key, _, counter) in RECOVERY_COUNTERS.items():
+        replicas = stats[key]
+        out[field] = None if replicas is None else sum(int(values.get(counter, 0.0)) for values in replicas)
+    out.update(ps_totals(stats["ps"]))
+    return out
+
+
+def ps_totals(shards: list[dict[str, float]] | None) -> dict:
+    """`ps_rows` and per-table `lifecycle` of the summary from every PS shard's Stats values (None: a shard
+    did not answer)."""
+    if shards is None:
+        return {"ps_rows": None, "lifecycle": None}
+    rows = sum(int(v) for values in shards for k, v in values.items() if _PS_ROWS.match(k))
+    tables: dict[int, dict[str, int]] = {}
+    for values in shards:
+        for name, value in values.items():
+            if match := _TABLE_COUNTER.match(name):
+                counters = tables.setdefault(int(match[1]), {})
+                counters[match[2]] = counters.get(match[2], 0) + int(value)
+    return {"ps_rows": rows, "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())}}
+
+
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
                   data: dict, publish: dict | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
-    recovery counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
+    recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
     wall = totals["train_wall_s"]
     tasks = _task_metrics(config, labels, preds)
     first = (tasks[0].model_dump(include={"auc", "logloss"}) if tasks else binary_metrics(labels, preds))
+    recovered = recovery_counters(config)
+    # The embedding workers keep a looked-up training batch until its update is applied, so what they still
+    # hold now is every lost update — including pushes lost with an NN worker that died, which no surviving
+    # NN worker counted. Without every worker's answer, the NN workers' own count of failed pushes stands.
+    unapplied = recovered.pop("unapplied_updates")
+    lost = unapplied if unapplied is not None else totals["lost_updates"]
     return RunSummary(
         mode=config.training.mode.value, nn_workers=len(config.cluster.nn_workers),
         steps=totals["steps"], samples=totals["samples"], train_wall_s=wall,
         samples_per_sec=totals["samples"] / wall if wall else 0.0,
-        mean_train_loss=totals["mean_train_loss"], lost_updates=totals["lost_updates"],
+        mean_train_loss=totals["mean_train_loss"], lost_updates=lost,
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
@@ -126,7 +163,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
-        **recovery_counters(config),
+        **recovered,
     )
 
 

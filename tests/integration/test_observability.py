@@ -119,7 +119,9 @@ def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
         "data": {"train": ["unused.tsv"]},
         "features": [{"name": "C1", "group": 0, "dim": 32}, {"name": "C2", "group": 1, "dim": 8}],
         "optimizer": {"embedding": {"name": "adam"}},
-        "ps": {"capacity": 300_000, "shm_dir": str(shm)},
+        # With the lifecycle on, so that its sketch, row stamps and counters are planned too
+        "ps": {"capacity": 300_000, "shm_dir": str(shm),
+               "lifecycle": {"ttl_steps": 100, "tables": {1: {"admit_after": 2}}}},
         "cluster": {"ps": [address], "bind_host": "127.0.0.1"},
     }))
     planned = json.loads(subprocess.run(HYBRIDREC + ["plan", "--config", str(config), "--json"], cwd=REPO,
@@ -136,3 +138,5 @@ def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
     assert allocated > 0
     assert abs(planned["per_shard_bytes"] - allocated) <= 0.05 * allocated, (planned["per_shard_bytes"], allocated)
+    parts = planned["per_shard_parts"]
+    assert parts["sketch"] == (1 << 22) * 4 and parts["touched"] == 2 * 300_000 * 16 and parts["tables"] > 0

@@ -306,7 +306,9 @@ def test_counters(cluster):
     worker = cluster.worker
     sparse = _batch(seed=6)
     ref = worker.put(sparse.encode())
+    assert worker.stats()["unapplied_train_batches"] == 0  # buffered, but nobody has trained on it yet
     asyncio.run(worker.lookup(ref))
+    assert worker.stats()["unapplied_train_batches"] == 1  # looked up: an update is owed until it is applied
     rows_of = worker.rows_of(ref)
     applied = asyncio.run(worker.push_gradients(
         Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in rows_of.items()})))
@@ -316,5 +318,5 @@ def test_counters(cluster):
     assert applied == unique
     assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
                      "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
-                     "buffered_batches": 0.0, "batches_recovered_total": 0.0,
+                     "buffered_batches": 0.0, "unapplied_train_batches": 0.0, "batches_recovered_total": 0.0,
                      "pushes_already_applied_total": 0.0, "lookups_repeated_total": 0.0}

@@ -113,7 +113,7 @@ def test_failed_dump_leaves_no_partial_shard(tmp_path, stores):
     class Broken:
         config = group[8].config
 
-        def items(self):
+        def snapshot(self):
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):

@@ -1,9 +1,11 @@
 """The testbed spec is validated before anything is created (benchmarks/testbed/spec.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from benchmarks.testbed.spec import SpecError, format_rate, load_spec, parse_rate, two_hosts
+from benchmarks.testbed.spec import SpecError, format_rate, load_spec, parse_rate, split_cpus, two_hosts
 
 REPLICAS = {"embedding_ps": 2, "embedding_worker": 1, "nn_worker": 2, "dataloader": 1}
 
@@ -55,3 +57,25 @@ def test_every_replica_placed_exactly_once() -> None:
         missing.assign(REPLICAS)
     with pytest.raises(SpecError, match="embedding_ps:5 does not exist"):
         load_spec({"hosts": [{"name": "a", "services": ["embedding_ps:5"]}]}).assign(REPLICAS)
+
+
+def test_host_cpu_lists() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    spec = load_spec({"hosts": [{"name": "a", "services": ["nn_worker"], "cpus": f"{usable[0]}-{usable[-1]}"}]})
+    assert spec.hosts[0].cpu_set() == set(usable)
+    assert load_spec({"hosts": [{"name": "a", "services": ["nn_worker"]}]}).hosts[0].cpu_set() is None
+    for bad, why in (("two", "expected a list"), ("3-1", "expected a list"), ("0,", "expected a list"),
+                     (str(max(usable) + 64), "not available here")):
+        with pytest.raises(SpecError, match=rf"hosts\.0\.cpus: cpus '{bad}': .*{why}"):
+            load_spec({"hosts": [{"name": "a", "services": ["nn_worker"], "cpus": bad}]})
+
+
+def test_split_cpus_gives_each_host_its_own() -> None:
+    halves = split_cpus()
+    if len(os.sched_getaffinity(0)) < 2:
+        assert halves is None
+        return
+    spec = two_hosts("1gbit", cpus=halves)
+    trainer, embedding = (h.cpu_set() for h in spec.hosts)
+    assert trainer and embedding and not trainer & embedding
+    assert trainer | embedding == os.sched_getaffinity(0) and len(trainer) >= len(embedding)
