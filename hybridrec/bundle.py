@@ -80,6 +80,8 @@ class BundleManifest(BaseModel):
     """ID features in model order: name, group, width, pooling."""
     num_dense: int
     """Dense features the model takes."""
+    num_tasks: int = 1
+    """Label columns the model was trained on: one output (probability) per task."""
     model: ModelConfig
     """Import path and keyword arguments of the dense model."""
     precision: str = "fp32"

@@ -63,16 +63,22 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
 def preflight(config: Config) -> None:
     """Check what a run needs before starting any process: data files, the model, the feature columns."""
     from hybridrec.criteo import feature_columns
-    from hybridrec.models import FeatureInfo, ModelImportError, build_model
+    from hybridrec.models import ModelImportError, build_model, feature_infos
 
     for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"{key}: data file not found: {path}")
     try:
-        feature_columns(config.features)
-        build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
-                    config.model.kwargs)
+        if config.data.format == "parquet":
+            parquet = service_module("dataloader", "parquet")
+            spec = parquet.ParquetSpec.from_config(config)
+            for path in config.data.train + config.data.eval:
+                parquet.check_columns(path, spec)
+        else:
+            feature_columns(config.features)
+        build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
+                    num_tasks=config.num_tasks)
     except (ModelImportError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -140,6 +146,9 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("versions published / full / skipped / failed",
                          f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
                          f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
+    for task in summary.tasks or []:
+        rows.insert(-2, (f"task {task.name}: eval AUC / oracle / logloss",
+                         f"{fmt_sig(task.auc)} / {fmt_sig(task.oracle_auc)} / {fmt_sig(task.logloss)}"))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)
@@ -246,13 +255,39 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                rows: int = typer.Option(..., "--rows", min=1, help="Training rows."),
                eval_rows: Optional[int] = typer.Option(None, "--eval-rows", min=1, help="Held-out rows."),
                seed: int = typer.Option(0, "--seed"),
-               gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files.")):
-    """Write Criteo-format train/eval files drawn from a planted model, and its oracle AUC."""
+               gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files."),
+               format: str = typer.Option("tsv", "--format",
+                                          help="tsv: Criteo-format files; parquet: the multi-task data set (multi-hot "
+                                               "and sequence features, two correlated tasks).")):
+    """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
+    started = time.monotonic()
+    if format == "parquet":
+        from hybridrec.synth_parquet import synthesize_multitask
+
+        result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed)
+        oracles = ", ".join(f"{task} {auc:.4f}" for task, auc in result.oracle_auc.items())
+        typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {oracles}")
+        return
+    if format != "tsv":
+        _fail(f"--format: {format!r} is not tsv or parquet")
     from hybridrec.synth import synthesize
 
-    started = time.monotonic()
     summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
+
+
+@data_app.command("to-parquet")
+def data_to_parquet(src: Path = typer.Argument(..., help="Criteo TSV file (not gzip)."),
+                    dst: Path = typer.Argument(..., help="Parquet file to write."),
+                    row_group_rows: int = typer.Option(131_072, "--row-group-rows", min=1)):
+    """Convert a Criteo TSV file to Parquet (the same samples: identical batches, see README "Parquet input")."""
+    from hybridrec.parquet_data import tsv_to_parquet
+
+    if not src.is_file():
+        _fail(f"{src}: no such file")
+    started = time.monotonic()
+    rows = tsv_to_parquet(src, dst, row_group_rows=row_group_rows)
+    typer.echo(f"wrote {rows} rows to {dst} in {time.monotonic() - started:.1f} s")
 
 
 @checkpoint_app.command("inspect")

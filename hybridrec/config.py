@@ -39,24 +39,77 @@ class Pooling(str, enum.Enum):
     SUM = "sum"  # sum of the bag's rows
     MEAN = "mean"  # sum divided by the bag length
     SQRTN = "sqrtn"  # sum divided by sqrt(bag length)
+    NONE = "none"  # not pooled: the model gets the ordered sequence, (batch, max_len, width) and the lengths
+
+
+class FeatureKind(str, enum.Enum):
+    SCALAR = "scalar"  # one ID or none per sample: a TSV column, or a Parquet int64 / string column
+    LIST = "list"  # a Parquet list column: a multi-hot bag (pooled), or an ordered sequence (pooling none)
+
+
+class TableConfig(_Model):
+    """An embedding table that features read; several features may share one (their IDs share rows)."""
+
+    name: str
+    """How features name it (`features[].table`)."""
+    group: Annotated[int, Field(ge=0, lt=MAX_GROUPS)]
+    """Feature group: the top bits of the table's IDs (unique per table)."""
+    dim: Annotated[int, Field(gt=0, le=4096)] = 16
+    """Embedding width of the table's rows."""
 
 
 class FeatureConfig(_Model):
     """One ID-type feature: a column of the data and the embedding table it reads."""
 
     name: str
-    """Column name (C1..C26 for Criteo)."""
-    group: Annotated[int, Field(ge=0, lt=MAX_GROUPS)]
-    """Feature group: the top bits of the feature's IDs; features of one group share rows."""
+    """Feature name: the key of its embedding in the model's input (and, unless `column` is set, the column)."""
+    column: str | None = None
+    """Source column of the data (None: `name`). TSV: C1..C26."""
+    table: str | None = None
+    """Name of an entry of `tables` whose group and width the feature takes (None: `group` and `dim`)."""
+    group: Annotated[int, Field(ge=0, lt=MAX_GROUPS)] | None = None
+    """Feature group: the top bits of the feature's IDs; features of one group share rows (set this or
+    `table`)."""
     dim: Annotated[int, Field(gt=0, le=4096)] = 16
-    """Embedding width."""
+    """Embedding width (with `table`: the table's)."""
+    kind: FeatureKind = FeatureKind.SCALAR
+    """scalar (one ID or none per sample) or list (a Parquet list column: a bag or a sequence)."""
     pooling: Pooling = Pooling.SUM
-    """How a multi-valued bag becomes one vector."""
+    """How a bag becomes one vector: sum, mean, sqrtn, or none (a list feature handed over as a sequence)."""
+    max_len: Annotated[int, Field(gt=0, le=4096)] = 50
+    """List features: longest bag or sequence kept; a longer list keeps its last (most recent) max_len
+    elements and counts in the data loader's `truncated_rows`."""
+
+    @property
+    def source(self) -> str:
+        """The data column the feature reads."""
+        return self.column or self.name
+
+    @property
+    def sequence(self) -> bool:
+        """Handed to the model unpooled, as an ordered sequence."""
+        return self.pooling == Pooling.NONE
 
 
 def criteo_features(dim: int = 16) -> list[FeatureConfig]:
     """The 26 Criteo categorical columns, one group each."""
     return [FeatureConfig(name=name, group=i, dim=dim) for i, name in enumerate(SPARSE_COLUMNS)]
+
+
+def _resolve_tables(tree: Any) -> Any:
+    """Give every feature that names a table the table's group and width (before validation, so the
+    features stay frozen models). An unknown table is left to `Config._check_features`, which names the key."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("tables"), list) or not isinstance(
+            tree.get("features"), list):
+        return tree
+    tables = {t.get("name"): t for t in tree["tables"] if isinstance(t, dict)}
+    features = []
+    for feature in tree["features"]:
+        if isinstance(feature, dict) and feature.get("table") in tables:
+            table = tables[feature["table"]]
+            feature = {**feature, "group": table.get("group"), "dim": table.get("dim", 16)}
+        features.append(feature)
+    return {**tree, "features": features}
 
 
 class ModelConfig(_Model):
@@ -187,6 +240,9 @@ class TrainingConfig(_Model):
     """Wire format of embeddings, gradients and IDs."""
     log_every_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between two progress log lines of an NN worker."""
+    task_weights: list[Annotated[float, Field(ge=0)]] | None = None
+    """Multi-task: the weight of each task's log loss in the training loss, one per `data.labels` entry
+    (None: 1 each)."""
 
 
 class DataConfig(_Model):
@@ -197,9 +253,17 @@ class DataConfig(_Model):
     eval: list[str] = Field(default_factory=list)
     """Held-out files evaluated after training."""
     oracle: str | None = None
-    """oracle.json written by `hybridrec data synth`; its oracle_auc goes into the summary."""
+    """oracle.json written by `hybridrec data synth`; its oracle_auc (per task: `tasks`) goes into the summary."""
+    format: Literal["tsv", "parquet"] = "tsv"
+    """tsv: Criteo TSV (one label, I1..I13, C1..C26); parquet: columns named by `labels`, `dense_columns` and
+    each feature's column, read one row group at a time (services/dataloader/parquet.py)."""
+    labels: list[str] = Field(default_factory=lambda: ["label"], min_length=1)
+    """Label columns, one task each (the model returns one logit per task). TSV: exactly one (the first field)."""
+    dense_columns: list[str] | None = None
+    """Parquet: the float columns of the dense features, num_dense of them (None: I1..I<num_dense>)."""
     bad_lines: Literal["skip", "error"] = "skip"
-    """Malformed lines: skip and count them, or stop with file:line."""
+    """Malformed lines (TSV) and rows with a null or non-0/1 label (Parquet): skip and count them, or stop
+    naming the file and line (TSV) or row (Parquet)."""
     chunk_rows: Annotated[int, Field(gt=0)] = 65536
     """Rows the data loader parses per chunk."""
 
@@ -426,6 +490,8 @@ class OutputConfig(_Model):
 class Config(_Model):
     """The whole job: every process loads the same file."""
 
+    tables: list[TableConfig] = Field(default_factory=list)
+    """Named embedding tables features may refer to (`features[].table`), each with its group and width."""
     features: list[FeatureConfig] = Field(default_factory=criteo_features)
     """ID-type features (default: the 26 Criteo categorical columns, width 16)."""
     num_dense: Annotated[int, Field(ge=0)] = NUM_DENSE
@@ -449,11 +515,23 @@ class Config(_Model):
     output: OutputConfig = Field(default_factory=OutputConfig)
     """Results."""
 
+    _resolve = model_validator(mode="before")(_resolve_tables)
+
     @model_validator(mode="after")
     def _check_features(self) -> "Config":
         names = [f.name for f in self.features]
         if len(set(names)) != len(names):
             raise ValueError("features: feature names must be unique")
+        tables = {t.name for t in self.tables}
+        if len(tables) != len(self.tables) or len({t.group for t in self.tables}) != len(self.tables):
+            raise ValueError("tables: table names and groups must be unique")
+        for i, f in enumerate(self.features):
+            if f.table is not None and f.table not in tables:
+                raise ValueError(f"features.{i}.table: unknown table {f.table!r} (tables: {sorted(tables)})")
+            if f.group is None:
+                raise ValueError(f"features.{i}: set group or table")
+            if f.sequence and f.kind != FeatureKind.LIST:
+                raise ValueError(f"features.{i}.pooling: none (a sequence) needs kind: list")
         dims: dict[int, int] = {}
         for f in self.features:
             if dims.setdefault(f.group, f.dim) != f.dim:
@@ -463,6 +541,38 @@ class Config(_Model):
                 raise ValueError(f"ps.lifecycle.tables.{group}: no feature has group {group} "
                                  f"(groups in use: {sorted(dims)})")
         return self
+
+    @model_validator(mode="after")
+    def _check_data(self) -> "Config":
+        data = self.data
+        if len(set(data.labels)) != len(data.labels):
+            raise ValueError("data.labels: label columns must be unique")
+        weights = self.training.task_weights
+        if weights is not None and len(weights) != len(data.labels):
+            raise ValueError(f"training.task_weights: {len(weights)} weights for {len(data.labels)} tasks "
+                             f"(data.labels)")
+        if data.format == "tsv":
+            if len(data.labels) != 1:
+                raise ValueError("data.labels: a TSV file has one label; several tasks need data.format: parquet")
+            if data.dense_columns is not None:
+                raise ValueError("data.dense_columns: TSV dense columns are I1..I13; only Parquet names them")
+            for i, f in enumerate(self.features):
+                if f.kind != FeatureKind.SCALAR:
+                    raise ValueError(f"features.{i}.kind: TSV columns hold one ID; list features need Parquet")
+        elif data.dense_columns is not None and len(data.dense_columns) != self.num_dense:
+            raise ValueError(f"data.dense_columns: {len(data.dense_columns)} columns for num_dense "
+                             f"{self.num_dense}")
+        return self
+
+    @property
+    def num_tasks(self) -> int:
+        """Label columns: the model returns one logit per task."""
+        return len(self.data.labels)
+
+    @property
+    def dense_columns(self) -> list[str]:
+        """Parquet: the dense features' columns."""
+        return self.data.dense_columns or [f"I{i + 1}" for i in range(self.num_dense)]
 
     @model_validator(mode="after")
     def _check_publish(self) -> "Config":
@@ -481,16 +591,24 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set a dotted key; a numeric part indexes a list (`--set features.3.pooling=sum`)."""
     keys = dotted.split(".")
-    node = tree
-    for i, key in enumerate(keys[:-1]):
-        child = node.get(key)
+    node: Any = tree
+    for i, key in enumerate(keys):
+        where = ".".join(keys[:i + 1])
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"--set {dotted}: {where} is not an index of a {len(node)}-entry list")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i])} is not a section")
+        if i == len(keys) - 1:
+            node[key] = value
+            return
+        child = node[key] if isinstance(node, list) else node.get(key)
         if child is None:
             child = node[key] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
         node = child
-    node[keys[-1]] = value
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:

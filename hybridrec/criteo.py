@@ -32,10 +32,10 @@ def feature_columns(features: Sequence[FeatureConfig]) -> tuple[np.ndarray, list
     """
     groups = list(range(NUM_SPARSE))
     columns = []
-    for feature in features:
-        name = feature.name
+    for i, feature in enumerate(features):
+        name = getattr(feature, "source", feature.name)  # the feature's column (its name unless `column` is set)
         if not (name.startswith("C") and name[1:].isdigit() and 1 <= int(name[1:]) <= NUM_SPARSE):
-            raise ValueError(f"features: {name!r} is not a Criteo categorical column (C1..C{NUM_SPARSE})")
+            raise ValueError(f"features.{i}: {name!r} is not a Criteo categorical column (C1..C{NUM_SPARSE})")
         column = int(name[1:]) - 1
         groups[column] = feature.group
         columns.append(column)

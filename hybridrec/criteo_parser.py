@@ -166,6 +166,34 @@ def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
     return pos, num_rows, num_lines, num_bad, first_row, _OK, 0
 
 
+@numba.njit(cache=True, nogil=True)
+def hash_strings(data, offsets, group_hi, out, present):
+    """IDs of an Arrow string column (its data bytes and int32/int64 offsets): string i is
+    data[offsets[i]:offsets[i + 1]], hashed exactly as a TSV field, so a Criteo file converted to Parquet gives
+    the same IDs. An empty string is absent (as an empty TSV field); ``present`` comes in holding the
+    column's validity and goes out False for those too."""
+    for i in range(out.shape[0]):
+        s, e = offsets[i], offsets[i + 1]
+        if present[i] and e > s:
+            out[i] = group_hi | _hash_field(data, s, e)
+        else:
+            out[i] = group_hi
+            present[i] = False
+
+
+@numba.njit(cache=True, nogil=True)
+def hash_ints(values, group_hi, out):
+    """IDs of integer tokens (a Parquet int64 ID column): splitmix64's finaliser, 56 bits, never 0."""
+    for i in range(values.shape[0]):
+        h = np.uint64(values[i])
+        h = (h ^ (h >> np.uint64(30))) * _SM_M1
+        h = (h ^ (h >> np.uint64(27))) * _SM_M2
+        h = (h ^ (h >> np.uint64(31))) & _HASH_MASK_U64
+        if h == np.uint64(0):
+            h = np.uint64(1)
+        out[i] = group_hi | h
+
+
 def hash_token(token: bytes | str, group: int) -> int:
     """The id the reader gives ``token`` in feature ``group`` (for tests/tools)."""
     raw = token.encode() if isinstance(token, str) else bytes(token)

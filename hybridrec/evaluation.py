@@ -48,3 +48,17 @@ def find_oracle(config) -> float | None:
 
 def _read_oracle(path: Path) -> float:
     return float(json.loads(path.read_text())["oracle_auc"])
+
+
+def find_task_oracles(config) -> dict[str, float]:
+    """Oracle AUC of each task: the `tasks` entry of the oracle file (`hybridrec data synth --format parquet`
+    writes one per label column), empty when there is none."""
+    paths = [Path(config.data.oracle)] if config.data.oracle else [Path(t).parent / "oracle.json"
+                                                                    for t in config.data.train[:1]]
+    for path in paths:
+        try:
+            tasks = json.loads(path.read_text()).get("tasks", {})
+            return {name: float(entry["oracle_auc"]) for name, entry in tasks.items()}
+        except (OSError, KeyError, ValueError, TypeError, AttributeError):
+            continue
+    return {}

@@ -144,6 +144,15 @@ class SparseBatch:
             lengths.append(mask.astype(np.uint16))
         return cls(batch_size=ids.shape[0], uniq=uniq, pos=pos, lengths=lengths, phase=phase)
 
+    @classmethod
+    def from_bags(cls, values: Sequence[np.ndarray], lengths: Sequence[np.ndarray], *, batch_size: int,
+                  phase: str) -> "SparseBatch":
+        """From variable-length bags (Parquet): feature f's IDs `values[f]`, `lengths[f][i]` of them for sample i,
+        in order. Scalar bags (lengths 0 or 1) give exactly what `from_columns` gives for the same IDs."""
+        uniq, pos = zip(*(dedup(v) for v in values)) if values else ((), ())
+        return cls(batch_size=batch_size, uniq=list(uniq), pos=list(pos),
+                   lengths=[np.asarray(n).astype(np.uint16) for n in lengths], phase=phase)
+
     def encode(self, *, lz4: bool = True) -> bytes:
         tensors: dict[str, np.ndarray] = {}
         for f, (u, p, n) in enumerate(zip(self.uniq, self.pos, self.lengths)):
@@ -200,7 +209,7 @@ class DenseBatch:
 
     batch_ref: int
     dense: np.ndarray  # float32 (B, num_dense)
-    labels: np.ndarray  # float32 (B,)
+    labels: np.ndarray  # float32 (B,), or (B, tasks) with several label columns
     phase: str = "train"
     seq: int = 0
     """Index of the batch in the job's training stream (all ranks together)."""
@@ -227,8 +236,9 @@ class EndOfPhase:
         return codec.encode(meta={"end_of": self.phase, **self.meta})
 
 
-def decode_nn_batch(buf: bytes, num_dense: int) -> DenseBatch | EndOfPhase:
-    """What the data loader sent an NN worker: a dense batch, or the end of a phase."""
+def decode_nn_batch(buf: bytes, num_dense: int, num_tasks: int = 1) -> DenseBatch | EndOfPhase:
+    """What the data loader sent an NN worker: a dense batch, or the end of a phase. Labels are (B,) with one
+    task, (B, num_tasks) with several."""
     frame = codec.decode(buf)
     end_of = frame.meta.get("end_of")
     if end_of is not None:
@@ -238,7 +248,9 @@ def decode_nn_batch(buf: bytes, num_dense: int) -> DenseBatch | EndOfPhase:
             raise FrameError("an end-of-phase frame carries no tensors")
         return EndOfPhase(end_of, {k: v for k, v in frame.meta.items() if k != "end_of"})
     dense = frame.get("dense", np.float32, 2)
-    labels = frame.get("labels", np.float32, 1)
+    labels = frame.get("labels", np.float32, 1 if num_tasks == 1 else 2)
+    if labels.ndim == 2 and labels.shape[1] != num_tasks:
+        raise FrameError(f"labels {labels.shape} do not hold {num_tasks} tasks")
     if dense.shape[1] != num_dense or dense.shape[0] != labels.shape[0] or labels.shape[0] == 0:
         raise FrameError(f"dense {dense.shape} and labels {labels.shape} do not form a batch with "
                          f"{num_dense} dense features")

@@ -10,10 +10,16 @@ features of a width concatenated in config order), the uint16 position of every
 bag element in its feature's rows, and every bag's length. Pooling happens here,
 with one `embedding_bag` call per width over all (feature, sample) bags, so the
 backward pass yields exactly one gradient per unique row — what goes back.
+
+A feature with `pooling: none` (a sequence) is not pooled: the model gets a
+`SeqEmbedding`, its rows gathered into (batch, max_len, width) in the data's
+order (oldest first, zeros after each sample's length) and the lengths. The
+gather reads the same leaf as the bags, so its gradient goes back the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,7 +27,14 @@ import torch.nn.functional as F
 
 from hybridrec.compress import ValueCodec
 from hybridrec.config import FeatureConfig, Pooling
-from hybridrec.frames import Embeddings
+from hybridrec.frames import Embeddings, FrameError
+
+
+class SeqEmbedding(NamedTuple):
+    """A sequence feature as the model gets it (`pooling: none`)."""
+
+    values: torch.Tensor  # (batch, max_len, width): element j of sample i at [i, j], oldest first, then zeros
+    lengths: torch.Tensor  # int64 (batch,): elements of each sample
 
 
 @dataclass
@@ -30,9 +43,11 @@ class BatchEmbeddings:
 
     batch_size: int
     rows: dict[int, np.ndarray]  # width -> (unique rows of its features, width) float32
-    index: dict[int, np.ndarray]  # width -> int64 row of every bag element, features of that width in order
-    offsets: dict[int, np.ndarray]  # width -> int64 start of every (feature, sample) bag
+    index: dict[int, np.ndarray]  # width -> int64 row of every bag element, pooled features of that width in order
+    offsets: dict[int, np.ndarray]  # width -> int64 start of every (pooled feature, sample) bag
     weights: dict[int, np.ndarray | None]  # width -> per-element weights (mean / sqrt-n pooling) or None
+    sequences: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """feature index -> (int64 (batch, max_len) row of each element, -1 past the length; lengths)."""
 
 
 class Pooler:
@@ -40,9 +55,10 @@ class Pooler:
         self.features, self.values = features, values
         self.dims = sorted({f.dim for f in features})
         self.members = {d: [i for i, f in enumerate(features) if f.dim == d] for d in self.dims}
+        self.pooled = {d: [i for i in m if not features[i].sequence] for d, m in self.members.items()}
         self.names = [f.name for f in features]
         self.widths = [f.dim for f in features]
-        self.weighted = any(f.pooling != Pooling.SUM for f in features)
+        self.weighted = any(f.pooling not in (Pooling.SUM, Pooling.NONE) for f in features)
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
@@ -52,9 +68,13 @@ class Pooler:
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
         for dim, members in self.members.items():
             row_start = np.concatenate([[0], np.cumsum(frame.counts[members], dtype=np.int64)])
-            index, bag_lengths, weights = [], [], []
+            index, bag_lengths, weights = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
             for k, f in enumerate(members):
-                index.append(frame.pos[pos_start[f]:pos_start[f + 1]].astype(np.int64) + row_start[k])
+                rows_of_f = frame.pos[pos_start[f]:pos_start[f + 1]].astype(np.int64) + row_start[k]
+                if self.features[f].sequence:
+                    out.sequences[f] = _padded(rows_of_f, frame.lengths[f], self.features[f])
+                    continue
+                index.append(rows_of_f)
                 bag_lengths.append(frame.lengths[f])
                 if self.weighted:
                     weights.append(_bag_weights(frame.lengths[f], self.features[f].pooling))
@@ -74,6 +94,8 @@ class Pooler:
         into `rows` before `pool`. An absent field is an empty bag (pooled
         zeros), as in training (`SparseBatch.from_columns`).
         """
+        if any(f.sequence for f in self.features):
+            raise ValueError("serving takes one ID per feature; a sequence feature (pooling: none) cannot be served")
         batch_size = ids.shape[0]
         uniq: dict[int, np.ndarray] = {}
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
@@ -95,27 +117,51 @@ class Pooler:
             batch_size,
             rows={d: np.zeros((0, d), np.float32) for d in self.dims},
             index={d: np.zeros(0, np.int64) for d in self.dims},
-            offsets={d: np.zeros(len(m) * batch_size, np.int64) for d, m in self.members.items()},
+            offsets={d: np.zeros(len(m) * batch_size, np.int64) for d, m in self.pooled.items()},
             weights={d: (np.zeros(0, np.float32) if self.weighted else None) for d in self.dims},
+            sequences={i: (np.full((batch_size, f.max_len), -1, np.int64), np.zeros(batch_size, np.int64))
+                       for i, f in enumerate(self.features) if f.sequence},
         )
 
     def pool(self, emb: BatchEmbeddings, device: torch.device, *, grad: bool):
-        """(leaf tensor of rows per width, pooled embedding per feature name)."""
+        """(leaf tensor of rows per width, pooled embedding or `SeqEmbedding` per feature name)."""
         leaves: dict[int, torch.Tensor] = {}
-        pooled: dict[str, torch.Tensor] = {}
+        pooled: dict[str, torch.Tensor | SeqEmbedding] = {}
         for dim, members in self.members.items():
             leaf = torch.from_numpy(emb.rows[dim]).to(device)
             if grad:
                 leaf.requires_grad_()
             leaves[dim] = leaf
-            weights = emb.weights[dim]
-            bags = F.embedding_bag(torch.from_numpy(emb.index[dim]).to(device), leaf,
-                                   torch.from_numpy(emb.offsets[dim]).to(device), mode="sum",
-                                   per_sample_weights=None if weights is None else torch.from_numpy(weights).to(device))
-            bags = bags.view(len(members), emb.batch_size, dim)
-            for k, f in enumerate(members):
-                pooled[self.names[f]] = bags[k]
+            bagged = self.pooled[dim]
+            if bagged:
+                weights = emb.weights[dim]
+                bags = F.embedding_bag(torch.from_numpy(emb.index[dim]).to(device), leaf,
+                                       torch.from_numpy(emb.offsets[dim]).to(device), mode="sum",
+                                       per_sample_weights=None if weights is None
+                                       else torch.from_numpy(weights).to(device))
+                bags = bags.view(len(bagged), emb.batch_size, dim)
+                for k, f in enumerate(bagged):
+                    pooled[self.names[f]] = bags[k]
+            sequences = [f for f in members if f in emb.sequences]
+            if sequences:  # index -1 (past a sample's length) reads the zero row appended last
+                padded = torch.cat([leaf, leaf.new_zeros(1, dim)])
+                for f in sequences:
+                    index, lengths = (torch.from_numpy(a).to(device) for a in emb.sequences[f])
+                    pooled[self.names[f]] = SeqEmbedding(padded[index], lengths)
         return leaves, {name: pooled[name] for name in self.names}
+
+
+def _padded(rows: np.ndarray, lengths: np.ndarray, feature: FeatureConfig) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's element rows as (batch, max_len), -1 past each sample's length, and the lengths."""
+    lengths = lengths.astype(np.int64)
+    if lengths.size and int(lengths.max()) > feature.max_len:
+        raise FrameError(f"feature {feature.name!r}: a sequence of {int(lengths.max())} elements exceeds its "
+                         f"max_len {feature.max_len}")
+    starts = np.cumsum(lengths) - lengths
+    index = np.full((lengths.shape[0], feature.max_len), -1, np.int64)
+    sample = np.repeat(np.arange(lengths.shape[0]), lengths)
+    index[sample, np.arange(rows.shape[0]) - np.repeat(starts, lengths)] = rows
+    return index, lengths
 
 
 def _bag_weights(lengths: np.ndarray, pooling: Pooling) -> np.ndarray:

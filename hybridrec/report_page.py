@@ -131,6 +131,19 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The results, formatted for people; a missing field reads '–'."""
     s = summary
     p50, mx = _get(s, "staleness", "p50"), _get(s, "staleness", "max")
+    return [*_result_rows(s), *_task_rows(s)]
+
+
+def _task_rows(s: dict) -> list[tuple[str, str]]:
+    """A multi-task run's per-task eval results (the top-level AUC and log loss are the first task's)."""
+    tasks = s.get("tasks") if isinstance(s.get("tasks"), list) else []
+    return [(f"Task {t.get('name')}: eval AUC / oracle / log loss",
+             f"{fmt_sig(t.get('auc'))} / {fmt_sig(t.get('oracle_auc'))} / {fmt_sig(t.get('logloss'))}")
+            for t in tasks if isinstance(t, dict)]
+
+
+def _result_rows(s: dict) -> list[tuple[str, str]]:
+    p50, mx = _get(s, "staleness", "p50"), _get(s, "staleness", "max")
     return [
         ("Training mode", str(s.get("mode") or DASH)),
         ("NN workers", fmt_int(s.get("nn_workers"))),

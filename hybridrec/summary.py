@@ -108,6 +108,19 @@ class Phases(BaseModel):
     """Every service stopped."""
 
 
+class TaskMetrics(BaseModel):
+    """Eval metrics of one task (one label column) of a multi-task model."""
+
+    name: str
+    """The label column."""
+    auc: float | None
+    """Eval AUC of the task's predictions (None with one class only)."""
+    logloss: float | None
+    """Eval log loss of the task's predictions."""
+    oracle_auc: float | None = None
+    """AUC of the planted model's true probabilities of this task, when the data says so."""
+
+
 class RunSummary(BaseModel):
     """Results of one training job."""
 
@@ -160,6 +173,9 @@ class RunSummary(BaseModel):
     logloss: float | None
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities on the eval file, when the data says so."""
+    tasks: list[TaskMetrics] | None = None
+    """Multi-task models (several data.labels): every task's eval metrics; `auc`, `logloss` and `oracle_auc`
+    above are the first task's. None with one task."""
     train_started_at: float | None = None
     """Unix time of the first training step of any NN worker (this incarnation: not before a resume)."""
     train_ended_at: float | None = None
@@ -183,6 +199,16 @@ class RunSummary(BaseModel):
     """Launcher only: path of report.html."""
     phases: Phases | None = None
     """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
+
+    def task_metrics(self) -> dict[str, float]:
+        """Every task's eval AUC and log loss as metric values (`eval_auc_<task>`, `eval_logloss_<task>`)."""
+        out: dict[str, float] = {}
+        for task in self.tasks or [TaskMetrics(name="", auc=self.auc, logloss=self.logloss)]:
+            suffix = "".join(c if c.isalnum() else "_" for c in task.name)
+            for key, value in (("eval_auc", task.auc), ("eval_logloss", task.logloss)):
+                if value is not None:
+                    out[f"{key}_{suffix}" if suffix else key] = float(value)
+        return out
 
     def write(self, path: Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,11 @@
 """On the data loader: turn file chunks into mini-batches, and deal them evenly to the NN ranks.
 
+TSV and Parquet readers both produce `Rows`; from there on a batch takes one
+path (batching, dealing, `Rows.sparse`, the frames). TSV rows hold one ID or
+none per feature as columns (`ids`, `present`); Parquet rows hold every feature
+as a `Bag` (a scalar column is a bag of length 0 or 1), and `Rows.sparse` gives
+the same `SparseBatch` for the same IDs either way.
+
 Synchronous dense training deadlocks if one rank runs out of batches while
 another still waits in an AllReduce, so `deal_evenly` gives every rank the same
 number of training batches: the last, incomplete round is split into one
@@ -12,27 +18,65 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from hybridrec.frames import SparseBatch
 from services.dataloader.criteo import BadLinePolicy, read_criteo
 
 
 @dataclass
-class Rows:
-    """A batch of samples: the ID columns of the configured features and their presence mask."""
+class Bag:
+    """One feature of a batch as variable-length lists: sample i's IDs are values[offsets[i]:offsets[i + 1]],
+    in the data's order (a sequence's oldest first)."""
 
-    labels: np.ndarray
+    values: np.ndarray  # uint64 (nnz,)
+    offsets: np.ndarray  # int64 (n + 1,), offsets[0] == 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def slice(self, start: int, stop: int) -> "Bag":
+        offsets = self.offsets[start:stop + 1]
+        return Bag(self.values[offsets[0]:offsets[-1]], offsets - offsets[0])
+
+    @staticmethod
+    def concat(parts: Sequence["Bag"]) -> "Bag":
+        shifts = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
+        return Bag(np.concatenate([p.values for p in parts]), offsets)
+
+
+@dataclass
+class Rows:
+    """A batch of samples: the ID columns of the configured features and their presence mask (TSV), or one
+    `Bag` per feature (Parquet; then `ids` and `present` have no columns)."""
+
+    labels: np.ndarray  # float32 (n,), or (n, tasks) with several label columns
     dense: np.ndarray
     ids: np.ndarray
     present: np.ndarray
+    bags: list[Bag] | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
     def slice(self, start: int, stop: int) -> "Rows":
-        return Rows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], self.present[start:stop])
+        bags = None if self.bags is None else [b.slice(start, stop) for b in self.bags]
+        return Rows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], self.present[start:stop],
+                    bags)
 
     @staticmethod
     def concat(parts: Sequence["Rows"]) -> "Rows":
-        return Rows(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("labels", "dense", "ids", "present")))
+        bags = None if parts[0].bags is None else [Bag.concat([p.bags[f] for p in parts])
+                                                   for f in range(len(parts[0].bags))]
+        return Rows(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("labels", "dense", "ids", "present")),
+                    bags)
+
+    def sparse(self, phase: str) -> SparseBatch:
+        """The ID half of the batch, as the embedding worker receives it."""
+        if self.bags is None:
+            return SparseBatch.from_columns(self.ids, self.present, phase=phase)
+        return SparseBatch.from_bags([b.values for b in self.bags], [b.lengths for b in self.bags],
+                                     batch_size=len(self), phase=phase)
 
 
 @dataclass(frozen=True, order=True)
@@ -41,8 +85,8 @@ class Position:
 
     epoch: int = 0
     file: int = 0
-    offset: int = 0  # byte offset in the file's uncompressed stream
-    line: int = 1  # 1-based line number at that offset
+    offset: int = 0  # byte offset in the file's uncompressed stream (Parquet: the file row)
+    line: int = 1  # 1-based line number at that offset (Parquet: that row, 1-based)
 
     def as_list(self) -> list[int]:
         return [self.epoch, self.file, self.offset, self.line]
@@ -51,8 +95,9 @@ class Position:
 @dataclass
 class ReadCounters:
     rows: int = 0
-    bad_lines: int = 0
+    bad_lines: int = 0  # TSV: malformed lines; Parquet: rows with a null or non-0/1 label
     dropped_rows: int = 0
+    truncated_rows: int = 0  # Parquet: rows with a list longer than its feature's max_len (most recent kept)
 
 
 def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int], chunk_rows: int,

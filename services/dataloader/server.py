@@ -20,16 +20,15 @@ from typing import Iterator
 import grpc
 
 from hybridrec import rpc
-from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received, SparseBatch
+from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received
 from hybridrec.config import Config
-from hybridrec.criteo import feature_columns
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec import checkpoints
 from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
-from services.dataloader.batching import (Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_rows,
-                                          iter_train_batches)
+from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
+from services.dataloader.sources import eval_rows as read_eval_rows, train_batches
 
 _DONE = object()
 
@@ -45,7 +44,8 @@ class DataLoaderServicer:
         return {**{k: float(v) for k, v in self.counters.items()},
                 "rows_read_total": float(sum(r.rows for r in self.reads)),
                 "bad_lines_total": float(sum(r.bad_lines for r in self.reads)),
-                "dropped_rows_total": float(sum(r.dropped_rows for r in self.reads))}
+                "dropped_rows_total": float(sum(r.dropped_rows for r in self.reads)),
+                "truncated_rows_total": float(sum(r.truncated_rows for r in self.reads))}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="dataloader", replica=self.replica,
@@ -76,7 +76,7 @@ class Dispatcher:
 
     def _prepared(self, items: Iterator[tuple[int, Rows, Position | None]], phase: str):
         for rank, rows, position in items:
-            sparse = SparseBatch.from_columns(rows.ids, rows.present, phase=phase).encode(lz4=self.lz4)
+            sparse = rows.sparse(phase).encode(lz4=self.lz4)
             yield rank, sparse, rows, position
 
     async def received(self) -> list[Received]:
@@ -155,14 +155,11 @@ def checkpoint_point(config: Config) -> tuple[Position, int]:
     return Position(*manifest.position), manifest.seq
 
 
-async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
-                        columns, groups) -> int:
+async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters) -> int:
     """Read and send the training stream from `resume` on; returns the number of batches sent."""
     training, num_ranks = config.training, len(config.cluster.nn_workers)
     first_seq = resume.train.first_seq
-    batches = iter_train_batches(config.data.train, epochs=training.epochs, batch_size=training.batch_size,
-                                 columns=columns, groups=groups, bad_lines=config.data.bad_lines, counters=counts,
-                                 start=resume.position)
+    batches = train_batches(config, counts, resume.position)
     items = deal_evenly(batches, num_ranks, counts)
     if training.max_steps is not None:
         items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
@@ -177,8 +174,7 @@ async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
-    columns, groups = feature_columns(config.features)
-    training, data = config.training, config.data
+    training = config.training
     num_ranks = len(config.cluster.nn_workers)
     await host.start()
     await host.set_serving(True)
@@ -196,10 +192,9 @@ async def serve(config: Config, replica: int) -> None:
                              position=resume.position.as_list(), train_done=resume.train_done,
                              held=list(resume.train.skip_through), notes=resume.notes)
         if not resume.train_done:
-            n = await send_training(config, dispatcher, resume, train_counts, columns, groups)
+            n = await send_training(config, dispatcher, resume, train_counts)
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
-        eval_rows = iter_rows(data.eval, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
-                              bad_lines=data.bad_lines, counters=eval_counts)
+        eval_rows = read_eval_rows(config, eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))

@@ -89,7 +89,7 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
         raise ExportError(f"{path / 'ps'}: dumps of {ps['num_shards']} shards at step {ps['step']}, but "
                           f"{path / checkpoints.MANIFEST} says {job.num_ps} PS at step {job.step}")
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
-                              model=config.model, precision=config.training.precision, num_shards=ps["num_shards"])
+                              num_tasks=config.num_tasks, model=config.model, precision=config.training.precision, num_shards=ps["num_shards"])
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)

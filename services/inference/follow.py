@@ -26,7 +26,7 @@ import torch
 
 from hybridrec import log
 from hybridrec.bundle import BundleManifest, EmbeddingTable
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.models import build_model, feature_infos
 from hybridrec.versions import Follower, Snapshot, version_age_s
 
 POLL_S = 0.5
@@ -47,8 +47,9 @@ class FollowedModel:
 
 def build_dense(manifest: BundleManifest, state: dict[str, Any]) -> torch.nn.Module:
     """The bundle's dense module with its weights, in eval mode and without gradients."""
-    module = build_model(manifest.model.path, [FeatureInfo(f.name, f.dim) for f in manifest.features],
-                         manifest.num_dense, manifest.model.kwargs)
+    module = build_model(manifest.model.path, feature_infos(manifest.features),
+                         manifest.num_dense, manifest.model.kwargs,
+                         num_tasks=manifest.num_tasks)
     module.load_state_dict(state)
     module.eval()
     module.requires_grad_(False)

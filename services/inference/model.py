@@ -26,7 +26,7 @@ from hybridrec.bundle import BundleError, BundleManifest, EmbeddingTable, load_d
 from hybridrec.compress import ValueCodec
 from hybridrec.config import ConfigError
 from hybridrec.frames import PSLookup, PSRows
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.models import build_model, feature_infos
 from hybridrec.pooling import Pooler
 from hybridrec.sharding import split_by_shard
 
@@ -131,8 +131,9 @@ class StaticSource:
 
 
 def build_dense(manifest: BundleManifest, state_dict: dict) -> torch.nn.Module:
-    model = build_model(manifest.model.path, [FeatureInfo(f.name, f.dim) for f in manifest.features],
-                        manifest.num_dense, manifest.model.kwargs)
+    model = build_model(manifest.model.path, feature_infos(manifest.features),
+                        manifest.num_dense, manifest.model.kwargs,
+                        num_tasks=manifest.num_tasks)
     model.load_state_dict(state_dict)
     model.eval()
     for p in model.parameters():

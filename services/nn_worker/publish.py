@@ -144,6 +144,7 @@ class Publisher:
             manifest = BundleManifest(
                 version=version, base_version=None if full else self.base, step=step,
                 features=list(self.config.features), num_dense=self.config.num_dense, model=self.config.model,
+                num_tasks=self.config.num_tasks,
                 precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files)
             await asyncio.get_running_loop().run_in_executor(None, self._write_dense_and_manifest, path, state,
                                                              manifest)

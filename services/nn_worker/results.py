@@ -18,24 +18,29 @@ import torch.distributed as dist
 
 from hybridrec import log, rpc
 from hybridrec.config import Config
-from hybridrec.evaluation import binary_metrics, find_oracle
+from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
-from hybridrec.summary import PublishSummary, RunSummary, Staleness, TableLifecycle
+from hybridrec.summary import PublishSummary, RunSummary, Staleness, TableLifecycle, TaskMetrics
 from services.nn_worker.trainer import Trainer
 
 
 def gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's predictions and labels, on every rank (padded all_gather: no pickled objects)."""
-    local = torch.from_numpy(np.stack([preds, labels]).astype(np.float32))
+    """Every rank's predictions and labels, on every rank (padded all_gather: no pickled objects). (n,) arrays
+    with one task, (n, tasks) with several."""
+    tasks = 1 if preds.ndim == 1 else preds.shape[1]
+    n = preds.shape[0]
+    local = torch.from_numpy(np.concatenate([preds.reshape(n, tasks).T, labels.reshape(n, tasks).T]).astype(np.float32))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(sizes, torch.tensor([local.shape[1]]))
     longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(2, longest)
+    padded = torch.zeros(2 * tasks, longest)
     padded[:, :local.shape[1]] = local
-    parts = [torch.zeros(2, longest) for _ in range(world_size)]
+    parts = [torch.zeros(2 * tasks, longest) for _ in range(world_size)]
     dist.all_gather(parts, padded)
     joined = torch.cat([p[:, :int(n.item())] for p, n in zip(parts, sizes)], dim=1).numpy()
-    return joined[0], joined[1]
+    if preds.ndim == 1:
+        return joined[0], joined[1]
+    return joined[:tasks].T, joined[tasks:].T
 
 
 def reduce_stats(trainer: Trainer) -> dict:
@@ -138,6 +143,8 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
     recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
     wall = totals["train_wall_s"]
+    tasks = _task_metrics(config, labels, preds)
+    first = (tasks[0].model_dump(include={"auc", "logloss"}) if tasks else binary_metrics(labels, preds))
     recovered = recovery_counters(config)
     # The embedding workers keep a looked-up training batch until its update is applied, so what they still
     # hold now is every lost update — including pushes lost with an NN worker that died, which no surviving
@@ -152,9 +159,18 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
-        eval_samples=int(labels.shape[0]), **binary_metrics(labels, preds),
-        oracle_auc=find_oracle(config), wall_s=time.monotonic() - started, data=data,
+        eval_samples=int(labels.shape[0]), **first, tasks=tasks,
+        oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
         **recovered,
     )
+
+
+def _task_metrics(config: Config, labels: np.ndarray, preds: np.ndarray) -> list[TaskMetrics] | None:
+    """Each task's eval AUC, log loss and oracle (None with one task: the summary's top-level fields say it)."""
+    if config.num_tasks == 1:
+        return None
+    oracles = find_task_oracles(config)
+    return [TaskMetrics(name=name, **binary_metrics(labels[:, t], preds[:, t]), oracle_auc=oracles.get(name))
+            for t, name in enumerate(config.data.labels)]

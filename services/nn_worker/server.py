@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hybridrec import checkpoints, log
 from hybridrec.config import Config, Mode
 from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, Received, decode_nn_batch
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
@@ -50,6 +50,7 @@ class NNWorkerServicer:
         self.last_received = {phase: -1 for phase in PHASES}
         self.ended: set[str] = set()
         self.duplicates = 0
+        self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
         self.marks: deque[tuple[int, tuple[int, ...], int]] = deque(maxlen=MARKS_KEPT)
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -58,7 +59,7 @@ class NNWorkerServicer:
 
         A batch counts as received only once it is in the inbox: a call cut off while waiting for room (its
         loader died) leaves no trace, and a restarted loader sends that batch again."""
-        item = decode_nn_batch(request, self.config.num_dense)
+        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks)
         if isinstance(item, DenseBatch):
             fresh = item.seq > self.last_received[item.phase]
         else:
@@ -110,6 +111,7 @@ class NNWorkerServicer:
                           duplicate_frames_total=self.duplicates)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())
+        values.update(self.eval_metrics)
         return {k: float(v) for k, v in values.items()}
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
@@ -147,8 +149,8 @@ async def _serve(config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     env = resolve_backend(config.training.backend, replica, world_size)
     pin_interface(config.cluster.bind_host)
-    model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
-                        config.num_dense, config.model.kwargs)
+    model = build_model(config.model.path, feature_infos(config.features),
+                        config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
     membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend)
     plan = await loop.run_in_executor(compute, membership.join, None)
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
@@ -189,6 +191,7 @@ async def _serve(config: Config, replica: int) -> None:
             summary.write(Path(config.output.dir) / "summary.json")
             torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)
+            servicer.eval_metrics = summary.task_metrics()
         await loop.run_in_executor(compute, dist.barrier)
         servicer.phase = "done"
 

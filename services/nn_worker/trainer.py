@@ -104,6 +104,9 @@ class Trainer:
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
         self.next_seq = env.rank  # stream index of this rank's next training batch (rank r gets r, r+N, ...)
         self.count_from_stream = False
+        self.num_tasks = config.num_tasks
+        weights = self.training.task_weights or [1.0] * self.num_tasks
+        self.task_weights = torch.tensor(weights, dtype=torch.float32, device=env.device)
 
     async def setup(self, plan: Plan) -> Plan:
         """Build the optimizer and wrap the model for dense synchronisation (collectives: on the compute thread).
@@ -331,12 +334,13 @@ class Trainer:
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
         leaves, embeddings = self.pooler.pool(emb, device, grad=True)
         with self._autocast():
-            logits = self.sync.module(dense, embeddings).reshape(-1).float()
-        loss = F.binary_cross_entropy_with_logits(logits, labels) * weight
+            logits = self._logits(self.sync.module(dense, embeddings))
+        loss = self._loss(logits, labels) * weight
         # At the end of every PROGRESSIVE_AUC_EVERY-th step, not the first: the first AUC imports scikit-learn,
-        # which would otherwise hold up the first step (start-up, docs/architecture.md#start-up).
+        # which would otherwise hold up the first step (start-up, docs/architecture.md#start-up). The first task's.
         if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == PROGRESSIVE_AUC_EVERY - 1:
-            self._progressive_auc(logits.detach().cpu().numpy(), batch.labels)
+            self._progressive_auc(logits.detach().cpu().numpy().reshape(len(labels), -1)[:, 0],
+                                  np.asarray(batch.labels).reshape(len(labels), -1)[:, 0])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -344,6 +348,17 @@ class Trainer:
         self.sync.after_step(self.stats.steps)
         return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
                                       else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The model's output as (B,) logits with one task, (B, tasks) with several."""
+        return out.reshape(-1).float() if self.num_tasks == 1 else out.reshape(out.shape[0], self.num_tasks).float()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Log loss; with several tasks, the sum of each task's mean log loss times its weight."""
+        if self.num_tasks == 1:
+            return F.binary_cross_entropy_with_logits(logits, labels)
+        per_task = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(dim=0)
+        return (per_task * self.task_weights).sum()
 
     def _autocast(self):
         """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
@@ -375,7 +390,8 @@ class Trainer:
                 preds.append(await self._on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
                 self.consumed = Consumed("eval", batch.seq)
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.float32)  # noqa: E731
+        empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)
+        cat = lambda xs: np.concatenate(xs) if xs else empty  # noqa: E731
         return cat(preds), cat(labels), end
 
     @torch.no_grad()
@@ -383,7 +399,7 @@ class Trainer:
         device = self.env.device
         _, embeddings = self.pooler.pool(emb, device, grad=False)
         with self._autocast():
-            logits = self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings).reshape(-1).float()
+            logits = self._logits(self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings))
         return torch.sigmoid(logits).cpu().numpy()
 
 
