@@ -26,20 +26,6 @@ def config(**kw) -> StoreConfig:
     return StoreConfig(**base)
 
 
-@pytest.fixture
-def open_store(tmp_path):
-    opened = []
-
-    def _open(cfg: StoreConfig, name: str = "store") -> EmbeddingStore:
-        store = EmbeddingStore.open(tmp_path / name, cfg)
-        opened.append(store)
-        return store
-
-    yield _open
-    for store in opened:
-        store.close()
-
-
 def present(store: EmbeddingStore, ids: np.ndarray) -> np.ndarray:
     return store.peek(ids)[1]
 

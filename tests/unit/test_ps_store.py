@@ -28,21 +28,6 @@ def config(**kw) -> StoreConfig:
     return StoreConfig(**base)
 
 
-@pytest.fixture
-def open_store(tmp_path):
-    """Open stores under tmp_path and close them all at the end."""
-    opened = []
-
-    def _open(cfg: StoreConfig, name: str = "store") -> EmbeddingStore:
-        store = EmbeddingStore.open(tmp_path / name, cfg)
-        opened.append(store)
-        return store
-
-    yield _open
-    for store in opened:
-        store.close()
-
-
 def lru_keys(store: EmbeddingStore) -> list[int]:
     """Keys from least to most recently used (one stripe stores only)."""
     return store.items()[0].tolist()
