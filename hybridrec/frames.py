@@ -361,8 +361,8 @@ class Applied:
 
 @dataclass
 class Consumed:
-    """An NN worker's reply to PutBatch: every batch of `phase` up to stream index `through` is trained (or, in
-    evaluation, predicted), and every phase before `phase` has ended. The data loader forgets those batches; it
+    """An NN worker's reply to PutBatch: every batch of `phase` up to stream index `through` is trained and its
+    embedding update acknowledged (or, in evaluation, predicted), and every phase before `phase` has ended. The data loader forgets those batches; it
     keeps the rest to re-send should the rank be replaced (services/dataloader/delivery.py)."""
 
     phase: str = "train"

@@ -108,6 +108,7 @@ class NNWorkerServicer:
                           skipped_batches_total=s.skipped_batches,
                           exposed_wait_seconds_total=s.exposed_wait_s, compute_seconds_total=s.compute_s,
                           group_reformations_total=s.regroups, replayed_batches_dropped_total=s.replayed_dropped,
+                          updates_replayed_total=s.updates_replayed,
                           duplicate_frames_total=self.duplicates)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())

@@ -65,6 +65,7 @@ class TrainStats:
     restored_samples: int = 0  # the job's samples at the checkpoint this group resumed from (every rank)
     regroups: int = 0  # times this rank's group failed and was re-formed (a peer lost and replaced)
     replayed_dropped: int = 0  # re-sent batches this rank dropped: the group had trained them already
+    updates_replayed: int = 0  # of those, updates lost with a predecessor and derived again (`Trainer._settle`)
 
     @property
     def wall_s(self) -> float:
@@ -102,6 +103,9 @@ class Trainer:
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
         self.membership: Membership | None = None  # set by the server: re-forms the group when a peer is lost
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
+        self._trained_through = -1  # the last training batch this rank trained
+        self._unacked: set[int] = set()  # stream indices of trained batches whose update is not acknowledged
+        self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
         self.next_seq = env.rank  # stream index of this rank's next training batch (rank r gets r, r+N, ...)
         self.count_from_stream = False
         self.num_tasks = config.num_tasks
@@ -131,7 +135,8 @@ class Trainer:
     def resume_at(self, step: int) -> None:
         """The group's state is at `step`: this rank's next training batch is the stream's step*N + rank."""
         self.next_seq = step * self.env.world_size + self.env.rank
-        self.consumed = Consumed("train", self.next_seq - 1)
+        self._trained_through = self.next_seq - 1
+        self._confirm()
 
     def _adopt(self, plan: Plan) -> None:
         """Compute thread, right after a (re)formation with a source: everyone takes its state, then DDP is
@@ -224,10 +229,20 @@ class Trainer:
             if not fetch.done():
                 fetch.cancel()
 
+    def _confirm(self) -> None:
+        """What PutBatch replies: the data loader forgets a batch once it is trained *and* its embedding update
+        is acknowledged, so a replacement of this rank is sent again what its predecessor still owed."""
+        through = min(self._unacked) - self.env.world_size if self._unacked else self._trained_through
+        self.consumed = Consumed("train", through)
+
     def _in_sequence(self, batch: DenseBatch) -> bool:
-        """False for a re-sent batch the group trained already (dropped); raises on a gap in the stream."""
+        """False for a re-sent batch the group trained already (its update is settled in the background, see
+        `_settle`); raises on a gap in the stream."""
         if batch.seq < self.next_seq:
             self.stats.replayed_dropped += 1
+            task = asyncio.ensure_future(self._settle(batch))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
             return False
         if batch.seq > self.next_seq:
             raise RuntimeError(
@@ -251,7 +266,7 @@ class Trainer:
             counts["issued"] += 1
             self.in_flight = counts["issued"] - counts["acked"]
 
-        async def push(ref: int, grads: dict[int, np.ndarray] | None) -> None:
+        async def push(ref: int, grads: dict[int, np.ndarray] | None, seq: int) -> None:
             try:
                 if grads is not None:  # None: a skipped batch; nothing to send, but its permit is returned
                     await self.push(ref, Gradients(ref, grads).encode(self.values))
@@ -259,6 +274,8 @@ class Trainer:
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
             finally:
+                self._unacked.discard(seq)
+                self._confirm()
                 counts["acked"] += 1
                 self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
@@ -280,8 +297,10 @@ class Trainer:
                 computed = time.perf_counter()
                 loss, grad = await self._collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
-                self.consumed = Consumed("train", batch.seq)
-                task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad))
+                self._trained_through = batch.seq
+                self._unacked.add(batch.seq)
+                self._confirm()
+                task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad, batch.seq))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -300,8 +319,8 @@ class Trainer:
                     await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
                 if self.publisher is not None:
                     await self.publisher.maybe_publish(self.stats.steps)
-        if pushes:
-            await asyncio.gather(*pushes)
+        if pushes or self._replays:
+            await asyncio.gather(*pushes, *self._replays)
         await self._on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
@@ -326,6 +345,45 @@ class Trainer:
             else:
                 self.stats.skipped_eval_batches += 1
             return self.pooler.empty(batch.labels.shape[0]), True
+
+    async def _settle(self, batch: DenseBatch) -> None:
+        """A re-sent batch the group trained already: if its embedding worker still holds it, the update was
+        lost with this rank's predecessor (the worker drops a batch once its update is applied). Its embedding
+        gradients are derived again under the current dense model — which is a few steps newer, like any
+        bounded-staleness update — and pushed; the dense model is not touched."""
+        try:
+            emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
+        except BatchLost:
+            return  # applied before the predecessor died (or lost with its worker: counted there)
+        grads = await self._on_compute(self._embedding_gradients, batch, emb)
+        try:
+            await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
+            self.stats.updates_replayed += 1
+            self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
+        except Exception as exc:  # noqa: BLE001 - it stays owed: the end-of-run count reports it as lost
+            self.log.warning("gradient_push_failed", batch_ref=batch.batch_ref, error=str(exc))
+
+    def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
+        """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
+        parameters are frozen meanwhile, so no gradient reaches them (nor DDP's hooks on them)."""
+        device = self.env.device
+        dense = torch.from_numpy(np.array(batch.dense)).to(device)
+        labels = torch.from_numpy(np.array(batch.labels)).to(device)
+        leaves, embeddings = self.pooler.pool(emb, device, grad=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for param in params:
+            param.requires_grad_(False)
+        try:
+            with self._autocast():
+                logits = self._logits(self.model(dense, embeddings))
+            loss = self._loss(logits, labels)
+            wanted = list(leaves.values())
+            grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+        finally:
+            for param in params:
+                param.requires_grad_(True)
+        return {dim: g.detach().cpu().numpy() if g is not None else np.zeros(tuple(leaf.shape), np.float32)
+                for (dim, leaf), g in zip(leaves.items(), grads)}
 
     def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings,
                     weight: float = 1.0) -> tuple[float, dict[int, np.ndarray]]:
