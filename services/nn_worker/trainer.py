@@ -353,15 +353,14 @@ class Trainer:
         bounded-staleness update — and pushed; the dense model is not touched."""
         try:
             emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
-        except BatchLost:
-            return  # applied before the predecessor died (or lost with its worker: counted there)
-        grads = await self._on_compute(self._embedding_gradients, batch, emb)
-        try:
+            grads = await self._on_compute(self._embedding_gradients, batch, emb)
             await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
+        except BatchLost:
+            return  # applied before the predecessor died (or lost with its worker: counted there)
         except Exception as exc:  # noqa: BLE001 - it stays owed: the end-of-run count reports it as lost
-            self.log.warning("gradient_push_failed", batch_ref=batch.batch_ref, error=str(exc))
+            self.log.warning("update_replay_failed", batch_ref=batch.batch_ref, error=str(exc))
 
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
