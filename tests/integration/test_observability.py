@@ -52,6 +52,11 @@ def _chromium() -> str:
     return path
 
 
+def _all_moved(first: dict, second: dict) -> bool:
+    return all(second[key].get(metric, 0) > first[key].get(metric, 0)
+               for key in second if key in first for metric in MOVING[key[0]])
+
+
 def test_metrics_move_and_report_renders(tmp_path, small_config):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(HYBRIDREC + ["run", str(small_config), "--run-dir", str(run_dir), "--summary-json",
@@ -73,9 +78,10 @@ def test_metrics_move_and_report_renders(tmp_path, small_config):
                 if first is None:
                     first = scraped
                     time.sleep(4)
-                else:
+                else:  # the latest scrape; done once every metric moved (a loaded machine may stall a while)
                     second = scraped
-                    break
+                    if _all_moved(first, second):
+                        break
             time.sleep(0.5)
         assert first and second, "never saw every service's metrics during training"
         for (name, replica), values in second.items():
