@@ -37,10 +37,15 @@ def test_throughput_series_agrees_with_the_summary(run):
     # Integrated, the series is the summary's sample count (all NN workers, not rank 0's half).
     total = sum(i["samples"] for i in intervals)
     assert abs(total - summary["samples"]) <= one_interval, (total, summary["samples"])
-    # What the polls themselves saw (every NN worker's Status summed) climbs to within one interval of it.
+    # What the polls themselves saw (every NN worker's Status summed) climbs to the summary's count, short
+    # only by what the group trained after the last training poll: at most one poll interval's worth, or the
+    # gap's worth where a loaded machine stretched the last poll cycle (the polls are not timed by training).
     polled = [p for p in series["training"] if p["phase"] == "train"]
-    assert max(p["samples"] for p in polled) <= summary["samples"]
-    assert summary["samples"] - max(p["samples"] for p in polled) <= 1.5 * one_interval
+    seen = max(p["samples"] for p in polled)
+    assert seen <= summary["samples"]
+    gap = summary["phases"]["end_of_training"] - polled[-1]["t"]
+    assert gap >= -0.1, (gap, polled[-1])  # the two clocks (Unix times, launcher polls) agree to ms
+    assert summary["samples"] - seen <= 1.5 * rate * max(gap, SAMPLE_EVERY_S), (seen, gap)
     assert len(polled[-1]["ranks"]) == summary["nn_workers"]
 
     # Its mean over the training window is the summary's samples/s.
