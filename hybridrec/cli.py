@@ -341,6 +341,9 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
          dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
+         table: Optional[list[str]] = typer.Option(None, "--table",
+                                                   help="IDS:DIM, once per table (tables of their own widths), "
+                                                        "e.g. --table 1e9:16 --table 2e7:64; instead of --ids."),
          optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
                                        help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
@@ -359,10 +362,11 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
         if config_path is not None:
             result = planner.plan_config(_load(config_path, None))
         else:
-            if (ids is None) == (params is None):
-                _fail("give --ids or --params (or --config)")
-            rows = int(ids if ids is not None else params / dim)
-            result = planner.plan_tables([planner.Table(rows, dim)], optimizer=optimizer, shards=shards,
+            if sum(x is not None and x != [] for x in (ids, params, table)) != 1:
+                _fail("give one of --ids, --params or --table (or --config)")
+            tables = [_table(t, planner) for t in table] if table else \
+                [planner.Table(int(ids if ids is not None else params / dim), dim)]
+            result = planner.plan_tables(tables, optimizer=optimizer, shards=shards,
                                          admit_after=admit_after, ttl=ttl, sketch_width=sketch_width,
                                          sketch_depth=sketch_depth)
     except ValueError as exc:
@@ -374,8 +378,21 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
         typer.echo(f"  {name:<8} {planner.human(nbytes):>14} per shard")
+    if len(result["stores"]) > 1:
+        for store in result["stores"]:
+            typer.echo(f"  width {store['dim']:<4} {store['rows_per_shard']:>14,} rows "
+                       f"{planner.human(store['per_shard_bytes']):>14} per shard")
     typer.echo(f"per shard: {planner.human(result['per_shard_bytes'])}   "
                f"total: {planner.human(result['total_bytes'])}")
+
+
+def _table(spec: str, planner):
+    """`--table IDS:DIM` (IDS may be written 1e9) as the planner's Table."""
+    try:
+        ids, dim = spec.split(":")
+        return planner.Table(int(float(ids)), int(dim))
+    except ValueError:
+        _fail(f"--table {spec!r}: expected IDS:DIM, e.g. 1e9:16")
 
 
 def main() -> None:
