@@ -47,14 +47,14 @@ def ensure_data(rows: int) -> Path:
 
 
 def one(config_path: Path, data: Path, mode: str, rate: str, work: Path, overrides: list[str],
-        prefix: str, cpus: tuple[str, str] | None = None) -> dict:
+        prefix: str, cpus: tuple[str, str] | None = None, loader_host: bool = False) -> dict:
     sets = [f"data.train=[{data / 'train.tsv'}]", f"data.eval=[{data / 'eval.tsv'}]",
             f"data.oracle={data / 'oracle.json'}", f"training.mode={mode}", *overrides]
     config = load_config(config_path, sets)
     run_dir = work / f"{mode}-{rate}"
     started = time.monotonic()
     try:
-        result = run_testbed(config, two_hosts(rate, cpus=cpus), run_dir, prefix=prefix, timeout_s=1800)
+        result = run_testbed(config, two_hosts(rate, cpus=cpus, loader_host=loader_host), run_dir, prefix=prefix, timeout_s=1800)
     except TestbedError as exc:
         return {"mode": mode, "rate": rate, "error": str(exc)[-2000:]}
     s = result["summary"]
@@ -171,6 +171,9 @@ def main() -> int:
                         help="'split' (default): the trainer host on one half of the CPUs, the embedding host on "
                              "the other, as separate machines would be; 'shared': both on every CPU; or "
                              "TRAINER/EMBEDDING CPU lists, e.g. 0/1")
+    parser.add_argument("--loader-host", action="store_true",
+                        help="the data loader on a host of its own (unshaped link, the embedding host's CPUs), "
+                             "as Persia deploys it; the trainer host then runs only the NN workers")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="combine sweep JSON files into --out (a later file's (mode, rate) run replaces an "
                              "earlier one), recompute the targets and the plot; runs nothing")
@@ -190,10 +193,11 @@ def main() -> int:
     work = args.out.parent / (args.out.stem + "-runs")
     result = {"rows": rows, "rates": rates, "modes": args.modes, "overrides": args.overrides,
               "load_avg_start": os.getloadavg(), "cpus": os.cpu_count(),
-              "host_cpus": {"trainer": cpus[0], "embedding": cpus[1]} if cpus else "shared", "runs": []}
+              "host_cpus": {"trainer": cpus[0], "embedding": cpus[1]} if cpus else "shared",
+              "loader_host": args.loader_host, "runs": []}
     for rate in rates:
         for mode in args.modes:
-            row = one(args.config, data, mode, rate, work, args.overrides, args.prefix, cpus)
+            row = one(args.config, data, mode, rate, work, args.overrides, args.prefix, cpus, args.loader_host)
             result["runs"].append(row)
             print(json.dumps({k: row.get(k) for k in ("mode", "rate", "samples_per_sec", "auc",
                                                       "exposed_wait_per_step_s", "compute_per_step_s",

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cpus", default=None,
                      help="default spec: TRAINER/EMBEDDING CPU lists (e.g. 0/1) or 'split' (halves of the CPUs); "
                           "default: both hosts on every CPU")
+    run.add_argument("--loader-host", action="store_true",
+                     help="default spec: the data loader on a third host, `data` (unshaped, the embedding CPUs)")
     run.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     run.add_argument("--run-dir", type=Path, default=None)
     run.add_argument("--prefix", default="hrtb", help="name prefix of namespaces and shm files")
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         spec = load_spec(yaml.safe_load(args.spec.read_text())) if args.spec else two_hosts(
-            args.rate, args.trainer_rate, cpus=cpus_option(args.cpus))
+            args.rate, args.trainer_rate, cpus=cpus_option(args.cpus), loader_host=args.loader_host)
         faults = [parse_fault(f) for f in args.fault]
     except (ConfigError, SpecError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

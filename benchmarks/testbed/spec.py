@@ -214,14 +214,22 @@ def load_spec(tree: dict[str, Any]) -> TestbedSpec:
         raise SpecError("invalid testbed spec:\n" + "\n".join(lines)) from None
 
 
-def two_hosts(rate: Any = None, trainer_rate: Any = None, cpus: tuple[str, str] | None = None) -> TestbedSpec:
+def two_hosts(rate: Any = None, trainer_rate: Any = None, cpus: tuple[str, str] | None = None, *,
+              loader_host: bool = False) -> TestbedSpec:
     """The default: `trainer` (data loader, NN workers) and `embedding` (PS shards, embedding workers);
     `rate` shapes the embedding host's link both ways, `trainer_rate` the trainer's; `cpus` pins the two
-    hosts to (trainer, embedding) CPU lists (`split_cpus()` halves this machine)."""
+    hosts to (trainer, embedding) CPU lists (`split_cpus()` halves this machine).
+
+    `loader_host` puts the data loader on a third host, `data` (unshaped link, the embedding host's CPUs), as
+    Persia deploys its data loaders: the trainer's CPUs then run only the NN workers, which stand for GPU
+    machines whose time goes to the dense step."""
     trainer_cpus, embedding_cpus = cpus or (None, None)
-    return load_spec({"hosts": [
-        {"name": "trainer", "services": ["dataloader", "nn_worker"], "link": {"up": trainer_rate, "down": trainer_rate},
-         "cpus": trainer_cpus},
+    hosts = [
+        {"name": "trainer", "services": ["nn_worker"] if loader_host else ["dataloader", "nn_worker"],
+         "link": {"up": trainer_rate, "down": trainer_rate}, "cpus": trainer_cpus},
         {"name": "embedding", "services": ["embedding_ps", "embedding_worker"], "link": {"up": rate, "down": rate},
          "cpus": embedding_cpus},
-    ]})
+    ]
+    if loader_host:
+        hosts.append({"name": "data", "services": ["dataloader"], "cpus": embedding_cpus})
+    return load_spec({"hosts": hosts})

@@ -79,3 +79,13 @@ def test_split_cpus_gives_each_host_its_own() -> None:
     trainer, embedding = (h.cpu_set() for h in spec.hosts)
     assert trainer and embedding and not trainer & embedding
     assert trainer | embedding == os.sched_getaffinity(0) and len(trainer) >= len(embedding)
+
+
+def test_the_data_loader_on_a_host_of_its_own() -> None:
+    spec = two_hosts("50mbit", cpus=("0", "1") if len(os.sched_getaffinity(0)) >= 2 else None, loader_host=True)
+    where = spec.assign(REPLICAS)
+    assert where[("dataloader", 0)] == "data" and where[("nn_worker", 1)] == "trainer"
+    data = next(h for h in spec.hosts if h.name == "data")
+    embedding = next(h for h in spec.hosts if h.name == "embedding")
+    assert data.cpu_set() == embedding.cpu_set()  # beside the embedding host, off the trainer's CPUs
+    assert len({spec.address(h.name) for h in spec.hosts}) == 3
