@@ -12,14 +12,15 @@ from tests.conftest import HYBRIDREC, REPO
 pytestmark = pytest.mark.integration
 
 
-def test_multitask_parquet_example_trains_both_tasks(tmp_path):
+@pytest.mark.parametrize("example", ["multitask_parquet", "din_parquet"])
+def test_multitask_parquet_example_trains_both_tasks(tmp_path, example):
     data = tmp_path / "data"
     synthesize_multitask(data, rows=60_000, eval_rows=20_000, seed=2)
     summary_path = tmp_path / "summary.json"
     overrides = [f"data.train=[{data / 'train.parquet'}]", f"data.eval=[{data / 'eval.parquet'}]",
                  f"data.oracle={data / 'oracle.json'}", "training.batch_size=2048", "ps.capacity=100000",
                  "cluster.nn_workers=[127.0.0.1:0]", "cluster.ps=[127.0.0.1:0]"]
-    args = ["run", "examples/multitask_parquet.yaml", "--run-dir", str(tmp_path / "run"),
+    args = ["run", f"examples/{example}.yaml", "--run-dir", str(tmp_path / "run"),
             "--summary-json", str(summary_path)]
     for item in overrides:
         args += ["--set", item]
