@@ -242,3 +242,12 @@ def test_a_bad_line_under_bad_lines_error_stops_prepare_naming_it(tsv, tmp_path)
     with pytest.raises(ValueError, match=r"b.tsv:11: "):
         prepare([tsv / "b.tsv"], tmp_path / "prep", config)
     assert not list(tmp_path.iterdir())  # nothing left behind: neither the directory nor a partial one
+
+
+def test_the_benchmark_reads_both_ways(tsv, tmp_path):
+    from benchmarks.prepared import bench
+
+    result = bench(tsv / "a.tsv", tmp_path, 1000)
+    assert result["rows"] == 5_500 and result["prepare"]["prepared_bytes"] > 0
+    for what in ("read", "frames"):
+        assert result[what]["tsv"]["rows"] == result[what]["prepared"]["rows"] == 5_500
