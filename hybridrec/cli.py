@@ -304,7 +304,10 @@ def _prepare_config(config_path: Optional[Path], overrides: Optional[list[str]],
         return _load(config_path, overrides)
     from hybridrec.config import from_dict, parse_overrides, _set_dotted
 
-    fmt = "parquet" if all(s.suffix == ".parquet" for s in sources) else "tsv"
+    parquet = [s.suffix == ".parquet" for s in sources]
+    if any(parquet) and not all(parquet):
+        _fail("SRC: Parquet and other files together; prepare each format on its own (or give --config)")
+    fmt = "parquet" if all(parquet) else "tsv"
     tree: dict = {"data": {"train": [str(s) for s in sources], "format": fmt}}
     try:
         for key, value in parse_overrides(overrides or []):

@@ -235,6 +235,9 @@ def test_an_existing_directory_is_replaced_only_with_force(tsv, tmp_path):
     assert result.exit_code == 2 and "pass --force" in result.output
     result = CliRunner().invoke(app, ["data", "prepare", str(tsv / "eval.tsv"), "--out", str(out), "--force"])
     assert result.exit_code == 0 and "3,000 rows" in result.output, result.output
+    result = CliRunner().invoke(app, ["data", "prepare", str(tsv / "a.tsv"), str(tmp_path / "x.parquet"), "--out",
+                                      str(tmp_path / "mixed")])
+    assert result.exit_code == 2 and "Parquet and other files together" in result.output
 
 
 def test_a_bad_line_under_bad_lines_error_stops_prepare_naming_it(tsv, tmp_path):
@@ -251,3 +254,14 @@ def test_the_benchmark_reads_both_ways(tsv, tmp_path):
     assert result["rows"] == 5_500 and result["prepare"]["prepared_bytes"] > 0
     for what in ("read", "frames"):
         assert result[what]["tsv"]["rows"] == result[what]["prepared"]["rows"] == 5_500
+
+
+def test_the_data_loader_refuses_bad_prepared_data_before_serving(tsv, tmp_path):
+    (tmp_path / "empty.prep").mkdir()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"data": {"train": [str(tmp_path / "empty.prep")]}}))
+    result = subprocess.run([sys.executable, "-m", "hybridrec", "serve", "dataloader", "--config", str(config),
+                             "--replica", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "empty.prep/manifest.json: no manifest" in result.stderr
