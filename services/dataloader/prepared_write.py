@@ -51,7 +51,8 @@ class _NpyWriter:
     def append(self, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=self.dtype)
         assert array.shape[1:] == self.tail, (self.path, array.shape, self.tail)
-        self.file.write(memoryview(array).cast("B"))
+        if array.size:
+            self.file.write(memoryview(array).cast("B"))
         self.rows += array.shape[0]
 
     def close(self) -> FileEntry:
@@ -111,7 +112,17 @@ def _write_shard(source: str, where: Path, config: Config, index: int) -> ShardE
     where.mkdir()
     writers = _writers(where, config)
     chunks = _tsv_chunks(source, config) if config.data.format == "tsv" else _parquet_chunks(source, config)
-    nnz = [0] * len(config.features)
+    try:
+        return _fill(writers, chunks, where, index, len(config.features))
+    finally:
+        for writer in writers.values():
+            writer.file.close()  # after close() a no-op; on an error, before the partial directory is removed
+
+
+def _fill(writers: dict[str, _NpyWriter], chunks: Iterator[_Chunk], where: Path, index: int,
+          num_features: int) -> ShardEntry:
+    """Append every chunk's arrays; close the files (headers, fsync, checksums) when the source ends."""
+    nnz = [0] * num_features
     rows = bad = truncated = 0
     for chunk in chunks:
         r = chunk.rows

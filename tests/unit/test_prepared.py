@@ -265,3 +265,19 @@ def test_the_data_loader_refuses_bad_prepared_data_before_serving(tsv, tmp_path)
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 2, result.stderr[-2000:]
     assert "empty.prep/manifest.json: no manifest" in result.stderr
+
+
+def test_empty_and_all_bad_files_become_empty_shards(tsv, tmp_path):
+    (tmp_path / "bad.tsv").write_text("garbage\nmore garbage\n")
+    (tmp_path / "empty.tsv").write_text("")
+    sources = [tmp_path / "bad.tsv", tmp_path / "empty.tsv", tsv / "eval.tsv"]
+    manifest = prepare(sources, tmp_path / "prep", _tsv_config(sources, []))
+    assert [(s.rows, s.bad_lines) for s in manifest.shards] == [(0, 2), (0, 0), (3_000, 0)]
+    counts_raw, counts_prep = ReadCounters(), ReadCounters()
+    a = list(train_batches(_tsv_config(sources, []), counts_raw))
+    b = list(train_batches(_tsv_config([tmp_path / "prep"], []), counts_prep))
+    assert len(a) == len(b) == 3 and vars(counts_raw) == vars(counts_prep)
+    assert [p.file for _, p in b] == [2, 2, 2]
+    for (ra, _), (rb, _) in zip(a, b):
+        _same_batch(ra, rb)
+    prepared.verify(tmp_path / "prep")
