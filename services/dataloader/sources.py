@@ -24,7 +24,8 @@ def is_prepared(paths: Sequence[str], key: str) -> bool:
         dirs = [p for p, k in zip(paths, kinds) if k]
         files = [p for p, k in zip(paths, kinds) if not k]
         raise ConfigError(f"{key}: mixes prepared directories ({', '.join(dirs)}) and raw files "
-                          f"({', '.join(files)}); prepare every file (`hybridrec data prepare`), or list raw files only")
+                          f"({', '.join(files)}); prepare every file (`hybridrec data prepare`), or list raw "
+                          f"files only")
     return bool(kinds) and all(kinds)
 
 
