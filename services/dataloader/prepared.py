@@ -365,8 +365,10 @@ def iter_train_batches(directories: Sequence[str], config: Config, *, counters: 
     """Training batches from `start` on, each with the position after it (epoch, shard, row, row + 1): the
     batches of `batching.iter_train_batches` / `parquet.iter_train_batches` over the source files."""
     shards = _shards(directories, config)
-    batch_size = config.training.batch_size
-    return _train(shards, config.training.epochs, batch_size, counters, start)
+    if start != Position() and (start.file >= len(shards) or start.offset > shards[start.file].entry.rows):
+        raise PreparedDataError(f"resume position {start.as_list()} is outside the prepared data ({len(shards)} "
+                                f"shards of {[s.entry.rows for s in shards]} rows): it was taken on other data")
+    return _train(shards, config.training.epochs, config.training.batch_size, counters, start)
 
 
 def _train(shards: list[_Shard], epochs: int, batch_size: int, counters: ReadCounters,

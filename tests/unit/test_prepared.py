@@ -17,7 +17,7 @@ from hybridrec.frames import DenseBatch
 from hybridrec.synth import synthesize
 from hybridrec.synth_parquet import synthesize_multitask
 from services.dataloader import prepared
-from services.dataloader.batching import ReadCounters, iter_batches
+from services.dataloader.batching import Position, ReadCounters, iter_batches
 from services.dataloader.prepared import PreparedDataError
 from services.dataloader.prepared_write import prepare
 from services.dataloader.sources import eval_rows, train_batches
@@ -88,6 +88,9 @@ def test_resume_from_a_position_mid_file_gives_the_rest_of_the_stream(tsv):
         assert [p for _, p in rest] == [p for _, p in full[cut + 1:]]
         for (ra, _), (rb, _) in zip(full[cut + 1:], rest):
             _same_batch(ra, rb)
+    with pytest.raises(PreparedDataError, match=r"resume position \[0, 1, 446688, 2001\] is outside the prepared "
+                                                r"data \(2 shards of \[5500, 3500\] rows\)"):
+        train_batches(prep, ReadCounters(), start=Position(0, 1, 446688, 2001))  # a byte offset, from a TSV run
 
 
 @pytest.fixture(scope="module")
