@@ -284,3 +284,10 @@ def test_empty_and_all_bad_files_become_empty_shards(tsv, tmp_path):
     for (ra, _), (rb, _) in zip(a, b):
         _same_batch(ra, rb)
     prepared.verify(tmp_path / "prep")
+
+
+def test_preflight_still_names_a_missing_raw_file_and_accepts_prepared_data(tsv, tmp_path):
+    with pytest.raises(ConfigError, match=r"data.eval: data file not found: .*nope.tsv"):
+        preflight(_tsv_config([tsv / "train.prep"], [tmp_path / "nope.tsv"]))
+    preflight(_tsv_config([tsv / "train.prep"], [tsv / "eval.prep"]))
+    preflight(_tsv_config([tsv / "train.prep"], [tsv / "eval.tsv"]))  # each list is one kind; train and eval may differ
