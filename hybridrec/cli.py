@@ -61,19 +61,26 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
 
 
 def preflight(config: Config) -> None:
-    """Check what a run needs before starting any process: data files, the model, the feature columns."""
+    """Check what a run needs before starting any process: data files (prepared directories: their manifest,
+    schema and file sizes), the model, the feature columns."""
     from hybridrec.criteo import feature_columns
     from hybridrec.models import ModelImportError, build_model, feature_infos
 
+    sources = service_module("dataloader", "sources")
+    raw = []  # files read as they are; prepared directories are checked by `check_prepared`
     for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
+        if sources.is_prepared(paths, key):
+            continue
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"{key}: data file not found: {path}")
+            raw.append(path)
     try:
+        sources.check_prepared(config)
         if config.data.format == "parquet":
             parquet = service_module("dataloader", "parquet")
             spec = parquet.ParquetSpec.from_config(config)
-            for path in config.data.train + config.data.eval:
+            for path in raw:
                 parquet.check_columns(path, spec)
         else:
             feature_columns(config.features)
@@ -288,6 +295,73 @@ def data_to_parquet(src: Path = typer.Argument(..., help="Criteo TSV file (not g
     started = time.monotonic()
     rows = tsv_to_parquet(src, dst, row_group_rows=row_group_rows)
     typer.echo(f"wrote {rows} rows to {dst} in {time.monotonic() - started:.1f} s")
+
+
+def _prepare_config(config_path: Optional[Path], overrides: Optional[list[str]], sources: list[Path]) -> Config:
+    """The job's config (its features, data.format, labels, dense columns, bad_lines decide what is written), or
+    without one the default Criteo features, Parquet if every source ends in .parquet."""
+    if config_path is not None:
+        return _load(config_path, overrides)
+    from hybridrec.config import from_dict, parse_overrides, _set_dotted
+
+    parquet = [s.suffix == ".parquet" for s in sources]
+    if any(parquet) and not all(parquet):
+        _fail("SRC: Parquet and other files together; prepare each format on its own (or give --config)")
+    fmt = "parquet" if all(parquet) else "tsv"
+    tree: dict = {"data": {"train": [str(s) for s in sources], "format": fmt}}
+    try:
+        for key, value in parse_overrides(overrides or []):
+            _set_dotted(tree, key, value)
+        return from_dict(tree, source="--set")
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@data_app.command("prepare")
+def data_prepare(sources: list[Path] = typer.Argument(..., metavar="SRC...", help="Criteo TSV (.gz) or Parquet "
+                                                      "files: one shard each, in this order."),
+                 out: Path = typer.Option(..., "--out", help="Prepared directory to write (written beside it as "
+                                          "DIR.partial-<pid>, renamed when complete)."),
+                 config_path: Optional[Path] = typer.Option(None, "--config", help="The job's config: its "
+                                                            "data.format, labels, dense columns, features and "
+                                                            "bad_lines decide the IDs and values (default: the "
+                                                            "26 Criteo features)."),
+                 overrides: Optional[list[str]] = SetOption,
+                 force: bool = typer.Option(False, "--force", help="Replace DIR if it exists.")):
+    """Hash IDs and transform dense values once: the data loader then memory-maps batches, parsing nothing."""
+    writer = service_module("dataloader", "prepared_write")
+    config = _prepare_config(config_path, overrides, sources)
+    started = time.monotonic()
+
+    def shard_done(shard) -> None:
+        typer.echo(f"  {shard.name}: {shard.rows:,} rows ({shard.bad_lines:,} bad) "
+                   f"from {sources[shard.source]}", err=True)
+
+    try:
+        manifest = writer.prepare(sources, out, config, force=force, on_shard=shard_done)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # a bad line under bad_lines: error, a bad Parquet
+        _fail(str(exc))
+    size = sum(f.bytes for s in manifest.shards for f in s.files.values())
+    typer.echo(f"wrote {out}: {len(manifest.shards)} shard(s), {manifest.rows:,} rows, {size / 2**20:.1f} MiB in "
+               f"{time.monotonic() - started:.1f} s")
+
+
+@data_app.command("verify")
+def data_verify(directory: Path = typer.Argument(..., metavar="DIR", help="A prepared directory."),
+                config_path: Optional[Path] = typer.Option(None, "--config", help="Also check that this config "
+                                                           "reads the same IDs and values (its schema)."),
+                overrides: Optional[list[str]] = SetOption):
+    """Check a prepared directory fully: manifest, every file's size and checksum, array headers."""
+    prepared = service_module("dataloader", "prepared")
+    config = _load(config_path, overrides) if config_path is not None else None
+    started = time.monotonic()
+    try:
+        manifest = prepared.verify(directory, config)
+    except ConfigError as exc:
+        _fail(str(exc))
+    size = sum(f.bytes for s in manifest.shards for f in s.files.values())
+    typer.echo(f"ok: {directory}: {len(manifest.shards)} shard(s), {manifest.rows:,} rows, {size / 2**20:.1f} MiB "
+               f"checked in {time.monotonic() - started:.1f} s")
 
 
 @checkpoint_app.command("inspect")

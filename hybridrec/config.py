@@ -246,17 +246,19 @@ class TrainingConfig(_Model):
 
 
 class DataConfig(_Model):
-    """The dataset: Criteo-format files."""
+    """The dataset: Criteo TSV or Parquet files, or their prepared form (`hybridrec data prepare`)."""
 
     train: list[str] = Field(min_length=1)
-    """Training files (Criteo TSV, optionally .gz)."""
+    """Training files (Criteo TSV, optionally .gz, or Parquet), or directories written by `hybridrec data
+    prepare` (memory-mapped, nothing parsed; all entries one kind or the other)."""
     eval: list[str] = Field(default_factory=list)
-    """Held-out files evaluated after training."""
+    """Held-out files evaluated after training (or prepared directories, as `train`)."""
     oracle: str | None = None
     """oracle.json written by `hybridrec data synth`; its oracle_auc (per task: `tasks`) goes into the summary."""
     format: Literal["tsv", "parquet"] = "tsv"
     """tsv: Criteo TSV (one label, I1..I13, C1..C26); parquet: columns named by `labels`, `dense_columns` and
-    each feature's column, read one row group at a time (services/dataloader/parquet.py)."""
+    each feature's column, read one row group at a time (services/dataloader/parquet.py). Prepared directories
+    keep their source's format: it is part of the schema they are checked against."""
     labels: list[str] = Field(default_factory=lambda: ["label"], min_length=1)
     """Label columns, one task each (the model returns one logit per task). TSV: exactly one (the first field)."""
     dense_columns: list[str] | None = None

@@ -28,7 +28,7 @@ from hybridrec import checkpoints
 from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
-from services.dataloader.sources import eval_rows as read_eval_rows, train_batches
+from services.dataloader.sources import check_prepared, eval_rows as read_eval_rows, train_batches
 
 _DONE = object()
 
@@ -171,6 +171,7 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
 
 
 async def serve(config: Config, replica: int) -> None:
+    check_prepared(config)  # bad prepared data stops the loader at once, naming the file (not once workers are up)
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
