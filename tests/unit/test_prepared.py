@@ -173,6 +173,16 @@ def test_another_format_version_is_refused_with_both_versions(tsv, tmp_path):
         train_batches(_tsv_config([directory], []), ReadCounters())
 
 
+def test_another_checksum_algorithm_is_refused_naming_both(tsv, tmp_path):
+    directory = _copy(tsv / "train.prep", tmp_path / "hashed")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["checksum"] = "blake2b-128"
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PreparedDataError, match=r"hashed/manifest.json: checksums are blake2b-128; this hybridrec "
+                                                r"checks xxh3-128: re-run `hybridrec data prepare`"):
+        train_batches(_tsv_config([directory], []), ReadCounters())
+
+
 def test_a_changed_shard_file_is_refused_naming_it(tsv, tmp_path):
     cut = _copy(tsv / "train.prep", tmp_path / "cut")
     ids = cut / "shard-00001" / "ids.npy"
@@ -184,12 +194,13 @@ def test_a_changed_shard_file_is_refused_naming_it(tsv, tmp_path):
         train_batches(_tsv_config([cut], []), ReadCounters())
     flipped = _copy(tsv / "train.prep", tmp_path / "flipped")
     dense = flipped / "shard-00000" / "dense.npy"
-    with open(dense, "r+b") as f:  # same size, one byte changed: only the full check sees it
+    with open(dense, "r+b") as f:  # same size, one byte changed: only the checksum sees it
         f.seek(4096)
         byte = f.read(1)
         f.seek(4096)
         f.write(bytes([byte[0] ^ 0xFF]))
-    prepared.open_dataset(flipped, _tsv_config([flipped], []))
+    with pytest.raises(PreparedDataError, match=r"flipped/shard-00000/dense.npy: checksum differs"):
+        prepared.open_dataset(flipped, _tsv_config([flipped], []))
     with pytest.raises(PreparedDataError, match=r"flipped/shard-00000/dense.npy: checksum differs"):
         prepared.verify(flipped)
     result = CliRunner().invoke(app, ["data", "verify", str(flipped)])
