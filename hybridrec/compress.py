@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridrec.dedup import unique_inverse
+
 # Frames decode into read-only numpy views; torch warns when it wraps one, but the
 # codec only ever reads them (every result is a new tensor).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -101,9 +103,13 @@ def unscale_fp16(half: np.ndarray, norms: np.ndarray, kappa: float) -> np.ndarra
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique IDs, uint16 position of each occurrence in the unique array)."""
-    ids = np.asarray(ids, dtype=np.uint64)
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    if uniq.size > MAX_UNIQUE:
-        raise ValueError(f"{uniq.size} distinct IDs in one feature of one batch; at most {MAX_UNIQUE} fit "
+    uniq, inverse = unique_inverse(ids)
+    check_unique_count(uniq.size)
+    return uniq, inverse.astype(np.uint16)
+
+
+def check_unique_count(count: int) -> None:
+    """Refuse a feature with more unique IDs in one batch than uint16 positions can address."""
+    if count > MAX_UNIQUE:
+        raise ValueError(f"{count} distinct IDs in one feature of one batch; at most {MAX_UNIQUE} fit "
                          f"uint16 positions: lower training.batch_size")
-    return uniq, inverse.astype(np.uint16).reshape(-1)

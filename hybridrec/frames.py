@@ -37,7 +37,8 @@ import numpy as np
 
 from hybridrec import codec
 from hybridrec.codec import FrameError
-from hybridrec.compress import ValueCodec, dedup
+from hybridrec.compress import ValueCodec, check_unique_count, dedup
+from hybridrec.dedup import has_duplicates, unique_columns
 
 PHASES = ("train", "eval")
 
@@ -135,13 +136,9 @@ class SparseBatch:
     @classmethod
     def from_columns(cls, ids: np.ndarray, present: np.ndarray, *, phase: str) -> "SparseBatch":
         """From single-valued columns (n, F) with a presence mask (Criteo: one ID or none per field)."""
-        uniq, pos, lengths = [], [], []
-        for f in range(ids.shape[1]):
-            mask = present[:, f]
-            u, p = dedup(ids[mask, f])
-            uniq.append(u)
-            pos.append(p)
-            lengths.append(mask.astype(np.uint16))
+        uniq, pos = unique_columns(ids, present)
+        check_unique_count(max((u.shape[0] for u in uniq), default=0))
+        lengths = list(np.ascontiguousarray(present.T, dtype=np.uint16))
         return cls(batch_size=ids.shape[0], uniq=uniq, pos=pos, lengths=lengths, phase=phase)
 
     @classmethod
@@ -495,7 +492,7 @@ class PSUpdate:
         grads = {}
         for dim, arr in ids.items():
             grads[dim] = _unpack(values, frame, f"grads.{dim}", dim, arr.shape[0])
-            if np.unique(arr).shape[0] != arr.shape[0]:
+            if has_duplicates(arr):
                 raise FrameError(f"the IDs of width {dim} of an update must be unique")
         return cls(ids, grads, uid)
 

@@ -7,9 +7,11 @@ returns their gradients (`push_gradients`).
 What crosses the network is deduplicated both ways (Persia paper (Lian et al., KDD 2022) §4.2.3): the NN
 worker receives each feature's *unique* rows plus the uint16 positions and bag
 lengths it needs to pool them, and sends back one gradient per unique row — not
-one vector per sample. All per-batch planning (dedup per embedding width across
-features, the split by PS shard) happens in `put`, off the NN worker's critical
-path; a lookup is then one RPC per PS shard and a gather.
+one vector per sample. All per-batch planning (the batch-unique IDs of each
+embedding width, the split by PS shard) happens in `put`, off the NN worker's
+critical path; a lookup is then one RPC per PS shard and a gather. The IDs
+arrive deduplicated per feature; features of one width are merged again only
+where they share a group.
 
 The buffer outlives the process: every batch is also on file until it is
 consumed (`buffer_files.py`), so a worker restarted after kill -9 serves
@@ -29,8 +31,10 @@ import numpy as np
 from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
+from hybridrec.dedup import unique_inverse
 from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
                               SparseBatch, make_batch_ref, update_id)
+from hybridrec.ids import GROUP_SHIFT
 from hybridrec.rpc import NotFound, Unavailable
 from hybridrec.sharding import split_by_shard
 from services.embedding_worker.aggregation import scatter_add_rows
@@ -53,7 +57,9 @@ class BufferedBatch:
     phase: str
     sparse: SparseBatch
     uniq: dict[int, np.ndarray]  # width -> batch-unique IDs of every feature of that width
-    gidx: dict[int, np.ndarray]  # width -> int32 index into uniq[width] of each feature-unique row, features concatenated
+    # width -> int32 index into uniq[width] of each feature-unique row, features concatenated; None where
+    # the features' unique IDs, concatenated, are already unique (uniq[width] is that concatenation)
+    gidx: dict[int, np.ndarray | None]
     by_shard: dict[int, list[np.ndarray]]  # width -> per shard, positions into uniq[width]
     looked_up: bool = False  # a train batch whose embeddings an NN worker has had: its update is owed
 
@@ -78,6 +84,12 @@ class EmbeddingWorker:
         self.dims = sorted({f.dim for f in self.features})
         # Features of each width, in config order: the order of their rows in an Embeddings frame.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
+        # Widths whose features are all of different groups: their IDs cannot meet across features (the
+        # group is in the ID's top bits), so the data loader's per-feature dedup is already per width.
+        self.disjoint = {dim: len({self.features[i].group for i in members}) == len(members)
+                         for dim, members in self.members.items()}
+        self.groups = {dim: np.array([self.features[i].group for i in members], np.uint64)
+                       for dim, members in self.members.items()}
         self.buffer: dict[int, BufferedBatch] = {}
         # The incarnation (in every batch_ref) and the next sequence number live in the buffer's header:
         # a restarted worker keeps handing out new refs of the same incarnation and serves the old ones;
@@ -129,13 +141,29 @@ class EmbeddingWorker:
         return ref
 
     def _plan(self, ref: int, sparse: SparseBatch) -> BufferedBatch:
-        """Dedup per width across features and split by PS shard: all a lookup and a push need."""
-        uniq, gidx = {}, {}
+        """The batch-unique IDs per width and their split by PS shard: all a lookup and a push need.
+
+        The data loader deduplicated each feature. Where a width's features have distinct groups and every
+        ID carries its feature's group, those uniques, concatenated, are the width's: no second dedup. Only
+        features that share a group (a table used twice) are merged here, or IDs that break the layout."""
+        uniq: dict[int, np.ndarray] = {}
+        gidx: dict[int, np.ndarray | None] = {}
         for dim, members in self.members.items():
-            uniq[dim], inverse = np.unique(np.concatenate([sparse.uniq[i] for i in members]), return_inverse=True)
-            gidx[dim] = inverse.astype(np.int32).reshape(-1)
+            parts = [sparse.uniq[i] for i in members]
+            uniq[dim] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if self.disjoint[dim] and self._grouped(parts, self.groups[dim]):
+                gidx[dim] = None
+            else:
+                uniq[dim], inverse = unique_inverse(uniq[dim])
+                gidx[dim] = inverse
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
         return BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
+
+    @staticmethod
+    def _grouped(parts: list[np.ndarray], groups: np.ndarray) -> bool:
+        """Whether every ID of parts[k] has group groups[k] in its top bits."""
+        shift = np.uint64(GROUP_SHIFT)
+        return all(not u.size or bool(np.all((u >> shift) == g)) for u, g in zip(parts, groups))
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:
@@ -162,7 +190,7 @@ class EmbeddingWorker:
             counts=np.array([u.shape[0] for u in sparse.uniq], np.int32),
             pos=np.concatenate(sparse.pos) if sparse.pos else np.zeros(0, np.uint16),
             lengths=np.stack(sparse.lengths),
-            rows={dim: rows[dim][batch.gidx[dim]] for dim in self.dims},
+            rows={dim: rows[dim] if batch.gidx[dim] is None else rows[dim][batch.gidx[dim]] for dim in self.dims},
         ).encode(self.values, lz4=self.lz4)
         if train:
             batch.looked_up = True
@@ -186,7 +214,7 @@ class EmbeddingWorker:
         batch = self._get(ref)
         if batch.phase != "train":
             raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
-        return {dim: batch.gidx[dim].shape[0] for dim in self.dims}
+        return {dim: (batch.uniq[dim] if batch.gidx[dim] is None else batch.gidx[dim]).shape[0] for dim in self.dims}
 
     def already_applied(self, ref: int) -> bool:
         """Whether `ref` is a train batch of this worker whose update every PS shard has acknowledged: a push
@@ -210,6 +238,9 @@ class EmbeddingWorker:
             raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
         per_dim: dict[int, np.ndarray] = {}
         for dim in self.dims:
+            if batch.gidx[dim] is None:  # one gradient per batch-unique ID already
+                per_dim[dim] = gradients.grads[dim]
+                continue
             per_dim[dim] = np.zeros((batch.uniq[dim].shape[0], dim), np.float32)
             scatter_add_rows(gradients.grads[dim], batch.gidx[dim], per_dim[dim])
         uid = update_id(ref, self.files.nonce)

@@ -1,0 +1,148 @@
+"""Hash-based ID deduplication: compiled loops that replace sort-based `np.unique` on the data path.
+
+A batch's IDs are deduplicated once, in the data loader (`unique_columns`
+for Criteo columns, `unique_inverse` for a feature's bag values): each
+feature travels as its unique IDs plus a position per occurrence, and every
+later stage works from those (the embedding worker merges features of one
+width only where they can share IDs, `hybridrec.frames.SparseBatch`'s
+producer guarantees nothing more). The PS checks that an update's IDs are
+unique with `has_duplicates`.
+
+Why hashing and not `np.unique`: `np.unique(return_inverse=True)` sorts
+(an argsort of n keys, then a scatter back) and allocates several arrays per
+call; an open-addressing table sized to twice the batch finds each ID's
+slot in about one probe, so a batch's 26 features cost one compiled call
+instead of 26 sorts. The IDs are hashes already (`hybridrec.ids`), so a
+multiplicative hash of them spreads well. Unique IDs come out in order of
+first occurrence, not sorted: nothing downstream depends on the order, and
+it is deterministic for the same input.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(inline="always")
+def _table_bits(n: int) -> int:
+    """log2 of a power-of-two table size of at least 2n (at least 16 slots)."""
+    bits = 4
+    while (1 << bits) < 2 * n:
+        bits += 1
+    return bits
+
+
+@njit(inline="always")
+def _slot(key: np.uint64, shift: np.uint64, mask: int) -> int:
+    return int((key * _GOLDEN) >> shift) & mask
+
+
+@njit(nogil=True, cache=True)
+def _unique_into(values, table, keys, uniq, inverse, bits) -> int:
+    """Fill uniq[:k] (first-occurrence order) and inverse (index into uniq); return k. `table` is -1 filled."""
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    k = 0
+    for i in range(values.shape[0]):
+        key = values[i]
+        s = _slot(key, shift, mask)
+        while True:
+            at = table[s]
+            if at < 0:
+                table[s] = k
+                keys[s] = key
+                uniq[k] = key
+                inverse[i] = k
+                k += 1
+                break
+            if keys[s] == key:
+                inverse[i] = at
+                break
+            s = (s + 1) & mask
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _unique_inverse(values):
+    n = values.shape[0]
+    bits = _table_bits(n)
+    table = np.full(1 << bits, -1, np.int32)
+    keys = np.empty(1 << bits, np.uint64)
+    uniq = np.empty(n, np.uint64)
+    inverse = np.empty(n, np.int32)
+    k = _unique_into(values, table, keys, uniq, inverse, bits)
+    return uniq[:k].copy(), inverse
+
+
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique values in first-occurrence order, int32 index of each value's unique entry)."""
+    return _unique_inverse(np.ascontiguousarray(values, dtype=np.uint64))
+
+
+@njit(nogil=True, cache=True)
+def _unique_columns(ids, present):
+    """Per column f: the present IDs' uniques and positions, concatenated over columns, with offsets."""
+    n, num = ids.shape
+    bits = _table_bits(n)
+    table = np.empty(1 << bits, np.int32)
+    keys = np.empty(1 << bits, np.uint64)
+    column = np.empty(n, np.uint64)
+    inverse = np.empty(n, np.int32)
+    uniq_all = np.empty(n * num, np.uint64)
+    pos_all = np.empty(n * num, np.uint16)
+    uniq_off = np.zeros(num + 1, np.int64)
+    pos_off = np.zeros(num + 1, np.int64)
+    for f in range(num):
+        m = 0
+        for i in range(n):
+            if present[i, f]:
+                column[m] = ids[i, f]
+                m += 1
+        table[:] = -1
+        u0 = uniq_off[f]
+        k = _unique_into(column[:m], table, keys, uniq_all[u0:u0 + m], inverse, bits)
+        p0 = pos_off[f]
+        for i in range(m):
+            pos_all[p0 + i] = inverse[i]
+        uniq_off[f + 1] = u0 + k
+        pos_off[f + 1] = p0 + m
+    return uniq_all, uniq_off, pos_all, pos_off
+
+
+def unique_columns(ids: np.ndarray, present: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per column of single-valued IDs (n, F) with a presence mask (n, F): (unique IDs, uint16 positions).
+
+    One compiled call for every column; the lists hold views of two arrays. Positions are uint16: the caller
+    checks that no column has more unique IDs than they can address."""
+    uniq_all, uniq_off, pos_all, pos_off = _unique_columns(np.ascontiguousarray(ids, dtype=np.uint64),
+                                                           np.ascontiguousarray(present, dtype=np.bool_))
+    num = ids.shape[1]
+    return ([uniq_all[uniq_off[f]:uniq_off[f + 1]] for f in range(num)],
+            [pos_all[pos_off[f]:pos_off[f + 1]] for f in range(num)])
+
+
+@njit(nogil=True, cache=True)
+def _has_duplicates(values) -> bool:
+    n = values.shape[0]
+    bits = _table_bits(n)
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    used = np.zeros(1 << bits, np.bool_)
+    keys = np.empty(1 << bits, np.uint64)
+    for i in range(n):
+        key = values[i]
+        s = _slot(key, shift, mask)
+        while used[s]:
+            if keys[s] == key:
+                return True
+            s = (s + 1) & mask
+        used[s] = True
+        keys[s] = key
+    return False
+
+
+def has_duplicates(values: np.ndarray) -> bool:
+    """Whether any value occurs twice (one hashed pass, no sort)."""
+    return bool(_has_duplicates(np.ascontiguousarray(values, dtype=np.uint64)))
