@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridrec.dedup import unique_inverse
-
 # Frames decode into read-only numpy views; torch warns when it wraps one, but the
 # codec only ever reads them (every result is a new tensor).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -103,6 +101,8 @@ def unscale_fp16(half: np.ndarray, norms: np.ndarray, kappa: float) -> np.ndarra
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique IDs, uint16 position of each occurrence in the unique array)."""
+    from hybridrec.dedup import unique_inverse  # numba: loaded by the processes that build batches only
+
     uniq, inverse = unique_inverse(ids)
     check_unique_count(uniq.size)
     return uniq, inverse.astype(np.uint16)

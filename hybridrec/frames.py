@@ -38,7 +38,6 @@ import numpy as np
 from hybridrec import codec
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec, check_unique_count, dedup
-from hybridrec.dedup import has_duplicates, unique_columns
 
 PHASES = ("train", "eval")
 
@@ -136,6 +135,8 @@ class SparseBatch:
     @classmethod
     def from_columns(cls, ids: np.ndarray, present: np.ndarray, *, phase: str) -> "SparseBatch":
         """From single-valued columns (n, F) with a presence mask (Criteo: one ID or none per field)."""
+        from hybridrec.dedup import unique_columns  # numba: the NN workers, which import frames, never need it
+
         uniq, pos = unique_columns(ids, present)
         check_unique_count(max((u.shape[0] for u in uniq), default=0))
         lengths = list(np.ascontiguousarray(present.T, dtype=np.uint16))
@@ -492,7 +493,7 @@ class PSUpdate:
         grads = {}
         for dim, arr in ids.items():
             grads[dim] = _unpack(values, frame, f"grads.{dim}", dim, arr.shape[0])
-            if has_duplicates(arr):
+            if _has_duplicates(arr):
                 raise FrameError(f"the IDs of width {dim} of an update must be unique")
         return cls(ids, grads, uid)
 
@@ -500,3 +501,9 @@ class PSUpdate:
 FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
           PSLookup, PSRows, PSUpdate)
 """Every frame kind (docs and tests check they are all described)."""
+
+
+def _has_duplicates(ids: np.ndarray) -> bool:
+    from hybridrec.dedup import has_duplicates  # numba: loaded where updates are decoded (the PS) only
+
+    return has_duplicates(ids)
