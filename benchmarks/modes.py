@@ -92,7 +92,8 @@ def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     rank0 = [(p["t"] - t0, r["train_auc"]) for p in train for r in p["ranks"] if r["rank"] == 0]
     curve = [(t, auc) for t, auc in rank0 if auc is not None and auc == auc]
     return {"cpu_percent": cpu_during(series["resources"], t0, t1),
-            "accounting": accounting(series["resources"], t0, t1, summary["samples"], mlp_core_s_per_1m()),
+            "accounting": accounting(series["resources"], t0, t1, summary["samples"], mlp_core_s_per_1m(),
+                                     summary.get("compute_cpu_s")),
             "samples_per_sec": summary["samples_per_sec"],
             "auc": summary["auc"], "logloss": summary["logloss"],
             "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
@@ -134,11 +135,16 @@ def service_kind(name: str) -> str:
     return name.rsplit("-", 1)[0]
 
 
-def accounting(resources: dict[str, list[dict]], t0: float, t1: float, samples: int, mlp_per_1m: float) -> dict:
+def accounting(resources: dict[str, list[dict]], t0: float, t1: float, samples: int, mlp_per_1m: float,
+               step_cpu_s: float | None = None) -> dict:
     """Core-seconds per 1M training samples by service, the MLP's share and the overhead outside it.
 
     The MLP costs the same in every system (same model, batch and precision); what hybridrec spends around it
-    (parsing, dedup, routing, the PS, pooling, RPCs, the NN workers' own loop) is `overhead_core_s_per_1m`."""
+    (parsing, dedup, routing, the PS, pooling, RPCs, the NN workers' own loop) is `overhead_core_s_per_1m`.
+    The MLP's share is timed alone on an idle core; in a run, with every core busy, the same step costs more.
+    `step_core_s_per_1m` is the NN workers' compute threads' CPU in their training steps as the run went
+    (pooling, MLP, optimizer: the summary's `compute_cpu_s`), and `outside_step_core_s_per_1m` what every
+    process spent outside those steps: the overhead with the contention on the model's step left out."""
     per_1m: dict[str, float] = {}
     for name, points in resources.items():
         kind = service_kind(name)
@@ -149,7 +155,9 @@ def accounting(resources: dict[str, list[dict]], t0: float, t1: float, samples: 
             "core_s_per_1m": {k: round(v, 2) for k, v in sorted(per_1m.items())} | {"total": round(total, 2)},
             "mlp_core_s_per_1m": round(mlp_per_1m, 2),
             "nn_worker_outside_mlp_core_s_per_1m": round(nn - mlp_per_1m, 2),
-            "overhead_core_s_per_1m": round(total - mlp_per_1m, 2)}
+            "overhead_core_s_per_1m": round(total - mlp_per_1m, 2)} | ({} if step_cpu_s is None else {
+            "step_core_s_per_1m": round(step_cpu_s * 1e6 / max(samples, 1), 2),
+            "outside_step_core_s_per_1m": round(total - step_cpu_s * 1e6 / max(samples, 1), 2)})
 
 
 _MLP_CACHE: dict[tuple, float] = {}

@@ -167,6 +167,10 @@ class RunSummary(BaseModel):
     compute_per_step_s: float | None = None
     """Mean seconds per training step on the compute thread (pooling, forward, backward, dense
     AllReduce, optimizer step)."""
+    compute_cpu_s: float | None = None
+    """CPU seconds the NN workers' compute threads spent in training steps, all ranks together: the model's
+    own cost as it ran (embedding pooling, MLP, optimizer), against which the rest of a run's CPU is
+    overhead (benchmarks/modes.py's accounting)."""
     eval_samples: int
     auc: float | None
     """Eval AUC on the held-out files (None without eval data or with one class only)."""

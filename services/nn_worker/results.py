@@ -59,7 +59,7 @@ def reduce_stats(trainer: Trainer) -> dict:
     wall = torch.tensor([s.wall_s, -start, end], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     first, last = -float(wall[1]), float(wall[2])
-    waits = torch.tensor([s.exposed_wait_s, s.compute_s], dtype=torch.float64)  # per-rank means below
+    waits = torch.tensor([s.exposed_wait_s, s.compute_s, s.compute_cpu_s], dtype=torch.float64)  # summed
     dist.all_reduce(waits)
     rank_steps = max(s.steps, 1) * trainer.env.world_size
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
@@ -68,7 +68,8 @@ def reduce_stats(trainer: Trainer) -> dict:
             "skipped_eval_batches": int(totals[6]),
             "train_started_at": first if math.isfinite(first) else None,
             "train_ended_at": last if math.isfinite(last) else None,
-            "exposed_wait_per_step_s": float(waits[0]) / rank_steps, "compute_per_step_s": float(waits[1]) / rank_steps}
+            "exposed_wait_per_step_s": float(waits[0]) / rank_steps, "compute_per_step_s": float(waits[1]) / rank_steps,
+            "compute_cpu_s": float(waits[2])}
 
 
 # RunSummary field -> (cluster list, gRPC service, the counter of its Stats summed over the replicas)
@@ -159,7 +160,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
-        eval_samples=int(labels.shape[0]), **first, tasks=tasks,
+        compute_cpu_s=totals["compute_cpu_s"], eval_samples=int(labels.shape[0]), **first, tasks=tasks,
         oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,

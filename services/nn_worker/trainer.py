@@ -62,6 +62,7 @@ class TrainStats:
     skipped_eval_batches: int = 0
     exposed_wait_s: float = 0.0  # training: step loop awaiting a batch's embeddings, and (sync) its push + barrier
     compute_s: float = 0.0  # training: forward, backward, AllReduce and optimizer step on the compute thread
+    compute_cpu_s: float = 0.0  # the compute thread's CPU time in training steps (pooling, MLP, optimizer)
     restored_samples: int = 0  # the job's samples at the checkpoint this group resumed from (every rank)
     regroups: int = 0  # times this rank's group failed and was re-formed (a peer lost and replaced)
     replayed_dropped: int = 0  # re-sent batches this rank dropped: the group had trained them already
@@ -365,6 +366,7 @@ class Trainer:
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
         parameters are frozen meanwhile, so no gradient reaches them (nor DDP's hooks on them)."""
+        cpu_started = time.thread_time()
         device = self.env.device
         dense = torch.from_numpy(np.array(batch.dense)).to(device)
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
@@ -386,6 +388,7 @@ class Trainer:
 
     def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings,
                     weight: float = 1.0) -> tuple[float, dict[int, np.ndarray]]:
+        cpu_started = time.thread_time()
         device = self.env.device
         dense = torch.from_numpy(np.array(batch.dense)).to(device)
         labels = torch.from_numpy(np.array(batch.labels)).to(device)
@@ -403,8 +406,10 @@ class Trainer:
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        return float(loss.detach()), {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
-                                      else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+        grads = {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
+                 else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+        self.stats.compute_cpu_s += time.thread_time() - cpu_started
+        return float(loss.detach()), grads
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""

@@ -66,6 +66,10 @@ def test_run_trains_and_cleans_up(tmp_path, small_config):
     assert summary["auc"] > 0.65, summary
     assert 0.7 < summary["oracle_auc"] < 0.95
     assert summary["staleness"]["max"] <= 2
+    # The compute threads' CPU in training steps: positive, and no more than their wall time in steps
+    # (one thread per NN worker, torch_threads 1) plus scheduling slack.
+    steps_wall = summary["compute_per_step_s"] * summary["steps"] * summary["nn_workers"]
+    assert 0 < summary["compute_cpu_s"] <= steps_wall * 1.1 + 0.5, summary
     names = sorted((s["name"], s["replica"]) for s in summary["services"])
     assert names == [("dataloader", 0), ("embedding_ps", 0), ("embedding_ps", 1), ("embedding_worker", 0),
                      ("nn_worker", 0), ("nn_worker", 1)]

@@ -98,6 +98,9 @@ def test_accounting_sums_replicas_per_service_and_subtracts_the_mlp():
     assert table["core_s_per_1m"] == {"dataloader": 2.5, "embedding_ps": 2.0, "nn_worker": 10.0, "total": 14.5}
     assert table["nn_worker_outside_mlp_core_s_per_1m"] == 4.0
     assert table["overhead_core_s_per_1m"] == 8.5
+    assert "step_core_s_per_1m" not in table  # a summary without the steps' CPU
+    table = accounting(resources, 0.0, 10.0, samples=2_000_000, mlp_per_1m=6.0, step_cpu_s=16.0)
+    assert table["step_core_s_per_1m"] == 8.0 and table["outside_step_core_s_per_1m"] == 6.5
 
 
 def test_mlp_reference_is_the_cpu_time_of_a_real_training_step():
