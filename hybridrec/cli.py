@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -60,11 +61,11 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
         _fail(str(exc))
 
 
-def preflight(config: Config) -> None:
+def preflight(config: Config, *, model: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
-    schema and file sizes), the model, the feature columns."""
+    schema, file sizes and checksums), the feature columns and, unless `model` is False, the model
+    (`check_model`)."""
     from hybridrec.criteo import feature_columns
-    from hybridrec.models import ModelImportError, build_model, feature_infos
 
     sources = service_module("dataloader", "sources")
     raw = []  # files read as they are; prepared directories are checked by `check_prepared`
@@ -84,6 +85,18 @@ def preflight(config: Config) -> None:
                 parquet.check_columns(path, spec)
         else:
             feature_columns(config.features)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if model:
+        check_model(config)
+
+
+def check_model(config: Config) -> None:
+    """Build the configured model once (ConfigError naming what is wrong). It imports torch, about 2 core-s:
+    `hybridrec run` does it on a thread while the services start, not before."""
+    from hybridrec.models import ModelImportError, build_model, feature_infos
+
+    try:
         build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
                     num_tasks=config.num_tasks)
     except (ModelImportError, ValueError) as exc:
@@ -101,16 +114,24 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
 
     config = _load(config_path, overrides)
     try:
-        preflight(config)
+        preflight(config, model=False)
     except ConfigError as exc:
         _fail(str(exc))
     log.setup(service="launcher")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     progress = Progress(config)
+    # The model check imports torch (seconds of CPU on a small machine): it runs beside the services' own
+    # start-up, and a bad model still stops the run with exit 2 and its message (run_local polls it).
+    model_check = ThreadPoolExecutor(1, thread_name_prefix="model-check").submit(check_model, config)
     try:
-        summary = launcher.run_local(config, run_dir, progress=progress)
+        summary = launcher.run_local(config, run_dir, progress=progress, check=model_check)
+    except ConfigError as exc:
+        progress.close()
+        _fail(str(exc))
     except launcher.LaunchError as exc:
         progress.close()
+        if isinstance(model_check.exception(), ConfigError):  # an NN worker failed on the model first
+            _fail(str(model_check.exception()))
         _fail(str(exc), code=1)
     except KeyboardInterrupt:
         progress.close()

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -351,8 +352,11 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 SAMPLE_EVERY_S = 1.0
 
 
-def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
+def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | None = None) -> RunSummary:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
+
+    `check` is a check still running beside the start-up (the CLI's model check): when it raises, the
+    services are stopped and its exception is raised.
 
     About once a second it polls every NN worker's Status and every service's CPU and memory for the
     run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
@@ -364,6 +368,9 @@ def run_local(config: Config, run_dir: Path, *, progress=None) -> RunSummary:
             cluster.start()
             while not cluster.check():
                 time.sleep(0.1)
+                if check is not None and check.done():
+                    check.result()  # its exception, if any, stops every service (finally below)
+                    check = None
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
                     statuses = cluster.statuses()
