@@ -44,6 +44,16 @@ class HashingWriter:
         return self.f.write(data)
 
 
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory: the names created or renamed in it survive a crash (a file's own fsync does not
+    cover its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def lock_directory(directory: str | Path, *, what: str) -> int:
     """Create `directory` if needed and take its exclusive lock (`store.lock`); returns the lock's fd.
 

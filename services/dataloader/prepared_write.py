@@ -26,7 +26,7 @@ import numpy as np
 
 from hybridrec.config import Config
 from hybridrec.criteo import feature_columns
-from hybridrec.files import write_json_atomic
+from hybridrec.files import fsync_dir, write_json_atomic
 from services.dataloader import parquet
 from services.dataloader.batching import Rows
 from services.dataloader.criteo import read_criteo
@@ -169,14 +169,6 @@ def _check_out(out: Path, force: bool) -> None:
         raise PreparedDataError(f"--out {out}: already holds {what}; pass --force to replace it")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def prepare(sources: Sequence[str | os.PathLike], out: str | os.PathLike, config: Config, *, force: bool = False,
             on_shard: Callable[[ShardEntry], None] | None = None) -> Manifest:
     """Write the prepared form of `sources` (in `config`'s format, with its features) to `out`, atomically."""
@@ -196,7 +188,7 @@ def prepare(sources: Sequence[str | os.PathLike], out: str | os.PathLike, config
         shards = []
         for index, path in enumerate(paths):
             shards.append(_write_shard(path, partial / f"shard-{index:05d}", config, index))
-            _fsync_dir(partial / shards[-1].name)
+            fsync_dir(partial / shards[-1].name)
             if on_shard is not None:
                 on_shard(shards[-1])
         sch = schema(config)
@@ -204,7 +196,7 @@ def prepare(sources: Sequence[str | os.PathLike], out: str | os.PathLike, config
                             sources=[SourceEntry(path=p, bytes=st.st_size, mtime_ns=st.st_mtime_ns)
                                      for p, st in zip(paths, stats)], shards=shards)
         write_json_atomic(partial / MANIFEST, manifest.model_dump(mode="json", by_alias=True), fsync=True)
-        _fsync_dir(partial)
+        fsync_dir(partial)
         _replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -219,6 +211,6 @@ def _replace(partial: Path, out: Path) -> None:
         old = out.parent / f"{out.name}.old-{os.getpid()}"
         out.rename(old)
     partial.rename(out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

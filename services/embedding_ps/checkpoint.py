@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from hybridrec import log
-from hybridrec.files import HashingWriter
+from hybridrec.files import HashingWriter, fsync_dir
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore
 
@@ -63,14 +63,6 @@ def _write_npy(path: Path, array: np.ndarray) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha.hexdigest()}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *, shard: int, num_shards: int,
@@ -114,14 +106,14 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
             json.dump(manifest, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = root / name
         old = None
         if final.exists():  # rename() cannot replace a non-empty directory: move the old one aside first
             old = root / f".{name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
