@@ -31,7 +31,7 @@ import numpy as np
 from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
-from hybridrec.dedup import unique_inverse
+from hybridrec.dedup import has_duplicates, unique_inverse
 from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
                               SparseBatch, make_batch_ref, update_id)
 from hybridrec.ids import GROUP_SHIFT
@@ -145,13 +145,15 @@ class EmbeddingWorker:
 
         The data loader deduplicated each feature. Where a width's features have distinct groups and every
         ID carries its feature's group, those uniques, concatenated, are the width's: no second dedup. Only
-        features that share a group (a table used twice) are merged here, or IDs that break the layout."""
+        features that share a group (a table used twice) are merged here, or IDs that break the layout (a
+        repeated ID, an ID outside its feature's group)."""
         uniq: dict[int, np.ndarray] = {}
         gidx: dict[int, np.ndarray | None] = {}
         for dim, members in self.members.items():
             parts = [sparse.uniq[i] for i in members]
             uniq[dim] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            if self.disjoint[dim] and self._grouped(parts, self.groups[dim]):
+            # A frame is untrusted: a feature's "unique" IDs are checked (one hashed pass), not assumed.
+            if self.disjoint[dim] and self._grouped(parts, self.groups[dim]) and not has_duplicates(uniq[dim]):
                 gidx[dim] = None
             else:
                 uniq[dim], inverse = unique_inverse(uniq[dim])

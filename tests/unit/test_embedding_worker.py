@@ -340,6 +340,12 @@ def test_only_widths_with_a_shared_group_are_deduplicated_again(cluster):
         worker.groups[8] = np.array([1, 2, 3], np.uint64)  # b's ID carries group 1, not its group 2
         plan = worker._plan(0, _sparse(bags))
         assert plan.gidx[8] is not None and sorted(plan.uniq[8].tolist()) == [_gid(1, 1), _gid(1, 2), _gid(3, 1)]
+        worker.groups[8] = np.array([1, 1, 3], np.uint64)
+        repeated = _sparse(bags)
+        repeated.uniq[3] = np.array([_gid(3, 1), _gid(3, 1)], np.uint64)  # a frame whose "unique" IDs repeat
+        repeated.pos[3] = np.array([1], np.uint16)
+        plan = worker._plan(0, repeated)
+        assert plan.gidx[8] is not None and np.unique(plan.uniq[8]).size == plan.uniq[8].size == 3
     finally:
         worker.disjoint[8] = False
         worker.groups[8] = np.array([1, 1, 3], np.uint64)
