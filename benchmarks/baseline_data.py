@@ -48,7 +48,7 @@ def _key(paths: Sequence[str | os.PathLike]) -> tuple:
 
 
 def load(paths: str | os.PathLike | Sequence[str | os.PathLike], *, cache: bool = True) -> Arrays:
-    """Read Criteo files with hybridrec's reader into one set of arrays.
+    """Read Criteo files (or directories prepared from them) with hybridrec's readers into one set of arrays.
 
     Kept in a small per-process cache (keyed by path, size and mtime) so that a
     driver running several baselines over the same files reads them once.
@@ -58,7 +58,8 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike], *, cache: bool 
     key = _key(paths)
     if cache and key in _CACHE:
         return _CACHE[key]
-    chunks = [c for p in paths for c in read_criteo(p, chunk_rows=READ_CHUNK_ROWS)]
+    chunks = [c for p in paths for c in (_prepared_rows(p) if os.path.isdir(p)
+                                         else read_criteo(p, chunk_rows=READ_CHUNK_ROWS))]
     if not chunks or sum(len(c) for c in chunks) == 0:
         raise ValueError(f"no samples in {list(map(str, paths))}")
     arrays = Arrays(*(np.concatenate([getattr(c, k) for c in chunks])
@@ -68,6 +69,17 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike], *, cache: bool 
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = arrays
     return arrays
+
+
+def _prepared_rows(directory: str | os.PathLike):
+    """The rows of a directory `hybridrec data prepare` wrote from Criteo TSV (the default 26 features),
+    checked as the data loader checks it: the same hashed IDs and transformed dense values as `read_criteo`."""
+    from hybridrec.config import Config
+    from services.dataloader.batching import ReadCounters
+    from services.dataloader.prepared import iter_rows
+
+    config = Config.model_validate({"data": {"train": [str(directory)]}, "cluster": {"ps": ["127.0.0.1:1"]}})
+    return iter_rows([str(directory)], config, counters=ReadCounters())
 
 
 def clear_cache() -> None:

@@ -130,8 +130,8 @@ def run_pytorch(train_paths, eval_paths, *, batch_size: int = 4096, epochs: int 
 RUNNERS = {"pytorch": run_pytorch, "torchrec": run_torchrec}
 
 
-def _data_paths(data: Path) -> tuple[list[str], list[str]]:
-    train, evals = data / "train.tsv", data / "eval.tsv"
+def _data_paths(data: Path, prepared: Path | None = None) -> tuple[list[str], list[str]]:
+    train, evals = (prepared / "train", prepared / "eval") if prepared else (data / "train.tsv", data / "eval.tsv")
     for p in (train, evals):
         if not p.exists():
             raise SystemExit(f"{p} is missing (make it with: hybridrec data synth --out {data} --rows 1000000)")
@@ -141,6 +141,8 @@ def _data_paths(data: Path) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="directory with train.tsv and eval.tsv")
+    ap.add_argument("--prepared", type=Path, default=None, help="read train/ and eval/ of this directory, "
+                    "prepared from --data's files by `hybridrec data prepare`, instead of the TSV files")
     ap.add_argument("--which", choices=["pytorch", "torchrec", "both"], default="both")
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=1)
@@ -154,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    train, evals = _data_paths(args.data)
+    train, evals = _data_paths(args.data, args.prepared)
     t = time.perf_counter()
     load(train), load(evals)
     print(f"loaded {len(load(train))} train / {len(load(evals))} eval rows in {time.perf_counter() - t:.1f} s",

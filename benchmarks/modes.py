@@ -1,6 +1,6 @@
 """Accuracy-throughput benchmark of the training modes against single-process PyTorch and TorchRec.
 
-In one run, on the same synthetic data, model (DNN 512-256-128 over 26 x 16
+In one run, on the same synthetic data (prepared once with `hybridrec data prepare`; --raw: the TSV files), model (DNN 512-256-128 over 26 x 16
 embeddings + 13 dense features), batch size (4096) and optimizers (Adagrad on
 embeddings, Adam on the MLP):
 
@@ -201,10 +201,11 @@ def mlp_core_s_per_1m(hidden: tuple[int, ...] = (512, 256, 128), batch: int = 40
     return _MLP_CACHE[key]
 
 
-def run_baseline(name: str, data: Path, work: Path) -> dict:
+def run_baseline(name: str, data: Path, work: Path, prepared: Path | None = None) -> dict:
     out = work / f"baseline-{name}.json"
+    extra = ["--prepared", str(prepared)] if prepared is not None else []
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "baselines.py"), "--data", str(data),
-                             "--which", name, "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                             *extra, "--which", name, "--out", str(out)], cwd=REPO, capture_output=True, text=True,
                             timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"baseline {name} failed:\n{result.stderr[-3000:]}")
@@ -271,8 +272,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every hybridrec run (e.g. training.precision=bf16); the "
                              "baselines do not see it")
-    parser.add_argument("--raw", action="store_true", help="hybridrec reads the TSV files (parsing every epoch) "
-                        "instead of data prepared once, as the baselines load theirs into memory first")
+    parser.add_argument("--raw", action="store_true", help="every system reads the TSV files (hybridrec parsing "
+                        "them every epoch) instead of the data prepared once")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
         from hybridrec.synth import synthesize
@@ -292,7 +293,7 @@ def main() -> None:
             print(mode, {k: result["modes"][mode][k] for k in ("samples_per_sec", "auc")}, flush=True)
     for name in BASELINES:
         if name in wanted:
-            result["baselines"][name] = run_baseline(name, args.data, work)
+            result["baselines"][name] = run_baseline(name, args.data, work, prepared)
             print(name, {k: result["baselines"][name][k] for k in ("samples_per_sec", "auc")}, flush=True)
     modes, base = result["modes"], result["baselines"]
     ratio = lambda a, b: a["samples_per_sec"] / b["samples_per_sec"] if a and b else None  # noqa: E731

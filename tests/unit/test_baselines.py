@@ -100,6 +100,27 @@ def test_cli_writes_json(tiny, tmp_path):
     assert got["samples"] == 1536 and got["samples_per_sec"] > 0 and 0 <= got["auc"] <= 1
 
 
+def test_baselines_read_prepared_data_as_the_tsv(tiny, tmp_path):
+    """`--prepared DIR` (train/ and eval/ from `hybridrec data prepare`) gives the very arrays of the TSV."""
+    from benchmarks.baseline_data import load
+    from hybridrec.cli import app
+    from typer.testing import CliRunner
+
+    prepared = tmp_path / "prepared"
+    for name, paths in (("train", tiny[0]), ("eval", tiny[1])):
+        result = CliRunner().invoke(app, ["data", "prepare", *paths, "--out", str(prepared / name)])
+        assert result.exit_code == 0, result.output
+    for tsv, directory in ((tiny[0], prepared / "train"), (tiny[1], prepared / "eval")):
+        a, b = load(tsv, cache=False), load([str(directory)], cache=False)
+        for key in ("labels", "dense", "ids", "present"):
+            np.testing.assert_array_equal(getattr(a, key), getattr(b, key), err_msg=key)
+    out = tmp_path / "out.json"
+    assert baselines.main(["--data", str(tmp_path), "--prepared", str(prepared), "--which", "pytorch",
+                           "--max-steps", "2", "--batch-size", "512", "--table-rows", "1000", "--threads", "1",
+                           "--curve-points", "0", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["baselines"]["pytorch"]["samples"] == 1024
+
+
 def test_torchrec_baseline_learns(tiny):
     ok, why = baselines.torchrec_available()
     if not ok:
