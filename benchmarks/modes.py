@@ -1,6 +1,7 @@
 """Accuracy-throughput benchmark of the training modes against single-process PyTorch and TorchRec.
 
-In one run, on the same synthetic data (prepared once with `hybridrec data prepare`; --raw: the TSV files), model (DNN 512-256-128 over 26 x 16
+In one run, on the same synthetic data (prepared once with `hybridrec data
+prepare`; --raw: the TSV files), model (DNN 512-256-128 over 26 x 16
 embeddings + 13 dense features), batch size (4096) and optimizers (Adagrad on
 embeddings, Adam on the MLP):
 
