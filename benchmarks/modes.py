@@ -50,8 +50,10 @@ def prepare(data: Path, work: Path) -> Path:
         target = out / name
         manifest = target / "manifest.json"
         source = data / f"{name}.tsv"
-        if manifest.exists() and json.loads(manifest.read_text())["sources"][0]["mtime_ns"] == source.stat().st_mtime_ns:
-            continue
+        if manifest.exists():
+            prepared_from = json.loads(manifest.read_text())["sources"][0]
+            if prepared_from["mtime_ns"] == source.stat().st_mtime_ns:
+                continue
         subprocess.run([sys.executable, "-m", "hybridrec", "data", "prepare", str(source), "--out", str(target),
                         "--force"], cwd=REPO, check=True, capture_output=True)
     return out
