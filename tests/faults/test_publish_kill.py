@@ -54,7 +54,9 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
     versions, other = list_versions(run_dir / "versions")
     assert not other
     fulls = [v for v in versions if v.full]
-    assert fulls[0].version == 1 and fulls[1].manifest.step > killed_at  # the first version after the restart
+    # The first version after the restart is full. Its step can equal the step the status showed when the
+    # shard was killed: that step's publish may start after the kill (seen in CI: killed at 40, full at 40).
+    assert fulls[0].version == 1 and fulls[1].manifest.step >= killed_at
     assert "publish_full_instead" in (run_dir / "logs" / "nn_worker-0.log").read_text()
     snapshot = Follower(run_dir / "versions").poll()
     assert snapshot.step == STEPS
