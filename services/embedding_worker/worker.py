@@ -11,7 +11,7 @@ one vector per sample. All per-batch planning (the batch-unique IDs of each
 embedding width, the split by PS shard) happens in `put`, off the NN worker's
 critical path; a lookup is then one RPC per PS shard and a gather. The IDs
 arrive deduplicated per feature; features of one width are merged again only
-where they share a group.
+where their IDs repeat (a shared table).
 
 The buffer outlives the process: every batch is also on file until it is
 consumed (`buffer_files.py`), so a worker restarted after kill -9 serves
@@ -34,7 +34,6 @@ from hybridrec.config import Config
 from hybridrec.dedup import has_duplicates, unique_inverse
 from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
                               SparseBatch, make_batch_ref, update_id)
-from hybridrec.ids import GROUP_SHIFT
 from hybridrec.rpc import NotFound, Unavailable
 from hybridrec.sharding import split_by_shard
 from services.embedding_worker.aggregation import scatter_add_rows
@@ -84,12 +83,6 @@ class EmbeddingWorker:
         self.dims = sorted({f.dim for f in self.features})
         # Features of each width, in config order: the order of their rows in an Embeddings frame.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
-        # Widths whose features are all of different groups: their IDs cannot meet across features (the
-        # group is in the ID's top bits), so the data loader's per-feature dedup is already per width.
-        self.disjoint = {dim: len({self.features[i].group for i in members}) == len(members)
-                         for dim, members in self.members.items()}
-        self.groups = {dim: np.array([self.features[i].group for i in members], np.uint64)
-                       for dim, members in self.members.items()}
         self.buffer: dict[int, BufferedBatch] = {}
         # The incarnation (in every batch_ref) and the next sequence number live in the buffer's header:
         # a restarted worker keeps handing out new refs of the same incarnation and serves the old ones;
@@ -143,29 +136,21 @@ class EmbeddingWorker:
     def _plan(self, ref: int, sparse: SparseBatch) -> BufferedBatch:
         """The batch-unique IDs per width and their split by PS shard: all a lookup and a push need.
 
-        The data loader deduplicated each feature. Where a width's features have distinct groups and every
-        ID carries its feature's group, those uniques, concatenated, are the width's: no second dedup. Only
-        features that share a group (a table used twice) are merged here, or IDs that break the layout (a
-        repeated ID, an ID outside its feature's group)."""
+        The data loader deduplicated each feature, and features of distinct groups cannot share an ID (the
+        group is in its top bits), so a width's per-feature uniques, concatenated, are usually unique
+        already: one hashed pass (no allocation) finds that out and the width needs no index. Only where IDs repeat
+        (features that share a table, or a frame whose "unique" IDs repeat) are they merged."""
         uniq: dict[int, np.ndarray] = {}
         gidx: dict[int, np.ndarray | None] = {}
         for dim, members in self.members.items():
             parts = [sparse.uniq[i] for i in members]
-            uniq[dim] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            # A frame is untrusted: a feature's "unique" IDs are checked (one hashed pass), not assumed.
-            if self.disjoint[dim] and self._grouped(parts, self.groups[dim]) and not has_duplicates(uniq[dim]):
-                gidx[dim] = None
+            ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if has_duplicates(ids):
+                uniq[dim], gidx[dim] = unique_inverse(ids)
             else:
-                uniq[dim], inverse = unique_inverse(uniq[dim])
-                gidx[dim] = inverse
+                uniq[dim], gidx[dim] = ids, None
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
         return BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
-
-    @staticmethod
-    def _grouped(parts: list[np.ndarray], groups: np.ndarray) -> bool:
-        """Whether every ID of parts[k] has group groups[k] in its top bits."""
-        shift = np.uint64(GROUP_SHIFT)
-        return all(not u.size or bool(np.all((u >> shift) == g)) for u, g in zip(parts, groups))
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:

@@ -322,30 +322,19 @@ def test_counters(cluster):
                      "pushes_already_applied_total": 0.0, "lookups_repeated_total": 0.0}
 
 
-def test_only_widths_with_a_shared_group_are_deduplicated_again(cluster):
-    """Width 4 (feature c alone) and a batch whose width-8 features are of distinct groups take the data
-    loader's per-feature uniques as they are; width 8 with a and b (both group 1) is merged; an ID outside
-    its feature's group is merged too (the layout is checked, not assumed)."""
+def test_only_repeated_ids_are_deduplicated_again(cluster):
+    """Width 4 (feature c alone) takes the data loader's per-feature uniques as they are; width 8, where a and
+    b (both group 1) share IDs, is merged; a batch where they happen not to meet is not; and a frame whose
+    "unique" IDs repeat is merged too (checked, not assumed)."""
     worker = cluster.worker
     batch = worker.buffer[worker.put(_batch(seed=4, batch_size=12).encode())]
     assert batch.gidx[4] is None and batch.gidx[8] is not None
     assert np.unique(batch.uniq[8]).size == batch.uniq[8].size < sum(batch.sparse.uniq[f].size for f in (0, 1, 3))
-    assert worker.disjoint == {4: True, 8: False}
-    worker.disjoint[8] = True  # as if a, b and d were of three groups
-    try:
-        bags = [[[_gid(1, 1)]], [[_gid(1, 2)]], [[_gid(2, 1)]], [[_gid(3, 1)]]]
-        worker.groups[8] = np.array([1, 1, 3], np.uint64)  # as if b were group 1 but declared apart
-        plan = worker._plan(0, _sparse(bags))
-        assert plan.gidx[8] is None and plan.uniq[8].tolist() == [_gid(1, 1), _gid(1, 2), _gid(3, 1)]
-        worker.groups[8] = np.array([1, 2, 3], np.uint64)  # b's ID carries group 1, not its group 2
-        plan = worker._plan(0, _sparse(bags))
-        assert plan.gidx[8] is not None and sorted(plan.uniq[8].tolist()) == [_gid(1, 1), _gid(1, 2), _gid(3, 1)]
-        worker.groups[8] = np.array([1, 1, 3], np.uint64)
-        repeated = _sparse(bags)
-        repeated.uniq[3] = np.array([_gid(3, 1), _gid(3, 1)], np.uint64)  # a frame whose "unique" IDs repeat
-        repeated.pos[3] = np.array([1], np.uint16)
-        plan = worker._plan(0, repeated)
-        assert plan.gidx[8] is not None and np.unique(plan.uniq[8]).size == plan.uniq[8].size == 3
-    finally:
-        worker.disjoint[8] = False
-        worker.groups[8] = np.array([1, 1, 3], np.uint64)
+    bags = [[[_gid(1, 1)]], [[_gid(1, 2)]], [[_gid(2, 1)]], [[_gid(3, 1)]]]
+    plan = worker._plan(0, _sparse(bags))
+    assert plan.gidx[8] is None and plan.uniq[8].tolist() == [_gid(1, 1), _gid(1, 2), _gid(3, 1)]
+    repeated = _sparse(bags)
+    repeated.uniq[3] = np.array([_gid(3, 1), _gid(3, 1)], np.uint64)  # a frame whose "unique" IDs repeat
+    repeated.pos[3] = np.array([1], np.uint16)
+    plan = worker._plan(0, repeated)
+    assert plan.gidx[8] is not None and np.unique(plan.uniq[8]).size == plan.uniq[8].size == 3
