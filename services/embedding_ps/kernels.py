@@ -208,6 +208,35 @@ def _resolve(ids, perm, lo, hi, slots, index, keys):
             slots[j] = _find(index, keys, key, h)[0]
 
 
+@njit(inline="always", error_model="numpy")
+def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values):
+    """`_resolve`, then copy each found row into out[perm[j]], in two passes instead of three.
+
+    The second pass copies the row its home entry points to while it checks
+    that slot's key, so the key's cache miss overlaps the row's instead of
+    having a pass of its own; a wrong guess (another key there, or a probe
+    needed) is then resolved by a full probe and copied again.
+    """
+    mask = np.uint64(index.shape[0] - 1)
+    dim = out.shape[1]
+    for j in range(lo, hi):  # the home bucket's entry
+        slots[j] = index[np.int64(key_hash(ids[perm[j]]) & mask)]
+    for j in range(lo, hi):
+        e = slots[j]
+        key = ids[perm[j]]
+        h = key_hash(key)
+        if e >= 0 and e == _entry(h, e & SLOT_MASK):
+            s = e & SLOT_MASK
+            _copy_row(out, perm[j], values, s, dim)
+            if keys[s] == key:
+                slots[j] = s
+                continue
+        s = _find(index, keys, key, h)[0]
+        slots[j] = s
+        if s >= 0:
+            _copy_row(out, perm[j], values, s, dim)
+
+
 # ---------------------------------------------------------------- LRU list
 @njit(inline="always", error_model="numpy")
 def _unlink(prev, nxt, hdr, s):
@@ -385,7 +414,7 @@ def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
+def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, head_moves,
                   train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
@@ -394,28 +423,42 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     memory accesses are independent, so their misses overlap), then misses
     are handled one by one. Refreshing hits before inserting misses means a batch
     never evicts a row it reads itself (unless it has more new IDs than the
-    stripe has slots). A row is moved to the LRU head once per call, at its
-    first occurrence (`stamps[s] == serial` marks rows already refreshed), so
-    the call's rows end up most recent, ordered by first occurrence.
+    stripe has slots).
+
+    Lazy refresh: moving a row to the head costs four random writes (its
+    neighbours' links and its own), more than copying it. A row needs the move
+    only when it may have drifted past the middle of the list. `head_moves[0]`
+    counts every move to this stripe's head (refreshes and inserts; a restore's
+    are added by the caller) and `stamps[s]` holds the count at row s's last
+    move, so s has at most `head_moves[0] - stamps[s]` rows ahead of it. A hit is
+    moved when that bound, plus the moves this call may still make (hi - lo),
+    reaches half the stripe's live rows; otherwise it stays where it is, in the
+    first half, which this call cannot evict. A row is moved at most once per
+    call (stamped during this call: stamps[s] >= the count at its start). So
+    a row read at least once per half-list of moves is never evicted, as with
+    an exact LRU at half the size; rows read less often are ordered exactly.
     admit_threshold < 0 admits everything; else a new ID is admitted when a
     53-bit draw is below it. Before that draw, an ID of a table whose
     admit_after[group] > 1 is counted in `sketch` and admitted only once its
     count reaches that threshold.
     """
     dim = out.shape[1]
-    _resolve(ids, perm, lo, hi, slots, index, keys)
-    for j in range(lo, hi):
-        s = slots[j]
-        if s >= 0:
-            _copy_row(out, perm[j], values, s, dim)
+    _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values)
+    moves0 = head_moves[0]
+    moves = moves0
     if train:  # refresh hits: the list's head/tail stay in registers for the whole loop
         head = np.int32(hdr[F_HEAD])
         tail = np.int32(hdr[F_TAIL])
+        recent = hdr[F_USED] // 2 - (hi - lo)
         for j in range(lo, hi):
             s = slots[j]
-            if s < 0 or stamps[s] == serial:
+            if s < 0:
                 continue
-            stamps[s] = serial
+            stamp = np.int64(stamps[s])
+            if stamp >= moves0 or moves - stamp < recent:  # moved in this call, or still in the list's first half
+                continue
+            stamps[s] = moves
+            moves += 1
             if s != head:  # unlink s (it has a prev: it is not the head), push it at the head
                 p = prev[s]
                 n = nxt[s]
@@ -436,13 +479,13 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 _zero_row(out, perm[j])
                 hdr[F_READ_MISSES] += 1
         return
-    _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
-                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms)
+    head_moves[0] = _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
+                               admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                               touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, serial,
+def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
                    admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
                    touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
@@ -454,6 +497,7 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
     free ones, then the LRU tail's, removing the evicted keys from the index;
     (3) write each new row, then publish its key; (4) index and link the new
     rows; (5) copy them out. The result is the same as inserting one by one.
+    Returns the stripe's move count `moves` (see lookup_stripe) after the inserts.
     """
     dim = out.shape[1]
     cap = keys.shape[0]
@@ -462,7 +506,7 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
         if slots[j] < 0:
             m += 1
     if m == 0:
-        return
+        return moves
     size = 2
     while size < 2 * m:  # local set at load factor <= 0.5
         size *= 2
@@ -531,7 +575,8 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
             h = key_hash(key)
             index[_find(index, keys, key, h)[1]] = _entry(h, s)
         _push_head(prev, nxt, hdr, s)
-        stamps[s] = serial
+        stamps[s] = moves
+        moves += 1
     hdr[F_INSERTS] += n - ghosts
     for j in range(lo, hi):  # (5)
         c = slots[j]
@@ -543,6 +588,7 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
                 _copy_row(out, perm[j], ghost_rows, q, dim)
             else:
                 _copy_row(out, perm[j], values, new_slots[q], dim)
+    return moves
 
 
 @njit(nogil=True, cache=True, error_model="numpy")

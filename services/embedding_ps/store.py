@@ -35,6 +35,8 @@ __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 _log = log.get(__name__)
 
 _INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
+HEAD_MOVES_START = 1 << 31  # the move counters' start: above any stripe's slot count (see _head_moves)
+
 _CHECK_MESSAGES = {
     1: "used row count out of range", 2: "key stored beyond the used slots", 3: "empty key inside the used slots",
     4: "key stored in the wrong stripe", 5: "live key not found at its slot by the index (or duplicated)",
@@ -83,7 +85,9 @@ class EmbeddingStore(L.StoreLifecycle):
         # One allocation (numpy puts large ones on transparent huge pages: fewer TLB misses), viewed per stripe.
         stamps = np.zeros(c.capacity, np.uint32)
         self._stamps = [stamps[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
-        self._serials = [0] * c.num_stripes
+        # Moves to each stripe's LRU head (lazy refresh, see kernels.lookup_stripe). Process-local like the
+        # stamps: starting above any stripe's size makes every zero stamp read as "moved long ago".
+        self._head_moves = np.full((c.num_stripes, 1), HEAD_MOVES_START, np.int64)
         self._stripes = []  # per stripe: (index, keys, prev, next, values, header row) views
         self._life = []  # per stripe: (touched, sketch, tables) views; empty touched/sketch when unused
         self._rules = L.rules_of(c)
@@ -205,14 +209,13 @@ class EmbeddingStore(L.StoreLifecycle):
             hdr[K.F_DIRTY] = 0
         return result or 0
 
-    def _next_serial(self, s: int) -> int:
-        """A new call number for stripe s (caller holds its lock); stamps restart before uint32 wraps."""
-        serial = self._serials[s] + 1
-        if serial >= 2**32:
+    def _head_moves_of(self, s: int, n: int) -> np.ndarray:
+        """Stripe s's move counter (caller holds its lock), restarted with its stamps before n more
+        moves could pass uint32."""
+        if self._head_moves[s, 0] + n >= 2**32:
             self._stamps[s][:] = 0
-            serial = 1
-        self._serials[s] = serial
-        return serial
+            self._head_moves[s, 0] = HEAD_MOVES_START
+        return self._head_moves[s]
 
     def lookup(self, ids: np.ndarray, *, train: bool, out: np.ndarray | None = None) -> np.ndarray:
         """Rows (n, dim) float32 of `ids` (1-D uint64, duplicates allowed).
@@ -240,7 +243,8 @@ class EmbeddingStore(L.StoreLifecycle):
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
-            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], self._next_serial(s),
+            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s],
+                            self._head_moves_of(s, hi - lo),
                             bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life)
             return 0
 
@@ -361,6 +365,7 @@ class EmbeddingStore(L.StoreLifecycle):
 
         def run(s: int, lo: int, hi: int) -> int:
             K.load_stripe(keys, values, touched, perm, lo, hi, *self._stripes[s], self._life[s][0])
+            self._head_moves_of(s, 0)[0] += hi - lo  # its moves to the head count too (their rows keep old stamps)
             return 0
 
         self._run_stripes(offsets, run, mutates=True)

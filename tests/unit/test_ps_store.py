@@ -12,7 +12,7 @@ from hybridrec.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
 from hybridrec.config import EmbeddingOptimizerConfig
-from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
+from services.embedding_ps.store import HEAD_MOVES_START, EmbeddingStore, StoreConfig, init_rows
 from services.embedding_ps.store_files import GLOBAL_FIELDS
 
 SGD = EmbeddingOptimizerConfig(name="sgd", lr=0.1)
@@ -135,22 +135,50 @@ def test_batch_orders_rows_by_first_occurrence(open_store):
 
 
 def reference_lru(calls: list[np.ndarray], capacity: int) -> list[int]:
-    """The documented semantics: per call, hits refreshed in first-occurrence order, then misses inserted."""
+    """The documented semantics (kernels.lookup_stripe), one stripe: per call, hits refreshed in
+    first-occurrence order unless moved in this call or still in the list's first half (lazy refresh),
+    then misses inserted; every move to the head is counted and stamped."""
     lru: OrderedDict[int, None] = OrderedDict()
+    stamp: dict[int, int] = {}
+    moves = HEAD_MOVES_START
     for call in calls:
-        seen = []
-        for key in call.tolist():
-            if key not in seen:
-                seen.append(key)
+        seen = list(dict.fromkeys(call.tolist()))
         misses = [k for k in seen if k not in lru]
+        start, recent = moves, len(lru) // 2 - len(call)
         for key in seen:
-            if key in lru:
+            if key in lru and not (stamp[key] >= start or moves - stamp[key] < recent):
                 lru.move_to_end(key)
-        for key in misses:
+                stamp[key], moves = moves, moves + 1
+        ghosts = max(0, len(misses) - capacity)  # served from scratch rows, never moved to the head
+        for i, key in enumerate(misses):
             if len(lru) == capacity:
                 lru.popitem(last=False)
             lru[key] = None
+            if i >= ghosts:
+                stamp[key], moves = moves, moves + 1
     return list(lru)
+
+
+def test_lazy_refresh_leaves_first_half_rows_in_place(open_store):
+    """A hit still in the list's first half (few moves since its own) is not moved; one that may have
+    drifted past the middle is; an exact LRU would have moved both."""
+    store = open_store(config(capacity=64, num_stripes=1))
+    store.lookup(np.arange(40, dtype=np.uint64), train=True)  # 0 oldest ... 39 newest
+    store.lookup(ids(38, 1), train=True)  # 38: 1 move behind the head < 40 // 2 - 2; 1: 38 moves behind
+    assert lru_keys(store)[-2:] == [39, 1] and lru_keys(store)[37] == 38
+    model = reference_lru([np.arange(40, dtype=np.uint64), ids(38, 1)], 64)
+    assert model == lru_keys(store)
+
+
+def test_lazy_refresh_never_evicts_a_row_read_once_per_half_list(open_store):
+    """A row read in every call survives streams of new IDs, whatever its position when read."""
+    store = open_store(config(capacity=32, num_stripes=1))
+    fresh = iter(range(1000, 100000))
+    for _ in range(300):
+        call = np.array([7] + [next(fresh) for _ in range(5)], np.uint64)  # 5 new IDs per call, 7 again
+        store.lookup(call, train=True)
+        assert 7 in lru_keys(store)
+    store.check_consistency()
 
 
 def test_lru_matches_reference_model_under_churn(open_store):
