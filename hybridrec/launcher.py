@@ -39,6 +39,7 @@ from hybridrec.summary import Phases, RunSummary, ServiceInfo
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
 FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
 GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)
+DEATH_SETTLE_S = 0.5  # see LocalCluster.check
 RESUMES_FROM = {kind.name: kind.resumes_from for kind in SERVICE_KINDS if kind.resumes_from}
 STOP_GRACE_S = 5.0
 LOG_TAIL_LINES = 25
@@ -192,7 +193,14 @@ class LocalCluster:
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
     def check(self) -> bool:
-        """True once every NN worker finished cleanly; LaunchError as soon as any service fails."""
+        """True once every NN worker finished cleanly; LaunchError as soon as any service fails.
+
+        On a death, waits DEATH_SETTLE_S once before deciding: processes lost together (a machine, or a
+        kill of several) die a few milliseconds apart on a loaded machine, and a peer still dying must not
+        count as holding the state a replacement would resume from (that replaced one NN worker, then
+        restarted the group for the other)."""
+        if any(p.popen and not p.finished and p.popen.poll() is not None for p in self.procs):
+            time.sleep(DEATH_SETTLE_S)
         for proc in self.procs:
             rc = proc.popen.poll() if proc.popen else None
             if rc is None or proc.finished:
