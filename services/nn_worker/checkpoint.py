@@ -98,7 +98,7 @@ class Checkpointer:
             self.final_path = checkpoints.step_dir(self.root, step)
             return
         started = time.monotonic()
-        await self.save(step, seq, position)
+        await self.save(step, seq, position, survive_peer_loss=False)
         self.final_s = time.monotonic() - started
         self.final_path = checkpoints.step_dir(self.root, step)
         self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
@@ -116,39 +116,60 @@ class Checkpointer:
 
         await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
-    async def save(self, step: int, seq: int, position: tuple[int, ...]) -> None:
-        """Collective: every rank calls it at the same step, after draining its gradient pushes."""
+    async def save(self, step: int, seq: int, position: tuple[int, ...], *, survive_peer_loss: bool = True) -> None:
+        """Collective: every rank calls it at the same step, after draining its gradient pushes.
+
+        With `survive_peer_loss` (interval checkpoints), a peer lost during the checkpoint's collectives is
+        replaced like one lost in a training step (`Trainer._collective`): the group re-forms, the replacement
+        starts at the next step, and this checkpoint is skipped (lost before rank 0 wrote it) or kept (lost
+        after). Without it (the final checkpoint, which the ranks reach past their last step, where a
+        replacement could not join them), the loss stops this rank and the group goes back to a checkpoint."""
         started = time.monotonic()
         trainer = self.trainer
-        last_seq, last_position = await trainer._on_compute(self._gather_position, seq, position)
+        meet = ((lambda fn, *args: trainer._collective(fn, *args, after_regroup=False)) if survive_peer_loss
+                else trainer._on_compute)
+        gathered = await meet(self._gather_position, seq, position)
+        if gathered is False:
+            self.log.warning("checkpoint_skipped", step=step, reason="a peer was lost and replaced")
+            return
+        last_seq, last_position, samples = gathered
         if self.rank == 0:
-            final = checkpoints.step_dir(self.root, step)
-            tmp = final.with_name(final.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            await trainer._on_compute(self._save_dense, tmp / "dense.pt")
-            dump_config(self.config, tmp / "config.yaml")
-            await self._ps("Checkpoint", tmp, step)
-            stats = trainer.stats
-            checkpoints.write_manifest(tmp, JobManifest(
-                step=step, seq=last_seq + 1, position=list(last_position), samples=stats.samples * self.world_size,
-                train_wall_s=stats.wall_s, num_nn_workers=self.world_size, num_ps=self.num_ps))
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            checkpoints.prune(self.root, self.keep)
-            self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
-        await trainer._on_compute(dist.barrier)
+            await self._write(step, last_seq, last_position, samples)
+        if await meet(dist.barrier) is False:  # rank 0 may not have finished it: not counted as this step's
+            self.log.warning("checkpoint_unconfirmed", step=step, reason="a peer was lost and replaced")
+            return
         self.last_saved = step
         self.last_time = time.monotonic()
         self.last_cost_s = self.last_time - started
 
-    def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-        """The (seq, position) of the latest batch any rank trained: where the data resumes."""
-        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4]], dtype=torch.int64)
+    async def _write(self, step: int, last_seq: int, last_position: tuple[int, ...], samples: int) -> None:
+        """Rank 0: the dense state, every PS shard's rows and the manifest, renamed into place last."""
+        trainer = self.trainer
+        final = checkpoints.step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        await trainer._on_compute(self._save_dense, tmp / "dense.pt")
+        dump_config(self.config, tmp / "config.yaml")
+        await self._ps("Checkpoint", tmp, step)
+        checkpoints.write_manifest(tmp, JobManifest(
+            step=step, seq=last_seq + 1, position=list(last_position), samples=samples,
+            train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size, num_ps=self.num_ps))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        checkpoints.prune(self.root, self.keep)
+        self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
+
+    def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...], int]:
+        """The (seq, position) of the latest batch any rank trained: where the data resumes; and the samples
+        the group trained, summed over the ranks (they differ: a file's last batch is short, and which rank
+        gets it depends on the stream, so rank 0's count times N is not the job's)."""
+        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4], self.trainer.stats.samples],
+                            dtype=torch.int64)
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine)
         newest = max(parts, key=lambda t: int(t[0]))
-        return int(newest[0]), tuple(int(v) for v in newest[1:])
+        return int(newest[0]), tuple(int(v) for v in newest[1:5]), int(sum(int(t[5]) for t in parts))
 
     def _save_dense(self, path: Path) -> None:
         torch.save({"model": self.trainer.model.state_dict(), "optimizer": self.trainer.optimizer.state_dict()},

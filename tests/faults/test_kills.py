@@ -155,6 +155,38 @@ def test_losing_every_nn_worker_at_once_goes_back_to_the_newest_default_checkpoi
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
 
 
+
+def test_losing_an_nn_worker_during_a_checkpoint_replaces_it_alone(fault_config, undisturbed, tmp_path):
+    """nn_worker 1 SIGKILLed while rank 0 writes an interval checkpoint (rank 1 waits at the checkpoint's last
+    barrier): rank 0 re-forms the group around a replacement, as after a loss in a training step. Nobody goes
+    back to a checkpoint, and every sample is counted once."""
+    run_dir = tmp_path / "run"
+    summary = run_dir / "summary-out.json"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(fault_config), "--run-dir", str(run_dir), "--summary-json",
+                                         str(summary), "--set", "checkpoint.interval_steps=10"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pattern = f"serve nn_worker --config {run_dir / 'config.yaml'} --replica 1"
+    victim = None
+    deadline = time.monotonic() + 600
+    while victim is None or not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").glob("step-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no interval checkpoint was seen being written"
+        if victim is None and (status := _status(run_dir)) is not None and status >= 20:  # past the first two
+            victim = next(p for p in psutil.process_iter(["cmdline"])
+                          if pattern in " ".join(p.info["cmdline"] or []))
+        time.sleep(0.002 if victim is not None else 0.2)
+    victim.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(summary.read_text())
+    restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarted[("nn_worker", 1)] == 1, restarted
+    assert restarted[("nn_worker", 0)] == 0 and restarted[("dataloader", 0)] == 0, restarted
+    logs = (run_dir / "logs" / "nn_worker-0.log").read_text()
+    assert '"group_reformed"' in logs and '"checkpoint_restored"' not in logs
+    assert result["samples"] == undisturbed["samples"]
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
+
 CHAOS_EPOCHS = ("--set", "training.epochs=2")
 """The chaos run reads the example's data twice: on an idle machine one epoch trains in under 30 s, too short
 for a kill every 15 s to hit more than two processes."""

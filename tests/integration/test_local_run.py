@@ -55,9 +55,14 @@ def _assert_clean(summary_or_run_dir) -> None:
 def test_run_trains_and_cleans_up(tmp_path, small_config):
     summary_path = tmp_path / "summary.json"
     result = _run(["run", str(small_config), "--run-dir", str(tmp_path / "run"), "--summary-json",
-                   str(summary_path), "--set", "training.epochs=2"])
+                   str(summary_path), "--set", "training.epochs=2", "--set", "checkpoint.interval_steps=20"])
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
+    # A checkpoint counts the rows the ranks trained, not rank 0's times two: an epoch is 29 batches of 2048
+    # and one of 608 (seq 29, 59: rank 1's), so at step 20 (batches 0-39) rank 1 is 1440 rows behind rank 0.
+    manifests = {int(m.parent.name.removeprefix("step-")): json.loads(m.read_text())
+                 for m in (tmp_path / "run" / "checkpoints").glob("step-*/manifest.json")}
+    assert {step: m["samples"] for step, m in manifests.items()} == {20: 60_000 + 10 * 2048, 30: 120_000}
     for key in ("mode", "steps", "samples", "wall_s", "samples_per_sec", "auc", "logloss", "oracle_auc",
                 "staleness", "services"):
         assert key in summary, key

@@ -54,7 +54,7 @@ def test_final_checkpoint_is_written_unless_one_of_the_last_step_holds_the_final
     checkpointer = Checkpointer(config, 0, 2, trainer=None)
     saved = []
 
-    async def save(step, seq, position):
+    async def save(step, seq, position, **_):
         saved.append((step, seq, position))
         checkpointer.last_saved = step
 
