@@ -58,9 +58,10 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, args: tuple[str, 
 
 
 def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: tuple[int, ...] = (0,),
-                  alive=lambda: True, after_checkpoint: bool = False) -> int:
+                  alive=lambda: True, after_checkpoint: bool = False, during_checkpoint: bool = False) -> int:
     """SIGKILL `replicas` of `service` once NN rank 0 has trained `fraction` of its steps (and, with
-    `after_checkpoint`, once the first interval checkpoint is complete)."""
+    `after_checkpoint`, once the first interval checkpoint is complete; with `during_checkpoint`, at the next
+    moment rank 0 is writing one: its directory still ends in .tmp)."""
     config_path = str(run_dir / "config.yaml")
     deadline = time.monotonic() + 600
     steps_total = ROWS // 4096 // 2
@@ -80,6 +81,9 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
                if any(f"serve {service} --config {config_path} --replica {r}" in " ".join(p.info["cmdline"] or [])
                       for r in replicas)]
     assert len(targets) == len(replicas), f"{service} replicas {replicas}: found {len(targets)} processes"
+    while during_checkpoint and not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").glob("step-*")):
+        assert alive() and time.monotonic() < deadline, "no interval checkpoint was seen being written"
+        time.sleep(0.002)
     for p in targets:  # back to back: as good as at once for the launcher, which looks every 0.1 s
         p.send_signal(signal.SIGKILL)
     return targets[0].pid
@@ -155,29 +159,13 @@ def test_losing_every_nn_worker_at_once_goes_back_to_the_newest_default_checkpoi
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
 
 
-
 def test_losing_an_nn_worker_during_a_checkpoint_replaces_it_alone(fault_config, undisturbed, tmp_path):
     """nn_worker 1 SIGKILLed while rank 0 writes an interval checkpoint (rank 1 waits at the checkpoint's last
     barrier): rank 0 re-forms the group around a replacement, as after a loss in a training step. Nobody goes
     back to a checkpoint, and every sample is counted once."""
     run_dir = tmp_path / "run"
-    summary = run_dir / "summary-out.json"
-    proc = subprocess.Popen(HYBRIDREC + ["run", str(fault_config), "--run-dir", str(run_dir), "--summary-json",
-                                         str(summary), "--set", "checkpoint.interval_steps=10"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pattern = f"serve nn_worker --config {run_dir / 'config.yaml'} --replica 1"
-    victim = None
-    deadline = time.monotonic() + 600
-    while victim is None or not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").glob("step-*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no interval checkpoint was seen being written"
-        if victim is None and (status := _status(run_dir)) is not None and status >= 20:  # past the first two
-            victim = next(p for p in psutil.process_iter(["cmdline"])
-                          if pattern in " ".join(p.info["cmdline"] or []))
-        time.sleep(0.002 if victim is not None else 0.2)
-    victim.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    result = json.loads(summary.read_text())
+    result = _run(fault_config, run_dir, kill="nn_worker", replicas=(1,), fraction=0.16,  # step 20 on (of 122)
+                  during_checkpoint=True, args=("--set", "checkpoint.interval_steps=10"))
     restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     assert restarted[("nn_worker", 1)] == 1, restarted
     assert restarted[("nn_worker", 0)] == 0 and restarted[("dataloader", 0)] == 0, restarted
@@ -186,6 +174,7 @@ def test_losing_an_nn_worker_during_a_checkpoint_replaces_it_alone(fault_config,
     assert result["samples"] == undisturbed["samples"]
     assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
+
 
 CHAOS_EPOCHS = ("--set", "training.epochs=2")
 """The chaos run reads the example's data twice: on an idle machine one epoch trains in under 30 s, too short
