@@ -405,6 +405,11 @@ class ClusterConfig(_Model):
     after it was serving is always restarted: that is a machine or an operator, not a loop."""
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     """How long a service waits for the peers it depends on to report SERVING."""
+    dense_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """With NCCL: how long one dense collective (a training step's AllReduce) waits for a peer before it fails
+    and the group re-forms around the peer's replacement; how long a step can hang on a lost GPU worker. (CPU
+    collectives, and every collective under Gloo, wait 5 x start_timeout_s: a checkpoint's barrier waits for
+    rank 0's PS dump.)"""
     rejoin_timeout_s: Annotated[float, Field(gt=0)] = 300.0
     """How long the NN workers wait for every rank to (re)join the group: at the start, and after one was lost
     and is being replaced (its restart included). A replacement with another config, world size or model is

@@ -31,14 +31,16 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridrec import checkpoints, log, rpc
 from hybridrec.checkpoints import JobManifest
-from hybridrec.config import Config, Mode, dump_config
+from hybridrec.config import Config, ConfigError, Mode, dump_config
 from hybridrec.proto import pb
+from services.nn_worker.distributed import barrier, control_group
 
 PS_TIMEOUT_S = 600.0
 AGREE_EVERY = 10
@@ -79,7 +81,7 @@ class Checkpointer:
         """Collective, on the compute thread: True on every rank when any rank's interval is up."""
         interval = max(self.interval_s, self.last_cost_s * (1 - MAX_OVERHEAD) / MAX_OVERHEAD)
         flag = torch.tensor([int(time.monotonic() - self.last_time >= interval)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         return bool(flag.item())
 
     async def finish(self, step: int, seq: int, position: tuple[int, ...]) -> None:
@@ -135,7 +137,7 @@ class Checkpointer:
         last_seq, last_position, samples = gathered
         if self.rank == 0:
             await self._write(step, last_seq, last_position, samples)
-        if await meet(dist.barrier) is False:  # rank 0 may not have finished it: not counted as this step's
+        if await meet(barrier) is False:  # rank 0 may not have finished it: not counted as this step's
             self.log.warning("checkpoint_unconfirmed", step=step, reason="a peer was lost and replaced")
             return
         self.last_saved = step
@@ -167,13 +169,14 @@ class Checkpointer:
         mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4], self.trainer.stats.samples],
                             dtype=torch.int64)
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
+        dist.all_gather(parts, mine, group=control_group())
         newest = max(parts, key=lambda t: int(t[0]))
         return int(newest[0]), tuple(int(v) for v in newest[1:5]), int(sum(int(t[5]) for t in parts))
 
     def _save_dense(self, path: Path) -> None:
-        torch.save({"model": self.trainer.model.state_dict(), "optimizer": self.trainer.optimizer.state_dict()},
-                   path)
+        """On the CPU whatever the device: a checkpoint loads on any device, or on none (`hybridrec export`)."""
+        torch.save(on_cpu({"model": self.trainer.model.state_dict(),
+                           "optimizer": self.trainer.optimizer.state_dict()}), path)
 
     async def restore(self) -> JobManifest | None:
         """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard)."""
@@ -185,12 +188,10 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
                              f"has {self.world_size}")
         trainer = self.trainer
-        state = await trainer._on_compute(lambda: torch.load(path / "dense.pt", weights_only=True))
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        await trainer._on_compute(load_dense, path / "dense.pt", trainer.model, trainer.optimizer)
         if self.rank == 0:
             await self._ps("LoadCheckpoint", path, manifest.step)
-        await trainer._on_compute(dist.barrier)
+        await trainer._on_compute(barrier)
         stats = trainer.stats
         stats.steps = manifest.step
         stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
@@ -200,3 +201,28 @@ class Checkpointer:
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
         return manifest
 
+
+def on_cpu(state: Any) -> Any:
+    """`state` (nested dicts and lists of tensors and values, a state_dict) with every tensor copied to the CPU."""
+    if torch.is_tensor(state):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(value) for value in state)
+    return state
+
+
+def load_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's dense state into `model` and `optimizer`, wherever they live.
+
+    Read onto the CPU (`map_location`: a file written by a GPU worker, or by an older version that saved CUDA
+    tensors, loads on a CPU worker or another GPU); `load_state_dict` copies each tensor to its parameter's
+    device. A file of another model is refused naming it (a usage error: exit 2, not a restart loop)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"checkpoint {path} does not fit this job's dense model (checkpoint.dir holds another "
+                          f"model's checkpoint?): {str(exc).splitlines()[0]}") from exc

@@ -7,6 +7,12 @@ parameter and buffer, then every optimizer-state tensor in that layout's
 order. Ranks that are already identical (the survivors) receive the same
 values they hold; a replacement builds its optimizer state from the layout
 and loads it. Only tensors and JSON cross: no pickle.
+
+Each tensor travels on its own device through the group that serves it
+(`distributed.group_for`): the JSON and, say, Adam's CPU `step` counters
+through the control group; parameters and moments on the GPU through NCCL.
+The layout records each state tensor's device kind, so a replacement
+allocates it where the source holds it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from services.nn_worker.distributed import control_group, group_for
 
 STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "train_auc", "restored_samples")
 """The trainer counters a replacement takes over from its source (the per-rank share of the run)."""
@@ -32,19 +40,19 @@ class Handed:
 def _broadcast_json(value: Any, source: int) -> Any:
     data = json.dumps(value).encode() if dist.get_rank() == source else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=source)
+    dist.broadcast(size, src=source, group=control_group())
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=source)
+    dist.broadcast(buf, src=source, group=control_group())
     return json.loads(bytes(buf.numpy()).decode())
 
 
 def _layout(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state_dict with each tensor replaced by ["tensor", shape, dtype]."""
+    """The optimizer's state_dict with each tensor replaced by ["tensor", shape, dtype, device kind]."""
     state = optimizer.state_dict()
     layout = {}
     for index, entry in state["state"].items():
-        layout[str(index)] = {key: (["tensor", list(value.shape), str(value.dtype).removeprefix("torch.")]
-                                    if torch.is_tensor(value) else ["value", value])
+        layout[str(index)] = {key: (["tensor", list(value.shape), str(value.dtype).removeprefix("torch."),
+                                     value.device.type] if torch.is_tensor(value) else ["value", value])
                               for key, value in entry.items()}
     return {"state": layout, "param_groups": state["param_groups"]}
 
@@ -58,21 +66,23 @@ def hand_over(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: d
               wall_s: float, source: int) -> Handed:
     """Make every rank's model and optimizer equal to `source`'s; returns the source's counters."""
     mine = dist.get_rank() == source
+    device = next(model.parameters()).device  # the rank's device: where a state tensor not on the CPU belongs
     description = _broadcast_json({"stats": stats, "wall_s": wall_s, "optimizer": _layout(optimizer)} if mine
                                   else None, source)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=source)
+            dist.broadcast(tensor, src=source, group=group_for(tensor))
     layout = description["optimizer"]
     current = optimizer.state_dict()["state"]
     state: dict[int, dict[str, Any]] = {}
     for index, entry in layout["state"].items():
         state[int(index)] = {key: spec[1] for key, spec in entry.items() if spec[0] == "value"}
     for index, key in _tensors_in_order(layout):
-        _, shape, dtype = layout["state"][index][key]
+        _, shape, dtype, kind = layout["state"][index][key]
         held = current.get(int(index), {}).get(key) if mine else None
-        tensor = held if held is not None else torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.broadcast(tensor, src=source)
+        tensor = held if held is not None else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                           device="cpu" if kind == "cpu" else device)
+        dist.broadcast(tensor, src=source, group=group_for(tensor))
         state[int(index)][key] = tensor
     if not mine:
         optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})

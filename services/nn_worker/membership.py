@@ -14,8 +14,10 @@ coordinates; every (re)formation is one round:
    correct one until `cluster.rejoin_timeout_s`), and writes `plan/<nonce>`
    for each: the new generation (one above the highest any rank knew) and the
    source rank, the one whose state is newest;
-3. every rank destroys its old process group and joins the new generation's,
-   under its own key prefix of the store.
+3. every rank leaves its old process groups (a broken NCCL communicator is
+   aborted, not destroyed) and joins the new generation's, under its own key
+   prefix of the store: the default group for the dense tensors and, beside
+   NCCL, a Gloo group for the CPU ones (`services.nn_worker.distributed.open_groups`).
 
 A rank that dies takes its process group down: a survivor's next collective
 raises (`is_group_failure`), the trainer calls `join` again with its step, and
@@ -41,6 +43,7 @@ import torch.distributed as dist
 
 from hybridrec import log
 from hybridrec.config import Config, split_address
+from services.nn_worker.distributed import close_groups, open_groups
 
 POLL_S = 0.05
 CONFIG_SECTIONS = ("features", "model", "optimizer", "training", "data")
@@ -115,25 +118,30 @@ class Membership:
     """This rank's view of the group: joins it at start and re-joins it after a failure."""
 
     def __init__(self, *, rank: int, world_size: int, rendezvous: str, fingerprint: Fingerprint, backend: str,
-                 bind_host: str = "0.0.0.0", join_timeout_s: float = 600.0, collective_timeout_s: float = 600.0):
+                 bind_host: str = "0.0.0.0", join_timeout_s: float = 600.0, collective_timeout_s: float = 600.0,
+                 dense_timeout_s: float = 600.0, device: torch.device | None = None):
         self.rank, self.world_size = rank, world_size
         self.host, self.port = split_address(rendezvous)
         self.bind_host = bind_host
         self.fingerprint = fingerprint
         self.backend = backend
+        self.device = device or torch.device("cpu")
         self.join_timeout = datetime.timedelta(seconds=join_timeout_s)
         self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self.dense_timeout = datetime.timedelta(seconds=dense_timeout_s)
         self.generation = 0
         self.rounds = 0
         self._server = None  # rank 0: the store, kept for the life of the process
         self.log = log.get()
 
     @classmethod
-    def from_config(cls, config: Config, rank: int, fingerprint: Fingerprint, backend: str) -> "Membership":
+    def from_config(cls, config: Config, rank: int, fingerprint: Fingerprint, backend: str,
+                    device: torch.device | None = None) -> "Membership":
         cluster = config.cluster
         return cls(rank=rank, world_size=len(cluster.nn_workers), rendezvous=cluster.rendezvous,
                    fingerprint=fingerprint, backend=backend, bind_host=cluster.bind_host,
-                   join_timeout_s=cluster.rejoin_timeout_s, collective_timeout_s=cluster.start_timeout_s * 5)
+                   join_timeout_s=cluster.rejoin_timeout_s, collective_timeout_s=cluster.start_timeout_s * 5,
+                   dense_timeout_s=cluster.dense_timeout_s, device=device)
 
     # -- the store ---------------------------------------------------------------------------------
     def _store(self) -> dist.Store:
@@ -152,8 +160,7 @@ class Membership:
     def join(self, step: int | None) -> Plan:
         """Blocking (the compute thread): one formation round; on return this rank is in the new group."""
         started = time.monotonic()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_groups()
         store = self._store()
         request = JoinRequest(secrets.token_hex(8), self.rank, self.generation, step, self.fingerprint)
         store.set(f"lobby/{self.rank}", json.dumps(asdict(request)))
@@ -163,8 +170,9 @@ class Membership:
         if plan.refused:
             raise MembershipError(f"rank 0 refused this NN worker (rank {self.rank}): {plan.refused}")
         store.delete_key(f"plan/{request.nonce}")
-        dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{plan.generation}", store),
-                                rank=self.rank, world_size=self.world_size, timeout=self.collective_timeout)
+        open_groups(self.backend, dist.PrefixStore(f"gen{plan.generation}", store), rank=self.rank,
+                    world_size=self.world_size, device=self.device, dense_timeout=self.dense_timeout,
+                    control_timeout=self.collective_timeout)
         self.generation = plan.generation
         self.rounds += 1
         self.log.info("group_formed", generation=plan.generation, source=plan.source, step=plan.step,

@@ -1,7 +1,7 @@
 """On the NN workers, after evaluation: every rank's predictions and counters combined into the run summary.
 
-Collectives only (all_gather / all_reduce of tensors: nothing pickled), run on
-the compute thread by every rank in the same order; rank 0 builds the
+Collectives only (all_gather / all_reduce of CPU tensors on the control group:
+nothing pickled), run on the compute thread by every rank in the same order; rank 0 builds the
 `RunSummary`, adding what the embedding workers and PS shards recovered from
 restarts (their Stats counters).
 """
@@ -21,6 +21,7 @@ from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
 from hybridrec.summary import PublishSummary, RunSummary, Staleness, TableLifecycle, TaskMetrics
+from services.nn_worker.distributed import control_group
 from services.nn_worker.trainer import Trainer
 
 
@@ -31,12 +32,12 @@ def gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple
     n = preds.shape[0]
     local = torch.from_numpy(np.concatenate([preds.reshape(n, tasks).T, labels.reshape(n, tasks).T]).astype(np.float32))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([local.shape[1]]))
+    dist.all_gather(sizes, torch.tensor([local.shape[1]]), group=control_group())
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(2 * tasks, longest)
     padded[:, :local.shape[1]] = local
     parts = [torch.zeros(2 * tasks, longest) for _ in range(world_size)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=control_group())
     joined = torch.cat([p[:, :int(n.item())] for p, n in zip(parts, sizes)], dim=1).numpy()
     if preds.ndim == 1:
         return joined[0], joined[1]
@@ -48,19 +49,19 @@ def reduce_stats(trainer: Trainer) -> dict:
     s = trainer.stats
     totals = torch.tensor([s.samples, s.steps, s.pushes_failed, s.loss_sum, s.loss_count, s.skipped_batches,
                            s.skipped_eval_batches], dtype=torch.float64)
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=control_group())
     hist = torch.from_numpy(s.staleness_hist.astype(np.int64))
-    dist.all_reduce(hist)
+    dist.all_reduce(hist, group=control_group())
     # Longest rank's training time; the first rank's first step and the last rank's end as Unix times
     # (negated start: one MAX reduction). A rank that trained nothing contributes -inf.
     now_epoch, now = time.time(), time.monotonic()
     start = now_epoch - (now - s.started) if s.started is not None else math.inf
     end = now_epoch - (now - (s.finished or now)) if s.started is not None else -math.inf
     wall = torch.tensor([s.wall_s, -start, end], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=control_group())
     first, last = -float(wall[1]), float(wall[2])
     waits = torch.tensor([s.exposed_wait_s, s.compute_s, s.compute_cpu_s], dtype=torch.float64)  # summed
-    dist.all_reduce(waits)
+    dist.all_reduce(waits, group=control_group())
     rank_steps = max(s.steps, 1) * trainer.env.world_size
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
             "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from hybridrec import checkpoints, log
 from hybridrec.config import Config, Mode
@@ -24,8 +23,8 @@ from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
-from services.nn_worker.checkpoint import Checkpointer
-from services.nn_worker.distributed import pin_interface, resolve_backend
+from services.nn_worker.checkpoint import Checkpointer, on_cpu
+from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
@@ -146,13 +145,13 @@ async def _serve(config: Config, replica: int) -> None:
     workers = EmbeddingWorkers(config)
 
     await host.start()
-    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    loop = asyncio.get_running_loop()
     env = resolve_backend(config.training.backend, replica, world_size)
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=env.bind_thread)
+    loop = asyncio.get_running_loop()
     pin_interface(config.cluster.bind_host)
     model = build_model(config.model.path, feature_infos(config.features),
                         config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
-    membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend)
+    membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend, env.device)
     plan = await loop.run_in_executor(compute, membership.join, None)
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
                   generation=plan.generation, source=plan.source)
@@ -190,16 +189,15 @@ async def _serve(config: Config, replica: int) -> None:
             if checkpointer.final_path is not None:
                 summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s
             summary.write(Path(config.output.dir) / "summary.json")
-            torch.save(trainer.model.state_dict(), Path(config.output.dir) / "dense_model.pt")
+            torch.save(on_cpu(trainer.model.state_dict()), Path(config.output.dir) / "dense_model.pt")
             host.log.info("summary_written", auc=summary.auc, logloss=summary.logloss)
             servicer.eval_metrics = summary.task_metrics()
-        await loop.run_in_executor(compute, dist.barrier)
+        await loop.run_in_executor(compute, barrier)
         servicer.phase = "done"
 
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))
     finally:
         await workers.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_groups()
         compute.shutdown(wait=False, cancel_futures=True)

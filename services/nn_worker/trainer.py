@@ -26,7 +26,6 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridrec import log
@@ -36,7 +35,7 @@ from hybridrec.evaluation import binary_metrics
 from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
-from services.nn_worker.distributed import DenseSync, DistEnv
+from services.nn_worker.distributed import DenseSync, DistEnv, barrier
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.routing import BatchLost
@@ -307,7 +306,7 @@ class Trainer:
                 if self.training.mode == Mode.SYNC:
                     waited = time.perf_counter()
                     await task
-                    await self._collective(dist.barrier, after_regroup=None)
+                    await self._collective(barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
                 if self.count_from_stream:  # a replacement: its predecessor trained what came before this batch
                     base = self.stats.restored_samples if self.env.rank == 0 else 0  # rank 0 holds the restored

@@ -64,7 +64,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         from services.nn_worker.membership import Fingerprint, Membership
 
         torch.set_num_threads(1)
-        env = resolve_backend("auto", rank, WORLD)
+        env = resolve_backend("gloo", rank, WORLD)  # auto on both branches: tests/unit/test_gpu_path.py
         plan = Membership(rank=rank, world_size=WORLD, rendezvous=f"127.0.0.1:{port}", backend=env.backend,
                           fingerprint=Fingerprint("test", WORLD, "test"), bind_host="127.0.0.1",
                           join_timeout_s=60, collective_timeout_s=60).join(step=None)

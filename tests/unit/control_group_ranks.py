@@ -1,0 +1,91 @@
+"""Spawned ranks for tests/unit/test_gpu_path.py: the NN worker's CPU (control) collectives in a group whose
+default backend, like NCCL, serves no CPU tensors (`cuda:gloo`: Gloo registered for CUDA tensors only).
+
+Each rank forms the group through `Membership.join`, checks that the default group really refuses a CPU
+tensor, then runs every control collective of the NN worker in the order the service does — the time-checkpoint
+vote, the checkpoint's position gather and barrier, DenseSync's parameter broadcast and averaging of a CPU
+model, the hand-over to a fresh rank, the evaluation gather and the statistics reduction — and writes what
+each returned.
+"""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+WORLD = 2
+
+
+def rank_main(rank: int, port: int, out_dir: str) -> None:
+    out = Path(out_dir)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from hybridrec.config import Config, TrainingConfig
+        from services.nn_worker.checkpoint import Checkpointer
+        from services.nn_worker.distributed import DenseSync, DistEnv, barrier
+        from services.nn_worker.handover import hand_over
+        from services.nn_worker.membership import Fingerprint, Membership
+        from services.nn_worker.results import gather_eval, reduce_stats
+        from services.nn_worker.trainer import TrainStats
+
+        torch.set_num_threads(1)
+        Membership(rank=rank, world_size=WORLD, rendezvous=f"127.0.0.1:{port}", backend="cuda:gloo",
+                   fingerprint=Fingerprint("test", WORLD, "test"), bind_host="127.0.0.1", join_timeout_s=60,
+                   collective_timeout_s=60).join(step=None)
+        result: dict = {}
+        try:  # the premise: the default group takes no CPU tensor, as under NCCL
+            dist.all_reduce(torch.ones(1))
+            result["default_group_took_cpu"] = True
+        except RuntimeError as exc:
+            result["default_group_took_cpu"] = False
+            result["default_group_error"] = str(exc).splitlines()[0]
+
+        config = Config.model_validate({"data": {"train": ["train.tsv"]},
+                                        "checkpoint": {"dir": str(out / "ckpt"), "interval_s": 1.0},
+                                        "cluster": {"nn_workers": ["127.0.0.1:0"] * WORLD}})
+        stats = TrainStats(steps=10, samples=1000 * (rank + 1), loss_sum=2.0, loss_count=4, started=0.0,
+                           finished=1.0, staleness_hist=np.array([3, 1], np.int64))
+        trainer = SimpleNamespace(stats=stats, env=SimpleNamespace(world_size=WORLD))
+        checkpointer = Checkpointer(config, rank, WORLD, trainer)
+        checkpointer.last_time -= 5.0 * (rank == 1)  # only rank 1's interval is up: the vote is a MAX
+        result["time_up"] = checkpointer.time_up()
+        seq, position, samples = checkpointer._gather_position(40 + rank, (0, rank, 7, 8))
+        result["position"] = [seq, list(position), samples]
+        barrier()
+
+        env = DistEnv(rank=rank, world_size=WORLD, backend="cuda:gloo", device=torch.device("cpu"))
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        sync = DenseSync(model, env, TrainingConfig(mode="async", sync_interval=1))  # broadcast from rank 0
+        result["broadcast"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(rank))
+        sync.after_step(1)  # averaged: rank 0's weights + 0.5
+        result["averaged"] = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
+
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        if rank == 0:
+            model(torch.ones(2, 3)).sum().backward()
+            optimizer.step()
+        handed = hand_over(model, optimizer, {"steps": 10.0 + rank}, 3.5, source=0)
+        state = optimizer.state_dict()["state"]
+        result["handed"] = [handed.stats, handed.wall_s, [float(state[i]["exp_avg"].sum()) for i in sorted(state)]]
+
+        preds = np.full(rank + 1, 0.25 * (rank + 1), np.float32)
+        all_preds, all_labels = gather_eval(preds, np.ones_like(preds), WORLD)
+        result["eval"] = [all_preds.tolist(), all_labels.tolist()]
+        totals = reduce_stats(trainer)
+        result["totals"] = {k: totals[k] for k in ("samples", "steps", "staleness_hist", "mean_train_loss")}
+        barrier()
+        dist.destroy_process_group()
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(3)
