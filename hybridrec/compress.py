@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +38,10 @@ class ValueCodec:
         half, norms = scaled_fp16(values.reshape(-1, vector_dim), self.kappa)
         return {name: half.reshape(values.shape), name + ".norm": norms}
 
-    def unpack(self, tensors: dict[str, np.ndarray], name: str, vector_dim: int) -> np.ndarray:
-        """float32 values from a frame's tensors (a writable array)."""
+    def unpack(self, tensors: dict[str, np.ndarray], name: str, vector_dim: int, *,
+               keep_fp16: bool = False) -> "np.ndarray | Fp16Rows":
+        """float32 values from a frame's tensors (a writable array); with `keep_fp16`, fp16 values stay as they
+        came (`Fp16Rows`), to be scaled back where they are used: on a GPU, after a copy of half the bytes."""
         values = tensors[name]
         if values.dtype == np.float32:
             return np.array(values)  # frombuffer views are read-only; torch wants writable memory
@@ -48,7 +51,25 @@ class ValueCodec:
         if values.size % vector_dim or norms.dtype != np.float32 or norms.size != values.size // vector_dim:
             raise ValueError(f"tensor {name!r}: {values.size} values and {norms.size} norms do not make "
                              f"vectors of width {vector_dim}")
+        if keep_fp16:
+            return Fp16Rows(values, norms.reshape(-1), self.kappa)
         return unscale_fp16(values.reshape(-1, vector_dim), norms.reshape(-1), self.kappa).reshape(values.shape)
+
+
+class Fp16Rows(NamedTuple):
+    """kappa-scaled fp16 vectors and their float32 norms, as a frame carried them, not yet scaled back."""
+
+    half: np.ndarray  # float16 (n, width)
+    norms: np.ndarray  # float32 (n,)
+    kappa: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.half.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.half.ndim
 
 
 def import_torch(threads: int | None = None):
@@ -95,8 +116,14 @@ def unscale_fp16(half: np.ndarray, norms: np.ndarray, kappa: float) -> np.ndarra
     torch = import_torch()
     h = torch.from_numpy(np.ascontiguousarray(half))
     n = torch.from_numpy(np.ascontiguousarray(norms, dtype=np.float32))
-    # A zero vector was sent unscaled; its fp16 zeros times any norm are still zeros.
-    return h.float().mul_((n / kappa)[:, None]).numpy()
+    return unscale(h, n, kappa).numpy()
+
+
+def unscale(half, norms, kappa: float):
+    """float32 torch vectors from kappa-scaled fp16 torch vectors and their norms, on their device (the NN
+    worker scales rows back on its GPU: `Fp16Rows`). A zero vector was sent unscaled; its fp16 zeros times
+    any norm are still zeros."""
+    return half.float().mul_((norms / kappa)[:, None])
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -219,6 +219,10 @@ class TrainingConfig(_Model):
     """Batches whose embedding lookups are kept in flight ahead of compute."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto is NCCL when CUDA is present, else Gloo."""
+    overlap_copies: bool = True
+    """NN workers on GPUs: copy each batch to the GPU from pinned memory on a side stream while the previous
+    step computes, and its gradients back without making the host wait (off: synchronous copies, the
+    baseline of benchmarks/gpu_feed.py). No effect on CPUs."""
     torch_threads: Annotated[int, Field(ge=1)] = 1
     """Intra-op threads per NN worker."""
     precision: Literal["fp32", "bf16"] = "fp32"

@@ -110,11 +110,13 @@ def _per_width(prefix: str, tensors: Iterable[str], dims: Iterable[int]) -> list
     return found
 
 
-def _unpack(values: ValueCodec, frame: codec.Frame, name: str, dim: int, rows: int | None = None) -> np.ndarray:
-    """float32 (rows, dim) values of tensor `name`; FrameError when missing or of another shape."""
+def _unpack(values: ValueCodec, frame: codec.Frame, name: str, dim: int, rows: int | None = None, *,
+            keep_fp16: bool = False) -> np.ndarray:
+    """float32 (rows, dim) values of tensor `name` (`Fp16Rows` with `keep_fp16`, when they came as fp16);
+    FrameError when missing or of another shape."""
     if name not in frame.tensors:
         raise FrameError(f"frame has no tensor {name!r}")
-    out = values.unpack(frame.tensors, name, dim)
+    out = values.unpack(frame.tensors, name, dim, keep_fp16=keep_fp16)
     if out.ndim != 2 or out.shape[1] != dim or (rows is not None and out.shape[0] != rows):
         want = f"({rows}, {dim})" if rows is not None else f"(n, {dim})"
         raise FrameError(f"tensor {name!r} has shape {out.shape}, expected {want}")
@@ -288,8 +290,10 @@ class Embeddings:
                             compress={"pos", "lengths"} if lz4 else set())
 
     @classmethod
-    def decode(cls, buf: bytes, values: ValueCodec, widths: Sequence[int], batch_size: int) -> "Embeddings":
-        """`widths`: the embedding width of every feature, in config order."""
+    def decode(cls, buf: bytes, values: ValueCodec, widths: Sequence[int], batch_size: int, *,
+               keep_fp16: bool = False) -> "Embeddings":
+        """`widths`: the embedding width of every feature, in config order. `keep_fp16`: fp16 rows stay fp16
+        (`hybridrec.compress.Fp16Rows`), for a receiver that scales them back on its GPU."""
         frame = codec.decode(buf)
         num = len(widths)
         counts = frame.get("counts", np.int32, 1)
@@ -310,7 +314,7 @@ class Embeddings:
         rows = {}
         for dim in sorted(set(widths)):
             expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
-            rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected)
+            rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected, keep_fp16=keep_fp16)
         return cls(batch_size, counts, pos, lengths, rows)
 
 

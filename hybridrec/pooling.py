@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridrec.compress import ValueCodec
+from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings, FrameError
 
@@ -42,7 +42,7 @@ class BatchEmbeddings:
     """One batch's embeddings as received: rows per width plus the bag structure to pool them."""
 
     batch_size: int
-    rows: dict[int, np.ndarray]  # width -> (unique rows of its features, width) float32
+    rows: dict[int, np.ndarray]  # width -> (unique rows of its features, width) float32 (or `Fp16Rows`)
     index: dict[int, np.ndarray]  # width -> int64 row of every bag element, pooled features of that width in order
     offsets: dict[int, np.ndarray]  # width -> int64 start of every (pooled feature, sample) bag
     weights: dict[int, np.ndarray | None]  # width -> per-element weights (mean / sqrt-n pooling) or None
@@ -51,8 +51,10 @@ class BatchEmbeddings:
 
 
 class Pooler:
-    def __init__(self, features: list[FeatureConfig], values: ValueCodec):
-        self.features, self.values = features, values
+    def __init__(self, features: list[FeatureConfig], values: ValueCodec, *, keep_fp16: bool = False):
+        """`keep_fp16`: `decode` leaves fp16 rows as they came (`Fp16Rows`) and `pool` scales them back on its
+        device: a GPU worker copies half the bytes and does the arithmetic on the GPU."""
+        self.features, self.values, self.keep_fp16 = features, values, keep_fp16
         self.dims = sorted({f.dim for f in features})
         self.members = {d: [i for i, f in enumerate(features) if f.dim == d] for d in self.dims}
         self.pooled = {d: [i for i in m if not features[i].sequence] for d, m in self.members.items()}
@@ -62,7 +64,7 @@ class Pooler:
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
-        frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size)
+        frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
         nnz = frame.lengths.sum(axis=1, dtype=np.int64)
         pos_start = np.concatenate([[0], np.cumsum(nnz)])
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
@@ -124,20 +126,20 @@ class Pooler:
         )
 
     def pool(self, emb: BatchEmbeddings, device: torch.device, *, grad: bool):
-        """(leaf tensor of rows per width, pooled embedding or `SeqEmbedding` per feature name)."""
+        """(leaf tensor of rows per width, pooled embedding or `SeqEmbedding` per feature name). `emb`'s arrays
+        may already be tensors on `device` (the NN worker stages them there ahead: services.nn_worker.feed)."""
         leaves: dict[int, torch.Tensor] = {}
         pooled: dict[str, torch.Tensor | SeqEmbedding] = {}
         for dim, members in self.members.items():
-            leaf = torch.from_numpy(emb.rows[dim]).to(device)
+            leaf = as_tensor(emb.rows[dim], device)
             if grad:
                 leaf.requires_grad_()
             leaves[dim] = leaf
             bagged = self.pooled[dim]
             if bagged:
                 weights = emb.weights[dim]
-                bags = bag_sum(leaf, torch.from_numpy(emb.index[dim]).to(device),
-                               torch.from_numpy(emb.offsets[dim]).to(device),
-                               None if weights is None else torch.from_numpy(weights).to(device))
+                bags = bag_sum(leaf, as_tensor(emb.index[dim], device), as_tensor(emb.offsets[dim], device),
+                               None if weights is None else as_tensor(weights, device))
                 bags = bags.view(len(bagged), emb.batch_size, dim)
                 for k, f in enumerate(bagged):
                     pooled[self.names[f]] = bags[k]
@@ -145,9 +147,19 @@ class Pooler:
             if sequences:  # index -1 (past a sample's length) reads the zero row appended last
                 padded = torch.cat([leaf, leaf.new_zeros(1, dim)])
                 for f in sequences:
-                    index, lengths = (torch.from_numpy(a).to(device) for a in emb.sequences[f])
+                    index, lengths = (as_tensor(a, device) for a in emb.sequences[f])
                     pooled[self.names[f]] = SeqEmbedding(padded[index], lengths)
         return leaves, {name: pooled[name] for name in self.names}
+
+
+def as_tensor(value: "np.ndarray | Fp16Rows | torch.Tensor", device: torch.device) -> torch.Tensor:
+    """A host array (fp16 rows scaled back there) as a tensor on `device`; a tensor passes as it is."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Fp16Rows):
+        return unscale(torch.from_numpy(value.half).to(device), torch.from_numpy(value.norms).to(device),
+                       value.kappa)
+    return torch.from_numpy(value).to(device)
 
 
 class _BagSum(torch.autograd.Function):

@@ -36,6 +36,7 @@ from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.distributed import DenseSync, DistEnv, barrier
+from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.routing import BatchLost
@@ -92,7 +93,8 @@ class Trainer:
         self.log = log.get()
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
-        self.pooler = Pooler(config.features, self.values)
+        self.pooler = Pooler(config.features, self.values, keep_fp16=env.device.type == "cuda")
+        self.feed = DeviceFeed(env.device, overlap=self.training.overlap_copies)
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
         self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
@@ -149,7 +151,7 @@ class Trainer:
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
             self.resume_at(stats.steps)
-            self.count_from_stream = True  # the source's sample count is not its predecessor's: see _account
+            self.count_from_stream = True  # the source's sample count is not its predecessor's: see train()
         self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
 
     _SKIP = object()
@@ -266,10 +268,13 @@ class Trainer:
             counts["issued"] += 1
             self.in_flight = counts["issued"] - counts["acked"]
 
-        async def push(ref: int, grads: dict[int, np.ndarray] | None, seq: int) -> None:
+        async def push(ref: int, step: StepOutput, lost: bool, seq: int) -> None:
             try:
-                if grads is not None:  # None: a skipped batch; nothing to send, but its permit is returned
-                    await self.push(ref, Gradients(ref, grads).encode(self.values))
+                if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
+                    await ready(step.event)
+                    self._record_loss(step.loss())
+                if not lost:  # a skipped batch: nothing to send, but its permit is returned
+                    await self.push(ref, Gradients(ref, step.grads()).encode(self.values))
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -295,12 +300,14 @@ class Trainer:
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
-                loss, grad = await self._collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                step = await self._collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
                 self._trained_through = batch.seq
                 self._unacked.add(batch.seq)
                 self._confirm()
-                task = asyncio.ensure_future(push(batch.batch_ref, None if lost else grad, batch.seq))
+                if step.event is None:  # its loss is on the host already (see push for the GPU's)
+                    self._record_loss(step.loss())
+                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.seq))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -312,7 +319,7 @@ class Trainer:
                     base = self.stats.restored_samples if self.env.rank == 0 else 0  # rank 0 holds the restored
                     self.stats.samples = base + batch.rows_before                      # job total (checkpoint.py)
                     self.count_from_stream = False
-                self._account(loss, batch.labels.shape[0])
+                self.stats.samples += batch.labels.shape[0]
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
@@ -365,11 +372,8 @@ class Trainer:
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
         parameters are frozen meanwhile, so no gradient reaches them (nor DDP's hooks on them)."""
-        cpu_started = time.thread_time()
-        device = self.env.device
-        dense = torch.from_numpy(np.array(batch.dense)).to(device)
-        labels = torch.from_numpy(np.array(batch.labels)).to(device)
-        leaves, embeddings = self.pooler.pool(emb, device, grad=True)
+        dense, labels, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
             param.requires_grad_(False)
@@ -382,16 +386,18 @@ class Trainer:
         finally:
             for param in params:
                 param.requires_grad_(True)
-        return {dim: g.detach().cpu().numpy() if g is not None else np.zeros(tuple(leaf.shape), np.float32)
-                for (dim, leaf), g in zip(leaves.items(), grads)}
+        host, event = self.feed.to_host({dim: g if g is not None else torch.zeros_like(leaf)
+                                         for (dim, leaf), g in zip(leaves.items(), grads)})
+        if event is not None:
+            event.synchronize()  # a rare path (a replayed update): not worth overlapping
+        return {dim: t.numpy() for dim, t in host.items()}
 
-    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings,
-                    weight: float = 1.0) -> tuple[float, dict[int, np.ndarray]]:
+    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, weight: float = 1.0) -> "StepOutput":
+        """Compute thread: one step. On a GPU it returns once the step is queued (its gradients and loss
+        reach the host behind `StepOutput.event`), so the next batch's copy overlaps this step's kernels."""
         cpu_started = time.thread_time()
-        device = self.env.device
-        dense = torch.from_numpy(np.array(batch.dense)).to(device)
-        labels = torch.from_numpy(np.array(batch.labels)).to(device)
-        leaves, embeddings = self.pooler.pool(emb, device, grad=True)
+        dense, labels, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         with self._autocast():
             logits = self._logits(self.sync.module(dense, embeddings))
         loss = self._loss(logits, labels) * weight
@@ -405,10 +411,10 @@ class Trainer:
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        grads = {dim: leaf.grad.detach().cpu().numpy() if leaf.grad is not None
-                 else np.zeros(tuple(leaf.shape), np.float32) for dim, leaf in leaves.items()}
+        host, event = self.feed.to_host({"loss": loss.detach(), **{
+            dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()}})
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
-        return float(loss.detach()), grads
+        return StepOutput(host, event)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""
@@ -431,8 +437,7 @@ class Trainer:
             old = self.stats.train_auc
             self.stats.train_auc = auc if np.isnan(old) else 0.8 * old + 0.2 * auc
 
-    def _account(self, loss: float, n: int) -> None:
-        self.stats.samples += n
+    def _record_loss(self, loss: float) -> None:
         self.stats.last_loss = loss
         self.stats.loss_sum += loss
         self.stats.loss_count += 1
@@ -457,11 +462,26 @@ class Trainer:
 
     @torch.no_grad()
     def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
-        device = self.env.device
-        _, embeddings = self.pooler.pool(emb, device, grad=False)
+        dense, _, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        _, embeddings = self.pooler.pool(staged, self.env.device, grad=False)
         with self._autocast():
-            logits = self._logits(self.model(torch.from_numpy(np.array(batch.dense)).to(device), embeddings))
+            logits = self._logits(self.model(dense, embeddings))
         return torch.sigmoid(logits).cpu().numpy()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A training step's loss and embedding gradients on the host, valid once `event` has completed (None: at
+    once; on a GPU the copy is still under way when the compute thread returns)."""
+
+    host: dict  # "loss" -> 0-d tensor; width -> gradient rows (n, width)
+    event: "torch.cuda.Event | None"
+
+    def loss(self) -> float:
+        return float(self.host["loss"])
+
+    def grads(self) -> dict[int, np.ndarray]:
+        return {key: t.numpy() for key, t in self.host.items() if key != "loss"}
 
 
 def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
