@@ -222,7 +222,7 @@ class TrainingConfig(_Model):
     overlap_copies: bool = True
     """NN workers on GPUs: copy each batch to the GPU from pinned memory on a side stream while the previous
     step computes, and its gradients back without making the host wait (off: synchronous copies, the
-    baseline of benchmarks/gpu_feed.py). No effect on CPUs."""
+    baseline of benchmarks/gpu.py). No effect on CPUs."""
     torch_threads: Annotated[int, Field(ge=1)] = 1
     """Intra-op threads per NN worker."""
     precision: Literal["fp32", "bf16"] = "fp32"

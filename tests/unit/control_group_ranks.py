@@ -89,3 +89,46 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(3)
+
+
+def nccl_rank_main(port: int, out_dir: str) -> None:
+    """One NCCL rank on a GPU (CUDA hosts only): group formation with its control group, a DDP step, the
+    checkpoint vote, a hand-over of GPU state, and its checkpoint read back on the CPU."""
+    out = Path(out_dir)
+    try:
+        import torch
+
+        from hybridrec.config import Config, TrainingConfig
+        from services.nn_worker.checkpoint import Checkpointer, load_dense, on_cpu
+        from services.nn_worker.distributed import DenseSync, close_groups, control_group, resolve_backend
+        from services.nn_worker.handover import hand_over
+        from services.nn_worker.membership import Fingerprint, Membership
+
+        env = resolve_backend("nccl", 0, 1)
+        env.bind_thread()
+        Membership(rank=0, world_size=1, rendezvous=f"127.0.0.1:{port}", backend=env.backend, device=env.device,
+                   fingerprint=Fingerprint("test", 1, "test"), bind_host="127.0.0.1", join_timeout_s=60,
+                   collective_timeout_s=60, dense_timeout_s=60).join(step=None)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)).to(env.device)
+        sync = DenseSync(model, env, TrainingConfig(mode="hybrid"))
+        optimizer = torch.optim.Adam(sync.module.parameters(), lr=0.01)
+        sync.module(torch.ones(2, 3, device=env.device)).sum().backward()
+        optimizer.step()
+        config = Config.model_validate({"data": {"train": ["train.tsv"]}, "cluster": {"nn_workers": ["a:1"]},
+                                        "checkpoint": {"dir": str(out / "ckpt"), "interval_s": 1000.0}})
+        trainer = SimpleNamespace(stats=None, env=env)
+        time_up = Checkpointer(config, 0, 1, trainer).time_up()
+        hand_over(model, optimizer, {"steps": 1.0}, 1.0, source=0)
+        state = optimizer.state_dict()["state"][0]
+        torch.save(on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), out / "dense.pt")
+        cpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        load_dense(out / "dense.pt", cpu_model, torch.optim.Adam(cpu_model.parameters(), lr=0.01))
+        reloaded = torch.equal(cpu_model[0].weight, model[0].weight.cpu())
+        result = {"backend": env.backend, "control_group": control_group() is not None, "time_up": time_up,
+                  "state_devices": {k: state[k].device.type for k in ("exp_avg", "step")},
+                  "reloaded_on_cpu": reloaded}
+        close_groups()
+        (out / "nccl.json").write_text(json.dumps(result))
+    except BaseException:
+        (out / "nccl.err").write_text(traceback.format_exc())
+        os._exit(3)

@@ -198,3 +198,77 @@ def test_cuda_checkpoint_loads_back_onto_the_gpu_and_onto_the_cpu(tmp_path):
     cpu_model, cpu_optimizer = _model_and_adam(seed=2)
     load_dense(tmp_path / "dense.pt", cpu_model, cpu_optimizer)
     torch.testing.assert_close(cpu_model[0].weight, model[0].weight.cpu())
+
+
+# -- the feed: fp16 rows scaled back where they are pooled ----------------------------------------------------
+def _fp16_batch(seed: int = 0):
+    from hybridrec.compress import ValueCodec
+    from hybridrec.config import Pooling
+    from hybridrec.frames import Embeddings
+    from tests.unit.test_pooling import _features, _frame
+
+    widths = [4, 4, 3, 3]
+    features = _features([Pooling.SUM, Pooling.MEAN, Pooling.SQRTN, Pooling.MEAN], widths)
+    raw32, _, _ = _frame(widths, [5, 2, 7, 3], 9, seed=seed)
+    values = ValueCodec(fp16=True)
+    frame = Embeddings.decode(raw32, ValueCodec(fp16=False), widths, 9)
+    return features, values, frame.encode(values, lz4=True)
+
+
+def test_fp16_rows_kept_for_the_device_pool_as_rows_scaled_back_on_the_host():
+    from hybridrec.compress import Fp16Rows
+    from hybridrec.pooling import Pooler
+    from services.nn_worker.feed import DeviceFeed
+
+    features, values, raw = _fp16_batch()
+    host = Pooler(features, values).decode(raw, 9)
+    kept = Pooler(features, values, keep_fp16=True).decode(raw, 9)
+    assert all(isinstance(rows, Fp16Rows) for rows in kept.rows.values())
+    dense = np.ones((9, 2), np.float32)
+    staged_dense, _, staged = DeviceFeed(torch.device("cpu")).stage(dense, np.zeros(9, np.float32), kept)
+    assert staged_dense.data_ptr() == torch.from_numpy(dense).data_ptr()  # on the CPU: no copy
+    _, expected = Pooler(features, values).pool(host, torch.device("cpu"), grad=False)
+    _, got = Pooler(features, values).pool(staged, torch.device("cpu"), grad=False)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+@cuda
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_feed_stages_a_batch_on_the_gpu_and_pools_it_as_the_cpu_does(overlap):
+    from hybridrec.pooling import Pooler
+    from services.nn_worker.feed import DeviceFeed
+
+    device = torch.device("cuda", 0)
+    features, values, raw = _fp16_batch(seed=1)
+    feed = DeviceFeed(device, overlap=overlap)
+    kept = Pooler(features, values, keep_fp16=True).decode(raw, 9)
+    dense, labels, staged = feed.stage(np.ones((9, 2), np.float32), np.zeros(9, np.float32), kept)
+    assert dense.device == device and all(t.device == device for t in staged.rows.values())
+    leaves, got = Pooler(features, values).pool(staged, device, grad=True)
+    _, expected = Pooler(features, values).pool(Pooler(features, values).decode(raw, 9), torch.device("cpu"),
+                                                grad=False)
+    for name in expected:
+        torch.testing.assert_close(got[name].cpu(), expected[name], rtol=1e-5, atol=1e-5)
+    sum(p.sum() for p in got.values()).backward()
+    host, event = feed.to_host({d: leaf.grad for d, leaf in leaves.items()})
+    assert (event is not None) == overlap
+    if event is not None:
+        event.synchronize()
+    assert all(t.device.type == "cpu" and (not overlap or t.is_pinned()) for t in host.values())
+
+
+@cuda
+def test_an_nccl_rank_runs_every_collective_on_a_backend_that_serves_it(tmp_path):
+    from tests.unit.control_group_ranks import nccl_rank_main
+
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=nccl_rank_main, args=(free_port(), str(tmp_path)), daemon=True)
+    proc.start()
+    proc.join(TIMEOUT_S)
+    errors = "\n".join(f.read_text() for f in tmp_path.glob("*.err"))
+    assert proc.exitcode == 0, errors
+    result = json.loads((tmp_path / "nccl.json").read_text())
+    assert result["backend"] == "nccl" and result["control_group"] and result["time_up"] is False
+    assert result["state_devices"] == {"exp_avg": "cuda", "step": "cpu"}
+    assert result["reloaded_on_cpu"] is True
