@@ -144,8 +144,8 @@ async def _serve(config: Config, replica: int) -> None:
 
     workers = EmbeddingWorkers(config)
 
+    env = resolve_backend(config.training.backend, replica, world_size)  # a bad backend stops it before it listens
     await host.start()
-    env = resolve_backend(config.training.backend, replica, world_size)
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=env.bind_thread)
     loop = asyncio.get_running_loop()
     pin_interface(config.cluster.bind_host)

@@ -54,3 +54,13 @@ def test_a_gpu_checkpoint_resumes_on_cpu_workers_and_another_model_is_refused(tm
     services = json.loads((tmp_path / "other" / "services.json").read_text())
     restarts = {(s["name"], s["replica"]): s["restarts"] for s in services}
     assert restarts[("nn_worker", 0)] == 0, restarts  # a usage error: not restarted
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host nccl is a valid backend")
+def test_nccl_without_cuda_stops_the_nn_worker_before_it_listens(small_config):
+    result = subprocess.run(HYBRIDREC + ["serve", "nn_worker", "--config", str(small_config), "--replica", "0",
+                                         "--set", "training.backend=nccl"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "training.backend is nccl but CUDA is not available" in result.stderr
+    assert '"listening"' not in result.stdout + result.stderr
