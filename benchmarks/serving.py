@@ -207,7 +207,7 @@ def in_process(bundle: Path, ids: np.ndarray, dense: np.ndarray, repeats: int) -
                               Tensor("dense", "FP32", dense.shape, dense.reshape(-1))])
 
     async def pipeline() -> float:
-        uniq, bags = model.pooler.from_columns(samples.ids, samples.present)
+        uniq, bags = model.pooler.from_bags(samples.bags)
         bags.rows = await model.table.lookup(uniq)
         model.forward(samples.dense, bags)
 
@@ -220,7 +220,7 @@ def in_process(bundle: Path, ids: np.ndarray, dense: np.ndarray, repeats: int) -
         return time.perf_counter() - t
 
     wall = asyncio.run(run())
-    uniq, bags = model.pooler.from_columns(samples.ids, samples.present)
+    uniq, bags = model.pooler.from_bags(samples.bags)
     bags.rows = asyncio.run(model.table.lookup(uniq))
     with torch.inference_mode():
         _, pooled = model.pooler.pool(bags, torch.device("cpu"), grad=False)

@@ -2,8 +2,9 @@
 
 The NN worker decodes a batch's embeddings (`Pooler.decode`) and pools them
 differentiably; the inference service builds the same bag structure from a
-request's ID columns (`Pooler.from_columns`) and pools with the same
-`Pooler.pool`, so a served prediction is computed exactly as in training.
+request's features, one `hybridrec.jagged.Bag` each (`Pooler.from_bags`), and
+pools with the same `Pooler.pool`, so a served prediction is computed exactly
+as in training: scalar, multi-hot and sequence features alike.
 
 The embedding worker sends each feature's unique rows (grouped by width, the
 features of a width concatenated in config order), the uint16 position of every
@@ -19,7 +20,7 @@ gather reads the same leaf as the bags, so its gradient goes back the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings, FrameError
+from hybridrec.jagged import Bag
 
 
 class SeqEmbedding(NamedTuple):
@@ -88,29 +90,45 @@ class Pooler:
         return out
 
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
-        """Bags of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per field).
+        """`from_bags` of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per
+        field): each column is a bag of at most one ID."""
+        return self.from_bags([Bag.from_column(ids[:, f], present[:, f]) for f in range(ids.shape[1])])
+
+    def from_bags(self, bags: Sequence[Bag]) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
+        """The bag structure of one `Bag` per feature (config order): scalar, multi-hot or sequence.
 
         Returns the unique IDs of each width (all features of that width
         together: what to look up) and the bag structure with `rows` left
         empty; put each width's looked-up rows, in the order of its unique IDs,
-        into `rows` before `pool`. An absent field is an empty bag (pooled
-        zeros), as in training (`SparseBatch.from_columns`).
+        into `rows` before `pool`. An empty bag pools to zeros and a sequence
+        is padded after its length, as in training (`decode`). A sequence
+        longer than its feature's `max_len` is refused: cut it first
+        (`Bag.keep_last`, as the readers do).
         """
-        if any(f.sequence for f in self.features):
-            raise ValueError("serving takes one ID per feature; a sequence feature (pooling: none) cannot be served")
-        batch_size = ids.shape[0]
+        if len(bags) != len(self.features):
+            raise ValueError(f"{len(bags)} bags for {len(self.features)} features")
+        batch_size = len(bags[0]) if bags else 0
         uniq: dict[int, np.ndarray] = {}
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
         for dim, members in self.members.items():
-            cols = ids[:, members].T  # (features of this width, batch): bags in (feature, sample) order
-            mask = present[:, members].T
-            u, inverse = np.unique(cols[mask], return_inverse=True)
-            lengths = mask.reshape(-1).astype(np.int64)
+            u, inverse = np.unique(np.concatenate([bags[f].values for f in members]).astype(np.uint64),
+                                   return_inverse=True)
             uniq[dim] = u
-            out.index[dim] = inverse.reshape(-1).astype(np.int64)
-            out.offsets[dim] = np.cumsum(lengths) - lengths
-            out.weights[dim] = (np.concatenate([_bag_weights(mask[k].astype(np.uint16), self.features[f].pooling)
-                                                for k, f in enumerate(members)]) if self.weighted else None)
+            bounds = np.cumsum([0] + [bags[f].values.shape[0] for f in members])
+            index, lengths, weights = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
+            for k, f in enumerate(members):
+                rows_of_f = inverse.reshape(-1)[bounds[k]:bounds[k + 1]].astype(np.int64)
+                if self.features[f].sequence:
+                    out.sequences[f] = _padded(rows_of_f, bags[f].lengths, self.features[f])
+                    continue
+                index.append(rows_of_f)
+                lengths.append(bags[f].lengths)
+                if self.weighted:
+                    weights.append(_bag_weights(bags[f].lengths, self.features[f].pooling))
+            bag_lengths = np.concatenate(lengths).astype(np.int64)
+            out.index[dim] = np.concatenate(index)
+            out.offsets[dim] = np.cumsum(bag_lengths) - bag_lengths
+            out.weights[dim] = np.concatenate(weights).astype(np.float32) if self.weighted else None
         return uniq, out
 
     def empty(self, batch_size: int) -> BatchEmbeddings:

@@ -19,30 +19,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from hybridrec.frames import SparseBatch
+from hybridrec.jagged import Bag
 from services.dataloader.criteo import BadLinePolicy, read_criteo
-
-
-@dataclass
-class Bag:
-    """One feature of a batch as variable-length lists: sample i's IDs are values[offsets[i]:offsets[i + 1]],
-    in the data's order (a sequence's oldest first)."""
-
-    values: np.ndarray  # uint64 (nnz,)
-    offsets: np.ndarray  # int64 (n + 1,), offsets[0] == 0
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def slice(self, start: int, stop: int) -> "Bag":
-        offsets = self.offsets[start:stop + 1]
-        return Bag(self.values[offsets[0]:offsets[-1]], offsets - offsets[0])
-
-    @staticmethod
-    def concat(parts: Sequence["Bag"]) -> "Bag":
-        shifts = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
-        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
-        return Bag(np.concatenate([p.values for p in parts]), offsets)
 
 
 @dataclass

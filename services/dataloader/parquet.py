@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 from hybridrec.config import FeatureKind
 from hybridrec.criteo_parser import hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT
-from services.dataloader.batching import Bag, BadLinePolicy, Position, ReadCounters, Rows
+from hybridrec.jagged import Bag
+from services.dataloader.batching import BadLinePolicy, Position, ReadCounters, Rows
 
 if TYPE_CHECKING:
     from hybridrec.config import Config
@@ -225,9 +226,7 @@ def _bag(column: pa.ChunkedArray, feature: FeatureColumn, where: str) -> tuple[B
     group_hi = np.uint64(feature.group << GROUP_SHIFT)
     if not is_list:
         ids, present = _ids(array, group_hi, key)
-        offsets = np.zeros(len(array) + 1, np.int64)
-        np.cumsum(present, out=offsets[1:])
-        return Bag(ids[present], offsets), np.zeros(len(array), bool)
+        return Bag.from_column(ids, present), np.zeros(len(array), bool)
     lengths = pc.list_value_length(array).fill_null(0).to_numpy().astype(np.int64)
     ids, present = _ids(pc.list_flatten(array), group_hi, key)
     offsets = np.zeros(len(array) + 1, np.int64)
@@ -235,7 +234,7 @@ def _bag(column: pa.ChunkedArray, feature: FeatureColumn, where: str) -> tuple[B
     if not present.all():  # null elements and empty strings add nothing
         kept = np.concatenate([[0], np.cumsum(present)])
         offsets, ids = kept[offsets], ids[present]
-    return _truncate(ids, offsets, feature.max_len)
+    return Bag(ids, offsets).keep_last(feature.max_len)
 
 
 def _ids(array: pa.Array, group_hi: np.uint64, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -255,20 +254,6 @@ def _ids(array: pa.Array, group_hi: np.uint64, key: str) -> tuple[np.ndarray, np
     else:
         raise ParquetFormatError(f"{key}: IDs must be integers or strings, not {kind}")
     return out, present
-
-
-def _truncate(ids: np.ndarray, offsets: np.ndarray, max_len: int) -> tuple[Bag, np.ndarray]:
-    """Keep the last `max_len` IDs of every row (a sequence is oldest first: the most recent are kept)."""
-    lengths = np.diff(offsets)
-    over = lengths > max_len
-    if not over.any():
-        return Bag(ids, offsets), over
-    new_lengths = np.minimum(lengths, max_len)
-    new_offsets = np.zeros_like(offsets)
-    np.cumsum(new_lengths, out=new_offsets[1:])
-    starts = offsets[1:] - new_lengths  # first kept element of each row
-    index = np.arange(int(new_offsets[-1])) + np.repeat(starts - new_offsets[:-1], new_lengths)
-    return Bag(ids[index], new_offsets), over
 
 
 # ---------------------------------------------------------------- the data loader's two streams

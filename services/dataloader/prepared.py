@@ -53,7 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import Config, ConfigError, FeatureKind
 from hybridrec.criteo import DENSE_COLUMNS
-from services.dataloader.batching import Bag, Position, ReadCounters, Rows
+from hybridrec.jagged import Bag
+from services.dataloader.batching import Position, ReadCounters, Rows
 
 FORMAT = "hybridrec-prepared"
 FORMAT_VERSION = 1

@@ -149,14 +149,10 @@ class Batcher:
             p.future.set_exception(exc)
 
     async def _run(self, loop, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
-        if len(parts) == 1:
-            ids, present, dense = parts[0].ids, parts[0].present, parts[0].dense
-        else:
-            ids = np.concatenate([s.ids for s in parts])
-            present = np.concatenate([s.present for s in parts])
-            dense = np.concatenate([s.dense for s in parts])
-        uniq, bags = model.pooler.from_columns(ids, present)
+        samples = Samples.concat(parts)
+        dense = samples.dense
+        uniq, bags = model.pooler.from_bags(samples.bags)
         bags.rows = await model.table.lookup(uniq)
-        if ids.shape[0] <= self.inline_max_rows:
+        if len(samples) <= self.inline_max_rows:
             return model.forward(np.ascontiguousarray(dense), bags)
         return await loop.run_in_executor(self.executor, model.forward, np.ascontiguousarray(dense), bags)

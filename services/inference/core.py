@@ -114,6 +114,7 @@ class InferenceCore:
 
     def stats(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counters.items()},
+                "truncated_rows_total": float(sum(d.truncated_rows for d in self._decoders.values())),
                 **({k: float(v) for k, v in self.batcher.counters.items()} if self.batcher else {}),
                 "model_version": float(self.current().version) if self.ready else -1.0,
                 "ready": float(self.ready)}

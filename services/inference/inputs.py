@@ -1,6 +1,18 @@
-"""Turn the inputs of an inference request into the model's inputs: ID columns, presence mask, dense.
+"""Turn the inputs of an inference request into the model's inputs: one `Bag` of IDs per feature, and dense.
 
-Two ways to send samples (docs/serving.md#inference-service):
+Three ways to send samples (docs/serving.md#inference-service):
+
+* by feature name, as the training config names the features: a scalar
+  feature is one tensor of shape [batch] (INT64, INT32 or UINT64 integers,
+  or BYTES strings); a multi-hot or sequence feature (`kind: list`) is its
+  flat values (same datatypes, shape [nnz]) plus `NAME__lengths` (INT32 or
+  INT64, [batch]: how many values each sample has, in order; a scalar feature
+  may be sent that way too, with lengths of 0 or 1). Integers and strings are
+  hashed exactly as the training reader hashes a Parquet column (an empty
+  string is absent); a list longer than the feature's `max_len` keeps its
+  last (most recent) `max_len` values, as in training, and is counted
+  (`truncated_rows_total`). With them, `dense`, FP32 [batch, num_dense]: the
+  dense features after the loader's transform.
 
 * `rows`, BYTES (batch,): Criteo TSV lines as in the training data, with or
   without the leading label column (39 or 40 tab-separated fields; a label is
@@ -14,7 +26,8 @@ Two ways to send samples (docs/serving.md#inference-service):
   (log1p of max(x, 0)).
 
 Anything else is refused with `BadInput` (INVALID_ARGUMENT / 400) naming
-what is wrong.
+what is wrong. Every form gives the same `Samples`: one `hybridrec.jagged.Bag`
+per feature (a Criteo column is a bag of at most one ID).
 """
 from __future__ import annotations
 
@@ -26,8 +39,10 @@ import numpy as np
 from hybridrec import rpc
 from hybridrec.bundle import BundleManifest
 from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
-from hybridrec.criteo_parser import _OK, _parse_lines, error_text
+from hybridrec.config import FeatureKind
+from hybridrec.criteo_parser import _OK, _parse_lines, error_text, hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
+from hybridrec.jagged import Bag
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -57,14 +72,29 @@ class Tensor:
     data: np.ndarray | list[bytes]
 
 
+LENGTHS_SUFFIX = "__lengths"
+"""`NAME__lengths`: the per-sample value counts of a feature sent as flat values."""
+ID_DATATYPES = ("INT64", "INT32", "UINT64", "BYTES")
+
+
 @dataclass
 class Samples:
-    ids: np.ndarray  # uint64 (n, F)
-    present: np.ndarray  # bool (n, F)
+    bags: list[Bag]  # one per feature, in manifest order
     dense: np.ndarray  # float32 (n, num_dense)
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.dense.shape[0])
+
+    @staticmethod
+    def from_columns(ids: np.ndarray, present: np.ndarray, dense: np.ndarray) -> "Samples":
+        return Samples([Bag.from_column(ids[:, f], present[:, f]) for f in range(ids.shape[1])], dense)
+
+    @staticmethod
+    def concat(parts: Sequence["Samples"]) -> "Samples":
+        if len(parts) == 1:
+            return parts[0]
+        return Samples([Bag.concat([p.bags[f] for p in parts]) for f in range(len(parts[0].bags))],
+                       np.concatenate([p.dense for p in parts]))
 
 
 class InputDecoder:
@@ -91,8 +121,12 @@ class InputDecoder:
                 self.columns = np.asarray(columns, np.int64)
         self.group_hi = np.array([g << GROUP_SHIFT for g in groups], np.uint64)
 
+        self.truncated_rows = 0  # list values past a feature's max_len, cut as in training (rows cut)
+
     def input_names(self) -> str:
-        return "'rows' (BYTES), or 'ids' (UINT64/INT64) with 'dense' (FP32)"
+        return ("'rows' (BYTES), or 'ids' (UINT64/INT64) with 'dense' (FP32), or one input per feature "
+                f"({', '.join(f.name for f in self.features)}; a list feature with NAME{LENGTHS_SUFFIX}) with "
+                "'dense' (FP32)")
 
     def decode(self, tensors: Sequence[Tensor]) -> Samples:
         by_name: dict[str, Tensor] = {}
@@ -105,6 +139,8 @@ class InputDecoder:
             samples = self._rows(by_name["rows"])
         elif names == {"ids", "dense"}:
             samples = self._ids(by_name["ids"], by_name["dense"])
+        elif names - {"rows", "ids"} and not names & {"rows", "ids"}:
+            samples = self._named(by_name)
         else:
             extra = sorted(names - {"rows", "ids", "dense"})
             raise BadInput(f"inputs {sorted(names)}: expected {self.input_names()}"
@@ -151,7 +187,7 @@ class InputDecoder:
                                                         ids, present, 0, n, True)
         if code != _OK:
             raise BadInput(f"rows[{parsed}]: {error_text(lines[parsed], code, detail)}")
-        return Samples(ids[:, self.columns], present[:, self.columns], dense)
+        return Samples.from_columns(ids[:, self.columns], present[:, self.columns], dense)
 
     def _ids(self, ids_t: Tensor, dense_t: Tensor) -> Samples:
         nf = len(self.features)
@@ -178,4 +214,92 @@ class InputDecoder:
                            f"{self.features[f].name} is group {int(self.groups[f])} (the top 8 bits of an ID, "
                            "hybridrec.ids)")
         present = (ids & np.uint64(VALUE_MASK)) != 0
-        return Samples(ids, present, dense)
+        return Samples.from_columns(ids, present, dense)
+
+    # -- by feature name ---------------------------------------------------------------------------
+    def _named(self, by_name: dict[str, Tensor]) -> Samples:
+        expected = {"dense"} | {f.name for f in self.features}
+        lengths_names = {f.name + LENGTHS_SUFFIX for f in self.features}
+        unknown = sorted(set(by_name) - expected - lengths_names)
+        if unknown:
+            raise BadInput(f"unknown input(s) {unknown}: this model takes {self.input_names()}")
+        missing = [name for name in ["dense", *(f.name for f in self.features)] if name not in by_name]
+        if missing:
+            raise BadInput(f"missing input(s) {missing}: this model takes {self.input_names()}")
+        dense_t = by_name["dense"]
+        if dense_t.datatype != "FP32":
+            raise BadInput(f"input 'dense' must be FP32, got {dense_t.datatype}")
+        if len(dense_t.shape) != 2 or dense_t.shape[1] != self.num_dense:
+            raise BadInput(f"input 'dense' must have shape [batch, {self.num_dense}], got {list(dense_t.shape)}")
+        n = dense_t.shape[0]
+        self._check_rows(n)
+        dense = np.asarray(dense_t.data, np.float32).reshape(n, self.num_dense)
+        if not np.isfinite(dense).all():
+            raise BadInput("input 'dense' holds NaN or infinity")
+        bags = [self._feature(f, by_name[f.name], by_name.get(f.name + LENGTHS_SUFFIX), n) for f in self.features]
+        return Samples(bags, dense)
+
+    def _feature(self, feature, values: Tensor, lengths_t: Tensor | None, n: int) -> Bag:
+        """One feature's bag from its values (and lengths), hashed as the training reader hashes them."""
+        name = feature.name
+        if values.datatype not in ID_DATATYPES:
+            raise BadInput(f"input {name!r} must be one of {', '.join(ID_DATATYPES)}, got {values.datatype}")
+        if len(values.shape) != 1 and not (len(values.shape) == 2 and values.shape[1] == 1):
+            raise BadInput(f"input {name!r} must be flat ([batch], or [n] values with {name}{LENGTHS_SUFFIX}), "
+                           f"got shape {list(values.shape)}")
+        count = int(values.shape[0])
+        if lengths_t is None:
+            if feature.kind == FeatureKind.LIST:
+                raise BadInput(f"input {name!r} is a list feature: send its flat values with "
+                               f"{name}{LENGTHS_SUFFIX} (INT32/INT64, [batch])")
+            if count != n:
+                raise BadInput(f"input {name!r} has {count} values for a batch of {n}")
+            lengths = np.ones(n, np.int64)
+        else:
+            lengths = self._lengths(name, lengths_t, n, count)
+            if feature.kind != FeatureKind.LIST and lengths.size and int(lengths.max()) > 1:
+                raise BadInput(f"input {name}{LENGTHS_SUFFIX}: {name} is a scalar feature (0 or 1 value per "
+                               f"sample), got a length of {int(lengths.max())}")
+        ids, present = self._hash(values, feature.group)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if not present.all():  # empty strings add nothing, as in the reader
+            kept = np.concatenate([[0], np.cumsum(present)])
+            offsets, ids = kept[offsets], ids[present]
+        bag, cut = Bag(ids, offsets).keep_last(feature.max_len) if feature.kind == FeatureKind.LIST else \
+            (Bag(ids, offsets), None)
+        if cut is not None:
+            self.truncated_rows += int(cut.sum())
+        return bag
+
+    @staticmethod
+    def _lengths(name: str, t: Tensor, n: int, count: int) -> np.ndarray:
+        key = name + LENGTHS_SUFFIX
+        if t.datatype not in ("INT32", "INT64"):
+            raise BadInput(f"input {key!r} must be INT32 or INT64, got {t.datatype}")
+        if list(t.shape) not in ([n], [n, 1]):
+            raise BadInput(f"input {key!r} must have shape [{n}] (one length per sample), got {list(t.shape)}")
+        lengths = np.asarray(t.data).astype(np.int64).reshape(n)
+        if (lengths < 0).any():
+            raise BadInput(f"input {key!r} holds a negative length ({int(lengths.min())})")
+        if int(lengths.sum()) != count:
+            raise BadInput(f"input {key!r}: the lengths add up to {int(lengths.sum())}, but {name!r} has {count} "
+                           "values")
+        return lengths
+
+    @staticmethod
+    def _hash(t: Tensor, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """uint64 IDs of integer or string values, and which are there (an empty string is not)."""
+        group_hi = np.uint64(group << GROUP_SHIFT)
+        count = int(t.shape[0])
+        out = np.empty(count, np.uint64)
+        if t.datatype == "BYTES":
+            data = np.frombuffer(b"".join(t.data), np.uint8) if count else np.zeros(0, np.uint8)
+            offsets = np.zeros(count + 1, np.int64)
+            np.cumsum([len(v) for v in t.data], out=offsets[1:])
+            present = np.ones(count, np.bool_)
+            hash_strings(data, offsets, group_hi, out, present)
+            return out, present
+        values = np.asarray(t.data).reshape(count)
+        hash_ints(values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64), group_hi, out)
+        return out, np.ones(count, np.bool_)

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hybridrec.launcher import free_port
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
 from tests.conftest import HYBRIDREC, REPO
-from tests.inference_util import FakePS, criteo_lines, make_bundle, random_ids, reference, tokens_for
+from tests.inference_util import FakePS, columns, criteo_lines, make_bundle, random_ids, reference, tokens_for
 
 pytestmark = pytest.mark.integration
 ATOL = 1e-5
@@ -133,7 +133,8 @@ def _rows_reference(bundle, lines):
 
     s = InputDecoder(read_manifest(bundle), 1 << 16).decode([Tensor("rows", "BYTES", (len(lines),),
                                                                     [x.encode() for x in lines])])
-    return reference(bundle, s.ids, s.dense, s.present)
+    ids, present = columns(s)
+    return reference(bundle, ids, s.dense, present)
 
 
 def test_health_and_metadata(setup):

@@ -13,7 +13,7 @@ from services.inference.batcher import Batcher
 from services.inference.core import InferenceCore
 from services.inference.inputs import BadInput, InputDecoder, NotFound, Tensor
 from services.inference.model import RemotePSTable, StaticSource, load_model
-from tests.inference_util import FakePS, criteo_lines, make_bundle, random_ids, reference, tokens_for
+from tests.inference_util import FakePS, columns, criteo_lines, make_bundle, random_ids, reference, tokens_for
 
 ATOL = 1e-5
 
@@ -34,6 +34,11 @@ def _rows_tensor(lines):
 def _ids_tensors(ids, dense):
     return [Tensor("ids", "UINT64", ids.shape, ids.reshape(-1)), Tensor("dense", "FP32", dense.shape,
                                                                         dense.reshape(-1))]
+
+
+def _ids_dense_present(samples):
+    ids, present = columns(samples)
+    return ids, samples.dense, present
 
 
 def _run_one(model, samples):
@@ -58,8 +63,9 @@ def test_raw_rows_parse_like_the_training_reader(bundle, tmp_path):
     with_label = decoder.decode([_rows_tensor(lines)])
     without = decoder.decode([_rows_tensor([line.split("\t", 1)[1] for line in lines])])
     for samples in (with_label, without):
-        np.testing.assert_array_equal(samples.ids, chunk.ids)
-        np.testing.assert_array_equal(samples.present, chunk.present)
+        ids, present = columns(samples)
+        np.testing.assert_array_equal(present, chunk.present)
+        np.testing.assert_array_equal(ids[present], chunk.ids[chunk.present])
         np.testing.assert_array_equal(samples.dense, chunk.dense)
 
 
@@ -76,7 +82,7 @@ def test_predictions_equal_the_reference(bundle):
     lines = criteo_lines(tokens, 64)
     samples = decoder.decode([_rows_tensor(lines)])
     result = _run_one(model, samples)
-    np.testing.assert_allclose(result.probability, reference(path, samples.ids, samples.dense, samples.present),
+    np.testing.assert_allclose(result.probability, reference(path, *_ids_dense_present(samples)),
                                atol=ATOL)
 
 
@@ -245,3 +251,74 @@ def test_settings():
     for model in (InferenceConfig, BatchingConfig):
         for name, field in model.model_fields.items():
             assert field.description or name == "batching", f"{model.__name__}.{name} has no docstring"
+
+
+# -- inputs by feature name ------------------------------------------------------------------------------------
+def _named(tokens_by_feature: list[list[bytes]], dense: np.ndarray) -> list[Tensor]:
+    return [Tensor("dense", "FP32", dense.shape, dense.reshape(-1))] + [
+        Tensor(f"C{f + 1}", "BYTES", (len(values),), values) for f, values in enumerate(tokens_by_feature)]
+
+
+def test_named_string_features_hash_like_the_training_reader(bundle):
+    """Each C column sent by name as BYTES gives exactly the bags of the same TSV rows (an empty string is an
+    absent field), and the same predictions."""
+    path, _, tokens = bundle
+    decoder = InputDecoder(read_manifest(path), 4096)
+    lines = criteo_lines(tokens, 50)
+    fields = [line.split("\t") for line in lines]
+    from_rows = decoder.decode([_rows_tensor(lines)])
+    named = decoder.decode(_named([[row[13 + f].encode() for row in fields] for f in range(26)], from_rows.dense))
+    for a, b in zip(from_rows.bags, named.bags):
+        np.testing.assert_array_equal(a.values, b.values)
+        np.testing.assert_array_equal(a.offsets, b.offsets)
+    model = load_model(path)
+    np.testing.assert_array_equal(_run_one(model, named).probability, _run_one(model, from_rows).probability)
+
+
+def _list_manifest():
+    from hybridrec.bundle import BundleManifest
+    from hybridrec.config import FeatureConfig, ModelConfig
+
+    return BundleManifest(features=[FeatureConfig(name="user", group=0, dim=4),
+                                    FeatureConfig(name="tags", group=1, dim=4, kind="list", max_len=3)],
+                          num_dense=2, model=ModelConfig(path="hybridrec.models:DNN"), num_shards=1)
+
+
+def _list_request(user, tags, lengths, dense_rows=None):
+    n = len(lengths)
+    dense = np.zeros((dense_rows or n, 2), np.float32)
+    return [Tensor("dense", "FP32", dense.shape, dense.reshape(-1)),
+            Tensor("user", "INT64", (len(user),), np.asarray(user, np.int64)),
+            Tensor("tags", "INT64", (len(tags),), np.asarray(tags, np.int64)),
+            Tensor("tags__lengths", "INT64", (n,), np.asarray(lengths, np.int64))]
+
+
+def test_a_list_feature_keeps_its_most_recent_max_len_values_and_counts_the_cut():
+    from hybridrec.criteo_parser import hash_ints
+
+    decoder = InputDecoder(_list_manifest(), 16)
+    samples = decoder.decode(_list_request([7, 8], [1, 2, 3, 4, 5, 6], [5, 1]))
+    expected = np.empty(4, np.uint64)
+    hash_ints(np.array([3, 4, 5, 6], np.int64), np.uint64(1 << 56), expected)  # row 0 keeps 3, 4, 5
+    np.testing.assert_array_equal(samples.bags[1].values, expected)
+    np.testing.assert_array_equal(samples.bags[1].offsets, [0, 3, 4])
+    assert decoder.truncated_rows == 1 and samples.bags[0].lengths.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("tensors, match", [
+    (_list_request([7], [1], [1])[:3], r"list feature: send its flat values with tags__lengths"),
+    (_list_request([7, 8], [1, 2, 3], [1, 1]), r"tags__lengths'?: the lengths add up to 2, but 'tags' has 3"),
+    (_list_request([7, 8], [1], [2, -1]), "negative length"),
+    (_list_request([7], [1], [1])[:2] + _list_request([7], [1], [1])[3:], r"missing input\(s\) \['tags'\]"),
+    (_list_request([7], [1], [1]) + [Tensor("price", "FP32", (1,), np.zeros(1, np.float32))],
+     r"unknown input\(s\) \['price'\]"),
+    ([*_list_request([7], [1], [1])[:1], Tensor("user", "FP32", (1,), np.zeros(1, np.float32)),
+      *_list_request([7], [1], [1])[2:]], "'user' must be one of INT64, INT32, UINT64, BYTES, got FP32"),
+    (_list_request([7, 8], [1, 2], [1, 1]) + [Tensor("user__lengths", "INT64", (2,), np.array([2, 0]))],
+     "user is a scalar feature"),
+    (_list_request([7, 8, 9], [1], [1, 0]), "'user' has 3 values for a batch of 2"),
+    (_list_request([1] * 17, [1] * 17, [1] * 17), "maximum is 16"),
+])
+def test_bad_named_inputs_are_named(tensors, match):
+    with pytest.raises(BadInput, match=match):
+        InputDecoder(_list_manifest(), 16).decode(tensors)

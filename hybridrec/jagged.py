@@ -1,0 +1,69 @@
+"""The jagged form of one sparse feature of a batch: every sample's IDs as a variable-length list.
+
+`Bag` plays the part TorchRec's KeyedJaggedTensor plays per key: flat values
+and offsets. A scalar feature is a bag of at most one ID per sample (an absent
+field is an empty list), a multi-hot feature a bag of any length, a sequence a
+bag in the data's order (oldest first). The data loader's readers make bags
+(Parquet, prepared data; TSV columns through `Bag.from_column`), and so does
+the inference service's input decoder, and `hybridrec.pooling.Pooler.from_bags`
+pools them for serving exactly as training pools what the frames carried.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class Bag:
+    """One feature of a batch as variable-length lists: sample i's IDs are values[offsets[i]:offsets[i + 1]],
+    in the data's order (a sequence's oldest first)."""
+
+    values: np.ndarray  # uint64 (nnz,)
+    offsets: np.ndarray  # int64 (n + 1,), offsets[0] == 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def slice(self, start: int, stop: int) -> "Bag":
+        offsets = self.offsets[start:stop + 1]
+        return Bag(self.values[offsets[0]:offsets[-1]], offsets - offsets[0])
+
+    @staticmethod
+    def concat(parts: Sequence["Bag"]) -> "Bag":
+        shifts = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
+        return Bag(np.concatenate([p.values for p in parts]), offsets)
+
+    @staticmethod
+    def from_column(ids: np.ndarray, present: np.ndarray) -> "Bag":
+        """A scalar feature given as one ID per sample and whether it is there."""
+        offsets = np.zeros(present.shape[0] + 1, np.int64)
+        np.cumsum(present, out=offsets[1:])
+        return Bag(np.ascontiguousarray(ids[present], dtype=np.uint64), offsets)
+
+    @staticmethod
+    def from_lengths(values: np.ndarray, lengths: np.ndarray) -> "Bag":
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Bag(np.ascontiguousarray(values, dtype=np.uint64), offsets)
+
+    def keep_last(self, max_len: int) -> tuple["Bag", np.ndarray]:
+        """Every sample's last `max_len` IDs (a sequence is oldest first: the most recent are kept), and which
+        samples were cut."""
+        lengths = self.lengths
+        over = lengths > max_len
+        if not over.any():
+            return self, over
+        new_lengths = np.minimum(lengths, max_len)
+        new_offsets = np.zeros_like(self.offsets)
+        np.cumsum(new_lengths, out=new_offsets[1:])
+        starts = self.offsets[1:] - new_lengths  # first kept element of each sample
+        index = np.arange(int(new_offsets[-1])) + np.repeat(starts - new_offsets[:-1], new_lengths)
+        return Bag(self.values[index], new_offsets), over
