@@ -90,6 +90,10 @@ class BundleManifest(BaseModel):
     """Embedding shards (as the PS had)."""
     rows: dict[int, int] = Field(default_factory=dict)
     """Embedding rows per width, all shards together (a delta: the changed rows it holds)."""
+    input_types: dict[str, str] = Field(default_factory=dict)
+    """Feature name -> OIP datatype of its values as the training data held them (BYTES: strings, as every TSV
+    field; INT64: integers), for the model metadata: strings and integers hash differently. Empty where the
+    export could not tell (a Parquet file no longer there, prepared data)."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every other file of the bundle, by path relative to it."""
     created: float = Field(default_factory=time.time)
@@ -98,6 +102,32 @@ class BundleManifest(BaseModel):
     @property
     def widths(self) -> list[int]:
         return sorted({f.dim for f in self.features})
+
+
+def input_types(config) -> dict[str, str]:
+    """`BundleManifest.input_types` of a job: TSV fields are strings; a Parquet feature's type is read from the
+    schema of the first training file (integers or strings, or lists of them); prepared data says nothing."""
+    if config.data.format == "tsv":
+        return {f.name: "BYTES" for f in config.features}
+    first = Path(config.data.train[0]) if config.data.train else None
+    if first is None or not first.is_file():
+        return {}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(first)
+    types: dict[str, str] = {}
+    for feature in config.features:
+        if feature.source not in schema.names:
+            continue
+        kind = schema.field(feature.source).type
+        while pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            kind = kind.value_type
+        if pa.types.is_integer(kind):
+            types[feature.name] = "INT64"
+        elif pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind):
+            types[feature.name] = "BYTES"
+    return types
 
 
 def shard_name(shard: int, num_shards: int) -> str:

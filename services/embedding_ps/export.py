@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrec import checkpoints
-from hybridrec.bundle import BundleManifest, BundleWriter
+from hybridrec.bundle import BundleManifest, BundleWriter, input_types
 from hybridrec.config import ConfigError, load_config
 
 CONFIG = "config.yaml"
@@ -89,7 +89,8 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
         raise ExportError(f"{path / 'ps'}: dumps of {ps['num_shards']} shards at step {ps['step']}, but "
                           f"{path / checkpoints.MANIFEST} says {job.num_ps} PS at step {job.step}")
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
-                              num_tasks=config.num_tasks, model=config.model, precision=config.training.precision, num_shards=ps["num_shards"])
+                              num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
+                              num_shards=ps["num_shards"], input_types=input_types(config))
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)

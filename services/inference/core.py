@@ -77,14 +77,11 @@ class InferenceCore:
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         self.check_model(name, version)
         model = self.current()
-        nf, nd = len(model.manifest.features), model.manifest.num_dense
         return {
             "name": self.model_name,
             "versions": [str(model.version)],
             "platform": PLATFORM,
-            "inputs": [{"name": "rows", "datatype": "BYTES", "shape": [-1]},
-                       {"name": "ids", "datatype": "UINT64", "shape": [-1, nf]},
-                       {"name": "dense", "datatype": "FP32", "shape": [-1, nd]}],
+            "inputs": self._decoder().metadata(),
             "outputs": [{"name": OUTPUT, "datatype": "FP32",
                          "shape": [-1] if model.outputs == 1 else [-1, model.outputs]}],
         }

@@ -103,6 +103,7 @@ class InputDecoder:
     def __init__(self, manifest: BundleManifest, max_rows: int):
         self.features = manifest.features
         self.num_dense = manifest.num_dense
+        self.input_types = manifest.input_types
         self.max_rows = max_rows
         self.groups = np.array([f.group for f in self.features], np.uint64)
         # Raw rows: the Criteo column of each feature and the group prefix of every column,
@@ -122,6 +123,20 @@ class InputDecoder:
         self.group_hi = np.array([g << GROUP_SHIFT for g in groups], np.uint64)
 
         self.truncated_rows = 0  # list values past a feature's max_len, cut as in training (rows cut)
+
+    def metadata(self) -> list[dict]:
+        """Every input this model takes, for the model metadata: the dense matrix and each feature by name
+        (its datatype as the training data held it; BYTES where the bundle does not say), a list feature with
+        its lengths; then `ids`, and `rows` when the model reads Criteo columns. -1: a batch or ragged size."""
+        inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, self.num_dense]}]
+        for f in self.features:
+            inputs.append({"name": f.name, "datatype": self.input_types.get(f.name, "BYTES"), "shape": [-1]})
+            if f.kind == FeatureKind.LIST:
+                inputs.append({"name": f.name + LENGTHS_SUFFIX, "datatype": "INT64", "shape": [-1]})
+        inputs.append({"name": "ids", "datatype": "UINT64", "shape": [-1, len(self.features)]})
+        if self.columns is not None:
+            inputs.append({"name": "rows", "datatype": "BYTES", "shape": [-1]})
+        return inputs
 
     def input_names(self) -> str:
         return ("'rows' (BYTES), or 'ids' (UINT64/INT64) with 'dense' (FP32), or one input per feature "

@@ -35,7 +35,7 @@ import grpc
 import torch
 
 from hybridrec import log, rpc
-from hybridrec.bundle import DENSE, MANIFEST, BundleManifest, FileEntry, file_entry
+from hybridrec.bundle import DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types
 from hybridrec.config import Config
 from hybridrec.files import write_json_atomic
 from hybridrec.proto import pb
@@ -70,6 +70,7 @@ class Publisher:
         self.interval_steps, self.interval_s = p.interval_steps, p.interval_s
         self.full_every, self.keep, self.at_end = p.full_every, p.keep, p.at_end
         self.ps_addresses = config.cluster.ps
+        self.input_types = input_types(config)  # read once: the training data's schema does not change
         self.next_version = newest_version_number(self.root) + 1  # a restarted job goes on numbering
         self.base: int | None = None  # the last version this job completed: a delta's base
         self.since_full = 0
@@ -145,7 +146,8 @@ class Publisher:
                 version=version, base_version=None if full else self.base, step=step,
                 features=list(self.config.features), num_dense=self.config.num_dense, model=self.config.model,
                 num_tasks=self.config.num_tasks,
-                precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files)
+                precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files,
+                input_types=self.input_types)
             await asyncio.get_running_loop().run_in_executor(None, self._write_dense_and_manifest, path, state,
                                                              manifest)
         except Exception as exc:  # noqa: BLE001 - a failed version is counted; training goes on

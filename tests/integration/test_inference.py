@@ -144,7 +144,9 @@ def test_health_and_metadata(setup):
     assert server.call("ModelReady", oip.ModelReadyRequest(name=MODEL), oip.ModelReadyResponse).ready
     assert not server.call("ModelReady", oip.ModelReadyRequest(name="x"), oip.ModelReadyResponse).ready
     meta = server.call("ModelMetadata", oip.ModelMetadataRequest(name=MODEL), oip.ModelMetadataResponse)
-    assert list(meta.versions) == ["3"] and [i.name for i in meta.inputs] == ["rows", "ids", "dense"]
+    assert list(meta.versions) == ["3"]
+    assert [i.name for i in meta.inputs] == ["dense", *(f"C{i}" for i in range(1, 27)), "ids", "rows"]
+    assert [list(i.shape) for i in meta.inputs][:2] == [[-1, 13], [-1]] and meta.inputs[1].datatype == "BYTES"
     assert server.call("ServerMetadata", oip.ServerMetadataRequest(), oip.ServerMetadataResponse).name
     health = health_pb2_grpc.HealthStub(server.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING

@@ -101,6 +101,8 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     _cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle")])
     config = load_config(tmp_path / "run" / "config.yaml")
     batches = requests(data / "eval.parquet", config)
+    types = read_manifest(tmp_path / "bundle").input_types  # from the training file's schema: item_id is a string
+    assert types == {f.name: "BYTES" if f.source == "item_id" else "INT64" for f in config.features}, types
     probs, decoder = serve(tmp_path / "bundle", batches)
     labels = np.concatenate([b[1] for b in batches])
     assert probs.shape == labels.shape == (10_000, 2)

@@ -322,3 +322,14 @@ def test_a_list_feature_keeps_its_most_recent_max_len_values_and_counts_the_cut(
 def test_bad_named_inputs_are_named(tensors, match):
     with pytest.raises(BadInput, match=match):
         InputDecoder(_list_manifest(), 16).decode(tensors)
+
+
+def test_metadata_lists_every_named_input_with_its_type():
+    manifest = _list_manifest().model_copy(update={"input_types": {"user": "INT64", "tags": "BYTES"}})
+    assert InputDecoder(manifest, 16).metadata() == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 2]},
+        {"name": "user", "datatype": "INT64", "shape": [-1]},
+        {"name": "tags", "datatype": "BYTES", "shape": [-1]},
+        {"name": "tags__lengths", "datatype": "INT64", "shape": [-1]},
+        {"name": "ids", "datatype": "UINT64", "shape": [-1, 2]},
+    ]  # no 'rows': these are not Criteo columns
