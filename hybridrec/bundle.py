@@ -41,6 +41,8 @@ FORMAT = "hybridrec-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DENSE = "dense.pt"
+CONFIG = "config.yaml"
+"""The training job's resolved config: how `hybridrec predict` reads data as training read it."""
 EMBEDDINGS = "embeddings"
 _CHUNK_BYTES = 16 << 20
 
@@ -179,6 +181,9 @@ class BundleWriter:
         torch.save(tensors, self.tmp / DENSE)
         self._record(DENSE)
 
+    def add_config(self, config) -> None:
+        self.manifest.files[CONFIG] = write_config(config, self.tmp)
+
     def add_table(self, shard: int, dim: int, keys: np.ndarray, rows: np.ndarray) -> None:
         """One shard's rows of one width (any order: sorted here)."""
         keys = np.asarray(keys, dtype=np.uint64)
@@ -211,7 +216,27 @@ class BundleWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def write_config(config, directory: Path) -> FileEntry:
+    """The job's config as the bundle's `config.yaml` in `directory`; its manifest entry."""
+    from hybridrec.config import dump_config
+
+    dump_config(config, Path(directory) / CONFIG)
+    return _entry(Path(directory) / CONFIG)
+
+
 # -- reading ----------------------------------------------------------------------------------
+def bundle_config(path: Path):
+    """The training job's config a bundle carries (`config.yaml`, checked against the manifest)."""
+    from hybridrec.config import load_config
+
+    manifest = read_manifest(path)
+    if CONFIG not in manifest.files:
+        raise BundleError(f"{Path(path) / MANIFEST}: the bundle has no {CONFIG} (written before bundles carried "
+                          f"the job's config): export it again")
+    verify(path, manifest)
+    return load_config(Path(path) / CONFIG)
+
+
 def read_manifest(path: Path) -> BundleManifest:
     """The manifest of bundle directory `path`; BundleError naming the file when it is not a bundle's."""
     file = Path(path) / MANIFEST

@@ -432,6 +432,27 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
 
 
 @app.command()
+def predict(bundle: Path = typer.Argument(..., help="A model bundle (hybridrec export)."),
+            data: list[Path] = typer.Argument(..., metavar="DATA...", help="TSV, Parquet or prepared data, as "
+                                              "the training job read (the bundle carries its config)."),
+            out: Path = typer.Option(..., "--out", help="Output file: Parquet (.parquet) or CSV; one probability "
+                                     "column per task.")):
+    """Score every row of DATA offline with the same lookup and model code as `serve inference`."""
+    from hybridrec.bundle import BundleError
+    from hybridrec.predict import predict as run_predict
+
+    started = time.monotonic()
+    try:
+        result = run_predict(bundle, [str(p) for p in data], out)
+    except (BundleError, ConfigError, ValueError) as exc:  # a bundle or data that does not fit: names the file
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{exc.filename or out}: {exc.strerror or exc}")
+    typer.echo(f"wrote {result.rows:,} rows of {', '.join(result.columns)} to {out} in "
+               f"{time.monotonic() - started:.1f} s")
+
+
+@app.command()
 def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan what this config's PS allocates."),
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),

@@ -94,6 +94,7 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)
+        writer.add_config(config)
         for shard, dim, keys, rows in tables:
             writer.add_table(shard, dim, keys, rows)
         return path, writer.commit()

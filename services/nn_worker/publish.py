@@ -35,7 +35,8 @@ import grpc
 import torch
 
 from hybridrec import log, rpc
-from hybridrec.bundle import DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types
+from hybridrec.bundle import (CONFIG, DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types,
+                             write_config)
 from hybridrec.config import Config
 from hybridrec.files import write_json_atomic
 from hybridrec.proto import pb
@@ -149,7 +150,7 @@ class Publisher:
                 precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files,
                 input_types=self.input_types)
             await asyncio.get_running_loop().run_in_executor(None, self._write_dense_and_manifest, path, state,
-                                                             manifest)
+                                                             manifest, self.config)
         except Exception as exc:  # noqa: BLE001 - a failed version is counted; training goes on
             self.stats.failed += 1
             self.base = None  # the shards' change logs may have moved on: the next version is full
@@ -175,10 +176,12 @@ class Publisher:
             self.log.warning("compaction_failed", error=str(exc))
 
     @staticmethod
-    def _write_dense_and_manifest(path: Path, state: dict[str, Any], manifest: BundleManifest) -> None:
+    def _write_dense_and_manifest(path: Path, state: dict[str, Any], manifest: BundleManifest,
+                                  config: Config) -> None:
         path.mkdir(parents=True, exist_ok=True)
         torch.save(state, path / DENSE)
         manifest.files[DENSE] = file_entry(path / DENSE)
+        manifest.files[CONFIG] = write_config(config, path)
         manifest.created = time.time()
         write_json_atomic(path / MANIFEST, manifest.model_dump(mode="json"))
 

@@ -64,3 +64,9 @@ def test_exported_bundle_reproduces_the_runs_eval_auc(tmp_path):
     assert labels.shape[0] == summary["eval_samples"] == 10_000
     auc = binary_metrics(labels, probs)["auc"]
     assert abs(auc - summary["auc"]) < 0.002, (auc, summary["auc"])
+
+    # hybridrec predict on the TSV (CSV out): the same probabilities as the bundle read by hand.
+    _cli(["predict", str(tmp_path / "bundle"), str(data / "eval.tsv"), "--out", str(tmp_path / "p.csv")])
+    offline = np.loadtxt(tmp_path / "p.csv", delimiter=",", skiprows=1, dtype=np.float32)
+    assert (tmp_path / "p.csv").read_text().splitlines()[0] == '"probability"'
+    np.testing.assert_allclose(offline, probs, rtol=0, atol=1e-5)

@@ -110,3 +110,17 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     for t, task in enumerate(summary["tasks"]):
         served = binary_metrics(labels[:, t], probs[:, t])["auc"]
         assert abs(served - task["auc"]) <= 1e-4, (task["name"], served, task["auc"])
+
+    # Offline scoring of the same file equals the served predictions.
+    _cli(["predict", str(tmp_path / "bundle"), str(data / "eval.parquet"), "--out", str(tmp_path / "p.parquet")])
+    offline = pq.read_table(tmp_path / "p.parquet")
+    assert offline.column_names == ["click", "conversion"]
+    np.testing.assert_allclose(np.stack([offline[c].to_numpy() for c in offline.column_names], 1), probs,
+                               rtol=0, atol=1e-5)
+
+    # Data whose columns do not match the bundle: exit 2 naming the column and the file.
+    pq.write_table(pq.read_table(data / "eval.parquet").drop_columns(["tags"]), tmp_path / "no_tags.parquet")
+    bad = subprocess.run(HYBRIDREC + ["predict", str(tmp_path / "bundle"), str(tmp_path / "no_tags.parquet"),
+                                      "--out", str(tmp_path / "bad.csv")], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "no_tags.parquet" in bad.stderr and "'tags'" in bad.stderr, bad.stderr[-2000:]

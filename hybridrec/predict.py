@@ -1,0 +1,74 @@
+"""`hybridrec predict BUNDLE DATA... --out FILE`: offline batch scoring of a model bundle (back-fills).
+
+The data is read by the data loader's own readers, configured by the job's
+config the bundle carries (`config.yaml`): TSV, Parquet or prepared data,
+hashed, truncated and transformed exactly as training read it. Each chunk's
+features become one `hybridrec.jagged.Bag` each, and from there the
+inference service's code answers: `Pooler.from_bags`, the bundle's table
+lookup, `LoadedModel.forward`. So a row scored here and the same row sent to
+`hybridrec serve inference` by feature name get the same probability (the
+service's input decoder hashes as the readers do).
+
+The output has one probability column per task, named by the task's label
+column (`probability` with one task), one row per good input row, in order:
+Parquet when FILE ends in .parquet, CSV otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hybridrec.bundle import bundle_config
+from hybridrec.jagged import Bag
+
+
+@dataclass(frozen=True)
+class Predicted:
+    rows: int
+    columns: list[str]
+    out: Path
+
+
+def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
+    """Score every good row of `data` with `bundle`; write the probabilities to `out`."""
+    from hybridrec.cli import service_module
+
+    config = bundle_config(bundle)
+    config = config.model_copy(update={"data": config.data.model_copy(update={"eval": [str(p) for p in data]})})
+    sources = service_module("dataloader", "sources")
+    batching = service_module("dataloader", "batching")
+    model = service_module("inference", "model").load_model(bundle)
+    parts: list[np.ndarray] = []
+
+    async def score() -> None:
+        for rows in sources.eval_rows(config, batching.ReadCounters()):
+            bags = rows.bags if rows.bags is not None else [Bag.from_column(rows.ids[:, f], rows.present[:, f])
+                                                            for f in range(rows.ids.shape[1])]
+            uniq, pooled = model.pooler.from_bags(bags)
+            pooled.rows = await model.table.lookup(uniq)
+            parts.append(model.forward(np.ascontiguousarray(rows.dense), pooled))
+
+    asyncio.run(score())
+    probs = np.concatenate(parts) if parts else np.zeros((0, model.outputs) if model.outputs > 1 else 0, np.float32)
+    columns = list(config.data.labels) if model.outputs > 1 else ["probability"]
+    write(out, columns, probs.reshape(probs.shape[0], len(columns)))
+    return Predicted(int(probs.shape[0]), columns, out)
+
+
+def write(out: Path, columns: list[str], probs: np.ndarray) -> None:
+    import pyarrow as pa
+
+    table = pa.table({name: probs[:, k] for k, name in enumerate(columns)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, out)
+    else:
+        import pyarrow.csv as csv
+
+        csv.write_csv(table, out)
