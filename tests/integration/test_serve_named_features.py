@@ -1,17 +1,18 @@
 """Train the multi-task Parquet examples (multi-hot tags, a behaviour sequence, two tasks), export, and serve
-every eval row by feature name through the inference service's own decoder, batcher and model: the served
-predictions give the run's eval AUC per task.
+every eval row by feature name: through the inference service's own decoder, batcher and model in process
+(the served predictions give the run's eval AUC per task), through `hybridrec serve inference` from
+tritonclient over gRPC and REST, and through `hybridrec predict` on the file; all three agree to 1e-5.
 
 Requests are built from the Parquet columns as a client would send them: a scalar column as one value per
 row, a list column as its flat values plus `NAME__lengths`, strings as BYTES and integers as INT64, the dense
-columns as one FP32 [batch, num_dense] tensor. The wire is left out (tests/integration/test_inference.py
-covers gRPC and REST); everything from the decoded tensors on is the service's code.
+columns as one FP32 [batch, num_dense] tensor.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,7 @@ from services.inference.batcher import Batcher
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
 from services.inference.model import StaticSource, load_model
 from tests.conftest import HYBRIDREC, REPO
+from tests.integration.test_inference import MODEL, Server
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +88,23 @@ def serve(bundle, batches) -> np.ndarray:
     return np.concatenate(asyncio.run(go())), decoder
 
 
+def over_the_wire(server, batches, tmp_path) -> tuple[np.ndarray, np.ndarray]:
+    """Every request through tritonclient's gRPC and HTTP clients (tests/integration/oip_named_client.py, a
+    process of its own): named tensors, as a user's client sends them."""
+    arrays = {}
+    for index, (tensors, _) in enumerate(batches):
+        for t in tensors:
+            arrays[f"{index}/{t.name}"] = (np.array(t.data, dtype=np.bytes_) if t.datatype == "BYTES"
+                                           else np.asarray(t.data).reshape(t.shape))
+    np.savez(tmp_path / "requests.npz", **arrays)
+    result = subprocess.run([sys.executable, str(REPO / "tests/integration/oip_named_client.py"),
+                             str(tmp_path / "requests.npz"), server.grpc, server.http, MODEL,
+                             str(tmp_path / "answers.npz")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with np.load(tmp_path / "answers.npz") as answers:
+        return answers["grpc"], answers["http"]
+
+
 @pytest.mark.parametrize("example", ["multitask_parquet", "din_parquet"])
 def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example):
     data = tmp_path / "data"
@@ -110,6 +129,15 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     for t, task in enumerate(summary["tasks"]):
         served = binary_metrics(labels[:, t], probs[:, t])["auc"]
         assert abs(served - task["auc"]) <= 1e-4, (task["name"], served, task["auc"])
+
+    # The same requests from a stock OIP client (tritonclient) to `hybridrec serve inference`, gRPC and REST.
+    server = Server(tmp_path / "bundle", tmp_path / "inference.log")
+    try:
+        over_grpc, over_rest = over_the_wire(server, batches, tmp_path)
+    finally:
+        server.stop()
+    np.testing.assert_allclose(over_grpc, probs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(over_rest, probs, rtol=0, atol=1e-5)
 
     # Offline scoring of the same file equals the served predictions.
     _cli(["predict", str(tmp_path / "bundle"), str(data / "eval.parquet"), "--out", str(tmp_path / "p.parquet")])
