@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from hybridrec.launcher import rank_step
+
 REPO = Path(__file__).resolve().parents[1]
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 
@@ -39,25 +41,6 @@ def write_config(data: Path, out: Path, nn_workers: int) -> Path:
     return out
 
 
-def rank0_step(run_dir: Path) -> int | None:
-    """Rank 0's step from its Status RPC (None while it is not up)."""
-    import grpc
-
-    from hybridrec.proto import pb
-
-    try:
-        address = yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["nn_workers"][0]
-    except (OSError, TypeError, KeyError):
-        return None
-    with grpc.insecure_channel(address) as ch:
-        call = ch.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
-                              response_deserializer=pb.TrainingStatus.FromString)
-        try:
-            return call(pb.Empty(), timeout=1).step
-        except grpc.RpcError:
-            return None
-
-
 def run(config: Path, run_dir: Path, sets: list[str], kill_at_step: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir)]
     for item in sets:
@@ -69,7 +52,7 @@ def run(config: Path, run_dir: Path, sets: list[str], kill_at_step: int | None =
 
         pattern = f"serve nn_worker --config {run_dir / 'config.yaml'} --replica 1"
         while proc.poll() is None and killed is None:
-            step = rank0_step(run_dir)
+            step = rank_step(run_dir)
             if step is not None and step >= kill_at_step:
                 for p in psutil.process_iter(["cmdline"]):
                     if pattern in " ".join(p.info["cmdline"] or []):

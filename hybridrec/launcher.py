@@ -427,3 +427,16 @@ def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, er
     except Exception as exc:  # the failure itself is what the user needs to see
         return f"(no report: {type(exc).__name__}: {exc})"
     return f"partial report (incomplete run): {page}"
+
+
+def rank_step(run_dir: Path, rank: int = 0) -> int | None:
+    """The step NN worker `rank` of the run in `run_dir` (`hybridrec run --run-dir`) is at, from its Status
+    RPC; None while the run has not written its config or the rank does not answer (starting, replaced)."""
+    import yaml
+
+    try:
+        address = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())["cluster"]["nn_workers"][rank]
+    except (OSError, TypeError, KeyError, IndexError):
+        return None
+    status = rpc.training_status(address)
+    return None if status is None else status.step

@@ -245,6 +245,17 @@ def sync_channel(address: str) -> grpc.Channel:
     return grpc.secure_channel(address, _security.channel_credentials(), options=_security.channel_options())
 
 
+def training_status(address: str, timeout_s: float = 1.0) -> pb.TrainingStatus | None:
+    """An NN worker's training status (step, samples, phase), blocking; None when it does not answer now."""
+    with sync_channel(address) as channel:
+        call = channel.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
+                                   response_deserializer=pb.TrainingStatus.FromString)
+        try:
+            return call(pb.Empty(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+
+
 def new_server() -> grpc.aio.Server:
     return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
 

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from hybridrec.synth import synthesize
+from hybridrec.launcher import rank_step
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults
@@ -67,7 +68,7 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
     steps_total = ROWS // 4096 // 2
     while time.monotonic() < deadline:
         log = run_dir / "logs" / "nn_worker-0.log"
-        status = _status(run_dir)
+        status = rank_step(run_dir)
         checkpointed = not after_checkpoint or any(not m.parent.name.endswith(".tmp")  # renamed into place
                                                    for m in (run_dir / "checkpoints").glob("step-*/manifest.json"))
         if status is not None and status >= steps_total * fraction and checkpointed:
@@ -87,26 +88,6 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
     for p in targets:  # back to back: as good as at once for the launcher, which looks every 0.1 s
         p.send_signal(signal.SIGKILL)
     return targets[0].pid
-
-
-def _status(run_dir: Path) -> int | None:
-    """Rank 0's step, from its Status RPC."""
-    import grpc
-    import yaml
-
-    from hybridrec.proto import pb
-
-    try:
-        address = yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["nn_workers"][0]
-    except (OSError, TypeError, KeyError):
-        return None
-    with grpc.insecure_channel(address) as ch:
-        call = ch.unary_unary("/hybridrec.NNWorker/Status", request_serializer=pb.Empty.SerializeToString,
-                              response_deserializer=pb.TrainingStatus.FromString)
-        try:
-            return call(pb.Empty(), timeout=1).step
-        except grpc.RpcError:
-            return None
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +190,7 @@ def test_chaos_a_random_process_killed_every_40_steps(fault_config, undisturbed_
         replica = rng.randrange(kinds[service])
         pattern = f"serve {service} --config {run_dir / 'config.yaml'} --replica {replica}"
         while proc.poll() is None and time.monotonic() < deadline:
-            step = _status(run_dir)
+            step = rank_step(run_dir)
             targets = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
             if step is not None and step >= at_step and targets:  # a process being restarted is waited for
                 for p in targets:

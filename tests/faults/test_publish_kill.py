@@ -15,7 +15,7 @@ import pytest
 
 from hybridrec.versions import Follower, list_versions, table_arrays
 from tests.conftest import HYBRIDREC, REPO, write_config
-from tests.faults.test_kills import _status
+from hybridrec.launcher import rank_step
 from tests.integration.test_publish import _checkpoint_rows
 
 pytestmark = pytest.mark.faults
@@ -33,14 +33,14 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while (_status(run_dir) or 0) < 35:
+        while (rank_step(run_dir) or 0) < 35:
             assert time.monotonic() < deadline and proc.poll() is None, "training did not get going"
             time.sleep(0.2)
         config_path = str(run_dir / "config.yaml")
         victims = [p for p in psutil.process_iter(["cmdline"])
                    if f"serve embedding_ps --config {config_path} --replica 0" in " ".join(p.info["cmdline"] or [])]
         assert victims
-        killed_at = _status(run_dir)
+        killed_at = rank_step(run_dir)
         victims[0].send_signal(signal.SIGKILL)
         _, stderr = proc.communicate(timeout=600)
     finally:

@@ -9,13 +9,11 @@ so replicas only agree where DenseSync made them agree.
 """
 from __future__ import annotations
 
-import multiprocessing
-
 import numpy as np
 import pytest
 
-from hybridrec.launcher import free_port
 from tests.unit.dense_sync_ranks import LR, STEPS, SYNC_INTERVAL, WORLD, rank_main
+from tests.unit.spawned import run_ranks
 
 TIMEOUT_S = 90  # a hang fails the test instead of blocking the suite
 
@@ -23,21 +21,7 @@ TIMEOUT_S = 90  # a hang fails the test instead of blocking the suite
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict[str, np.ndarray]]:
     out = tmp_path_factory.mktemp("dense_sync")
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, str(out)), daemon=True) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errors = "\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s\n{errors}"
-    assert [p.exitcode for p in procs] == [0] * WORLD, errors
+    run_ranks(rank_main, WORLD, out, TIMEOUT_S)
     loaded = []
     for rank in range(WORLD):
         with np.load(out / f"rank{rank}.npz") as data:

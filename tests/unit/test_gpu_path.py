@@ -24,6 +24,7 @@ from hybridrec.launcher import free_port
 from services.nn_worker.checkpoint import load_dense, on_cpu
 from services.nn_worker.distributed import NCCL_ENVIRONMENT, resolve_backend
 from tests.unit.control_group_ranks import WORLD, rank_main
+from tests.unit.spawned import run_ranks
 
 TIMEOUT_S = 120
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,21 +33,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.fixture(scope="module")
 def control_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("control")
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, str(out)), daemon=True) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errors = "\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s\n{errors}"
-    assert [p.exitcode for p in procs] == [0] * WORLD, errors
+    run_ranks(rank_main, WORLD, out, TIMEOUT_S)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
