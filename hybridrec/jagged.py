@@ -10,7 +10,7 @@ pools them for serving exactly as training pools what the frames carried.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -23,10 +23,15 @@ class Bag:
 
     values: np.ndarray  # uint64 (nnz,)
     offsets: np.ndarray  # int64 (n + 1,), offsets[0] == 0
+    known_lengths: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """The lengths when whoever made the bag had them already (None: computed on first use)."""
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        """int64 (n,): each sample's count (computed once: a bag is not changed after it is made)."""
+        if self.known_lengths is None:
+            self.known_lengths = np.diff(self.offsets)
+        return self.known_lengths
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
@@ -47,6 +52,19 @@ class Bag:
         offsets = np.zeros(present.shape[0] + 1, np.int64)
         np.cumsum(present, out=offsets[1:])
         return Bag(np.ascontiguousarray(ids[present], dtype=np.uint64), offsets)
+
+    @staticmethod
+    def from_columns(ids: np.ndarray, present: np.ndarray) -> list["Bag"]:
+        """One bag per column of (n, F) IDs and presence, built in a few whole-array passes (the inference
+        service does this per request; each bag is a view into two shared arrays)."""
+        n, num = present.shape
+        mask = np.ascontiguousarray(present.T)
+        values = np.ascontiguousarray(ids.T, dtype=np.uint64)[mask]
+        offsets = np.zeros((num, n + 1), np.int64)
+        np.cumsum(mask, axis=1, out=offsets[:, 1:])
+        starts = np.concatenate([[0], np.cumsum(offsets[:, -1])])
+        counts = mask.astype(np.int64)
+        return [Bag(values[starts[f]:starts[f + 1]], offsets[f], counts[f]) for f in range(num)]
 
     @staticmethod
     def from_lengths(values: np.ndarray, lengths: np.ndarray) -> "Bag":

@@ -92,7 +92,7 @@ class Pooler:
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """`from_bags` of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per
         field): each column is a bag of at most one ID."""
-        return self.from_bags([Bag.from_column(ids[:, f], present[:, f]) for f in range(ids.shape[1])])
+        return self.from_bags(Bag.from_columns(ids, present))
 
     def from_bags(self, bags: Sequence[Bag]) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """The bag structure of one `Bag` per feature (config order): scalar, multi-hot or sequence.
@@ -111,24 +111,28 @@ class Pooler:
         uniq: dict[int, np.ndarray] = {}
         out = BatchEmbeddings(batch_size, {}, {}, {}, {})
         for dim, members in self.members.items():
-            u, inverse = np.unique(np.concatenate([bags[f].values for f in members]).astype(np.uint64),
-                                   return_inverse=True)
+            values = [bags[f].values for f in members]
+            u, inverse = np.unique(np.concatenate(values) if len(values) > 1 else values[0], return_inverse=True)
+            inverse = inverse.reshape(-1).astype(np.int64, copy=False)
             uniq[dim] = u
-            bounds = np.cumsum([0] + [bags[f].values.shape[0] for f in members])
-            index, lengths, weights = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
-            for k, f in enumerate(members):
-                rows_of_f = inverse.reshape(-1)[bounds[k]:bounds[k + 1]].astype(np.int64)
-                if self.features[f].sequence:
-                    out.sequences[f] = _padded(rows_of_f, bags[f].lengths, self.features[f])
-                    continue
-                index.append(rows_of_f)
-                lengths.append(bags[f].lengths)
-                if self.weighted:
-                    weights.append(_bag_weights(bags[f].lengths, self.features[f].pooling))
-            bag_lengths = np.concatenate(lengths).astype(np.int64)
-            out.index[dim] = np.concatenate(index)
+            pooled = self.pooled[dim]
+            if len(pooled) == len(members):  # no sequence of this width: the bags are the values in order
+                index = inverse
+                bag_lengths = np.concatenate([bags[f].lengths for f in members])
+            else:
+                bounds = np.cumsum([0] + [v.shape[0] for v in values])
+                for k, f in enumerate(members):
+                    if self.features[f].sequence:
+                        out.sequences[f] = _padded(inverse[bounds[k]:bounds[k + 1]], bags[f].lengths,
+                                                   self.features[f])
+                index = np.concatenate([inverse[bounds[k]:bounds[k + 1]] for k, f in enumerate(members)
+                                        if not self.features[f].sequence] or [np.zeros(0, np.int64)])
+                bag_lengths = np.concatenate([bags[f].lengths for f in pooled] or [np.zeros(0, np.int64)])
+            out.index[dim] = index
             out.offsets[dim] = np.cumsum(bag_lengths) - bag_lengths
-            out.weights[dim] = np.concatenate(weights).astype(np.float32) if self.weighted else None
+            out.weights[dim] = (np.concatenate([_bag_weights(bags[f].lengths, self.features[f].pooling)
+                                                for f in pooled] or [np.zeros(0, np.float32)]).astype(np.float32)
+                                if self.weighted else None)
         return uniq, out
 
     def empty(self, batch_size: int) -> BatchEmbeddings:

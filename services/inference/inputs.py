@@ -87,7 +87,7 @@ class Samples:
 
     @staticmethod
     def from_columns(ids: np.ndarray, present: np.ndarray, dense: np.ndarray) -> "Samples":
-        return Samples([Bag.from_column(ids[:, f], present[:, f]) for f in range(ids.shape[1])], dense)
+        return Samples(Bag.from_columns(ids, present), dense)
 
     @staticmethod
     def concat(parts: Sequence["Samples"]) -> "Samples":
