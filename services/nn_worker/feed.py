@@ -68,7 +68,10 @@ class DeviceFeed:
 
     def _rows(self, rows: np.ndarray | Fp16Rows) -> torch.Tensor:
         if isinstance(rows, Fp16Rows):  # scaled back on the device (on the side stream, with the copy)
-            return unscale(self._copy(rows.half), self._copy(rows.norms), rows.kappa)
+            out = unscale(self._copy(rows.half), self._copy(rows.norms), rows.kappa)
+            if self.overlap:
+                self._copied.append(out)  # made on the side stream too: see record_stream in stage
+            return out
         return self._copy(rows)
 
     def _copy(self, array: np.ndarray) -> torch.Tensor:
