@@ -128,6 +128,7 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     assert decoder.truncated_rows > 0  # some histories are longer than max_len: cut as in training
     for t, task in enumerate(summary["tasks"]):
         served = binary_metrics(labels[:, t], probs[:, t])["auc"]
+        print(f"{example} {task['name']}: served AUC {served:.6f}, run's eval AUC {task['auc']:.6f}")
         assert abs(served - task["auc"]) <= 1e-4, (task["name"], served, task["auc"])
 
     # The same requests from a stock OIP client (tritonclient) to `hybridrec serve inference`, gRPC and REST.
