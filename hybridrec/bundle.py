@@ -92,6 +92,9 @@ class BundleManifest(BaseModel):
     """Embedding shards (as the PS had)."""
     rows: dict[int, int] = Field(default_factory=dict)
     """Embedding rows per width, all shards together (a delta: the changed rows it holds)."""
+    dense_columns: list[str] = Field(default_factory=list)
+    """The dense features' column names in model order (I1..I13 for Criteo), so a request may send each as its
+    own FP32 [batch] input; empty in bundles written before they were recorded."""
     input_types: dict[str, str] = Field(default_factory=dict)
     """Feature name -> OIP datatype of its values as the training data held them (BYTES: strings, as every TSV
     field; INT64: integers), for the model metadata: strings and integers hash differently. Empty where the

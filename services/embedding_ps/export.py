@@ -90,7 +90,8 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
                           f"{path / checkpoints.MANIFEST} says {job.num_ps} PS at step {job.step}")
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
-                              num_shards=ps["num_shards"], input_types=input_types(config))
+                              num_shards=ps["num_shards"], input_types=input_types(config),
+                              dense_columns=config.dense_columns)
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)

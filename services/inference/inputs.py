@@ -104,6 +104,7 @@ class InputDecoder:
         self.features = manifest.features
         self.num_dense = manifest.num_dense
         self.input_types = manifest.input_types
+        self.dense_columns = list(manifest.dense_columns)
         self.max_rows = max_rows
         self.groups = np.array([f.group for f in self.features], np.uint64)
         # Raw rows: the Criteo column of each feature and the group prefix of every column,
@@ -129,6 +130,7 @@ class InputDecoder:
         (its datatype as the training data held it; BYTES where the bundle does not say), a list feature with
         its lengths; then `ids`, and `rows` when the model reads Criteo columns. -1: a batch or ragged size."""
         inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, self.num_dense]}]
+        inputs += [{"name": name, "datatype": "FP32", "shape": [-1]} for name in self.dense_columns]
         for f in self.features:
             inputs.append({"name": f.name, "datatype": self.input_types.get(f.name, "BYTES"), "shape": [-1]})
             if f.kind == FeatureKind.LIST:
@@ -141,7 +143,8 @@ class InputDecoder:
     def input_names(self) -> str:
         return ("'rows' (BYTES), or 'ids' (UINT64/INT64) with 'dense' (FP32), or one input per feature "
                 f"({', '.join(f.name for f in self.features)}; a list feature with NAME{LENGTHS_SUFFIX}) with "
-                "'dense' (FP32)")
+                "'dense' (FP32)" + (f" or the dense columns ({', '.join(self.dense_columns)}, FP32 each)"
+                                    if self.dense_columns else ""))
 
     def decode(self, tensors: Sequence[Tensor]) -> Samples:
         by_name: dict[str, Tensor] = {}
@@ -233,26 +236,46 @@ class InputDecoder:
 
     # -- by feature name ---------------------------------------------------------------------------
     def _named(self, by_name: dict[str, Tensor]) -> Samples:
-        expected = {"dense"} | {f.name for f in self.features}
+        by_column = bool(set(self.dense_columns) & set(by_name)) and "dense" not in by_name
+        dense_names = self.dense_columns if by_column else ["dense"]
         lengths_names = {f.name + LENGTHS_SUFFIX for f in self.features}
-        unknown = sorted(set(by_name) - expected - lengths_names)
+        unknown = sorted(set(by_name) - set(dense_names) - {f.name for f in self.features} - lengths_names)
         if unknown:
             raise BadInput(f"unknown input(s) {unknown}: this model takes {self.input_names()}")
-        missing = [name for name in ["dense", *(f.name for f in self.features)] if name not in by_name]
+        missing = [name for name in [*dense_names, *(f.name for f in self.features)] if name not in by_name]
         if missing:
             raise BadInput(f"missing input(s) {missing}: this model takes {self.input_names()}")
-        dense_t = by_name["dense"]
-        if dense_t.datatype != "FP32":
-            raise BadInput(f"input 'dense' must be FP32, got {dense_t.datatype}")
-        if len(dense_t.shape) != 2 or dense_t.shape[1] != self.num_dense:
-            raise BadInput(f"input 'dense' must have shape [batch, {self.num_dense}], got {list(dense_t.shape)}")
-        n = dense_t.shape[0]
+        dense = self._dense_columns(by_name) if by_column else self._dense_matrix(by_name["dense"])
+        n = dense.shape[0]
         self._check_rows(n)
-        dense = np.asarray(dense_t.data, np.float32).reshape(n, self.num_dense)
         if not np.isfinite(dense).all():
-            raise BadInput("input 'dense' holds NaN or infinity")
+            raise BadInput("the dense inputs hold NaN or infinity")
         bags = [self._feature(f, by_name[f.name], by_name.get(f.name + LENGTHS_SUFFIX), n) for f in self.features]
         return Samples(bags, dense)
+
+    def _dense_matrix(self, t: Tensor) -> np.ndarray:
+        if t.datatype != "FP32":
+            raise BadInput(f"input 'dense' must be FP32, got {t.datatype}")
+        if len(t.shape) != 2 or t.shape[1] != self.num_dense:
+            raise BadInput(f"input 'dense' must have shape [batch, {self.num_dense}], got {list(t.shape)}")
+        self._check_rows(t.shape[0])
+        return np.asarray(t.data, np.float32).reshape(t.shape[0], self.num_dense)
+
+    def _dense_columns(self, by_name: dict[str, Tensor]) -> np.ndarray:
+        """One FP32 [batch] input per dense column, in the model's order."""
+        first = by_name[self.dense_columns[0]]
+        n = int(first.shape[0]) if first.shape else 0
+        self._check_rows(n)
+        columns = []
+        for name in self.dense_columns:
+            t = by_name[name]
+            if t.datatype != "FP32":
+                raise BadInput(f"input {name!r} must be FP32, got {t.datatype}")
+            if list(t.shape) not in ([n], [n, 1]):
+                raise BadInput(f"input {name!r} must have shape [{n}] (one value per sample, as "
+                               f"{self.dense_columns[0]!r}), got {list(t.shape)}")
+            columns.append(np.asarray(t.data, np.float32).reshape(n))
+        return np.stack(columns, axis=1) if columns else np.zeros((n, 0), np.float32)
 
     def _feature(self, feature, values: Tensor, lengths_t: Tensor | None, n: int) -> Bag:
         """One feature's bag from its values (and lengths), hashed as the training reader hashes them."""

@@ -48,14 +48,17 @@ def _ids_tensor(name: str, array: pa.Array) -> Tensor:
     return Tensor(name, "BYTES", (len(array),), [v.encode() for v in array.to_pylist()])
 
 
-def requests(path, config) -> list[tuple[list[Tensor], np.ndarray]]:
-    """Named-feature requests of REQUEST_ROWS rows each, and their labels (rows, tasks)."""
+def requests(path, config, *, dense_by_column: bool) -> list[tuple[list[Tensor], np.ndarray]]:
+    """Named-feature requests of REQUEST_ROWS rows each, and their labels (rows, tasks). The dense features go
+    as one FP32 [batch, num_dense] tensor, or (`dense_by_column`) as one FP32 [batch] input per column."""
     table = pq.read_table(path)
     out = []
     for start in range(0, table.num_rows, REQUEST_ROWS):
         part = table.slice(start, REQUEST_ROWS)
-        tensors = [Tensor("dense", "FP32", (part.num_rows, config.num_dense),
-                          np.stack([part[c].to_numpy().astype(np.float32) for c in config.dense_columns], 1))]
+        columns = [part[c].to_numpy().astype(np.float32) for c in config.dense_columns]
+        tensors = ([Tensor(c, "FP32", (part.num_rows,), v) for c, v in zip(config.dense_columns, columns)]
+                   if dense_by_column else [Tensor("dense", "FP32", (part.num_rows, config.num_dense),
+                                                   np.stack(columns, 1))])
         for feature in config.features:
             column = part[feature.source].combine_chunks()
             if feature.kind == FeatureKind.LIST:  # flat values with lengths; null lists and elements add nothing
@@ -119,9 +122,11 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     _cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle")])
     config = load_config(tmp_path / "run" / "config.yaml")
-    batches = requests(data / "eval.parquet", config)
-    types = read_manifest(tmp_path / "bundle").input_types  # from the training file's schema: item_id is a string
+    batches = requests(data / "eval.parquet", config, dense_by_column=example == "din_parquet")
+    manifest = read_manifest(tmp_path / "bundle")
+    types = manifest.input_types  # from the training file's schema: item_id is a string
     assert types == {f.name: "BYTES" if f.source == "item_id" else "INT64" for f in config.features}, types
+    assert manifest.dense_columns == ["d0", "d1", "d2", "d3"]
     probs, decoder = serve(tmp_path / "bundle", batches)
     labels = np.concatenate([b[1] for b in batches])
     assert probs.shape == labels.shape == (10_000, 2)

@@ -333,3 +333,19 @@ def test_metadata_lists_every_named_input_with_its_type():
         {"name": "tags__lengths", "datatype": "INT64", "shape": [-1]},
         {"name": "ids", "datatype": "UINT64", "shape": [-1, 2]},
     ]  # no 'rows': these are not Criteo columns
+
+
+def test_dense_features_by_column_equal_the_dense_matrix():
+    manifest = _list_manifest().model_copy(update={"dense_columns": ["price", "age"]})
+    decoder = InputDecoder(manifest, 16)
+    matrix = _list_request([7, 8], [1, 2, 3], [2, 1])
+    dense = np.array([[0.5, 1.5], [2.5, 3.5]], np.float32)
+    matrix[0] = Tensor("dense", "FP32", dense.shape, dense.reshape(-1))
+    by_column = [Tensor("price", "FP32", (2,), dense[:, 0].copy()), Tensor("age", "FP32", (2,), dense[:, 1].copy()),
+                 *matrix[1:]]
+    np.testing.assert_array_equal(decoder.decode(by_column).dense, decoder.decode(matrix).dense)
+    assert {"name": "age", "datatype": "FP32", "shape": [-1]} in decoder.metadata()
+    with pytest.raises(BadInput, match=r"missing input\(s\) \['age'\]"):
+        decoder.decode(by_column[:1] + by_column[2:])
+    with pytest.raises(BadInput, match="'age' must have shape \\[2\\]"):
+        decoder.decode([by_column[0], Tensor("age", "FP32", (3,), np.zeros(3, np.float32)), *by_column[2:]])
