@@ -27,6 +27,7 @@ are kept (an extra, harmless update, as the Persia paper allows for embeddings).
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import shutil
 import time
@@ -226,3 +227,15 @@ def load_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"checkpoint {path} does not fit this job's dense model (checkpoint.dir holds another "
                           f"model's checkpoint?): {str(exc).splitlines()[0]}") from exc
+
+
+def check_resumable(config: Config, model: torch.nn.Module, make_optimizer) -> None:
+    """Before the group forms: the checkpoint this job would resume from loads into this model and its
+    optimizer (tried on copies), else ConfigError naming the file. Every rank refuses it alike here, before
+    any collective, rather than one failing in `restore` while its peer waits in a collective and sees it
+    vanish (a lost peer, which a supervisor replaces)."""
+    found = checkpoints.resume_from(config.checkpoint)
+    if found is None:
+        return
+    scratch = copy.deepcopy(model)
+    load_dense(found[0] / "dense.pt", scratch, make_optimizer(scratch, config))

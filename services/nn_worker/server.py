@@ -23,13 +23,13 @@ from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
-from services.nn_worker.checkpoint import Checkpointer, on_cpu
+from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
-from services.nn_worker.trainer import Trainer
+from services.nn_worker.trainer import Trainer, make_dense_optimizer
 
 
 MARKS_KEPT = 256
@@ -151,6 +151,7 @@ async def _serve(config: Config, replica: int) -> None:
     pin_interface(config.cluster.bind_host)
     model = build_model(config.model.path, feature_infos(config.features),
                         config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
+    check_resumable(config, model, make_dense_optimizer)  # another model's checkpoint: exit 2 before joining
     membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend, env.device)
     plan = await loop.run_in_executor(compute, membership.join, None)
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
