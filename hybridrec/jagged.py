@@ -4,7 +4,7 @@
 and offsets. A scalar feature is a bag of at most one ID per sample (an absent
 field is an empty list), a multi-hot feature a bag of any length, a sequence a
 bag in the data's order (oldest first). The data loader's readers make bags
-(Parquet, prepared data; TSV columns through `Bag.from_column`), and so does
+(Parquet, prepared data; TSV columns through `Bag.from_columns`), and so does
 the inference service's input decoder, and `hybridrec.pooling.Pooler.from_bags`
 pools them for serving exactly as training pools what the frames carried.
 """
@@ -67,9 +67,14 @@ class Bag:
         return [Bag(values[starts[f]:starts[f + 1]], offsets[f], counts[f]) for f in range(num)]
 
     @staticmethod
-    def from_lengths(values: np.ndarray, lengths: np.ndarray) -> "Bag":
+    def from_lengths(values: np.ndarray, lengths: np.ndarray, present: np.ndarray | None = None) -> "Bag":
+        """Flat values and each sample's count; values not `present` (a null element, an empty string) are
+        dropped and their samples' counts shrink, as the readers and the inference decoder both want."""
         offsets = np.zeros(lengths.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        if present is not None and not present.all():
+            kept = np.concatenate([[0], np.cumsum(present)])
+            offsets, values = kept[offsets], values[present]
         return Bag(np.ascontiguousarray(values, dtype=np.uint64), offsets)
 
     def keep_last(self, max_len: int) -> tuple["Bag", np.ndarray]:

@@ -46,8 +46,7 @@ def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
 
     async def score() -> None:
         for rows in sources.eval_rows(config, batching.ReadCounters()):
-            bags = rows.bags if rows.bags is not None else [Bag.from_column(rows.ids[:, f], rows.present[:, f])
-                                                            for f in range(rows.ids.shape[1])]
+            bags = rows.bags if rows.bags is not None else Bag.from_columns(rows.ids, rows.present)
             uniq, pooled = model.pooler.from_bags(bags)
             pooled.rows = await model.table.lookup(uniq)
             parts.append(model.forward(np.ascontiguousarray(rows.dense), pooled))

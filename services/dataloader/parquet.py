@@ -229,12 +229,7 @@ def _bag(column: pa.ChunkedArray, feature: FeatureColumn, where: str) -> tuple[B
         return Bag.from_column(ids, present), np.zeros(len(array), bool)
     lengths = pc.list_value_length(array).fill_null(0).to_numpy().astype(np.int64)
     ids, present = _ids(pc.list_flatten(array), group_hi, key)
-    offsets = np.zeros(len(array) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if not present.all():  # null elements and empty strings add nothing
-        kept = np.concatenate([[0], np.cumsum(present)])
-        offsets, ids = kept[offsets], ids[present]
-    return Bag(ids, offsets).keep_last(feature.max_len)
+    return Bag.from_lengths(ids, lengths, present).keep_last(feature.max_len)  # null elements, "" add nothing
 
 
 def _ids(array: pa.Array, group_hi: np.uint64, key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -246,8 +246,7 @@ class InputDecoder:
         if missing:
             raise BadInput(f"missing input(s) {missing}: this model takes {self.input_names()}")
         dense = self._dense_columns(by_name) if by_column else self._dense_matrix(by_name["dense"])
-        n = dense.shape[0]
-        self._check_rows(n)
+        n = dense.shape[0]  # checked against max_rows by either reader of the dense inputs
         if not np.isfinite(dense).all():
             raise BadInput("the dense inputs hold NaN or infinity")
         bags = [self._feature(f, by_name[f.name], by_name.get(f.name + LENGTHS_SUFFIX), n) for f in self.features]
@@ -299,14 +298,9 @@ class InputDecoder:
                 raise BadInput(f"input {name}{LENGTHS_SUFFIX}: {name} is a scalar feature (0 or 1 value per "
                                f"sample), got a length of {int(lengths.max())}")
         ids, present = self._hash(values, feature.group)
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        if not present.all():  # empty strings add nothing, as in the reader
-            kept = np.concatenate([[0], np.cumsum(present)])
-            offsets, ids = kept[offsets], ids[present]
-        bag, cut = Bag(ids, offsets).keep_last(feature.max_len) if feature.kind == FeatureKind.LIST else \
-            (Bag(ids, offsets), None)
-        if cut is not None:
+        bag = Bag.from_lengths(ids, lengths, present)  # empty strings add nothing, as in the reader
+        if feature.kind == FeatureKind.LIST:
+            bag, cut = bag.keep_last(feature.max_len)
             self.truncated_rows += int(cut.sum())
         return bag
 

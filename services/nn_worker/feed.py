@@ -41,12 +41,13 @@ class DeviceFeed:
         self._copied: list[torch.Tensor] = []
 
     # -- host to device ----------------------------------------------------------------------------
-    def stage(self, dense: np.ndarray, labels: np.ndarray,
-              emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor, BatchEmbeddings]:
-        """Compute thread: the batch on the device (`emb` with tensors in place of its arrays); the compute
-        stream is ordered after the copies."""
+    def stage(self, dense: np.ndarray, labels: np.ndarray | None,
+              emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor | None, BatchEmbeddings]:
+        """Compute thread: the batch on the device (`emb` with tensors in place of its arrays; no labels when
+        None: evaluation needs none there); the compute stream is ordered after the copies."""
         if not self.cuda:
-            return torch.from_numpy(np.asarray(dense)), torch.from_numpy(np.asarray(labels)), emb
+            return (torch.from_numpy(np.asarray(dense)), None if labels is None else torch.from_numpy(labels),
+                    emb)
         if self.overlap:
             with torch.cuda.stream(self.stream):
                 staged = self._stage(dense, labels, emb)
@@ -59,7 +60,7 @@ class DeviceFeed:
         return self._stage(dense, labels, emb)
 
     def _stage(self, dense, labels, emb: BatchEmbeddings):
-        return self._copy(dense), self._copy(labels), dataclasses.replace(
+        return self._copy(dense), None if labels is None else self._copy(labels), dataclasses.replace(
             emb, rows={d: self._rows(r) for d, r in emb.rows.items()},
             index={d: self._copy(a) for d, a in emb.index.items()},
             offsets={d: self._copy(a) for d, a in emb.offsets.items()},

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.nn_worker.distributed import control_group, group_for
+from services.nn_worker.distributed import broadcast_parameters, control_group, group_for
 
 STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "train_auc", "restored_samples")
 """The trainer counters a replacement takes over from its source (the per-rank share of the run)."""
@@ -69,9 +69,7 @@ def hand_over(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: d
     device = next(model.parameters()).device  # the rank's device: where a state tensor not on the CPU belongs
     description = _broadcast_json({"stats": stats, "wall_s": wall_s, "optimizer": _layout(optimizer)} if mine
                                   else None, source)
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=source, group=group_for(tensor))
+    broadcast_parameters(model, source)
     layout = description["optimizer"]
     current = optimizer.state_dict()["state"]
     state: dict[int, dict[str, Any]] = {}

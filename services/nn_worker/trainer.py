@@ -462,7 +462,7 @@ class Trainer:
 
     @torch.no_grad()
     def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
-        dense, _, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        dense, _, staged = self.feed.stage(np.array(batch.dense), None, emb)
         _, embeddings = self.pooler.pool(staged, self.env.device, grad=False)
         with self._autocast():
             logits = self._logits(self.model(dense, embeddings))
