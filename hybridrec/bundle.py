@@ -300,8 +300,10 @@ class ShardTable:
         for dim in manifest.widths:
             keys_rel, rows_rel = table_files(shard, manifest.num_shards, dim)
             try:
-                self.keys[dim] = np.load(path / keys_rel, mmap_mode="r", allow_pickle=False)
-                self.rows[dim] = np.load(path / rows_rel, mmap_mode="r", allow_pickle=False)
+                # Mapped, then viewed as plain arrays: numpy's memmap subclass costs microseconds per
+                # indexing call, which a batch-1 request pays several times over.
+                self.keys[dim] = np.load(path / keys_rel, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+                self.rows[dim] = np.load(path / rows_rel, mmap_mode="r", allow_pickle=False).view(np.ndarray)
             except (OSError, ValueError) as exc:
                 raise BundleError(f"{path / keys_rel}: cannot map: {exc}") from None
             if (self.keys[dim].dtype != np.uint64 or self.rows[dim].dtype != np.float32

@@ -1,7 +1,7 @@
-"""The jagged form of one sparse feature of a batch: every sample's IDs as a variable-length list.
+"""The jagged form of a batch's sparse features: every sample's IDs as a variable-length list.
 
-`Bag` plays the part TorchRec's KeyedJaggedTensor plays per key: flat values
-and offsets. A scalar feature is a bag of at most one ID per sample (an absent
+`Bag` is one feature (flat values and offsets), `KeyedBags` all features of a
+batch in one pair of arrays (the part TorchRec's KeyedJaggedTensor plays). A scalar feature is a bag of at most one ID per sample (an absent
 field is an empty list), a multi-hot feature a bag of any length, a sequence a
 bag in the data's order (oldest first). The data loader's readers make bags
 (Parquet, prepared data; TSV columns through `Bag.from_columns`), and so does
@@ -90,3 +90,68 @@ class Bag:
         starts = self.offsets[1:] - new_lengths  # first kept element of each sample
         index = np.arange(int(new_offsets[-1])) + np.repeat(starts - new_offsets[:-1], new_lengths)
         return Bag(self.values[index], new_offsets), over
+
+
+@dataclass
+class KeyedBags:
+    """Every sparse feature of a batch in one pair of arrays: TorchRec's KeyedJaggedTensor, keys in config order.
+
+    `values` holds feature 0's bags of every sample, then feature 1's, and so
+    on (feature-major); `lengths[f, i]` counts sample i's values of feature f.
+    The values are IDs (uint64) as a reader or the inference decoder made
+    them, or int64 row indices where the pooler plans a batch
+    (`hybridrec.pooling`). A batch costs a few whole-array operations however
+    many features it has: a batch-1 request with 26 features makes no
+    per-feature Python objects unless it asks for one (`bag`).
+    """
+
+    values: np.ndarray  # (nnz,) feature-major
+    lengths: np.ndarray  # int64 (F, n)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[1])
+
+    @property
+    def num_features(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def bounds(self) -> np.ndarray:
+        """int64 (F + 1,): feature f's values are values[bounds[f]:bounds[f + 1]]."""
+        bounds = np.zeros(self.num_features + 1, np.int64)
+        np.cumsum(self.lengths.sum(axis=1), out=bounds[1:])
+        return bounds
+
+    def bag(self, f: int) -> Bag:
+        """Feature f alone (views of these arrays)."""
+        bounds = self.bounds
+        offsets = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(self.lengths[f], out=offsets[1:])
+        return Bag(self.values[bounds[f]:bounds[f + 1]], offsets, self.lengths[f])
+
+    def bags(self) -> list[Bag]:
+        return [self.bag(f) for f in range(self.num_features)]
+
+    @staticmethod
+    def from_bags(bags: Sequence[Bag]) -> "KeyedBags":
+        if not bags:
+            return KeyedBags(np.zeros(0, np.uint64), np.zeros((0, 0), np.int64))
+        values = np.concatenate([b.values for b in bags]) if len(bags) > 1 else bags[0].values
+        return KeyedBags(values, np.stack([b.lengths for b in bags]).astype(np.int64, copy=False))
+
+    @staticmethod
+    def from_columns(ids: np.ndarray, present: np.ndarray) -> "KeyedBags":
+        """Single-valued columns (n, F) with a presence mask (Criteo: one ID or none per field): each feature is
+        a bag of at most one ID."""
+        mask = np.ascontiguousarray(present.T)
+        return KeyedBags(np.ascontiguousarray(ids.T, dtype=np.uint64)[mask], mask.astype(np.int64))
+
+    @staticmethod
+    def concat(parts: Sequence["KeyedBags"]) -> "KeyedBags":
+        """The samples of `parts`, in order (the inference batcher merging requests)."""
+        if len(parts) == 1:
+            return parts[0]
+        bounds = [p.bounds for p in parts]
+        values = np.concatenate([p.values[b[f]:b[f + 1]] for f in range(parts[0].num_features)
+                                 for p, b in zip(parts, bounds)])
+        return KeyedBags(values, np.concatenate([p.lengths for p in parts], axis=1))

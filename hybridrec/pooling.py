@@ -2,8 +2,8 @@
 
 The NN worker decodes a batch's embeddings (`Pooler.decode`) and pools them
 differentiably; the inference service builds the same bag structure from a
-request's features, one `hybridrec.jagged.Bag` each (`Pooler.from_bags`), and
-pools with the same `Pooler.pool`, so a served prediction is computed exactly
+request's features, a `hybridrec.jagged.KeyedBags` (`Pooler.from_bags`), and
+pools with the same `Pooler.pool`: both come to one plan (`Pooler._plan`), so a served prediction is computed exactly
 as in training: scalar, multi-hot and sequence features alike.
 
 The embedding worker sends each feature's unique rows (grouped by width, the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings, FrameError
-from hybridrec.jagged import Bag
+from hybridrec.jagged import Bag, KeyedBags
 
 
 class SeqEmbedding(NamedTuple):
@@ -63,39 +63,29 @@ class Pooler:
         self.names = [f.name for f in features]
         self.widths = [f.dim for f in features]
         self.weighted = any(f.pooling not in (Pooling.SUM, Pooling.NONE) for f in features)
+        # (first, last + 1) of a width's pooled features when they are neighbours in config order, else None
+        self.spans = {d: (p[0], p[-1] + 1) if p and p == list(range(p[0], p[-1] + 1)) else None
+                      for d, p in self.pooled.items()}
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
         frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
-        nnz = frame.lengths.sum(axis=1, dtype=np.int64)
-        pos_start = np.concatenate([[0], np.cumsum(nnz)])
-        out = BatchEmbeddings(batch_size, {}, {}, {}, {})
-        for dim, members in self.members.items():
-            row_start = np.concatenate([[0], np.cumsum(frame.counts[members], dtype=np.int64)])
-            index, bag_lengths, weights = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
-            for k, f in enumerate(members):
-                rows_of_f = frame.pos[pos_start[f]:pos_start[f + 1]].astype(np.int64) + row_start[k]
-                if self.features[f].sequence:
-                    out.sequences[f] = _padded(rows_of_f, frame.lengths[f], self.features[f])
-                    continue
-                index.append(rows_of_f)
-                bag_lengths.append(frame.lengths[f])
-                if self.weighted:
-                    weights.append(_bag_weights(frame.lengths[f], self.features[f].pooling))
-            bags = np.concatenate(bag_lengths).astype(np.int64)
-            out.rows[dim] = frame.rows[dim]
-            out.index[dim] = np.concatenate(index)
-            out.offsets[dim] = np.cumsum(bags) - bags
-            out.weights[dim] = np.concatenate(weights) if self.weighted else None
-        return out
+        lengths = frame.lengths.astype(np.int64)
+        # A position counts within its feature's rows; the rows of a width hold its features one after another.
+        base = np.zeros(len(self.features), np.int64)
+        for members in self.members.values():
+            counts = frame.counts[members].astype(np.int64)
+            base[members] = np.cumsum(counts) - counts
+        index = frame.pos.astype(np.int64) + np.repeat(base, lengths.sum(axis=1))
+        return self._plan(KeyedBags(index, lengths), frame.rows)
 
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """`from_bags` of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per
         field): each column is a bag of at most one ID."""
-        return self.from_bags(Bag.from_columns(ids, present))
+        return self.from_bags(KeyedBags.from_columns(ids, present))
 
-    def from_bags(self, bags: Sequence[Bag]) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
-        """The bag structure of one `Bag` per feature (config order): scalar, multi-hot or sequence.
+    def from_bags(self, bags: KeyedBags | Sequence[Bag]) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
+        """The bag structure of a batch's features (config order): scalar, multi-hot or sequence.
 
         Returns the unique IDs of each width (all features of that width
         together: what to look up) and the bag structure with `rows` left
@@ -105,35 +95,46 @@ class Pooler:
         longer than its feature's `max_len` is refused: cut it first
         (`Bag.keep_last`, as the readers do).
         """
-        if len(bags) != len(self.features):
-            raise ValueError(f"{len(bags)} bags for {len(self.features)} features")
-        batch_size = len(bags[0]) if bags else 0
+        keyed = bags if isinstance(bags, KeyedBags) else KeyedBags.from_bags(bags)
+        if keyed.num_features != len(self.features):
+            raise ValueError(f"{keyed.num_features} bags for {len(self.features)} features")
         uniq: dict[int, np.ndarray] = {}
-        out = BatchEmbeddings(batch_size, {}, {}, {}, {})
+        if len(self.members) == 1:  # one width: every value indexes that width's unique IDs
+            dim = self.dims[0]
+            uniq[dim], index = np.unique(keyed.values, return_inverse=True)
+            index = index.reshape(-1).astype(np.int64, copy=False)
+        else:
+            bounds = keyed.bounds
+            index = np.empty(keyed.values.shape[0], np.int64)
+            for dim, members in self.members.items():
+                at = np.concatenate([np.arange(bounds[f], bounds[f + 1]) for f in members])
+                uniq[dim], inverse = np.unique(keyed.values[at], return_inverse=True)
+                index[at] = inverse.reshape(-1)
+        return uniq, self._plan(KeyedBags(index, keyed.lengths), {})
+
+    def _plan(self, index: KeyedBags, rows: dict) -> BatchEmbeddings:
+        """The bag structure of a batch whose every value is the row (within its width's `rows`) it reads:
+        what training decodes and serving looks up come to the same plan, pooled by the same `pool`."""
+        out = BatchEmbeddings(len(index), rows, {}, {}, {})
+        bounds = index.bounds
         for dim, members in self.members.items():
-            values = [bags[f].values for f in members]
-            u, inverse = np.unique(np.concatenate(values) if len(values) > 1 else values[0], return_inverse=True)
-            inverse = inverse.reshape(-1).astype(np.int64, copy=False)
-            uniq[dim] = u
             pooled = self.pooled[dim]
-            if len(pooled) == len(members):  # no sequence of this width: the bags are the values in order
-                index = inverse
-                bag_lengths = np.concatenate([bags[f].lengths for f in members])
+            span = self.spans[dim]
+            if span is not None:  # the width's pooled features are neighbours: one slice
+                out.index[dim] = index.values[bounds[span[0]]:bounds[span[1]]]
             else:
-                bounds = np.cumsum([0] + [v.shape[0] for v in values])
-                for k, f in enumerate(members):
-                    if self.features[f].sequence:
-                        out.sequences[f] = _padded(inverse[bounds[k]:bounds[k + 1]], bags[f].lengths,
-                                                   self.features[f])
-                index = np.concatenate([inverse[bounds[k]:bounds[k + 1]] for k, f in enumerate(members)
-                                        if not self.features[f].sequence] or [np.zeros(0, np.int64)])
-                bag_lengths = np.concatenate([bags[f].lengths for f in pooled] or [np.zeros(0, np.int64)])
-            out.index[dim] = index
+                out.index[dim] = np.concatenate([index.values[bounds[f]:bounds[f + 1]] for f in pooled]
+                                                or [np.zeros(0, np.int64)])
+            bag_lengths = index.lengths[pooled].reshape(-1)
             out.offsets[dim] = np.cumsum(bag_lengths) - bag_lengths
-            out.weights[dim] = (np.concatenate([_bag_weights(bags[f].lengths, self.features[f].pooling)
+            out.weights[dim] = (np.concatenate([_bag_weights(index.lengths[f], self.features[f].pooling)
                                                 for f in pooled] or [np.zeros(0, np.float32)]).astype(np.float32)
                                 if self.weighted else None)
-        return uniq, out
+            for f in members:
+                if self.features[f].sequence:
+                    out.sequences[f] = _padded(index.values[bounds[f]:bounds[f + 1]], index.lengths[f],
+                                               self.features[f])
+        return out
 
     def empty(self, batch_size: int) -> BatchEmbeddings:
         """Embeddings of a batch whose every bag is empty (pooled zeros): the stand-in for a lost batch."""
@@ -162,9 +163,8 @@ class Pooler:
                 weights = emb.weights[dim]
                 bags = bag_sum(leaf, as_tensor(emb.index[dim], device), as_tensor(emb.offsets[dim], device),
                                None if weights is None else as_tensor(weights, device))
-                bags = bags.view(len(bagged), emb.batch_size, dim)
-                for k, f in enumerate(bagged):
-                    pooled[self.names[f]] = bags[k]
+                for f, bag in zip(bagged, bags.view(len(bagged), emb.batch_size, dim).unbind(0)):
+                    pooled[self.names[f]] = bag
             sequences = [f for f in members if f in emb.sequences]
             if sequences:  # index -1 (past a sample's length) reads the zero row appended last
                 padded = torch.cat([leaf, leaf.new_zeros(1, dim)])

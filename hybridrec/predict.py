@@ -3,7 +3,7 @@
 The data is read by the data loader's own readers, configured by the job's
 config the bundle carries (`config.yaml`): TSV, Parquet or prepared data,
 hashed, truncated and transformed exactly as training read it. Each chunk's
-features become one `hybridrec.jagged.Bag` each, and from there the
+features become one `hybridrec.jagged.KeyedBags`, and from there the
 inference service's code answers: `Pooler.from_bags`, the bundle's table
 lookup, `LoadedModel.forward`. So a row scored here and the same row sent to
 `hybridrec serve inference` by feature name get the same probability (the
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridrec.bundle import bundle_config
-from hybridrec.jagged import Bag
+from hybridrec.jagged import KeyedBags
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
 
     async def score() -> None:
         for rows in sources.eval_rows(config, batching.ReadCounters()):
-            bags = rows.bags if rows.bags is not None else Bag.from_columns(rows.ids, rows.present)
+            bags = KeyedBags.from_bags(rows.bags) if rows.bags is not None else KeyedBags.from_columns(
+                rows.ids, rows.present)
             uniq, pooled = model.pooler.from_bags(bags)
             pooled.rows = await model.table.lookup(uniq)
             parts.append(model.forward(np.ascontiguousarray(rows.dense), pooled))

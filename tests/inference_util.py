@@ -148,9 +148,9 @@ def columns(samples) -> tuple[np.ndarray, np.ndarray]:
     """(ids (n, F), present (n, F)) of decoded inference `Samples` whose features are all scalar (a bag of at
     most one ID each): the column form `reference` and the TSV reader use."""
     n = len(samples)
-    ids = np.zeros((n, len(samples.bags)), np.uint64)
-    present = np.zeros((n, len(samples.bags)), bool)
-    for f, bag in enumerate(samples.bags):
+    ids = np.zeros((n, samples.bags.num_features), np.uint64)
+    present = np.zeros((n, samples.bags.num_features), bool)
+    for f, bag in enumerate(samples.bags.bags()):
         assert (bag.lengths <= 1).all(), f"feature {f} is not scalar"
         present[:, f] = bag.lengths == 1
         ids[present[:, f], f] = bag.values

@@ -7,7 +7,9 @@ the forward pass on a dedicated compute thread while the event loop keeps
 receiving requests; those form the next micro-batch (a small micro-batch runs
 on the loop's thread: the hand-over would cost more than its forward pass).
 
-Waiting: a request arriving at an idle server is answered at once. Only when
+Waiting: a request arriving at an idle server is answered at once, in its own
+task (no hand-over to the batching loop: a batch-1 caller pays for its own
+forward pass and nothing else). Only when
 requests are arriving concurrently (the previous micro-batch merged several,
 or most recent requests arrived while another was in flight) does a
 micro-batch wait up to `max_delay_ms` for more, so sequential callers pay no
@@ -56,6 +58,7 @@ class Batcher:
         self._concurrent = False  # did the last micro-batch merge several requests?
         self.in_flight = 0  # requests given to infer() and not yet answered
         self._overlap = 0.0  # moving average of "another request was in flight when this one arrived"
+        self._running = asyncio.Lock()  # held while a micro-batch is answered: one at a time
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._loop())
@@ -73,21 +76,32 @@ class Batcher:
         self.counters["rows_total"] += len(samples)
         self.in_flight += 1
         try:
+            if self._alone():
+                await asyncio.sleep(0)  # requests that arrived with this one reach infer() first...
+                if self._alone():  # ...and if none did, this one is answered here, with no hand-over
+                    async with self._running:
+                        await self._answer([pending])
+                    return await pending.future
             await self.queue.put(pending)
             return await pending.future
         finally:
             self.in_flight -= 1
 
-    async def _take(self) -> list[Pending]:
-        first = await self.queue.get()
+    def _alone(self) -> bool:
+        """Only one request is in flight, nothing is being answered, and requests are not arriving concurrently."""
+        return self.in_flight == 1 and self.queue.empty() and not self._running.locked() and not self._waiting()
+
+    def _waiting(self) -> bool:
+        """Whether a micro-batch should wait for company: requests are arriving concurrently (the last
+        micro-batch merged several, or requests mostly arrive while others are in flight; a sequential
+        caller never has another request in flight, so it never waits)."""
+        return self.enabled and (self._concurrent or self._overlap > 0.5)
+
+    async def _take(self, first: Pending) -> list[Pending]:
         batch, rows = [first], len(first.samples)
         if not self.enabled:
             return batch
-        # Wait for company only when requests are arriving concurrently: the last micro-batch merged
-        # several, or requests mostly arrive while others are in flight (a sequential caller never
-        # has another request in flight, so it never waits).
-        waiting = self._concurrent or self._overlap > 0.5
-        deadline = time.monotonic() + self.max_delay_s if waiting else 0.0
+        deadline = time.monotonic() + self.max_delay_s if self._waiting() else 0.0
         while rows < self.max_rows:
             if self.queue.empty():
                 remaining = deadline - time.monotonic()
@@ -114,45 +128,51 @@ class Batcher:
         q.appendleft(item)
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = await self._take()
-            self._concurrent = len(batch) > 1 or not self.queue.empty()
-            model = self.source.current()
-            live = []
-            for p in batch:
-                if p.version is not None and p.version != model.version:
-                    self._fail(p, NotFound(f"model version {p.version} is not loaded; serving version "
-                                           f"{model.version}"))
-                else:
-                    live.append(p)
-            if not live:
-                continue
-            self.counters["micro_batches_total"] += 1
-            try:
-                probs = await self._run(loop, model, [p.samples for p in live])
-            except Exception as exc:  # noqa: BLE001 - answered to each caller; the loop keeps serving
-                for p in live:
-                    self._fail(p, exc)
-                continue
-            start = 0
-            rows = sum(len(p.samples) for p in live)
+            first = await self.queue.get()
+            async with self._running:  # a request answered in its own task finishes first
+                batch = await self._take(first)
+                self._concurrent = len(batch) > 1 or not self.queue.empty()
+                await self._answer(batch)
+
+    async def _answer(self, batch: list[Pending]) -> None:
+        """Answer every request of one micro-batch (its future), all from one model version."""
+        model = self.source.current()
+        live = []
+        for p in batch:
+            if p.version is not None and p.version != model.version:
+                self._fail(p, NotFound(f"model version {p.version} is not loaded; serving version "
+                                       f"{model.version}"))
+            else:
+                live.append(p)
+        if not live:
+            return
+        self.counters["micro_batches_total"] += 1
+        try:
+            probs = await self._run(model, [p.samples for p in live])
+        except Exception as exc:  # noqa: BLE001 - answered to each caller; the loop keeps serving
             for p in live:
-                n = len(p.samples)
-                if not p.future.done():
-                    p.future.set_result(Result(probs[start:start + n], model.version, rows))
-                start += n
+                self._fail(p, exc)
+            return
+        start = 0
+        rows = sum(len(p.samples) for p in live)
+        for p in live:
+            n = len(p.samples)
+            if not p.future.done():
+                p.future.set_result(Result(probs[start:start + n], model.version, rows))
+            start += n
 
     def _fail(self, p: Pending, exc: BaseException) -> None:
         self.counters["failed_requests_total"] += 1
         if not p.future.done():
             p.future.set_exception(exc)
 
-    async def _run(self, loop, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
+    async def _run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
         samples = Samples.concat(parts)
         dense = samples.dense
         uniq, bags = model.pooler.from_bags(samples.bags)
         bags.rows = await model.table.lookup(uniq)
         if len(samples) <= self.inline_max_rows:
             return model.forward(np.ascontiguousarray(dense), bags)
-        return await loop.run_in_executor(self.executor, model.forward, np.ascontiguousarray(dense), bags)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, model.forward,
+                                                                np.ascontiguousarray(dense), bags)

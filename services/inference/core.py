@@ -34,7 +34,8 @@ class InferenceCore:
         self.source: ModelSource | None = None
         self.batcher: Batcher | None = None
         self.max_request_rows = max_request_rows
-        self._decoders: dict[int, InputDecoder] = {}
+        self._decoder_of: tuple[object, InputDecoder] | None = None  # (manifest, its decoder)
+        self._truncated_before = 0  # truncated_rows of the decoders of versions no longer served
         self.counters = {"bad_requests_total": 0, "not_found_total": 0}
 
     def serve(self, source: ModelSource, batcher: Batcher) -> None:
@@ -88,11 +89,14 @@ class InferenceCore:
 
     # -- inference --------------------------------------------------------------------------------
     def _decoder(self) -> InputDecoder:
-        model = self.current()
-        decoder = self._decoders.get(id(model.manifest))
-        if decoder is None:
-            decoder = self._decoders[id(model.manifest)] = InputDecoder(model.manifest, self.max_request_rows)
-        return decoder
+        """The current version's decoder (every version of a followed job has the same features; one decoder
+        is kept, not one per version ever served)."""
+        manifest = self.current().manifest
+        if self._decoder_of is None or self._decoder_of[0] is not manifest:
+            if self._decoder_of is not None:
+                self._truncated_before += self._decoder_of[1].truncated_rows
+            self._decoder_of = (manifest, InputDecoder(manifest, self.max_request_rows))
+        return self._decoder_of[1]
 
     async def infer(self, name: str, version: str, tensors: Sequence[Tensor],
                     outputs: Sequence[str] = ()) -> Answer:
@@ -111,7 +115,8 @@ class InferenceCore:
 
     def stats(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counters.items()},
-                "truncated_rows_total": float(sum(d.truncated_rows for d in self._decoders.values())),
+                "truncated_rows_total": float(self._truncated_before
+                                              + (self._decoder_of[1].truncated_rows if self._decoder_of else 0)),
                 **({k: float(v) for k, v in self.batcher.counters.items()} if self.batcher else {}),
                 "model_version": float(self.current().version) if self.ready else -1.0,
                 "ready": float(self.ready)}

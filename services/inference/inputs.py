@@ -1,4 +1,4 @@
-"""Turn the inputs of an inference request into the model's inputs: one `Bag` of IDs per feature, and dense.
+"""Turn the inputs of an inference request into the model's inputs: the features as `KeyedBags` of IDs, and dense.
 
 Three ways to send samples (docs/serving.md#inference-service):
 
@@ -26,8 +26,8 @@ Three ways to send samples (docs/serving.md#inference-service):
   (log1p of max(x, 0)).
 
 Anything else is refused with `BadInput` (INVALID_ARGUMENT / 400) naming
-what is wrong. Every form gives the same `Samples`: one `hybridrec.jagged.Bag`
-per feature (a Criteo column is a bag of at most one ID).
+what is wrong. Every form gives the same `Samples`: the features as one
+`hybridrec.jagged.KeyedBags` (a Criteo column is a bag of at most one ID).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
 from hybridrec.config import FeatureKind
 from hybridrec.criteo_parser import _OK, _parse_lines, error_text, hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
-from hybridrec.jagged import Bag
+from hybridrec.jagged import Bag, KeyedBags
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -79,7 +79,7 @@ ID_DATATYPES = ("INT64", "INT32", "UINT64", "BYTES")
 
 @dataclass
 class Samples:
-    bags: list[Bag]  # one per feature, in manifest order
+    bags: KeyedBags  # every feature, in manifest order
     dense: np.ndarray  # float32 (n, num_dense)
 
     def __len__(self) -> int:
@@ -87,14 +87,13 @@ class Samples:
 
     @staticmethod
     def from_columns(ids: np.ndarray, present: np.ndarray, dense: np.ndarray) -> "Samples":
-        return Samples(Bag.from_columns(ids, present), dense)
+        return Samples(KeyedBags.from_columns(ids, present), dense)
 
     @staticmethod
     def concat(parts: Sequence["Samples"]) -> "Samples":
         if len(parts) == 1:
             return parts[0]
-        return Samples([Bag.concat([p.bags[f] for p in parts]) for f in range(len(parts[0].bags))],
-                       np.concatenate([p.dense for p in parts]))
+        return Samples(KeyedBags.concat([p.bags for p in parts]), np.concatenate([p.dense for p in parts]))
 
 
 class InputDecoder:
@@ -250,7 +249,7 @@ class InputDecoder:
         if not np.isfinite(dense).all():
             raise BadInput("the dense inputs hold NaN or infinity")
         bags = [self._feature(f, by_name[f.name], by_name.get(f.name + LENGTHS_SUFFIX), n) for f in self.features]
-        return Samples(bags, dense)
+        return Samples(KeyedBags.from_bags(bags), dense)
 
     def _dense_matrix(self, t: Tensor) -> np.ndarray:
         if t.datatype != "FP32":

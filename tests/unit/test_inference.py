@@ -268,7 +268,7 @@ def test_named_string_features_hash_like_the_training_reader(bundle):
     fields = [line.split("\t") for line in lines]
     from_rows = decoder.decode([_rows_tensor(lines)])
     named = decoder.decode(_named([[row[13 + f].encode() for row in fields] for f in range(26)], from_rows.dense))
-    for a, b in zip(from_rows.bags, named.bags):
+    for a, b in zip(from_rows.bags.bags(), named.bags.bags()):
         np.testing.assert_array_equal(a.values, b.values)
         np.testing.assert_array_equal(a.offsets, b.offsets)
     model = load_model(path)
@@ -300,9 +300,9 @@ def test_a_list_feature_keeps_its_most_recent_max_len_values_and_counts_the_cut(
     samples = decoder.decode(_list_request([7, 8], [1, 2, 3, 4, 5, 6], [5, 1]))
     expected = np.empty(4, np.uint64)
     hash_ints(np.array([3, 4, 5, 6], np.int64), np.uint64(1 << 56), expected)  # row 0 keeps 3, 4, 5
-    np.testing.assert_array_equal(samples.bags[1].values, expected)
-    np.testing.assert_array_equal(samples.bags[1].offsets, [0, 3, 4])
-    assert decoder.truncated_rows == 1 and samples.bags[0].lengths.tolist() == [1, 1]
+    np.testing.assert_array_equal(samples.bags.bag(1).values, expected)
+    np.testing.assert_array_equal(samples.bags.bag(1).offsets, [0, 3, 4])
+    assert decoder.truncated_rows == 1 and samples.bags.bag(0).lengths.tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("tensors, match", [
