@@ -1,19 +1,26 @@
 """Inference-service benchmark: one run, one JSON; every ratio is against a baseline measured in the same run.
 
-Model: the README example's size (DNN over 26 features of width 16 and 13
-dense features, hidden sizes from examples/criteo_synth.yaml), random weights,
-a bundle of `--rows-per-feature` random rows per feature in 2 shards.
+Models: the README example's size (DNN over 26 features of width 16 and 13
+dense features, hidden sizes from examples/criteo_synth.yaml) and the DIN
+example (examples/din_parquet.yaml: scalar, multi-hot and a 30-long behaviour
+sequence, two tasks), random weights, bundles of random rows in 2 shards.
 
+For each model:
 1. baseline: the same model in process, no RPC: pooling + embedding lookup +
    forward (what one micro-batch costs the service), rows/s at batch 512;
-   also the dense forward alone;
-2. `hybridrec serve inference` as a process, sequential gRPC requests
-   (hashed `ids` + `dense`, raw contents) at batch 1, 32 and 512: p50/p99
-   latency, rows/s;
+2. `hybridrec serve inference` as a process, sequential gRPC requests at
+   batch 1, 32 and 512 (Criteo: hashed `ids` + `dense`; DIN: features by
+   name, the sequence at its full 30): p50/p99 latency, rows/s;
 3. throughput at concurrency 16 with batch-1 requests, dynamic batching on
-   and off (the server restarted with batching.enabled=false);
-4. targets: batch 512 >= 0.7x in-process rows/s, batch-1 p50 <= 1 ms and
-   p99 <= 5 ms, batching on >= 3x off at concurrency 16.
+   and off (the server restarted with batching.enabled=false).
+And the cost of a call: the server CPU of an empty RPC (ServerLive) against
+a bare grpc.aio + uvloop server answering the same RPC with no interceptors
+(`--bare-server`, started by this script), and of a batch-1 ModelInfer.
+
+Targets: Criteo batch-1 p50 <= 1 ms and p99 <= 5 ms; DIN batch-1 p50 <= 2 ms;
+batch 512 >= 0.7x in-process rows/s; batching on >= 2x off at concurrency 16;
+empty-call CPU <= 1.2x the bare server's; batch-1 ModelInfer CPU <= 2x an
+empty call's.
 
     python benchmarks/serving.py --out results/serving.json
 """
@@ -40,11 +47,9 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from hybridrec.proto import grpc_predict_v2_pb2 as oip  # noqa: E402
-from services.inference.batcher import Batcher  # noqa: E402
 from services.inference.inputs import InputDecoder, Tensor  # noqa: E402
-from services.inference.model import StaticSource, load_model  # noqa: E402
-from hybridrec.inference_config import BatchingConfig  # noqa: E402
-from tests.inference_util import make_bundle, random_ids  # noqa: E402
+from services.inference.model import load_model  # noqa: E402
+from tests.inference_util import make_bundle, make_config_bundle, random_ids  # noqa: E402
 from hybridrec.launcher import free_port  # noqa: E402
 
 MODEL = "ctr"
@@ -62,7 +67,95 @@ def request_bytes(ids: np.ndarray, dense: np.ndarray) -> bytes:
     return req.SerializeToString()
 
 
-class Server:
+def named_request_bytes(inputs: dict[str, np.ndarray]) -> bytes:
+    """A ModelInferRequest of named tensors (raw contents): INT64 features and lengths, FP32 dense."""
+    req = oip.ModelInferRequest(model_name=MODEL)
+    for name, value in inputs.items():
+        datatype = "FP32" if value.dtype == np.float32 else "INT64"
+        req.inputs.add(name=name, datatype=datatype, shape=list(value.shape))
+        req.raw_input_contents.append(np.ascontiguousarray(value).tobytes())
+    return req.SerializeToString()
+
+
+def din_inputs(n: int, vocabulary: int, seed: int, seq_len: int = 30) -> dict[str, np.ndarray]:
+    """n samples of the DIN example by feature name: the scalars, 1-8 tags, a full 30-long sequence."""
+    rng = np.random.default_rng(seed)
+    tags = rng.integers(1, 9, n)
+    return {"user_id": rng.integers(0, vocabulary, n), "item_id": rng.integers(0, vocabulary, n),
+            "item_cat": rng.integers(0, vocabulary, n),
+            "tags": rng.integers(0, vocabulary, int(tags.sum())), "tags__lengths": tags.astype(np.int64),
+            "hist_cats": rng.integers(0, vocabulary, n * seq_len),
+            "hist_cats__lengths": np.full(n, seq_len, np.int64),
+            "dense": rng.random((n, 4), dtype=np.float32)}
+
+
+def bare_server(port: int) -> None:
+    """The floor: grpc.aio on uvloop answering ServerLive, no interceptors, nothing else (`--bare-server`)."""
+    import uvloop
+
+    async def live(request, context):
+        return oip.ServerLiveResponse(live=True)
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        handler = grpc.unary_unary_rpc_method_handler(live, request_deserializer=oip.ServerLiveRequest.FromString,
+                                                      response_serializer=lambda m: m.SerializeToString())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ServerLive": handler, "ServerReady": handler}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    uvloop.run(run())
+
+
+def empty_call_cpu_us(server, n: int = 3000) -> float:
+    """Server CPU per empty RPC (ServerLive) over n sequential calls."""
+    channel = grpc.insecure_channel(server.address)
+    call = channel.unary_unary("/inference.GRPCInferenceService/ServerLive", request_serializer=None,
+                               response_deserializer=oip.ServerLiveResponse.FromString)
+    for _ in range(200):
+        call(b"", timeout=30)
+    cpu = server.cpu_s()
+    for _ in range(n):
+        call(b"", timeout=30)
+    used = (server.cpu_s() - cpu) / n * 1e6
+    channel.close()
+    return used
+
+
+class Process:
+    """A server process this benchmark started: its CPU time so far, and stopping it."""
+
+    proc: subprocess.Popen
+    address: str
+
+    def cpu_s(self) -> float:
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class BareServer(Process):
+    """`bare_server` in its own process."""
+
+    def __init__(self, log: Path):
+        self.port = _free_port()
+        self.proc = subprocess.Popen([sys.executable, __file__, "--bare-server", str(self.port)], cwd=REPO,
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.address = f"127.0.0.1:{self.port}"
+        grpc.channel_ready_future(grpc.insecure_channel(self.address)).result(timeout=60)
+
+
+class Server(Process):
     def __init__(self, bundle: Path, log: Path, *sets: str):
         self.port = _free_port()
         http = _free_port()
@@ -90,19 +183,6 @@ class Server:
                 raise TimeoutError(log.read_text())
             time.sleep(0.2)
         channel.close()
-
-    def cpu_s(self) -> float:
-        import psutil
-
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def rpc_cost(server: "Server", payload: bytes, n: int = 2000) -> dict:
@@ -200,13 +280,12 @@ async def _concurrent(address: str, payloads: list[bytes], concurrency: int, sec
             "mean_micro_batch_rows": float(np.mean(merged)) if merged else 0.0}
 
 
-def in_process(bundle: Path, ids: np.ndarray, dense: np.ndarray, repeats: int) -> dict:
+def in_process(bundle: Path, tensors: list[Tensor], repeats: int) -> dict:
+    """Decoded samples through pooling, lookup and forward in this process: what a micro-batch costs."""
     model = load_model(bundle)
-    decoder = InputDecoder(model.manifest, 1 << 16)
-    samples = decoder.decode([Tensor("ids", "UINT64", ids.shape, ids.reshape(-1)),
-                              Tensor("dense", "FP32", dense.shape, dense.reshape(-1))])
+    samples = InputDecoder(model.manifest, 1 << 16).decode(tensors)
 
-    async def pipeline() -> float:
+    async def pipeline() -> None:
         uniq, bags = model.pooler.from_bags(samples.bags)
         bags.rows = await model.table.lookup(uniq)
         model.forward(samples.dense, bags)
@@ -220,68 +299,36 @@ def in_process(bundle: Path, ids: np.ndarray, dense: np.ndarray, repeats: int) -
         return time.perf_counter() - t
 
     wall = asyncio.run(run())
-    uniq, bags = model.pooler.from_bags(samples.bags)
-    bags.rows = asyncio.run(model.table.lookup(uniq))
-    with torch.inference_mode():
-        _, pooled = model.pooler.pool(bags, torch.device("cpu"), grad=False)
-        x = torch.from_numpy(samples.dense)
-        for _ in range(5):
-            model.model(x, pooled)
-        t = time.perf_counter()
-        for _ in range(repeats):
-            model.model(x, pooled)
-        dense_wall = time.perf_counter() - t
-    n = ids.shape[0]
-    return {"batch": n, "rows_per_s": n * repeats / wall, "ms_per_batch": wall / repeats * 1e3,
-            "dense_forward_only_rows_per_s": n * repeats / dense_wall}
+    n = len(samples)
+    return {"batch": n, "rows_per_s": n * repeats / wall, "ms_per_batch": wall / repeats * 1e3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows-per-feature", type=int, default=20_000)
-    parser.add_argument("--seconds", type=float, default=5.0, help="Each concurrency-16 measurement.")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="Server and baseline (0: torch's default). 1 by default: on a small shared machine "
-                             "torch's OpenMP threads spin against other processes (9x slower at 2 threads here).")
-    parser.add_argument("--client-processes", type=int, default=4, help="Load-generator processes at concurrency 16.")
-    args = parser.parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    args.seconds = max(args.seconds, 1.0)
-    hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
-    tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
-    bundle = tmp / "bundle"
-    _, known = make_bundle(bundle, hidden=hidden, rows_per_feature=args.rows_per_feature, num_shards=2)
-    rng = np.random.default_rng(0)
-    batches = {}
-    for n in (1, 32, 512):
-        ids = random_ids(known, n, seed=n, unknown=0.1, absent=0.05)
-        batches[n] = (ids, rng.random((n, 13), dtype=np.float32))
+def tensors_of_request(payload: bytes) -> list[Tensor]:
+    from services.inference.grpc_api import tensors_of
 
-    result: dict = {"model": {"path": "hybridrec.models:DNN", "hidden": hidden, "features": 26, "dim": 16,
-                              "num_dense": 13, "rows_in_bundle": 26 * args.rows_per_feature},
-                    "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                                "python": platform.python_version(), "torch": torch.__version__}}
-    result["in_process_batch512"] = in_process(bundle, *batches[512], repeats=200)
+    return tensors_of(oip.ModelInferRequest.FromString(payload))
 
+
+def measure_model(bundle: Path, payloads: dict[int, bytes], singles: list[bytes], tmp: Path, name: str,
+                  args) -> dict:
+    """One model: the in-process baseline, sequential gRPC at each batch size, the cost of a call, and
+    concurrency 16 with batching on and off."""
+    result: dict = {"in_process_batch512": in_process(bundle, tensors_of_request(payloads[512]), repeats=200)}
     sets = [f"torch_threads={args.torch_threads}"]
-    server = Server(bundle, tmp / "on.log", *sets)
+    server = Server(bundle, tmp / f"{name}-on.log", *sets)
     try:
         seq = {}
         for n, reps in ((1, 3000), (32, 2000), (512, 300)):
-            seq[f"batch{n}"] = sequential(server.address, request_bytes(*batches[n]), reps, warmup=50)
+            seq[f"batch{n}"] = sequential(server.address, payloads[n], reps, warmup=50)
             seq[f"batch{n}"]["rows_per_s"] = n / (seq[f"batch{n}"]["mean_ms"] / 1e3)
         result["grpc_sequential"] = seq
-        # What one call costs the server's CPU: an empty RPC (ServerLive) against a batch-1 inference.
-        seq["server_cpu_us_per_call"] = rpc_cost(server, request_bytes(*batches[1]))
-        singles = [request_bytes(batches[512][0][i:i + 1], batches[512][1][i:i + 1]) for i in range(512)]
+        result["server_cpu_us_per_call"] = rpc_cost(server, payloads[1])
         cpu = server.cpu_s()
         on = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
         on["server_cpu_us_per_request"] = (server.cpu_s() - cpu) / on["all_requests"] * 1e6
     finally:
         server.stop()
-    server = Server(bundle, tmp / "off.log", *sets, "batching.enabled=false")
+    server = Server(bundle, tmp / f"{name}-off.log", *sets, "batching.enabled=false")
     try:
         cpu = server.cpu_s()
         off = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
@@ -289,21 +336,81 @@ def main() -> None:
     finally:
         server.stop()
     result["grpc_concurrency16_batch1"] = {"batching_on": on, "batching_off": off}
-
-    base = result["in_process_batch512"]["rows_per_s"]
-    ratios = {
-        "batch512_vs_in_process": seq["batch512"]["rows_per_s"] / base,
+    result["ratios"] = {
+        "batch512_vs_in_process": seq["batch512"]["rows_per_s"] / result["in_process_batch512"]["rows_per_s"],
         "batching_on_vs_off": on["requests_per_s"] / off["requests_per_s"],
         # What batching saves the server per request: the throughput gain where the server, not the
         # load generator, is what runs out of CPU.
         "server_cpu_per_request_off_vs_on": off["server_cpu_us_per_request"] / on["server_cpu_us_per_request"],
+        "model_infer_batch1_vs_empty_call_cpu": (result["server_cpu_us_per_call"]["ModelInfer_batch1"]
+                                                 / result["server_cpu_us_per_call"]["ServerLive"]),
     }
-    result["ratios"] = ratios
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--rows-per-feature", type=int, default=20_000)
+    parser.add_argument("--seconds", type=float, default=5.0, help="Each concurrency-16 measurement.")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="Server and baseline (0: torch's default). 1 by default: on a small shared machine "
+                             "torch's OpenMP threads spin against other processes (9x slower at 2 threads here).")
+    parser.add_argument("--client-processes", type=int, default=4, help="Load-generator processes at concurrency 16.")
+    args = parser.parse_args()
+    if args.bare_server is not None:
+        return bare_server(args.bare_server)
+    if args.out is None:
+        parser.error("--out is required")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    args.seconds = max(args.seconds, 1.0)
+    hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
+    tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
+    result: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                                "python": platform.python_version(), "torch": torch.__version__}}
+
+    # The floor: an empty call on a bare grpc.aio server, then on ours (same client, same run).
+    bare = BareServer(tmp / "bare.log")
+    try:
+        bare_us = empty_call_cpu_us(bare)
+    finally:
+        bare.stop()
+
+    criteo = tmp / "criteo"
+    _, known = make_bundle(criteo, hidden=hidden, rows_per_feature=args.rows_per_feature, num_shards=2)
+    rng = np.random.default_rng(0)
+    batches = {n: (random_ids(known, n, seed=n, unknown=0.1, absent=0.05), rng.random((n, 13), dtype=np.float32))
+               for n in (1, 32, 512)}
+    payloads = {n: request_bytes(*b) for n, b in batches.items()}
+    singles = [request_bytes(batches[512][0][i:i + 1], batches[512][1][i:i + 1]) for i in range(512)]
+    result["criteo"] = {"model": {"path": "hybridrec.models:DNN", "hidden": hidden, "features": 26, "dim": 16,
+                                  "num_dense": 13, "rows_in_bundle": 26 * args.rows_per_feature},
+                        **measure_model(criteo, payloads, singles, tmp, "criteo", args)}
+
+    din = tmp / "din"
+    make_config_bundle(din, REPO / "examples/din_parquet.yaml", vocabulary=args.rows_per_feature)
+    payloads = {n: named_request_bytes(din_inputs(n, args.rows_per_feature, seed=n)) for n in (1, 32, 512)}
+    singles = [named_request_bytes(din_inputs(1, args.rows_per_feature, seed=1000 + i)) for i in range(512)]
+    result["din"] = {"model": {"path": "hybridrec.models:DIN", "config": "examples/din_parquet.yaml",
+                               "sequence_length": 30, "tasks": 2},
+                     **measure_model(din, payloads, singles, tmp, "din", args)}
+
+    ours = result["criteo"]["server_cpu_us_per_call"]["ServerLive"]
+    result["empty_call_cpu_us"] = {"bare_grpc_aio": bare_us, "hybridrec": ours, "ratio": ours / bare_us}
+    c, d = result["criteo"], result["din"]
     result["targets"] = {
-        "batch512_vs_in_process>=0.7": ratios["batch512_vs_in_process"] >= 0.7,
-        "batch1_p50_ms<=1": seq["batch1"]["p50_ms"] <= 1.0,
-        "batch1_p99_ms<=5": seq["batch1"]["p99_ms"] <= 5.0,
-        "batching_on_vs_off>=3": ratios["batching_on_vs_off"] >= 3.0,
+        "criteo_batch1_p50_ms<=1": c["grpc_sequential"]["batch1"]["p50_ms"] <= 1.0,
+        "criteo_batch1_p99_ms<=5": c["grpc_sequential"]["batch1"]["p99_ms"] <= 5.0,
+        "din_batch1_p50_ms<=2": d["grpc_sequential"]["batch1"]["p50_ms"] <= 2.0,
+        "criteo_batch512_vs_in_process>=0.7": c["ratios"]["batch512_vs_in_process"] >= 0.7,
+        "din_batch512_vs_in_process>=0.7": d["ratios"]["batch512_vs_in_process"] >= 0.7,
+        "criteo_batching_on_vs_off>=2": c["ratios"]["batching_on_vs_off"] >= 2.0,
+        "din_batching_on_vs_off>=2": d["ratios"]["batching_on_vs_off"] >= 2.0,
+        "empty_call_cpu_vs_bare<=1.2": result["empty_call_cpu_us"]["ratio"] <= 1.2,
+        "criteo_model_infer_vs_empty_call_cpu<=2": c["ratios"]["model_infer_batch1_vs_empty_call_cpu"] <= 2.0,
+        "din_model_infer_vs_empty_call_cpu<=2": d["ratios"]["model_infer_batch1_vs_empty_call_cpu"] <= 2.0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -11,6 +11,7 @@ pools them for serving exactly as training pools what the frames carried.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -115,9 +116,10 @@ class KeyedBags:
     def num_features(self) -> int:
         return int(self.lengths.shape[0])
 
-    @property
+    @cached_property
     def bounds(self) -> np.ndarray:
-        """int64 (F + 1,): feature f's values are values[bounds[f]:bounds[f + 1]]."""
+        """int64 (F + 1,): feature f's values are values[bounds[f]:bounds[f + 1]] (computed once: a
+        KeyedBags is not changed after it is made)."""
         bounds = np.zeros(self.num_features + 1, np.int64)
         np.cumsum(self.lengths.sum(axis=1), out=bounds[1:])
         return bounds
@@ -148,10 +150,15 @@ class KeyedBags:
 
     @staticmethod
     def concat(parts: Sequence["KeyedBags"]) -> "KeyedBags":
-        """The samples of `parts`, in order (the inference batcher merging requests)."""
+        """The samples of `parts`, in order (the inference batcher merging requests): one gather of every
+        part's values into feature-major order, not a slice per part and feature."""
         if len(parts) == 1:
             return parts[0]
-        bounds = [p.bounds for p in parts]
-        values = np.concatenate([p.values[b[f]:b[f + 1]] for f in range(parts[0].num_features)
-                                 for p, b in zip(parts, bounds)])
+        nnz = np.stack([p.lengths.sum(axis=1) for p in parts])  # (parts, F)
+        starts = np.stack([p.bounds[:-1] for p in parts])  # each feature's first value within its part
+        starts += (np.cumsum(nnz.sum(axis=1)) - nnz.sum(axis=1))[:, None]  # ... within all parts' values
+        seg_len, seg_start = nnz.T.reshape(-1), starts.T.reshape(-1)  # (feature, part) segments, feature-major
+        out_start = np.cumsum(seg_len) - seg_len
+        index = np.repeat(seg_start - out_start, seg_len) + np.arange(int(seg_len.sum()))
+        values = np.concatenate([p.values for p in parts])[index]
         return KeyedBags(values, np.concatenate([p.lengths for p in parts], axis=1))

@@ -155,3 +155,38 @@ def columns(samples) -> tuple[np.ndarray, np.ndarray]:
         present[:, f] = bag.lengths == 1
         ids[present[:, f], f] = bag.values
     return ids, present
+
+
+def make_config_bundle(out: Path, config_path: Path, *, vocabulary: int = 20_000, num_shards: int = 2,
+                       seed: int = 0) -> BundleManifest:
+    """A bundle of a job config's model (its features, tables and model; random weights) whose tables hold a
+    row for every integer 0..vocabulary-1 of every feature group, hashed as the Parquet reader hashes integer
+    IDs: requests by feature name with such integers find their rows."""
+    from hybridrec.config import load_config
+    from hybridrec.criteo_parser import hash_ints
+    from hybridrec.models import feature_infos
+
+    config = load_config(config_path)
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    num_tasks = len(config.data.labels) if config.data.labels else 1
+    manifest = BundleManifest(version=1, step=10, features=config.features, num_dense=config.num_dense,
+                              num_tasks=num_tasks, model=config.model, num_shards=num_shards,
+                              input_types={f.name: "INT64" for f in config.features},
+                              dense_columns=list(config.data.dense_columns or []))
+    model = build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
+                        num_tasks=num_tasks)
+    writer = BundleWriter(out, manifest)
+    writer.add_dense(model.state_dict())
+    raw = np.arange(vocabulary, dtype=np.int64)
+    for dim in sorted({f.dim for f in config.features}):
+        groups = sorted({f.group for f in config.features if f.dim == dim})
+        ids = np.empty(vocabulary * len(groups), np.uint64)
+        for k, group in enumerate(groups):
+            hash_ints(raw, np.uint64(group << GROUP_SHIFT), ids[k * vocabulary:(k + 1) * vocabulary])
+        ids = np.unique(ids)
+        rows = rng.normal(0, 0.5, (ids.shape[0], dim)).astype(np.float32)
+        owner = shard_of(ids, num_shards)
+        for s in range(num_shards):
+            writer.add_table(s, dim, ids[owner == s], rows[owner == s])
+    return writer.commit()

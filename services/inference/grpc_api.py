@@ -7,6 +7,7 @@ OIP client reads it).
 """
 from __future__ import annotations
 
+import math
 import struct
 
 import grpc
@@ -62,7 +63,7 @@ def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
     tensors = []
     for i, inp in enumerate(request.inputs):
         shape = checked_shape(inp.shape)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if inp.datatype == "BYTES":
             data = split_bytes(raw[i], inp.name) if raw else list(inp.contents.bytes_contents)
             if len(data) != count:
