@@ -99,6 +99,9 @@ class BundleManifest(BaseModel):
     """Feature name -> OIP datatype of its values as the training data held them (BYTES: strings, as every TSV
     field; INT64: integers), for the model metadata: strings and integers hash differently. Empty where the
     export could not tell (a Parquet file no longer there, prepared data)."""
+    tasks: list[str] = Field(default_factory=list)
+    """The task (label column) of each output, in order, so a multi-task model's answers can be asked for by
+    name; empty in bundles written before they were recorded."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every other file of the bundle, by path relative to it."""
     created: float = Field(default_factory=time.time)

@@ -91,7 +91,7 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
                               num_shards=ps["num_shards"], input_types=input_types(config),
-                              dense_columns=config.dense_columns)
+                              dense_columns=config.dense_columns, tasks=list(config.data.labels))
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)

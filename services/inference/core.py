@@ -24,8 +24,20 @@ SERVER_VERSION = "0.1.0"
 class Answer:
     model_name: str
     model_version: str
-    probability: np.ndarray  # float32 (batch,) or (batch, outputs)
+    outputs: dict[str, np.ndarray]  # name -> float32: `probability` (batch,) or (batch, tasks); a task (batch,)
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def output_metadata(model) -> list[dict[str, Any]]:
+    """`probability`, and for a multi-task model whose bundle names its tasks, one output per task (that
+    task's column of `probability`), so a client can ask for a task by name."""
+    outputs = [{"name": OUTPUT, "datatype": "FP32", "shape": [-1] if model.outputs == 1 else [-1, model.outputs]}]
+    return outputs + [{"name": task, "datatype": "FP32", "shape": [-1]} for task in task_names(model)]
+
+
+def task_names(model) -> list[str]:
+    tasks = list(model.manifest.tasks)
+    return tasks if model.outputs > 1 and len(tasks) == model.outputs else []
 
 
 class InferenceCore:
@@ -83,8 +95,7 @@ class InferenceCore:
             "versions": [str(model.version)],
             "platform": PLATFORM,
             "inputs": self._decoder().metadata(),
-            "outputs": [{"name": OUTPUT, "datatype": "FP32",
-                         "shape": [-1] if model.outputs == 1 else [-1, model.outputs]}],
+            "outputs": output_metadata(model),
         }
 
     # -- inference --------------------------------------------------------------------------------
@@ -101,16 +112,20 @@ class InferenceCore:
     async def infer(self, name: str, version: str, tensors: Sequence[Tensor],
                     outputs: Sequence[str] = ()) -> Answer:
         pinned = self.check_model(name, version)
+        tasks = task_names(self.current())
         try:
             for out in outputs:
-                if out != OUTPUT:
-                    raise BadInput(f"unknown output {out!r}; this model answers {OUTPUT!r}")
+                if out != OUTPUT and out not in tasks:
+                    raise BadInput(f"unknown output {out!r}; this model answers "
+                                   f"{', '.join(repr(o) for o in [OUTPUT, *tasks])}")
             samples = self._decoder().decode(tensors)
         except BadInput:
             self.counters["bad_requests_total"] += 1
             raise
         result = await self.batcher.infer(samples, pinned)
-        return Answer(self.model_name, str(result.version), result.probability,
+        probs = result.probability
+        answers = {out: probs if out == OUTPUT else probs[:, tasks.index(out)] for out in outputs or [OUTPUT]}
+        return Answer(self.model_name, str(result.version), answers,
                       {"model_version": str(result.version), "micro_batch_rows": int(result.micro_batch_rows)})
 
     def stats(self) -> dict[str, float]:

@@ -2,8 +2,9 @@
 
 Tensors may come in `contents` (typed repeated fields) or `raw_input_contents`
 (little-endian bytes; a BYTES element is a 4-byte length and its bytes);
-`probability` goes back in `raw_output_contents`, as Triton answers (every
-OIP client reads it).
+the outputs (`probability`, unless the request names others: a multi-task
+model's tasks by name) go back in `raw_output_contents`, as Triton answers
+(every OIP client reads it).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from hybridrec import rpc
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
-from services.inference.core import OUTPUT, InferenceCore
+from services.inference.core import InferenceCore
 from services.inference.inputs import DTYPES, BadInput, Tensor
 
 SERVICE = "inference.GRPCInferenceService"
@@ -127,10 +128,11 @@ class GRPCInferenceServicer:
         self.core.check_model(request.model_name, request.model_version)  # NOT_FOUND before any parsing
         answer = await self.core.infer(request.model_name, request.model_version, tensors_of(request),
                                        [o.name for o in request.outputs])
-        probs = np.ascontiguousarray(answer.probability, np.float32)
+        outputs = {name: np.ascontiguousarray(value, np.float32) for name, value in answer.outputs.items()}
         response = oip.ModelInferResponse(model_name=answer.model_name, model_version=answer.model_version,
-                                          id=request.id, raw_output_contents=[probs.tobytes()])
-        response.outputs.add(name=OUTPUT, datatype="FP32", shape=list(probs.shape))
+                                          id=request.id, raw_output_contents=[v.tobytes() for v in outputs.values()])
+        for name, value in outputs.items():
+            response.outputs.add(name=name, datatype="FP32", shape=list(value.shape))
         for key, value in answer.parameters.items():
             response.parameters[key].CopyFrom(_param(value))
         return response

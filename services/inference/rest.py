@@ -22,7 +22,7 @@ import prometheus_client
 from aiohttp import web
 
 from hybridrec import log
-from services.inference.core import OUTPUT, InferenceCore
+from services.inference.core import InferenceCore
 from services.inference.grpc_api import checked_shape, split_bytes
 from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
 
@@ -158,23 +158,25 @@ def make_app(core: InferenceCore) -> web.Application:
         tensors, outputs = tensors_of(body, binary)
         answer = await core.infer(request.match_info["name"], version_of(request), tensors,
                                   [o["name"] for o in outputs])
-        probs = np.ascontiguousarray(answer.probability, np.float32)
         params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
         want_binary = bool(params.get("binary_data_output")) or any(
             isinstance(o.get("parameters"), dict) and o["parameters"].get("binary_data") for o in outputs)
-        out: dict[str, Any] = {"name": OUTPUT, "datatype": "FP32", "shape": list(probs.shape)}
+        values = {name: np.ascontiguousarray(v, np.float32) for name, v in answer.outputs.items()}
+        outs: list[dict[str, Any]] = [{"name": name, "datatype": "FP32", "shape": list(v.shape)}
+                                      for name, v in values.items()]
         reply: dict[str, Any] = {"model_name": answer.model_name, "model_version": answer.model_version,
-                                 "parameters": answer.parameters, "outputs": [out]}
+                                 "parameters": answer.parameters, "outputs": outs}
         if isinstance(body.get("id"), str):
             reply["id"] = body["id"]
         if not want_binary:
-            out["data"] = probs.reshape(-1).tolist()
+            for out, v in zip(outs, values.values()):
+                out["data"] = v.reshape(-1).tolist()
             return web.json_response(reply)
-        payload = probs.tobytes()
-        out["parameters"] = {"binary_data_size": len(payload)}
+        for out, v in zip(outs, values.values()):
+            out["parameters"] = {"binary_data_size": v.nbytes}
         head_bytes = json.dumps(reply).encode()
-        return web.Response(body=head_bytes + payload, content_type="application/octet-stream",
-                            headers={HEADER_LENGTH: str(len(head_bytes))})
+        return web.Response(body=head_bytes + b"".join(v.tobytes() for v in values.values()),
+                            content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(head_bytes))})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=prometheus_client.generate_latest(),

@@ -148,7 +148,8 @@ class Publisher:
                 features=list(self.config.features), num_dense=self.config.num_dense, model=self.config.model,
                 num_tasks=self.config.num_tasks,
                 precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files,
-                input_types=self.input_types, dense_columns=self.config.dense_columns)
+                input_types=self.input_types, dense_columns=self.config.dense_columns,
+                tasks=list(self.config.data.labels))
             await asyncio.get_running_loop().run_in_executor(None, self._write_dense_and_manifest, path, state,
                                                              manifest, self.config)
         except Exception as exc:  # noqa: BLE001 - a failed version is counted; training goes on

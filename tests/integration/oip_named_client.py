@@ -4,7 +4,9 @@
     python oip_named_client.py REQUESTS.npz GRPC_URL HTTP_URL MODEL OUT.npz
 
 REQUESTS.npz holds `<request>/<input name>` arrays: bytes arrays (numpy 'S') are sent as BYTES, int64 as
-INT64, float32 as FP32. OUT.npz gets `grpc` and `http`: every request's probabilities, concatenated.
+INT64, float32 as FP32. Every output the model metadata lists is asked for by name; OUT.npz gets, per
+protocol (`grpc`, `http`), every request's answers concatenated: `grpc` the probabilities, `grpc/NAME` any
+other output (a multi-task model's tasks), and `grpc_outputs` the output names the metadata listed.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ def main() -> None:
     answers: dict[str, list[np.ndarray]] = {}
     for kind, module, url in (("grpc", grpcclient, grpc_url), ("http", httpclient, http_url)):
         client = module.InferenceServerClient(url=url)
-        answers[kind] = []
+        meta = client.get_model_metadata(model)
+        names = [o.name for o in meta.outputs] if kind == "grpc" else [o["name"] for o in meta["outputs"]]
+        answers[f"{kind}_outputs"] = [np.array(names)]
+        requested = [module.InferRequestedOutput(name) for name in names]
         for index in sorted(requests):
             inputs = []
             for name in requests[index]:
@@ -38,7 +43,10 @@ def main() -> None:
                 item = module.InferInput(name, list(array.shape), datatype)
                 item.set_data_from_numpy(array)
                 inputs.append(item)
-            answers[kind].append(client.infer(model, inputs).as_numpy("probability"))
+            result = client.infer(model, inputs, outputs=requested)
+            for name in names:
+                key = kind if name == "probability" else f"{kind}/{name}"
+                answers.setdefault(key, []).append(result.as_numpy(name))
         client.close()
     np.savez(out, **{kind: np.concatenate(parts) for kind, parts in answers.items()})
 

@@ -91,9 +91,10 @@ def serve(bundle, batches) -> np.ndarray:
     return np.concatenate(asyncio.run(go())), decoder
 
 
-def over_the_wire(server, batches, tmp_path) -> tuple[np.ndarray, np.ndarray]:
+def over_the_wire(server, batches, tmp_path) -> dict[str, np.ndarray]:
     """Every request through tritonclient's gRPC and HTTP clients (tests/integration/oip_named_client.py, a
-    process of its own): named tensors, as a user's client sends them."""
+    process of its own): named tensors, as a user's client sends them, every output the metadata lists asked
+    for by name."""
     arrays = {}
     for index, (tensors, _) in enumerate(batches):
         for t in tensors:
@@ -105,7 +106,7 @@ def over_the_wire(server, batches, tmp_path) -> tuple[np.ndarray, np.ndarray]:
                              str(tmp_path / "answers.npz")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     with np.load(tmp_path / "answers.npz") as answers:
-        return answers["grpc"], answers["http"]
+        return {key: answers[key] for key in answers.files}
 
 
 @pytest.mark.parametrize("example", ["multitask_parquet", "din_parquet"])
@@ -139,11 +140,15 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, example
     # The same requests from a stock OIP client (tritonclient) to `hybridrec serve inference`, gRPC and REST.
     server = Server(tmp_path / "bundle", tmp_path / "inference.log")
     try:
-        over_grpc, over_rest = over_the_wire(server, batches, tmp_path)
+        wire = over_the_wire(server, batches, tmp_path)
     finally:
         server.stop()
-    np.testing.assert_allclose(over_grpc, probs, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(over_rest, probs, rtol=0, atol=1e-5)
+    for kind in ("grpc", "http"):
+        np.testing.assert_allclose(wire[kind], probs, rtol=0, atol=1e-5)
+        # The metadata names each task as an output of its own: that column of the probabilities.
+        assert wire[f"{kind}_outputs"].tolist() == ["probability", "click", "conversion"], wire[f"{kind}_outputs"]
+        for t, task in enumerate(("click", "conversion")):
+            np.testing.assert_array_equal(wire[f"{kind}/{task}"], wire[kind][:, t])
 
     # Offline scoring of the same file equals the served predictions.
     _cli(["predict", str(tmp_path / "bundle"), str(data / "eval.parquet"), "--out", str(tmp_path / "p.parquet")])
