@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hybridrec.ids import GROUP_SHIFT
 from services.dataloader.criteo import NUM_SPARSE, read_criteo
 
 FEATURES = [f"C{i + 1}" for i in range(NUM_SPARSE)]
@@ -79,7 +80,9 @@ def _prepared_rows(directory: str | os.PathLike):
     from services.dataloader.prepared import iter_rows
 
     config = Config.model_validate({"data": {"train": [str(directory)]}, "cluster": {"ps": ["127.0.0.1:1"]}})
-    return iter_rows([str(directory)], config, counters=ReadCounters())
+    absent = np.arange(NUM_SPARSE, dtype=np.uint64) << np.uint64(GROUP_SHIFT)  # as read_criteo leaves an empty field
+    return [Arrays(rows.labels, rows.dense, *rows.bags.to_columns(absent))
+            for rows in iter_rows([str(directory)], config, counters=ReadCounters())]
 
 
 def clear_cache() -> None:

@@ -1,7 +1,7 @@
 """Hash-based ID deduplication: compiled loops that replace sort-based `np.unique` on the data path.
 
-A batch's IDs are deduplicated once, in the data loader (`unique_columns`
-for Criteo columns, `unique_inverse` for a feature's bag values): each
+A batch's IDs are deduplicated once, in the data loader (`unique_segments`,
+every feature of a batch's `KeyedBags` in one call): each
 feature travels as its unique IDs plus a position per occurrence, and every
 later stage works from those (the embedding worker merges features of one
 width only where they can share IDs, `hybridrec.frames.SparseBatch`'s
@@ -82,45 +82,40 @@ def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(nogil=True, cache=True)
-def _unique_columns(ids, present):
-    """Per column f: the present IDs' uniques and positions, concatenated over columns, with offsets."""
-    n, num = ids.shape
-    bits = _table_bits(n)
+def _unique_segments(values, bounds):
+    """Per segment f (values[bounds[f]:bounds[f + 1]]): its uniques, concatenated over segments with offsets,
+    and each value's position among its segment's uniques."""
+    num = bounds.shape[0] - 1
+    longest = 0
+    for f in range(num):
+        longest = max(longest, bounds[f + 1] - bounds[f])
+    bits = _table_bits(longest)
     table = np.empty(1 << bits, np.int32)
     keys = np.empty(1 << bits, np.uint64)
-    column = np.empty(n, np.uint64)
-    inverse = np.empty(n, np.int32)
-    uniq_all = np.empty(n * num, np.uint64)
-    pos_all = np.empty(n * num, np.uint16)
+    inverse = np.empty(longest, np.int32)
+    uniq_all = np.empty(values.shape[0], np.uint64)
     uniq_off = np.zeros(num + 1, np.int64)
-    pos_off = np.zeros(num + 1, np.int64)
+    pos_all = np.empty(values.shape[0], np.uint16)
     for f in range(num):
-        m = 0
-        for i in range(n):
-            if present[i, f]:
-                column[m] = ids[i, f]
-                m += 1
+        lo, hi = bounds[f], bounds[f + 1]
         table[:] = -1
         u0 = uniq_off[f]
-        k = _unique_into(column[:m], table, keys, uniq_all[u0:u0 + m], inverse, bits)
-        p0 = pos_off[f]
-        for i in range(m):
-            pos_all[p0 + i] = inverse[i]
+        k = _unique_into(values[lo:hi], table, keys, uniq_all[u0:u0 + hi - lo], inverse, bits)
+        for i in range(hi - lo):
+            pos_all[lo + i] = inverse[i]
         uniq_off[f + 1] = u0 + k
-        pos_off[f + 1] = p0 + m
-    return uniq_all, uniq_off, pos_all, pos_off
+    return uniq_all, uniq_off, pos_all
 
 
-def unique_columns(ids: np.ndarray, present: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per column of single-valued IDs (n, F) with a presence mask (n, F): (unique IDs, uint16 positions).
+def unique_segments(values: np.ndarray, bounds: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per feature of a `hybridrec.jagged.KeyedBags` (values feature-major, feature f at
+    values[bounds[f]:bounds[f + 1]]): its unique IDs, and every value's uint16 position among them.
 
-    One compiled call for every column; the lists hold views of two arrays. Positions are uint16: the caller
-    checks that no column has more unique IDs than they can address."""
-    uniq_all, uniq_off, pos_all, pos_off = _unique_columns(np.ascontiguousarray(ids, dtype=np.uint64),
-                                                           np.ascontiguousarray(present, dtype=np.bool_))
-    num = ids.shape[1]
-    return ([uniq_all[uniq_off[f]:uniq_off[f + 1]] for f in range(num)],
-            [pos_all[pos_off[f]:pos_off[f + 1]] for f in range(num)])
+    One compiled call for every feature; the uniques are views of one array. The caller checks that no
+    feature has more unique IDs than uint16 positions can address."""
+    uniq_all, uniq_off, pos = _unique_segments(np.ascontiguousarray(values, dtype=np.uint64),
+                                               np.ascontiguousarray(bounds, dtype=np.int64))
+    return [uniq_all[uniq_off[f]:uniq_off[f + 1]] for f in range(bounds.shape[0] - 1)], pos
 
 
 @njit(nogil=True, cache=True)

@@ -11,11 +11,11 @@ INVALID_ARGUMENT with the reason, and keeps serving.
 
 | frame          | RPC (sender -> receiver)                                   | holds                                    |
 |----------------|------------------------------------------------------------|------------------------------------------|
-| `SparseBatch`  | EmbeddingWorker.PutBatch request (data loader -> EW)        | per feature: unique IDs, uint16 positions, bag lengths |
+| `SparseBatch`  | EmbeddingWorker.PutBatch request (data loader -> EW)        | the batch's KeyedBags of uint16 positions; per feature its unique IDs |
 | `BatchRef`     | EmbeddingWorker.PutBatch reply, EmbeddingWorker.Lookup request | the batch_ref naming a buffered batch |
 | `DenseBatch`   | NNWorker.PutBatch request (data loader -> NN worker)        | dense features, labels, batch_ref, stream position |
 | `EndOfPhase`   | NNWorker.PutBatch request                                   | end of the train or eval stream, with the reader's counters |
-| `Embeddings`   | EmbeddingWorker.Lookup reply (EW -> NN worker)              | each feature's unique rows (per width), positions, bag lengths |
+| `Embeddings`   | EmbeddingWorker.Lookup reply (EW -> NN worker)              | the same KeyedBags of positions; each feature's unique rows (per width) |
 | `Gradients`    | EmbeddingWorker.PushGradients request (NN worker -> EW)     | one gradient per row of the `Embeddings` frame |
 | `PSLookup`     | EmbeddingPS.Lookup request (EW -> PS shard)                 | unique IDs per width, train or eval |
 | `PSRows`       | EmbeddingPS.Lookup reply                                     | one row per requested ID, per width |
@@ -37,7 +37,8 @@ import numpy as np
 
 from hybridrec import codec
 from hybridrec.codec import FrameError
-from hybridrec.compress import ValueCodec, check_unique_count, dedup
+from hybridrec.compress import ValueCodec, check_unique_count
+from hybridrec.jagged import Bag, KeyedBags
 
 PHASES = ("train", "eval")
 
@@ -126,37 +127,45 @@ def _unpack(values: ValueCodec, frame: codec.Frame, name: str, dim: int, rows: i
 # -- data loader -> embedding worker ----------------------------------------------------------
 @dataclass
 class SparseBatch:
-    """ID features of one batch: feature f of sample i has bag uniq[f][pos[f][offsets[f][i]:offsets[f][i+1]]]."""
+    """ID features of one batch, each deduplicated: `bags` is the batch's `KeyedBags` whose values are uint16
+    positions into the feature's unique IDs, so feature f of sample i holds uniq[f][bags.bag(f) of sample i]."""
 
-    batch_size: int
-    uniq: list[np.ndarray]  # uint64 (U_f,)
-    pos: list[np.ndarray]  # uint16 (nnz_f,)
-    lengths: list[np.ndarray]  # uint16 (batch_size,)
+    bags: KeyedBags  # values uint16 (nnz,) positions, lengths uint16 (F, batch_size)
+    uniq: list[np.ndarray]  # uint64 (U_f,) per feature
     phase: str = "train"
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.bags)
 
     @classmethod
     def from_columns(cls, ids: np.ndarray, present: np.ndarray, *, phase: str) -> "SparseBatch":
         """From single-valued columns (n, F) with a presence mask (Criteo: one ID or none per field)."""
-        from hybridrec.dedup import unique_columns  # numba: the NN workers, which import frames, never need it
+        return cls.from_bags(KeyedBags.from_columns(ids, present), phase=phase)
 
-        uniq, pos = unique_columns(ids, present)
-        check_unique_count(max((u.shape[0] for u in uniq), default=0))
-        lengths = list(np.ascontiguousarray(present.T, dtype=np.uint16))
-        return cls(batch_size=ids.shape[0], uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+    def ids(self, f: int) -> Bag:
+        """Feature f's bags of IDs (its positions looked up in its unique IDs)."""
+        bag = self.bags.bag(f)
+        return Bag(self.uniq[f][bag.values], bag.offsets, bag.known_lengths)
 
     @classmethod
-    def from_bags(cls, values: Sequence[np.ndarray], lengths: Sequence[np.ndarray], *, batch_size: int,
-                  phase: str) -> "SparseBatch":
-        """From variable-length bags (Parquet): feature f's IDs `values[f]`, `lengths[f][i]` of them for sample i,
-        in order. Scalar bags (lengths 0 or 1) give exactly what `from_columns` gives for the same IDs."""
-        uniq, pos = zip(*(dedup(v) for v in values)) if values else ((), ())
-        return cls(batch_size=batch_size, uniq=list(uniq), pos=list(pos),
-                   lengths=[np.asarray(n).astype(np.uint16) for n in lengths], phase=phase)
+    def from_bags(cls, bags: KeyedBags, *, phase: str) -> "SparseBatch":
+        """Deduplicate every feature of a batch in one compiled pass (`hybridrec.dedup.unique_segments`)."""
+        from hybridrec.dedup import unique_segments  # numba: the NN workers, which import frames, never need it
+
+        if len(bags) > MAX_BATCH:
+            raise ValueError(f"a batch of {len(bags)} samples exceeds {MAX_BATCH}")
+        uniq, pos = unique_segments(bags.values, bags.bounds)
+        check_unique_count(max((u.shape[0] for u in uniq), default=0))
+        return cls(KeyedBags(pos, bags.lengths.astype(np.uint16)), uniq, phase)
 
     def encode(self, *, lz4: bool = True) -> bytes:
         tensors: dict[str, np.ndarray] = {}
-        for f, (u, p, n) in enumerate(zip(self.uniq, self.pos, self.lengths)):
-            tensors[f"u{f}"], tensors[f"p{f}"], tensors[f"n{f}"] = u, p, n
+        bounds = self.bags.bounds
+        for f, u in enumerate(self.uniq):
+            tensors[f"u{f}"] = u
+            tensors[f"p{f}"] = self.bags.values[bounds[f]:bounds[f + 1]]
+            tensors[f"n{f}"] = self.bags.lengths[f]
         compress = {name for name in tensors if name[0] in "pn"} if lz4 else set()
         return codec.encode(tensors, {"batch_size": self.batch_size, "phase": self.phase}, compress=compress)
 
@@ -185,7 +194,9 @@ class SparseBatch:
             uniq.append(u)
             pos.append(p)
             lengths.append(n)
-        return cls(batch_size=batch_size, uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+        values = np.concatenate(pos) if pos else np.zeros(0, np.uint16)
+        lengths_all = np.stack(lengths) if lengths else np.zeros((0, batch_size), np.uint16)
+        return cls(KeyedBags(values, lengths_all), uniq, phase)
 
 
 @dataclass
@@ -272,18 +283,22 @@ class Embeddings:
     """One batch's embeddings as the embedding worker sends them (deduplicated, not pooled).
 
     `rows[w]` holds the unique rows of every feature of width w, features in
-    config order; feature f's bag elements are `pos` entries (positions into
-    its own rows), `lengths[f, i]` of them for sample i. The NN worker pools.
+    config order; `bags` is the batch's `KeyedBags` whose values are uint16
+    positions into the feature's own rows (its `counts[f]` of them): the
+    `SparseBatch`'s bags, passed on. The NN worker pools.
     """
 
-    batch_size: int
+    bags: KeyedBags  # values uint16 (sum of bag lengths,), lengths uint16 (F, batch_size)
     counts: np.ndarray  # int32 (F,): unique rows of each feature
-    pos: np.ndarray  # uint16 (sum of bag lengths,): features concatenated
-    lengths: np.ndarray  # uint16 (F, batch_size)
     rows: dict[int, np.ndarray]  # width -> float32 (sum of counts of that width's features, width)
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.bags)
+
     def encode(self, values: ValueCodec, *, lz4: bool = True) -> bytes:
-        tensors: dict[str, np.ndarray] = {"counts": self.counts, "pos": self.pos, "lengths": self.lengths}
+        tensors: dict[str, np.ndarray] = {"counts": self.counts, "pos": self.bags.values,
+                                          "lengths": self.bags.lengths}
         for dim, rows in self.rows.items():
             tensors.update(values.pack(f"rows.{dim}", rows, dim))
         return codec.encode(tensors, {"batch_size": self.batch_size},
@@ -301,13 +316,12 @@ class Embeddings:
         pos = frame.get("pos", np.uint16, 1)
         if counts.shape[0] != num or lengths.shape != (num, batch_size) or (counts < 0).any():
             raise FrameError(f"embedding frame does not describe {num} features of a batch of {batch_size}")
-        nnz = lengths.sum(axis=1, dtype=np.int64)
-        if int(nnz.sum()) != pos.shape[0]:
-            raise FrameError(f"bag lengths add up to {int(nnz.sum())} but {pos.shape[0]} positions came")
-        start = 0
+        bags = KeyedBags(pos, lengths)
+        bounds = bags.bounds
+        if int(bounds[-1]) != pos.shape[0]:
+            raise FrameError(f"bag lengths add up to {int(bounds[-1])} but {pos.shape[0]} positions came")
         for f in range(num):
-            p = pos[start:start + nnz[f]]
-            start += int(nnz[f])
+            p = pos[bounds[f]:bounds[f + 1]]
             if p.size and int(p.max()) >= counts[f]:
                 raise FrameError(f"feature {f}: position {int(p.max())} outside its {int(counts[f])} rows")
         widths_arr = np.asarray(widths)
@@ -315,7 +329,7 @@ class Embeddings:
         for dim in sorted(set(widths)):
             expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
             rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected, keep_fp16=keep_fp16)
-        return cls(batch_size, counts, pos, lengths, rows)
+        return cls(bags, counts, rows)
 
 
 @dataclass

@@ -107,7 +107,7 @@ class KeyedBags:
     """
 
     values: np.ndarray  # (nnz,) feature-major
-    lengths: np.ndarray  # int64 (F, n)
+    lengths: np.ndarray  # integers (F, n): int64, or uint16 as frames carry them
 
     def __len__(self) -> int:
         return int(self.lengths.shape[1])
@@ -121,14 +121,30 @@ class KeyedBags:
         """int64 (F + 1,): feature f's values are values[bounds[f]:bounds[f + 1]] (computed once: a
         KeyedBags is not changed after it is made)."""
         bounds = np.zeros(self.num_features + 1, np.int64)
-        np.cumsum(self.lengths.sum(axis=1), out=bounds[1:])
+        np.cumsum(self.lengths.sum(axis=1, dtype=np.int64), out=bounds[1:])
         return bounds
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """int64 (F, n + 1): sample i's values of feature f are values[starts[f, i]:starts[f, i + 1]]."""
+        starts = np.zeros((self.num_features, len(self) + 1), np.int64)
+        np.cumsum(self.lengths, axis=1, dtype=np.int64, out=starts[:, 1:])
+        starts += self.bounds[:-1, None]
+        return starts
+
+    def slice(self, start: int, stop: int) -> "KeyedBags":
+        """Samples start..stop-1 (one gather of each feature's contiguous run of values)."""
+        first, last = self.starts[:, start], self.starts[:, stop]
+        seg_len = last - first
+        out_start = np.cumsum(seg_len) - seg_len
+        index = np.repeat(first - out_start, seg_len) + np.arange(int(seg_len.sum()))
+        return KeyedBags(self.values[index], self.lengths[:, start:stop])
 
     def bag(self, f: int) -> Bag:
         """Feature f alone (views of these arrays)."""
         bounds = self.bounds
         offsets = np.zeros(len(self) + 1, np.int64)
-        np.cumsum(self.lengths[f], out=offsets[1:])
+        np.cumsum(self.lengths[f], dtype=np.int64, out=offsets[1:])
         return Bag(self.values[bounds[f]:bounds[f + 1]], offsets, self.lengths[f])
 
     def bags(self) -> list[Bag]:
@@ -147,6 +163,18 @@ class KeyedBags:
         a bag of at most one ID."""
         mask = np.ascontiguousarray(present.T)
         return KeyedBags(np.ascontiguousarray(ids.T, dtype=np.uint64)[mask], mask.astype(np.int64))
+
+    def to_columns(self, absent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (n, F), present (n, F)) of bags of at most one ID each (the TSV column layout), an empty bag's
+        ID `absent[f]` (0 by default); ValueError if a bag holds more."""
+        if self.lengths.size and int(self.lengths.max()) > 1:
+            raise ValueError("bags of more than one ID have no column form")
+        present = self.lengths.astype(bool)
+        ids = np.zeros(present.shape, np.uint64)
+        if absent is not None:
+            ids[:] = np.asarray(absent, np.uint64)[:, None]
+        ids[present] = self.values  # feature-major, as the mask is walked
+        return np.ascontiguousarray(ids.T), np.ascontiguousarray(present.T)
 
     @staticmethod
     def concat(parts: Sequence["KeyedBags"]) -> "KeyedBags":

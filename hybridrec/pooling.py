@@ -70,13 +70,13 @@ class Pooler:
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
         frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
-        lengths = frame.lengths.astype(np.int64)
+        lengths = frame.bags.lengths.astype(np.int64)
         # A position counts within its feature's rows; the rows of a width hold its features one after another.
         base = np.zeros(len(self.features), np.int64)
         for members in self.members.values():
             counts = frame.counts[members].astype(np.int64)
             base[members] = np.cumsum(counts) - counts
-        index = frame.pos.astype(np.int64) + np.repeat(base, lengths.sum(axis=1))
+        index = frame.bags.values.astype(np.int64) + np.repeat(base, np.diff(frame.bags.bounds))
         return self._plan(KeyedBags(index, lengths), frame.rows)
 
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:

@@ -23,7 +23,6 @@ from typing import Sequence
 import numpy as np
 
 from hybridrec.bundle import bundle_config
-from hybridrec.jagged import KeyedBags
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,7 @@ def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
 
     async def score() -> None:
         for rows in sources.eval_rows(config, batching.ReadCounters()):
-            bags = KeyedBags.from_bags(rows.bags) if rows.bags is not None else KeyedBags.from_columns(
-                rows.ids, rows.present)
-            uniq, pooled = model.pooler.from_bags(bags)
+            uniq, pooled = model.pooler.from_bags(rows.bags)
             pooled.rows = await model.table.lookup(uniq)
             parts.append(model.forward(np.ascontiguousarray(rows.dense), pooled))
 

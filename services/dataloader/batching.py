@@ -1,10 +1,9 @@
 """On the data loader: turn file chunks into mini-batches, and deal them evenly to the NN ranks.
 
-TSV and Parquet readers both produce `Rows`; from there on a batch takes one
-path (batching, dealing, `Rows.sparse`, the frames). TSV rows hold one ID or
-none per feature as columns (`ids`, `present`); Parquet rows hold every feature
-as a `Bag` (a scalar column is a bag of length 0 or 1), and `Rows.sparse` gives
-the same `SparseBatch` for the same IDs either way.
+TSV, Parquet and prepared-data readers all produce `Rows`, whose sparse
+features are one `KeyedBags` (a TSV or scalar column is a bag of at most one
+ID); from there on a batch takes one path (batching, dealing, `Rows.sparse`,
+the frames).
 
 Synchronous dense training deadlocks if one rank runs out of batches while
 another still waits in an AllReduce, so `deal_evenly` gives every rank the same
@@ -19,42 +18,42 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from hybridrec.frames import SparseBatch
-from hybridrec.jagged import Bag
-from services.dataloader.criteo import BadLinePolicy, read_criteo
+from hybridrec.jagged import KeyedBags
+from services.dataloader.criteo import BadLinePolicy, CriteoChunk, read_criteo
 
 
 @dataclass
 class Rows:
-    """A batch of samples: the ID columns of the configured features and their presence mask (TSV), or one
-    `Bag` per feature (Parquet; then `ids` and `present` have no columns)."""
+    """A batch of samples: labels, dense features and the sparse features of the configured features."""
 
     labels: np.ndarray  # float32 (n,), or (n, tasks) with several label columns
     dense: np.ndarray
-    ids: np.ndarray
-    present: np.ndarray
-    bags: list[Bag] | None = None
+    bags: KeyedBags
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
     def slice(self, start: int, stop: int) -> "Rows":
-        bags = None if self.bags is None else [b.slice(start, stop) for b in self.bags]
-        return Rows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], self.present[start:stop],
-                    bags)
+        return Rows(self.labels[start:stop], self.dense[start:stop], self.bags.slice(start, stop))
 
     @staticmethod
     def concat(parts: Sequence["Rows"]) -> "Rows":
-        bags = None if parts[0].bags is None else [Bag.concat([p.bags[f] for p in parts])
-                                                   for f in range(len(parts[0].bags))]
-        return Rows(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("labels", "dense", "ids", "present")),
-                    bags)
+        return Rows(np.concatenate([p.labels for p in parts]), np.concatenate([p.dense for p in parts]),
+                    KeyedBags.concat([p.bags for p in parts]))
+
+    @staticmethod
+    def from_columns(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, present: np.ndarray) -> "Rows":
+        """Single-valued ID columns (n, F) with a presence mask (TSV: one ID or none per field)."""
+        return Rows(labels, dense, KeyedBags.from_columns(ids, present))
+
+    @staticmethod
+    def of_chunk(chunk: CriteoChunk, columns: np.ndarray) -> "Rows":
+        """A Criteo chunk's rows, restricted to the configured feature columns."""
+        return Rows.from_columns(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns])
 
     def sparse(self, phase: str) -> SparseBatch:
         """The ID half of the batch, as the embedding worker receives it."""
-        if self.bags is None:
-            return SparseBatch.from_columns(self.ids, self.present, phase=phase)
-        return SparseBatch.from_bags([b.values for b in self.bags], [b.lengths for b in self.bags],
-                                     batch_size=len(self), phase=phase)
+        return SparseBatch.from_bags(self.bags, phase=phase)
 
 
 @dataclass(frozen=True, order=True)
@@ -86,7 +85,7 @@ def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int
             counters.bad_lines += chunk.num_bad_lines
             counters.rows += len(chunk)
             if len(chunk):
-                yield Rows(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns])
+                yield Rows.of_chunk(chunk, columns)
 
 
 def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, columns: np.ndarray,
@@ -109,7 +108,7 @@ def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, co
                 counters.bad_lines += chunk.num_bad_lines
                 counters.rows += len(chunk)
                 if len(chunk):
-                    rows = Rows(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns])
+                    rows = Rows.of_chunk(chunk, columns)
                     yield rows, Position(epoch, index, chunk.end_offset, chunk.end_line)
 
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from hybridrec.config import FeatureKind
 from hybridrec.criteo_parser import hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT
-from hybridrec.jagged import Bag
+from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import BadLinePolicy, Position, ReadCounters, Rows
 
 if TYPE_CHECKING:
@@ -155,8 +155,7 @@ def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int
 def _empty(spec: ParquetSpec) -> Rows:
     n = len(spec.labels)
     return Rows(np.zeros((0,) if n == 1 else (0, n), np.float32), np.zeros((0, len(spec.dense)), np.float32),
-                np.zeros((0, 0), np.uint64), np.zeros((0, 0), bool),
-                [Bag(np.zeros(0, np.uint64), np.zeros(1, np.int64)) for _ in spec.features])
+                KeyedBags(np.zeros(0, np.uint64), np.zeros((len(spec.features), 0), np.int64)))
 
 
 def _convert(table: pa.Table, spec: ParquetSpec, group: tuple[str, int, int], first_row: int,
@@ -179,8 +178,7 @@ def _convert(table: pa.Table, spec: ParquetSpec, group: tuple[str, int, int], fi
         bag, over = _bag(table.column(feature.column), feature, where)
         bags.append(bag)
         truncated |= over
-    rows = Rows(labels if labels.shape[1] > 1 else labels[:, 0], dense, np.zeros((table.num_rows, 0), np.uint64),
-                np.zeros((table.num_rows, 0), bool), bags)
+    rows = Rows(labels if labels.shape[1] > 1 else labels[:, 0], dense, KeyedBags.from_bags(bags))
     return rows, kept, num_bad, int(truncated.sum())
 
 

@@ -20,8 +20,8 @@ row, row + 1): checkpoints, the data loader's restart and eval work as with
 raw files, but a position taken on raw files means nothing in prepared data.
 
 Why .npy files and not Arrow IPC: `np.load(mmap_mode="r")` gives zero-copy
-views with numpy alone, the arrays are exactly `Rows`' arrays (no schema
-layer or conversion between Arrow arrays and numpy), and a shard's arrays
+views with numpy alone, a batch's `Rows` are made from slices of them (no
+schema layer or conversion between Arrow arrays and numpy), and a shard's arrays
 can be written column by column while the source streams through.
 
 What is checked before any batch is read (`open_dataset`): the manifest
@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import Config, ConfigError, FeatureKind
 from hybridrec.criteo import DENSE_COLUMNS
-from hybridrec.jagged import Bag
+from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import Position, ReadCounters, Rows
 
 FORMAT = "hybridrec-prepared"
@@ -323,15 +323,36 @@ def _load(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return array
 
 
-def _load_shard(directory: Path, manifest: Manifest, shard: ShardEntry) -> Rows:
-    """The shard's rows as memory-mapped arrays (nothing is read until a batch is sliced and encoded)."""
+@dataclass
+class MappedShard:
+    """A shard's arrays, memory-mapped: nothing is read until a batch is sliced (`slice` gives its `Rows`)."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    columns: tuple[np.ndarray, np.ndarray] | None  # TSV: ids and present, (n, features)
+    bags: list[Bag] | None  # Parquet: one per feature
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slice(self, start: int, stop: int) -> Rows:
+        if self.columns is not None:
+            ids, present = self.columns
+            return Rows.from_columns(self.labels[start:stop], self.dense[start:stop], ids[start:stop],
+                                     present[start:stop])
+        return Rows(self.labels[start:stop], self.dense[start:stop],
+                    KeyedBags.from_bags([b.slice(start, stop) for b in self.bags or []]))
+
+
+def _load_shard(directory: Path, manifest: Manifest, shard: ShardEntry) -> MappedShard:
+    """The shard's arrays, memory-mapped (nothing is read until a batch is sliced)."""
     where, n, sch = directory / shard.name, shard.rows, manifest.schema_
     num_labels, num_dense, num_features = len(sch["data.labels"]), len(sch["data.dense_columns"]), len(sch["features"])
     labels = _load(where / "labels.npy", np.float32, (n,) if num_labels == 1 else (n, num_labels))
     dense = _load(where / "dense.npy", np.float32, (n, num_dense))
     if sch["data.format"] == "tsv":
-        return Rows(labels, dense, _load(where / "ids.npy", np.uint64, (n, num_features)),
-                    _load(where / "present.npy", np.bool_, (n, num_features)))
+        return MappedShard(labels, dense, (_load(where / "ids.npy", np.uint64, (n, num_features)),
+                                           _load(where / "present.npy", np.bool_, (n, num_features))), None)
     bags = []
     for f in range(num_features):
         offsets = _load(where / f"bag{f}.offsets.npy", np.int64, (n + 1,))
@@ -339,7 +360,7 @@ def _load_shard(directory: Path, manifest: Manifest, shard: ShardEntry) -> Rows:
         if int(offsets[0]) != 0 or nnz < 0:
             raise PreparedDataError(f"{where / f'bag{f}.offsets.npy'}: offsets must run from 0; re-run prepare")
         bags.append(Bag(_load(where / f"bag{f}.values.npy", np.uint64, (nnz,)), offsets))
-    return Rows(labels, dense, np.zeros((n, 0), np.uint64), np.zeros((n, 0), bool), bags)
+    return MappedShard(labels, dense, None, bags)
 
 
 @dataclass(frozen=True)
@@ -348,7 +369,7 @@ class _Shard:
     manifest: Manifest
     entry: ShardEntry
 
-    def load(self) -> Rows:
+    def load(self) -> MappedShard:
         return _load_shard(self.directory, self.manifest, self.entry)
 
 

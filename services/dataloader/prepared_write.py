@@ -75,13 +75,15 @@ class _Chunk:
     rows: Rows
     bad_lines: int
     truncated_rows: int
+    columns: tuple[np.ndarray, np.ndarray] | None = None
+    """TSV: the reader's ids and present (n, features), the shard's column layout as the reader made it."""
 
 
 def _tsv_chunks(path: str, config: Config) -> Iterator[_Chunk]:
     columns, groups = feature_columns(config.features)
     for chunk in read_criteo(path, groups=groups, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines):
-        yield _Chunk(Rows(chunk.labels, chunk.dense, chunk.ids[:, columns], chunk.present[:, columns]),
-                     chunk.num_bad_lines, 0)
+        yield _Chunk(Rows.of_chunk(chunk, columns), chunk.num_bad_lines, 0,
+                     (chunk.ids[:, columns], chunk.present[:, columns]))
 
 
 def _parquet_chunks(path: str, config: Config) -> Iterator[_Chunk]:
@@ -128,13 +130,14 @@ def _fill(writers: dict[str, _NpyWriter], chunks: Iterator[_Chunk], where: Path,
         r = chunk.rows
         writers["labels.npy"].append(r.labels)
         writers["dense.npy"].append(r.dense)
-        if r.bags is None:
-            writers["ids.npy"].append(r.ids)
-            writers["present.npy"].append(r.present)
-        for f, bag in enumerate(r.bags or []):
-            writers[f"bag{f}.values.npy"].append(bag.values)
-            writers[f"bag{f}.offsets.npy"].append(bag.offsets[1:] + nnz[f])
-            nnz[f] += int(bag.offsets[-1])
+        if chunk.columns is not None:  # TSV: the column layout (every feature a bag of at most one ID)
+            writers["ids.npy"].append(chunk.columns[0])
+            writers["present.npy"].append(chunk.columns[1])
+        else:
+            for f, bag in enumerate(r.bags.bags()):
+                writers[f"bag{f}.values.npy"].append(bag.values)
+                writers[f"bag{f}.offsets.npy"].append(bag.offsets[1:] + nnz[f])
+                nnz[f] += int(bag.offsets[-1])
         rows, bad, truncated = rows + len(r), bad + chunk.bad_lines, truncated + chunk.truncated_rows
     files = {name: w.close() for name, w in writers.items()}
     return ShardEntry(name=where.name, source=index, rows=rows, bad_lines=bad, truncated_rows=truncated, files=files)

@@ -173,10 +173,8 @@ class EmbeddingWorker:
         await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)))
         sparse = batch.sparse
         frame = Embeddings(
-            batch_size=sparse.batch_size,
+            bags=sparse.bags,
             counts=np.array([u.shape[0] for u in sparse.uniq], np.int32),
-            pos=np.concatenate(sparse.pos) if sparse.pos else np.zeros(0, np.uint16),
-            lengths=np.stack(sparse.lengths),
             rows={dim: rows[dim] if batch.gidx[dim] is None else rows[dim][batch.gidx[dim]] for dim in self.dims},
         ).encode(self.values, lz4=self.lz4)
         if train:

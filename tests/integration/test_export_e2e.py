@@ -38,9 +38,10 @@ def predict(bundle, eval_files, config) -> tuple[np.ndarray, np.ndarray]:
     for rows in iter_rows(eval_files, columns=columns, groups=groups, chunk_rows=8192, bad_lines="skip",
                           counters=ReadCounters()):
         pooled = {}
+        ids, present = rows.bags.to_columns()  # one ID or none per field
         for f, feature in enumerate(manifest.features):
-            found = table.lookup(feature.dim, np.ascontiguousarray(rows.ids[:, f]))
-            pooled[feature.name] = torch.from_numpy(found * rows.present[:, f, None])  # an empty field: empty bag
+            found = table.lookup(feature.dim, np.ascontiguousarray(ids[:, f]))
+            pooled[feature.name] = torch.from_numpy(found * present[:, f, None])  # an empty field: empty bag
         with torch.no_grad():
             logits = model(torch.from_numpy(np.array(rows.dense)), pooled).reshape(-1)
         probs.append(torch.sigmoid(logits).numpy())

@@ -35,10 +35,11 @@ def reference(config, steps: int):
     batches = []
     for batch, _ in iter_train_batches(config.data.train, epochs=1, batch_size=config.training.batch_size,
                                        columns=columns, groups=groups, bad_lines="skip", counters=ReadCounters()):
-        batches.append(batch)
+        ids, present = batch.bags.to_columns()  # one ID or none per field
+        batches.append((batch, ids, present))
         if len(batches) == steps:
             break
-    vocab = np.unique(np.concatenate([b.ids[b.present] for b in batches]))
+    vocab = np.unique(np.concatenate([ids[present] for _, ids, present in batches]))
     ps = config.ps
     dim = config.features[0].dim
     weight = torch.nn.Parameter(torch.from_numpy(init_rows(vocab, dim=dim, seed=config.training.seed,
@@ -50,9 +51,9 @@ def reference(config, steps: int):
     opt_emb = torch.optim.SGD([weight], lr=LR_EMB)
     opt_dense = torch.optim.SGD(model.parameters(), lr=LR_DENSE)
     names = [f.name for f in config.features]
-    for b in batches:
-        idx = torch.from_numpy(np.searchsorted(vocab, b.ids).astype(np.int64))
-        mask = torch.from_numpy(b.present.astype(np.float32))
+    for b, ids, present in batches:
+        idx = torch.from_numpy(np.searchsorted(vocab, ids).astype(np.int64))
+        mask = torch.from_numpy(present.astype(np.float32))
         rows = weight[idx] * mask[..., None]  # single-valued bags, sum pooling; a missing field is an empty bag
         embeddings = {n: rows[:, k] for k, n in enumerate(names)}
         logits = model(torch.from_numpy(np.array(b.dense)), embeddings).reshape(-1)

@@ -8,7 +8,8 @@ from services.dataloader.batching import Position, ReadCounters, Rows, deal_even
 
 def _rows(n, start=0):
     labels = np.arange(start, start + n, dtype=np.float32)
-    return Rows(labels, np.zeros((n, 13), np.float32), np.zeros((n, 2), np.uint64), np.ones((n, 2), bool))
+    ids = np.stack([np.arange(start, start + n), np.arange(start, start + n) + 1000], axis=1).astype(np.uint64)
+    return Rows.from_columns(labels, np.zeros((n, 13), np.float32), ids, np.ones((n, 2), bool))
 
 
 def test_batches_cross_chunk_boundaries_in_order():
@@ -16,6 +17,8 @@ def test_batches_cross_chunk_boundaries_in_order():
     batches = list(iter_batches(chunks, 4))
     assert [len(b) for b in batches] == [4, 4, 4, 3]
     np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), np.arange(15))
+    # the IDs travel with their samples across the chunk boundaries
+    np.testing.assert_array_equal(np.concatenate([b.bags.bag(1).values for b in batches]), np.arange(15) + 1000)
 
 
 def _positioned(batches):
@@ -44,7 +47,8 @@ def test_train_batches_resume_exactly_after_a_position(small_data):
     assert len(resumed) == len(full) - cut
     for (a, pa), (b, pb) in zip(full[cut:], resumed):
         np.testing.assert_array_equal(a.labels, b.labels)
-        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.bags.values, b.bags.values)
+        np.testing.assert_array_equal(a.bags.lengths, b.bags.lengths)
         assert pa == pb
 
 
@@ -54,8 +58,8 @@ def test_sparse_batch_round_trip_and_validation():
     sb = SparseBatch.from_columns(ids, present, phase="train")
     back = SparseBatch.decode(sb.encode(), 2)
     for f in range(2):
-        np.testing.assert_array_equal(back.uniq[f][back.pos[f]], ids[present[:, f], f])
-        np.testing.assert_array_equal(back.lengths[f], present[:, f])
+        np.testing.assert_array_equal(back.ids(f).values, ids[present[:, f], f])
+        np.testing.assert_array_equal(back.bags.lengths[f], present[:, f])
     tensors = codec.decode(sb.encode(lz4=False)).tensors
     tensors = {k: np.array(v) for k, v in tensors.items()}
     tensors["p0"][0] = 9  # points outside the unique IDs

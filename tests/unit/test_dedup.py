@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from hybridrec.dedup import has_duplicates, unique_columns, unique_inverse
+from hybridrec.dedup import has_duplicates, unique_inverse, unique_segments
+from hybridrec.jagged import KeyedBags
 from hybridrec.frames import SparseBatch
 from hybridrec.ids import GROUP_SHIFT
 
@@ -30,19 +31,20 @@ def test_unique_inverse_handles_keys_that_collide_in_the_table():
     _check(np.concatenate([values, values[::-1]]), uniq, inverse)
 
 
-def test_unique_columns_matches_per_column_np_unique():
+def test_unique_segments_matches_per_feature_np_unique():
     rng = np.random.default_rng(1)
     n, num = 4096, 26
     ids = (rng.zipf(1.3, size=(n, num)).astype(np.uint64) % np.uint64(5000)
            | (np.arange(num, dtype=np.uint64) << np.uint64(GROUP_SHIFT)))
     present = rng.random((n, num)) < 0.8
-    present[:, 3] = False  # a column with no ID at all
-    uniq, pos = unique_columns(ids, present)
+    present[:, 3] = False  # a feature with no ID at all
+    keyed = KeyedBags.from_columns(ids, present)
+    uniq, pos = unique_segments(keyed.values, keyed.bounds)
+    assert pos.dtype == np.uint16 and pos.shape == keyed.values.shape
     for f in range(num):
         column = ids[present[:, f], f]
-        assert pos[f].dtype == np.uint16 and pos[f].shape == column.shape
-        _check(column, uniq[f], pos[f].astype(np.int64))
-    assert uniq[3].size == 0 and pos[3].size == 0
+        _check(column, uniq[f], pos[keyed.bounds[f]:keyed.bounds[f + 1]].astype(np.int64))
+    assert uniq[3].size == 0
 
 
 def test_sparse_batch_from_columns_round_trips_and_refuses_too_many_unique():
@@ -51,11 +53,14 @@ def test_sparse_batch_from_columns_round_trips_and_refuses_too_many_unique():
     present = rng.random((64, 3)) < 0.5
     batch = SparseBatch.decode(SparseBatch.from_columns(ids, present, phase="train").encode(), 3)
     for f in range(3):
-        np.testing.assert_array_equal(batch.uniq[f][batch.pos[f]], ids[present[:, f], f])
-        np.testing.assert_array_equal(batch.lengths[f], present[:, f])
-    many = np.arange(70_000, dtype=np.uint64)[:, None]
+        np.testing.assert_array_equal(batch.ids(f).values, ids[present[:, f], f])
+        np.testing.assert_array_equal(batch.bags.lengths[f], present[:, f])
+    many = KeyedBags(np.arange(70_000, dtype=np.uint64), np.full((1, 10), 7_000))  # ten bags of 7,000 IDs
     with pytest.raises(ValueError, match="70000 distinct IDs in one feature"):
-        SparseBatch.from_columns(many, np.ones_like(many, dtype=bool), phase="train")
+        SparseBatch.from_bags(many, phase="train")
+    rows = np.arange(70_000, dtype=np.uint64)[:, None]
+    with pytest.raises(ValueError, match="a batch of 70000 samples exceeds 65535"):
+        SparseBatch.from_columns(rows, np.ones_like(rows, dtype=bool), phase="train")
 
 
 def test_has_duplicates():

@@ -15,6 +15,7 @@ from hybridrec.compress import ValueCodec, dedup
 from hybridrec.config import Config
 from hybridrec.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBatch, worker_of_ref
 from hybridrec.ids import GROUP_SHIFT
+from hybridrec.jagged import KeyedBags
 from hybridrec.rpc import NotFound
 from hybridrec.sharding import shard_of
 from services.embedding_ps.server import EmbeddingPSServicer, open_applied, open_stores
@@ -96,7 +97,8 @@ def _sparse(bags_per_feature: list[list[list[int]]], phase: str = "train") -> Sp
         uniq.append(u)
         pos.append(p)
         lengths.append(np.array([len(bag) for bag in bags], np.uint16))
-    return SparseBatch(batch_size=batch_size, uniq=uniq, pos=pos, lengths=lengths, phase=phase)
+    return SparseBatch(KeyedBags(np.concatenate(pos).astype(np.uint16), np.stack(lengths).astype(np.uint16)), uniq,
+                       phase)
 
 
 def _batch(seed: int = 0, batch_size: int = 6, phase: str = "train") -> SparseBatch:
@@ -146,7 +148,8 @@ def test_put_returns_refs_naming_this_replica(cluster):
 
 def test_put_refuses_a_batch_with_the_wrong_number_of_features(cluster):
     sparse = _batch()
-    short = SparseBatch(sparse.batch_size, sparse.uniq[:-1], sparse.pos[:-1], sparse.lengths[:-1])
+    short = SparseBatch(KeyedBags(sparse.bags.values[:sparse.bags.bounds[-2]], sparse.bags.lengths[:-1]),
+                        sparse.uniq[:-1])
     with pytest.raises(ValueError, match="4 features"):
         cluster.worker.put(short.encode())
     assert cluster.worker.buffer == {}
@@ -161,8 +164,8 @@ def test_lookup_returns_the_ps_rows_of_every_feature(cluster):
 
     assert emb.batch_size == sparse.batch_size
     np.testing.assert_array_equal(emb.counts, [u.shape[0] for u in sparse.uniq])
-    np.testing.assert_array_equal(emb.pos, np.concatenate(sparse.pos))
-    np.testing.assert_array_equal(emb.lengths, np.stack(sparse.lengths))
+    np.testing.assert_array_equal(emb.bags.values, sparse.bags.values)  # every feature's positions, in order
+    np.testing.assert_array_equal(emb.bags.lengths, sparse.bags.lengths)
     per_feature = _feature_rows(emb, sparse)
     for f, dim in enumerate(WIDTHS):
         expected = cluster.ps_rows(dim, sparse.uniq[f])  # admitted by the worker's train lookup
@@ -335,6 +338,10 @@ def test_only_repeated_ids_are_deduplicated_again(cluster):
     assert plan.gidx[8] is None and plan.uniq[8].tolist() == [_gid(1, 1), _gid(1, 2), _gid(3, 1)]
     repeated = _sparse(bags)
     repeated.uniq[3] = np.array([_gid(3, 1), _gid(3, 1)], np.uint64)  # a frame whose "unique" IDs repeat
-    repeated.pos[3] = np.array([1], np.uint16)
+    pos = repeated.bags.values.copy()
+    bounds = repeated.bags.bounds
+    assert bounds[4] - bounds[3] == 1
+    pos[bounds[3]:bounds[4]] = np.array([1], np.uint16)
+    repeated.bags = KeyedBags(pos, repeated.bags.lengths)
     plan = worker._plan(0, repeated)
     assert plan.gidx[8] is not None and np.unique(plan.uniq[8]).size == plan.uniq[8].size == 3

@@ -12,6 +12,7 @@ import pytest
 from hybridrec import codec, frames
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec
+from hybridrec.jagged import KeyedBags
 from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup,
                               PSRows, PSUpdate, Received, SparseBatch, decode_nn_batch, make_batch_ref, update_id)
 
@@ -26,7 +27,7 @@ def _embeddings(batch: int = 5) -> Embeddings:
     lengths = np.ones((3, batch), np.uint16)
     pos = np.concatenate([rng.integers(0, c, batch) for c in counts]).astype(np.uint16)
     rows = {8: rng.standard_normal((5, 8)).astype(np.float32), 4: rng.standard_normal((4, 4)).astype(np.float32)}
-    return Embeddings(batch, counts, pos, lengths, rows)
+    return Embeddings(KeyedBags(pos, lengths), counts, rows)
 
 
 # (valid frame bytes, decoder) for every kind; the decoders take their receiver-side context.
@@ -65,14 +66,14 @@ def test_round_trips():
     cases = _cases()
     sb = cases["SparseBatch"][1](cases["SparseBatch"][0])
     assert sb.batch_size == 10 and sb.phase == "train"
-    np.testing.assert_array_equal(sb.uniq[1][sb.pos[1]], np.arange(10, 0, -1, dtype=np.uint64))
+    np.testing.assert_array_equal(sb.ids(1).values, np.arange(10, 0, -1, dtype=np.uint64))
     assert cases["BatchRef"][1](cases["BatchRef"][0]).batch_ref == 7 << 56 | 3
     db = cases["DenseBatch"][1](cases["DenseBatch"][0])
     assert isinstance(db, DenseBatch) and db.dense.shape == (4, 3) and db.seq == 2 and db.position == (0, 1, 2, 3)
     end = cases["EndOfPhase"][1](cases["EndOfPhase"][0])
     assert isinstance(end, EndOfPhase) and end.phase == "eval" and end.meta == {"rows": 10}
     emb, sent = cases["Embeddings"][1](cases["Embeddings"][0]), _embeddings()
-    np.testing.assert_array_equal(emb.pos, sent.pos)
+    np.testing.assert_array_equal(emb.bags.values, sent.bags.values)
     for dim in (4, 8):  # κ-scaled fp16: about 11 bits of relative precision per vector
         np.testing.assert_allclose(emb.rows[dim], sent.rows[dim], rtol=0, atol=4e-3 * np.abs(sent.rows[dim]).max())
     grads = cases["Gradients"][1](cases["Gradients"][0])
@@ -152,8 +153,7 @@ def test_inconsistent_frames_are_refused():
         BatchRef.decode(BatchRef(-1).encode())
     # an embedding frame whose positions point past its feature's rows
     emb = _embeddings()
-    emb.pos = emb.pos.copy()
-    emb.pos[0] = 3
+    emb.bags.values[0] = 3
     with pytest.raises(FrameError, match="position"):
         Embeddings.decode(emb.encode(VALUES), VALUES, WIDTHS, 5)
     # rows missing for a width

@@ -43,3 +43,11 @@ def test_empty_bags_and_a_single_part_pass_through():
     keyed = KeyedBags.from_bags(bags)
     assert KeyedBags.concat([keyed]) is keyed
     _assert_same(KeyedBags.concat([keyed, keyed]), [Bag(np.zeros(0, np.uint64), np.zeros(7, np.int64))] * 3)
+
+
+def test_a_slice_is_each_features_slice():
+    rng = np.random.default_rng(2)
+    bags = _random_bags(rng, 9, 4)
+    keyed = KeyedBags.from_bags(bags)
+    for start, stop in ((0, 9), (2, 5), (4, 4), (8, 9)):
+        _assert_same(keyed.slice(start, stop), [b.slice(start, stop) for b in bags])

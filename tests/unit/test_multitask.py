@@ -10,6 +10,7 @@ import torch
 from hybridrec.compress import ValueCodec
 from hybridrec.config import ConfigError, FeatureConfig, from_dict, load_config
 from hybridrec.frames import Embeddings
+from hybridrec.jagged import KeyedBags
 from hybridrec.models import DIN, DNN, MMoE, build_model, feature_infos
 from hybridrec.pooling import Pooler, SeqEmbedding
 from hybridrec.summary import RunSummary
@@ -32,7 +33,7 @@ def _frame():
     rows2 = rng.standard_normal((2, 2)).astype(np.float32)
     pos = np.array([0, 1, 0,  2, 0,  1, 1, 2,  0, 1, 1], np.uint16)
     lengths = np.array([[1, 1, 1], [2, 0, 3], [2, 0, 1]], np.uint16)
-    frame = Embeddings(3, np.array([2, 3, 2], np.int32), pos, lengths, {4: rows4, 2: rows2})
+    frame = Embeddings(KeyedBags(pos, lengths), np.array([2, 3, 2], np.int32), {4: rows4, 2: rows2})
     return frame.encode(VALUES), rows4, rows2
 
 

@@ -8,6 +8,7 @@ import torch
 from hybridrec.compress import ValueCodec
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings
+from hybridrec.jagged import KeyedBags
 from hybridrec.pooling import Pooler
 
 VALUES = ValueCodec(fp16=False)
@@ -38,8 +39,8 @@ def _frame(widths: list[int], counts: list[int], batch_size: int, seed: int):
         lengths.append(np.array([len(b) for b in f_bags], np.uint16))
         pos.append(np.array([p for b in f_bags for p in b], np.uint16))
     rows = {d: np.concatenate([r for r, w in zip(feature_rows, widths) if w == d]) for d in sorted(set(widths))}
-    frame = Embeddings(batch_size=batch_size, counts=np.array(counts, np.int32), pos=np.concatenate(pos),
-                       lengths=np.stack(lengths), rows=rows)
+    frame = Embeddings(bags=KeyedBags(np.concatenate(pos), np.stack(lengths)), counts=np.array(counts, np.int32),
+                       rows=rows)
     return frame.encode(VALUES, lz4=True), feature_rows, bags
 
 

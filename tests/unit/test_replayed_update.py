@@ -10,6 +10,7 @@ import torch
 
 from hybridrec.config import from_dict
 from hybridrec.frames import DenseBatch, Embeddings
+from hybridrec.jagged import KeyedBags
 from hybridrec.models import FeatureInfo, build_model
 from services.nn_worker.distributed import DistEnv
 from services.nn_worker.trainer import Trainer
@@ -29,7 +30,7 @@ def _setup():
     rng = np.random.default_rng(0)
     counts = np.array([3, 2], np.int32)
     pos = np.concatenate([rng.integers(0, c, BATCH) for c in counts]).astype(np.uint16)
-    frame = Embeddings(BATCH, counts, pos, np.ones((2, BATCH), np.uint16),
+    frame = Embeddings(KeyedBags(pos, np.ones((2, BATCH), np.uint16)), counts,
                        {4: rng.standard_normal((5, 4)).astype(np.float32)}).encode(trainer.values)
     batch = DenseBatch(1, rng.standard_normal((BATCH, 3)).astype(np.float32),
                        rng.integers(0, 2, BATCH).astype(np.float32))
