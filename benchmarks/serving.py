@@ -309,6 +309,25 @@ def tensors_of_request(payload: bytes) -> list[Tensor]:
     return tensors_of(oip.ModelInferRequest.FromString(payload))
 
 
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, in clock ticks (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(values) - values[3] - values[4], sum(values)
+
+
+def loaded(server: "Server", address: str, payloads: list[bytes], args) -> dict:
+    """Concurrency 16 of batch-1 callers; with the server's CPU per request and its share of the machine's
+    busy time (the rest is the load generator's: where that share is small, the clients bound the run)."""
+    cpu, (busy0, total0) = server.cpu_s(), busy_jiffies()
+    out = concurrent_load(address, payloads, 16, args.seconds, args.client_processes)
+    used, (busy1, total1) = server.cpu_s() - cpu, busy_jiffies()
+    tick = os.sysconf("SC_CLK_TCK")
+    out["server_cpu_us_per_request"] = used / out["all_requests"] * 1e6
+    out["machine_busy"] = (busy1 - busy0) / max(total1 - total0, 1)
+    out["server_share_of_busy"] = used / max((busy1 - busy0) / tick, 1e-9)
+    return out
+
+
 def measure_model(bundle: Path, payloads: dict[int, bytes], singles: list[bytes], tmp: Path, name: str,
                   args) -> dict:
     """One model: the in-process baseline, sequential gRPC at each batch size, the cost of a call, and
@@ -323,16 +342,12 @@ def measure_model(bundle: Path, payloads: dict[int, bytes], singles: list[bytes]
             seq[f"batch{n}"]["rows_per_s"] = n / (seq[f"batch{n}"]["mean_ms"] / 1e3)
         result["grpc_sequential"] = seq
         result["server_cpu_us_per_call"] = rpc_cost(server, payloads[1])
-        cpu = server.cpu_s()
-        on = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
-        on["server_cpu_us_per_request"] = (server.cpu_s() - cpu) / on["all_requests"] * 1e6
+        on = loaded(server, server.address, singles, args)
     finally:
         server.stop()
     server = Server(bundle, tmp / f"{name}-off.log", *sets, "batching.enabled=false")
     try:
-        cpu = server.cpu_s()
-        off = concurrent_load(server.address, singles, 16, args.seconds, args.client_processes)
-        off["server_cpu_us_per_request"] = (server.cpu_s() - cpu) / off["all_requests"] * 1e6
+        off = loaded(server, server.address, singles, args)
     finally:
         server.stop()
     result["grpc_concurrency16_batch1"] = {"batching_on": on, "batching_off": off}
