@@ -13,7 +13,9 @@ from services.inference.batcher import Batcher
 from services.inference.core import InferenceCore
 from services.inference.inputs import BadInput, InputDecoder, NotFound, Tensor
 from services.inference.model import RemotePSTable, StaticSource, load_model
-from tests.inference_util import FakePS, columns, criteo_lines, make_bundle, random_ids, reference, tokens_for
+from tests.conftest import REPO
+from tests.inference_util import (FakePS, columns, criteo_lines, make_bundle, make_config_bundle, random_ids, reference,
+                                  tokens_for)
 
 ATOL = 1e-5
 
@@ -349,3 +351,45 @@ def test_dense_features_by_column_equal_the_dense_matrix():
         decoder.decode(by_column[:1] + by_column[2:])
     with pytest.raises(BadInput, match="'age' must have shape \\[2\\]"):
         decoder.decode([by_column[0], Tensor("age", "FP32", (3,), np.zeros(3, np.float32)), *by_column[2:]])
+
+
+def test_read_only_ps_shards_serve_a_sequence_model_by_feature_name(tmp_path):
+    """The DIN example's model (two widths, multi-hot tags, a 30-long sequence, two tasks) by feature name: read
+    from PS shards over gRPC, the predictions equal those from the bundle's own tables."""
+    path = tmp_path / "din"
+    make_config_bundle(path, REPO / "examples/din_parquet.yaml", vocabulary=500)
+    rng = np.random.default_rng(3)
+    n = 40
+    tags, hist = rng.integers(0, 9, n), rng.integers(0, 31, n)
+    ints = lambda count: rng.integers(0, 600, count)  # noqa: E731 - a few values the tables do not hold
+    tensors = [Tensor("user_id", "INT64", (n,), ints(n)), Tensor("item_id", "INT64", (n,), ints(n)),
+               Tensor("item_cat", "INT64", (n,), ints(n)),
+               Tensor("tags", "INT64", (int(tags.sum()),), ints(int(tags.sum()))),
+               Tensor("tags__lengths", "INT64", (n,), tags),
+               Tensor("hist_cats", "INT64", (int(hist.sum()),), ints(int(hist.sum()))),
+               Tensor("hist_cats__lengths", "INT64", (n,), hist),
+               Tensor("dense", "FP32", (n, 4), rng.random((n, 4), dtype=np.float32).reshape(-1))]
+    local = load_model(path)
+    samples = InputDecoder(local.manifest, 4096).decode(tensors)
+    shards = [FakePS(path, s) for s in range(2)]
+    try:
+        async def go():
+            remote = load_model(path, table=RemotePSTable([s.address for s in shards], timeout_s=5))
+            try:
+                batcher = Batcher(StaticSource(remote), BatchingConfig())
+                batcher.start()
+                try:
+                    return await batcher.infer(samples)
+                finally:
+                    await batcher.close()
+            finally:
+                await remote.table.close()
+
+        remote = asyncio.run(go())
+        want = _run_one(local, samples).probability
+        assert want.shape == (n, 2) and np.ptp(want) > 0
+        np.testing.assert_allclose(remote.probability, want, rtol=0, atol=ATOL)
+        assert [s.calls for s in shards] == [1, 1] and all(s.trains == 0 for s in shards)
+    finally:
+        for s in shards:
+            s.stop()
