@@ -21,7 +21,7 @@ class FloatList(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ServiceStats(_message.Message):
-    __slots__ = ("service", "replica", "values")
+    __slots__ = ("service", "replica", "values", "recovery")
     class ValuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,10 +32,47 @@ class ServiceStats(_message.Message):
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     service: str
     replica: int
     values: _containers.ScalarMap[str, float]
-    def __init__(self, service: _Optional[str] = ..., replica: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    recovery: RecoveryStats
+    def __init__(self, service: _Optional[str] = ..., replica: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ...) -> None: ...
+
+class TableLifecycle(_message.Message):
+    __slots__ = ("group", "admitted", "rejected", "expired", "dropped_gradients")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    admitted: int
+    rejected: int
+    expired: int
+    dropped_gradients: int
+    def __init__(self, group: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., dropped_gradients: _Optional[int] = ...) -> None: ...
+
+class RecoveryStats(_message.Message):
+    __slots__ = ("batches_recovered", "unapplied_train_batches", "updates_deduplicated", "rows_by_width", "tables")
+    class RowsByWidthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    BATCHES_RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    UNAPPLIED_TRAIN_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    batches_recovered: int
+    unapplied_train_batches: int
+    updates_deduplicated: int
+    rows_by_width: _containers.ScalarMap[int, int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableLifecycle]
+    def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("name", "step")

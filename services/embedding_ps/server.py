@@ -179,7 +179,23 @@ class EmbeddingPSServicer:
             del self._updating[update.update_id]
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
-        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())
+        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats(),
+                               recovery=self.recovery())
+
+    def recovery(self) -> pb.RecoveryStats:
+        """What a run's summary reads of this shard, typed: rows per width, re-sent updates answered without
+        applying them again, and the lifecycle counters of every table."""
+        tables: dict[int, dict[str, int]] = {}
+        rows: dict[int, int] = {}
+        for dim, store in self.stores.items():
+            st = store.stats()
+            rows[dim] = int(st["rows"])
+            for group, counters in st["tables"].items():
+                into = tables.setdefault(int(group), {})
+                for name, count in counters.items():
+                    into[name] = into.get(name, 0) + int(count)
+        return pb.RecoveryStats(updates_deduplicated=int(self.applied.deduplicated), rows_by_width=rows,
+                                tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(tables.items())])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint

@@ -32,7 +32,8 @@ class EmbeddingWorkerServicer:
         return Applied(await self.worker.push_gradients(gradients)).encode()
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
-        return pb.ServiceStats(service="embedding_worker", replica=self.worker.replica, values=self.worker.stats())
+        return pb.ServiceStats(service="embedding_worker", replica=self.worker.replica, values=self.worker.stats(),
+                               recovery=self.worker.recovery())
 
 
 async def serve(config: Config, replica: int) -> None:

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from hybridrec import log
+from hybridrec.proto import pb
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
 from hybridrec.dedup import has_duplicates, unique_inverse
@@ -268,8 +269,15 @@ class EmbeddingWorker:
                         f"(incarnation {self.incarnation}, buffer {self.files.directory})")
 
     def stats(self) -> dict[str, float]:
-        """Counters, and what the buffer holds now: `unapplied_train_batches` were trained on (looked up) and
-        their update is not yet applied — at the end of a run, exactly the updates that were lost."""
-        unapplied = sum(1 for b in self.buffer.values() if b.looked_up)
+        """Counters, and what the buffer holds now (the metrics' names; a run's summary reads `recovery`)."""
+        recovery = self.recovery()
         return {**{k: float(v) for k, v in self.counters.items()}, "buffered_batches": float(len(self.buffer)),
-                "unapplied_train_batches": float(unapplied), "batches_recovered_total": float(self.files.recovered)}
+                "unapplied_train_batches": float(recovery.unapplied_train_batches),
+                "batches_recovered_total": float(recovery.batches_recovered)}
+
+    def recovery(self) -> pb.RecoveryStats:
+        """What a run's summary reads of this worker, typed: the batches a previous life left buffered, and the
+        train batches trained on (looked up) whose update is not yet applied — at the end of a run, exactly the
+        updates that were lost."""
+        return pb.RecoveryStats(batches_recovered=int(self.files.recovered),
+                                unapplied_train_batches=sum(1 for b in self.buffer.values() if b.looked_up))

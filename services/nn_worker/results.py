@@ -8,7 +8,6 @@ restarts (their Stats counters).
 from __future__ import annotations
 
 import math
-import re
 import time
 
 import grpc
@@ -73,20 +72,12 @@ def reduce_stats(trainer: Trainer) -> dict:
             "compute_cpu_s": float(waits[2])}
 
 
-# RunSummary field -> (cluster list, gRPC service, the counter of its Stats summed over the replicas)
-RECOVERY_COUNTERS = {
-    "batches_recovered": ("embedding_workers", "EmbeddingWorker", "batches_recovered_total"),
-    "updates_deduplicated": ("ps", "EmbeddingPS", "updates_deduplicated_total"),
-    "unapplied_updates": ("embedding_workers", "EmbeddingWorker", "unapplied_train_batches"),
-}
 _SERVICES = {"embedding_workers": "EmbeddingWorker", "ps": "EmbeddingPS"}
-_PS_ROWS = re.compile(r"^dim\d+_rows$")
-_TABLE_COUNTER = re.compile(r"^table(\d+)_(admitted|rejected|expired|dropped_gradients)_total$")
 
 
-def _all_stats(config: Config, timeout_s: float) -> dict[str, list[dict[str, float]] | None]:
-    """Every embedding worker's and PS shard's Stats values, asked all at once; None for a service with a
-    replica that did not answer within `timeout_s` (a sum without it would understate)."""
+def _all_stats(config: Config, timeout_s: float) -> dict[str, list[pb.RecoveryStats] | None]:
+    """Every embedding worker's and PS shard's typed `RecoveryStats`, asked all at once; None for a service
+    with a replica that did not answer within `timeout_s` (a sum without it would understate)."""
     channels, pending = [], {}
     try:
         for key, service in _SERVICES.items():
@@ -98,10 +89,10 @@ def _all_stats(config: Config, timeout_s: float) -> dict[str, list[dict[str, flo
                                             response_deserializer=pb.ServiceStats.FromString)
                 calls.append(stats.future(pb.Empty(), timeout=timeout_s))
             pending[key] = calls
-        out: dict[str, list[dict[str, float]] | None] = {}
+        out: dict[str, list[pb.RecoveryStats] | None] = {}
         for key, calls in pending.items():
             try:
-                out[key] = [dict(call.result().values) for call in calls]
+                out[key] = [call.result().recovery for call in calls]
             except grpc.RpcError as exc:
                 log.get().warning("service_stats_unavailable", service=key, error=str(exc))
                 out[key] = None
@@ -113,31 +104,33 @@ def _all_stats(config: Config, timeout_s: float) -> dict[str, list[dict[str, flo
 
 def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict:
     """What restarted services recovered during the run, and what the PS holds at its end, from every embedding
-    worker's and PS shard's Stats: the RECOVERY_COUNTERS, `ps_rows` (rows of every width on every shard) and
-    `lifecycle` (admitted, rejected, expired rows and dropped gradients per table). A field is None when a
-    replica of its service did not answer within `timeout_s`."""
+    worker's and PS shard's typed Stats: `batches_recovered` and `unapplied_updates` (embedding workers),
+    `updates_deduplicated`, `ps_rows` and per-table `lifecycle` (PS shards). A field is None when a replica of
+    its service did not answer within `timeout_s`."""
     stats = _all_stats(config, timeout_s)
-    out: dict = {}
-    for field, (key, _, counter) in RECOVERY_COUNTERS.items():
-        replicas = stats[key]
-        out[field] = None if replicas is None else sum(int(values.get(counter, 0.0)) for values in replicas)
+    workers = stats["embedding_workers"]
+    out: dict = {
+        "batches_recovered": None if workers is None else sum(w.batches_recovered for w in workers),
+        "unapplied_updates": None if workers is None else sum(w.unapplied_train_batches for w in workers),
+    }
     out.update(ps_totals(stats["ps"]))
     return out
 
 
-def ps_totals(shards: list[dict[str, float]] | None) -> dict:
-    """`ps_rows` and per-table `lifecycle` of the summary from every PS shard's Stats values (None: a shard
-    did not answer)."""
+def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
+    """`updates_deduplicated`, `ps_rows` and per-table `lifecycle` of the summary from every PS shard's
+    `RecoveryStats` (None: a shard did not answer)."""
     if shards is None:
-        return {"ps_rows": None, "lifecycle": None}
-    rows = sum(int(v) for values in shards for k, v in values.items() if _PS_ROWS.match(k))
+        return {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None}
     tables: dict[int, dict[str, int]] = {}
-    for values in shards:
-        for name, value in values.items():
-            if match := _TABLE_COUNTER.match(name):
-                counters = tables.setdefault(int(match[1]), {})
-                counters[match[2]] = counters.get(match[2], 0) + int(value)
-    return {"ps_rows": rows, "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())}}
+    for shard in shards:
+        for table in shard.tables:
+            counters = tables.setdefault(table.group, {})
+            for name in TableLifecycle.model_fields:
+                counters[name] = counters.get(name, 0) + int(getattr(table, name))
+    return {"updates_deduplicated": sum(s.updates_deduplicated for s in shards),
+            "ps_rows": sum(sum(s.rows_by_width.values()) for s in shards),
+            "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())}}
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,

@@ -312,6 +312,7 @@ def test_counters(cluster):
     assert worker.stats()["unapplied_train_batches"] == 0  # buffered, but nobody has trained on it yet
     asyncio.run(worker.lookup(ref))
     assert worker.stats()["unapplied_train_batches"] == 1  # looked up: an update is owed until it is applied
+    assert worker.recovery().unapplied_train_batches == 1
     rows_of = worker.rows_of(ref)
     applied = asyncio.run(worker.push_gradients(
         Gradients(ref, {d: np.ones((n, d), np.float32) for d, n in rows_of.items()})))

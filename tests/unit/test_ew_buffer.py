@@ -138,7 +138,7 @@ def test_a_restarted_worker_serves_the_batches_of_its_previous_life(cluster):
 
     worker = _restart(cluster)
     assert set(worker.buffer) == set(refs[1:])
-    assert worker.stats()["batches_recovered_total"] == 2
+    assert worker.stats()["batches_recovered_total"] == 2 == worker.recovery().batches_recovered  # metric, typed
     assert asyncio.run(worker.lookup(refs[1])) == before  # same plan, same rows
     asyncio.run(worker.push_gradients(_gradients(worker, refs[1])))
     assert refs[1] not in worker.buffer
@@ -147,7 +147,7 @@ def test_a_restarted_worker_serves_the_batches_of_its_previous_life(cluster):
 
     worker = _restart(cluster)
     assert set(worker.buffer) == {refs[2], new}
-    assert worker.stats()["batches_recovered_total"] == 4  # every life counted
+    assert worker.stats()["batches_recovered_total"] == 4 == worker.recovery().batches_recovered  # every life
 
 
 def test_a_push_cut_off_midway_is_applied_once_on_every_shard(cluster):

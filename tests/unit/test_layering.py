@@ -5,11 +5,13 @@ The CLI reaches service code only by name at run time (hybridrec/cli.py: `servic
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hybridrec
 
 PACKAGE = Path(hybridrec.__file__).resolve().parent
+REPO = PACKAGE.parent
 
 
 def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
@@ -35,3 +37,18 @@ def test_shared_package_does_not_import_services():
 def test_the_check_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from services.embedding_ps import plan\n    import services.dataloader\n")
     assert [name for _, name in _imported_modules(tree)] == ["services.embedding_ps", "services.dataloader"]
+
+
+def test_no_reader_of_service_stats_parses_metric_names():
+    """What a run's summary reads of other services comes typed (`ServiceStats.recovery`): a module that asks
+    for a ServiceStats reply reads none of its metric-name `values` and matches no names with a regex, so a
+    renamed counter cannot silently read 0."""
+    readers = []
+    for path in sorted((REPO / "hybridrec").rglob("*.py")) + sorted((REPO / "services").rglob("*.py")):
+        text = path.read_text()
+        if "ServiceStats.FromString" not in text:
+            continue
+        readers.append(path.relative_to(REPO).as_posix())
+        assert not re.search(r"\.values\b(?!\()", text), f"{path}: reads ServiceStats.values"
+        assert "re.compile" not in text and "import re\n" not in text, f"{path}: matches names with a regex"
+    assert readers == ["services/nn_worker/results.py"], readers

@@ -313,13 +313,15 @@ def test_ps_service_counts_per_table_ticks_per_update_and_sweeps(tmp_path):
             sweeper.cancel()
             stats = ps.stats()
             assert stats["table2_expired_total"] == 5 and stats["dim4_rows"] == 10  # b untouched since clock 0
-            # What the run summary makes of two such shards
-            totals = ps_totals([stats, stats])
-            assert totals["ps_rows"] == 20
+            # What the run summary makes of two such shards: their typed Stats, not the metrics' names
+            recovery = (await ps.Stats(None, None)).recovery
+            assert dict(recovery.rows_by_width) == {4: 10} and recovery.updates_deduplicated == 0
+            totals = ps_totals([recovery, recovery])
+            assert totals["ps_rows"] == 20 and totals["updates_deduplicated"] == 0
             assert totals["lifecycle"][1].model_dump() == {"admitted": 20, "rejected": 20, "expired": 0,
                                                           "dropped_gradients": 20}
             assert totals["lifecycle"][2].expired == 10
-            assert ps_totals(None) == {"ps_rows": None, "lifecycle": None}
+            assert ps_totals(None) == {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None}
 
         asyncio.run(scenario())
     finally:
