@@ -3,7 +3,10 @@
     <checkpoint.dir>/step-00000120/
         manifest.json   written last: a directory without it is incomplete and ignored
         dense.pt        dense model and optimizer state (rank 0), loaded with weights_only=True
+        config.yaml     the job's config (rank 0): what export and `hybridrec predict` rebuild the model from
         ps/shard-00000-of-00002/...   every PS shard's rows at the same step (services.embedding_ps.checkpoint)
+
+The names are spelled here only: the NN worker, the PS and export use these constants.
 
 The manifest records the step, the training counters and the data position
 right after the last batch the step consumed, so every part of the job resumes
@@ -22,6 +25,9 @@ from hybridrec.files import write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DENSE = "dense.pt"
+CONFIG = "config.yaml"
+PS = "ps"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 

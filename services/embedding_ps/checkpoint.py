@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from hybridrec import log
+from hybridrec import checkpoints, log
 from hybridrec.files import HashingWriter, fsync_dir
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore
@@ -45,7 +45,7 @@ from services.embedding_ps.store import EmbeddingStore
 _log = log.get(__name__)
 
 FORMAT_VERSION = 1
-PS_SUBDIR = "ps"
+PS_SUBDIR = checkpoints.PS
 MANIFEST = "manifest.json"
 _SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _CHUNK_BYTES = 16 << 20

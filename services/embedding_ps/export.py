@@ -23,9 +23,6 @@ from hybridrec import checkpoints
 from hybridrec.bundle import BundleManifest, BundleWriter, input_types
 from hybridrec.config import ConfigError, load_config
 
-CONFIG = "config.yaml"
-DENSE = "dense.pt"
-
 
 class ExportError(ValueError):
     """A source that cannot be exported or an output that cannot be written; the message names the file."""
@@ -36,9 +33,9 @@ def find_checkpoint(source: Path) -> Path:
     source = Path(source)
     if not source.is_dir():
         raise ExportError(f"{source}: not a directory (expected a run directory or a checkpoint directory)")
-    if (source / checkpoints.MANIFEST).is_file() and (source / DENSE).exists():
+    if (source / checkpoints.MANIFEST).is_file() and (source / checkpoints.DENSE).exists():
         return source
-    if (source / DENSE).exists() or source.name.endswith(".tmp"):
+    if (source / checkpoints.DENSE).exists() or source.name.endswith(".tmp"):
         raise ExportError(f"{source / checkpoints.MANIFEST}: missing; {source} is a checkpoint that was never "
                           "completed (half-written)")
     for root in (source / "checkpoints", source):
@@ -49,7 +46,7 @@ def find_checkpoint(source: Path) -> Path:
         if found is not None:
             return found[0]
     raise ExportError(f"{source}: no complete checkpoint (neither a checkpoint directory with "
-                      f"{checkpoints.MANIFEST} and {DENSE}, nor a run directory with checkpoints/step-*/"
+                      f"{checkpoints.MANIFEST} and {checkpoints.DENSE}, nor a run directory with checkpoints/step-*/"
                       f"{checkpoints.MANIFEST})")
 
 
@@ -67,26 +64,27 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
         job = checkpoints.read_manifest(path)
     except ValueError as exc:
         raise ExportError(f"{path / checkpoints.MANIFEST}: {exc}") from None
-    if not (path / CONFIG).is_file():
-        raise ExportError(f"{path / CONFIG}: missing (checkpoints written before configs were stored in them "
-                          "cannot be exported)")
+    if not (path / checkpoints.CONFIG).is_file():
+        raise ExportError(f"{path / checkpoints.CONFIG}: missing (checkpoints written before configs were stored "
+                          "in them cannot be exported)")
     try:
-        config = load_config(path / CONFIG)
+        config = load_config(path / checkpoints.CONFIG)
     except ConfigError as exc:
-        raise ExportError(f"{path / CONFIG}: {exc}") from None
+        raise ExportError(f"{path / checkpoints.CONFIG}: {exc}") from None
     try:
-        state = torch.load(path / DENSE, map_location="cpu", weights_only=True)
+        state = torch.load(path / checkpoints.DENSE, map_location="cpu", weights_only=True)
         weights = state["model"]
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; the file is what is wrong
-        raise ExportError(f"{path / DENSE}: not a checkpoint's dense state: {exc}") from None
+        raise ExportError(f"{path / checkpoints.DENSE}: not a checkpoint's dense state: {exc}") from None
     try:
         ps, tables = read_embeddings(path)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     if ps["widths"] != config.dims:
-        raise ExportError(f"{path / 'ps'}: embedding widths {ps['widths']}, but {path / CONFIG} has {config.dims}")
+        raise ExportError(f"{path / checkpoints.PS}: embedding widths {ps['widths']}, but "
+                          f"{path / checkpoints.CONFIG} has {config.dims}")
     if ps["num_shards"] != job.num_ps or ps["step"] != job.step:
-        raise ExportError(f"{path / 'ps'}: dumps of {ps['num_shards']} shards at step {ps['step']}, but "
+        raise ExportError(f"{path / checkpoints.PS}: dumps of {ps['num_shards']} shards at step {ps['step']}, but "
                           f"{path / checkpoints.MANIFEST} says {job.num_ps} PS at step {job.step}")
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,

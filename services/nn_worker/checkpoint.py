@@ -152,8 +152,8 @@ class Checkpointer:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        await trainer._on_compute(self._save_dense, tmp / "dense.pt")
-        dump_config(self.config, tmp / "config.yaml")
+        await trainer._on_compute(self._save_dense, tmp / checkpoints.DENSE)
+        dump_config(self.config, tmp / checkpoints.CONFIG)
         await self._ps("Checkpoint", tmp, step)
         checkpoints.write_manifest(tmp, JobManifest(
             step=step, seq=last_seq + 1, position=list(last_position), samples=samples,
@@ -189,7 +189,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
                              f"has {self.world_size}")
         trainer = self.trainer
-        await trainer._on_compute(load_dense, path / "dense.pt", trainer.model, trainer.optimizer)
+        await trainer._on_compute(load_dense, path / checkpoints.DENSE, trainer.model, trainer.optimizer)
         if self.rank == 0:
             await self._ps("LoadCheckpoint", path, manifest.step)
         await trainer._on_compute(barrier)
@@ -238,4 +238,4 @@ def check_resumable(config: Config, model: torch.nn.Module, make_optimizer) -> N
     if found is None:
         return
     scratch = copy.deepcopy(model)
-    load_dense(found[0] / "dense.pt", scratch, make_optimizer(scratch, config))
+    load_dense(found[0] / checkpoints.DENSE, scratch, make_optimizer(scratch, config))

@@ -52,3 +52,18 @@ def test_no_reader_of_service_stats_parses_metric_names():
         assert not re.search(r"\.values\b(?!\()", text), f"{path}: reads ServiceStats.values"
         assert "re.compile" not in text and "import re\n" not in text, f"{path}: matches names with a regex"
     assert readers == ["services/nn_worker/results.py"], readers
+
+
+def test_job_checkpoint_file_names_are_spelled_by_their_owner_only():
+    """hybridrec/checkpoints.py owns the job checkpoint's layout: no service spells its file names (a bundle's
+    own `dense.pt` and `config.yaml` are hybridrec/bundle.py's; the run directory's `config.yaml` the
+    launcher's), so the NN worker, the PS and export cannot drift apart."""
+    dense, config = [], []
+    for path in sorted((REPO / "hybridrec").rglob("*.py")) + sorted((REPO / "services").rglob("*.py")):
+        rel, text = path.relative_to(REPO).as_posix(), path.read_text()
+        if '"dense.pt"' in text:
+            dense.append(rel)
+        if '"config.yaml"' in text and rel.startswith("services/"):
+            config.append(rel)
+    assert dense == ["hybridrec/bundle.py", "hybridrec/checkpoints.py"], dense
+    assert config == [], config
