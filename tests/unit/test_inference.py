@@ -43,14 +43,27 @@ def _ids_dense_present(samples):
     return ids, samples.dense, present
 
 
+async def _answer(model, samples):
+    batcher = Batcher(StaticSource(model), BatchingConfig())
+    batcher.start()
+    try:
+        return await batcher.infer(samples)
+    finally:
+        await batcher.close()
+
+
 def _run_one(model, samples):
+    return asyncio.run(_answer(model, samples))
+
+
+def _run_remote(path, shards, samples):
+    """`samples` answered by the bundle at `path` whose rows come from the PS `shards` over gRPC."""
     async def go():
-        batcher = Batcher(StaticSource(model), BatchingConfig())
-        batcher.start()
+        remote = load_model(path, table=RemotePSTable([s.address for s in shards], timeout_s=5))
         try:
-            return await batcher.infer(samples)
+            return await _answer(remote, samples)
         finally:
-            await batcher.close()
+            await remote.table.close()
     return asyncio.run(go())
 
 
@@ -201,23 +214,7 @@ def test_remote_ps_gives_the_same_predictions(bundle, fp16):
         ids = random_ids(known, 100, seed=11)
         dense = np.random.default_rng(11).random((100, 13), dtype=np.float32)
         samples = decoder.decode(_ids_tensors(ids, dense))
-
-        async def go():
-            remote = load_model(path, table=RemotePSTable([s.address for s in shards], timeout_s=5))
-            try:
-                return await _infer(remote, samples)
-            finally:
-                await remote.table.close()
-
-        async def _infer(model, samples):
-            batcher = Batcher(StaticSource(model), BatchingConfig())
-            batcher.start()
-            try:
-                return await batcher.infer(samples)
-            finally:
-                await batcher.close()
-
-        remote = asyncio.run(go())
+        remote = _run_remote(path, shards, samples)
         want = _run_one(local, samples).probability
         # float32 rows: identical; fp16 on the wire (a training PS's default) is lossy
         np.testing.assert_allclose(remote.probability, want, atol=ATOL if not fp16 else 2e-3)
@@ -373,19 +370,7 @@ def test_read_only_ps_shards_serve_a_sequence_model_by_feature_name(tmp_path):
     samples = InputDecoder(local.manifest, 4096).decode(tensors)
     shards = [FakePS(path, s) for s in range(2)]
     try:
-        async def go():
-            remote = load_model(path, table=RemotePSTable([s.address for s in shards], timeout_s=5))
-            try:
-                batcher = Batcher(StaticSource(remote), BatchingConfig())
-                batcher.start()
-                try:
-                    return await batcher.infer(samples)
-                finally:
-                    await batcher.close()
-            finally:
-                await remote.table.close()
-
-        remote = asyncio.run(go())
+        remote = _run_remote(path, shards, samples)
         want = _run_one(local, samples).probability
         assert want.shape == (n, 2) and np.ptp(want) > 0
         np.testing.assert_allclose(remote.probability, want, rtol=0, atol=ATOL)
