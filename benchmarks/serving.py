@@ -109,21 +109,6 @@ def bare_server(port: int) -> None:
     uvloop.run(run())
 
 
-def empty_call_cpu_us(server, n: int = 3000) -> float:
-    """Server CPU per empty RPC (ServerLive) over n sequential calls."""
-    channel = grpc.insecure_channel(server.address)
-    call = channel.unary_unary("/inference.GRPCInferenceService/ServerLive", request_serializer=None,
-                               response_deserializer=oip.ServerLiveResponse.FromString)
-    for _ in range(200):
-        call(b"", timeout=30)
-    cpu = server.cpu_s()
-    for _ in range(n):
-        call(b"", timeout=30)
-    used = (server.cpu_s() - cpu) / n * 1e6
-    channel.close()
-    return used
-
-
 class Process:
     """A server process this benchmark started: its CPU time so far, and stopping it."""
 
@@ -185,16 +170,19 @@ class Server(Process):
         channel.close()
 
 
-def rpc_cost(server: "Server", payload: bytes, n: int = 2000) -> dict:
+def rpc_cost(server: "Process", payload: bytes | None = None, n: int = 3000) -> dict:
+    """Server CPU (us) per call over n sequential calls: an empty RPC (ServerLive) and, given a request's
+    bytes, a ModelInfer (`ModelInfer_batch1`)."""
     channel = grpc.insecure_channel(server.address)
     calls = {"ServerLive": (channel.unary_unary("/inference.GRPCInferenceService/ServerLive", request_serializer=None,
-                                                response_deserializer=oip.ServerLiveResponse.FromString), b""),
-             "ModelInfer_batch1": (channel.unary_unary(METHOD, request_serializer=None,
-                                                       response_deserializer=oip.ModelInferResponse.FromString),
-                                   payload)}
+                                                response_deserializer=oip.ServerLiveResponse.FromString), b"")}
+    if payload is not None:
+        calls["ModelInfer_batch1"] = (channel.unary_unary(METHOD, request_serializer=None,
+                                                          response_deserializer=oip.ModelInferResponse.FromString),
+                                      payload)
     out = {}
     for name, (call, arg) in calls.items():
-        for _ in range(100):
+        for _ in range(200):
             call(arg, timeout=30)
         cpu = server.cpu_s()
         for _ in range(n):
@@ -389,7 +377,7 @@ def main() -> None:
     # The floor: an empty call on a bare grpc.aio server, then on ours (same client, same run).
     bare = BareServer(tmp / "bare.log")
     try:
-        bare_us = empty_call_cpu_us(bare)
+        bare_us = rpc_cost(bare)["ServerLive"]
     finally:
         bare.stop()
 

@@ -126,15 +126,6 @@ def unscale(half, norms, kappa: float):
     return half.float().mul_((norms / kappa)[:, None])
 
 
-def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(unique IDs, uint16 position of each occurrence in the unique array)."""
-    from hybridrec.dedup import unique_inverse  # numba: loaded by the processes that build batches only
-
-    uniq, inverse = unique_inverse(ids)
-    check_unique_count(uniq.size)
-    return uniq, inverse.astype(np.uint16)
-
-
 def check_unique_count(count: int) -> None:
     """Refuse a feature with more unique IDs in one batch than uint16 positions can address."""
     if count > MAX_UNIQUE:

@@ -1,12 +1,13 @@
 """The jagged form of a batch's sparse features: every sample's IDs as a variable-length list.
 
-`Bag` is one feature (flat values and offsets), `KeyedBags` all features of a
-batch in one pair of arrays (the part TorchRec's KeyedJaggedTensor plays). A scalar feature is a bag of at most one ID per sample (an absent
-field is an empty list), a multi-hot feature a bag of any length, a sequence a
-bag in the data's order (oldest first). The data loader's readers make bags
-(Parquet, prepared data; TSV columns through `Bag.from_columns`), and so does
-the inference service's input decoder, and `hybridrec.pooling.Pooler.from_bags`
-pools them for serving exactly as training pools what the frames carried.
+`KeyedBags` holds every feature of a batch in one pair of arrays (the part
+TorchRec's KeyedJaggedTensor plays); `Bag` is one feature of it (flat values
+and offsets). A scalar feature is a bag of at most one ID per sample (an
+absent field is an empty list), a multi-hot feature a bag of any length, a
+sequence a bag in the data's order (oldest first). Every reader of the data
+loader makes a KeyedBags (TSV columns through `KeyedBags.from_columns`), and
+so does the inference service's input decoder; the frames carry it, and
+`hybridrec.pooling.Pooler` plans and pools it for training and serving alike.
 """
 from __future__ import annotations
 
@@ -42,30 +43,11 @@ class Bag:
         return Bag(self.values[offsets[0]:offsets[-1]], offsets - offsets[0])
 
     @staticmethod
-    def concat(parts: Sequence["Bag"]) -> "Bag":
-        shifts = np.cumsum([0] + [p.values.shape[0] for p in parts[:-1]])
-        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
-        return Bag(np.concatenate([p.values for p in parts]), offsets)
-
-    @staticmethod
     def from_column(ids: np.ndarray, present: np.ndarray) -> "Bag":
         """A scalar feature given as one ID per sample and whether it is there."""
         offsets = np.zeros(present.shape[0] + 1, np.int64)
         np.cumsum(present, out=offsets[1:])
         return Bag(np.ascontiguousarray(ids[present], dtype=np.uint64), offsets)
-
-    @staticmethod
-    def from_columns(ids: np.ndarray, present: np.ndarray) -> list["Bag"]:
-        """One bag per column of (n, F) IDs and presence, built in a few whole-array passes (the inference
-        service does this per request; each bag is a view into two shared arrays)."""
-        n, num = present.shape
-        mask = np.ascontiguousarray(present.T)
-        values = np.ascontiguousarray(ids.T, dtype=np.uint64)[mask]
-        offsets = np.zeros((num, n + 1), np.int64)
-        np.cumsum(mask, axis=1, out=offsets[:, 1:])
-        starts = np.concatenate([[0], np.cumsum(offsets[:, -1])])
-        counts = mask.astype(np.int64)
-        return [Bag(values[starts[f]:starts[f + 1]], offsets[f], counts[f]) for f in range(num)]
 
     @staticmethod
     def from_lengths(values: np.ndarray, lengths: np.ndarray, present: np.ndarray | None = None) -> "Bag":
@@ -88,9 +70,15 @@ class Bag:
         new_lengths = np.minimum(lengths, max_len)
         new_offsets = np.zeros_like(self.offsets)
         np.cumsum(new_lengths, out=new_offsets[1:])
-        starts = self.offsets[1:] - new_lengths  # first kept element of each sample
-        index = np.arange(int(new_offsets[-1])) + np.repeat(starts - new_offsets[:-1], new_lengths)
+        index = _runs(self.offsets[1:] - new_lengths, new_lengths)  # each sample's last new_lengths values
         return Bag(self.values[index], new_offsets), over
+
+
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The int64 index of runs values[starts[k]:starts[k] + lengths[k]], one after another: a gather of many
+    slices in one numpy call, not a Python loop over them."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return np.arange(int(ends[-1]) if ends.size else 0) + np.repeat(starts - (ends - lengths), lengths)
 
 
 @dataclass
@@ -135,10 +123,7 @@ class KeyedBags:
     def slice(self, start: int, stop: int) -> "KeyedBags":
         """Samples start..stop-1 (one gather of each feature's contiguous run of values)."""
         first, last = self.starts[:, start], self.starts[:, stop]
-        seg_len = last - first
-        out_start = np.cumsum(seg_len) - seg_len
-        index = np.repeat(first - out_start, seg_len) + np.arange(int(seg_len.sum()))
-        return KeyedBags(self.values[index], self.lengths[:, start:stop])
+        return KeyedBags(self.values[_runs(first, last - first)], self.lengths[:, start:stop])
 
     def bag(self, f: int) -> Bag:
         """Feature f alone (views of these arrays)."""
@@ -182,11 +167,9 @@ class KeyedBags:
         part's values into feature-major order, not a slice per part and feature."""
         if len(parts) == 1:
             return parts[0]
-        nnz = np.stack([p.lengths.sum(axis=1) for p in parts])  # (parts, F)
-        starts = np.stack([p.bounds[:-1] for p in parts])  # each feature's first value within its part
-        starts += (np.cumsum(nnz.sum(axis=1)) - nnz.sum(axis=1))[:, None]  # ... within all parts' values
-        seg_len, seg_start = nnz.T.reshape(-1), starts.T.reshape(-1)  # (feature, part) segments, feature-major
-        out_start = np.cumsum(seg_len) - seg_len
-        index = np.repeat(seg_start - out_start, seg_len) + np.arange(int(seg_len.sum()))
+        bounds = np.stack([p.bounds for p in parts])  # (parts, F + 1)
+        nnz = np.diff(bounds, axis=1)  # each feature's values in each part
+        starts = bounds[:, :-1] + (np.cumsum(bounds[:, -1]) - bounds[:, -1])[:, None]  # ... where they begin
+        index = _runs(starts.T.reshape(-1), nnz.T.reshape(-1))  # (feature, part) runs, feature-major
         values = np.concatenate([p.values for p in parts])[index]
         return KeyedBags(values, np.concatenate([p.lengths for p in parts], axis=1))

@@ -2,9 +2,10 @@
 
 The NN worker decodes a batch's embeddings (`Pooler.decode`) and pools them
 differentiably; the inference service builds the same bag structure from a
-request's features, a `hybridrec.jagged.KeyedBags` (`Pooler.from_bags`), and
-pools with the same `Pooler.pool`: both come to one plan (`Pooler._plan`), so a served prediction is computed exactly
-as in training: scalar, multi-hot and sequence features alike.
+request's features, a `hybridrec.jagged.KeyedBags` (`Pooler.from_bags`).
+Both come to one plan (`Pooler._plan`) and are pooled by the same
+`Pooler.pool`, so a served prediction is computed exactly as in training:
+scalar, multi-hot and sequence features alike.
 
 The embedding worker sends each feature's unique rows (grouped by width, the
 features of a width concatenated in config order), the uint16 position of every
@@ -20,7 +21,7 @@ gather reads the same leaf as the bags, so its gradient goes back the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import Embeddings, FrameError
-from hybridrec.jagged import Bag, KeyedBags
+from hybridrec.jagged import KeyedBags
 
 
 class SeqEmbedding(NamedTuple):
@@ -84,7 +85,7 @@ class Pooler:
         field): each column is a bag of at most one ID."""
         return self.from_bags(KeyedBags.from_columns(ids, present))
 
-    def from_bags(self, bags: KeyedBags | Sequence[Bag]) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
+    def from_bags(self, keyed: KeyedBags) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """The bag structure of a batch's features (config order): scalar, multi-hot or sequence.
 
         Returns the unique IDs of each width (all features of that width
@@ -95,7 +96,6 @@ class Pooler:
         longer than its feature's `max_len` is refused: cut it first
         (`Bag.keep_last`, as the readers do).
         """
-        keyed = bags if isinstance(bags, KeyedBags) else KeyedBags.from_bags(bags)
         if keyed.num_features != len(self.features):
             raise ValueError(f"{keyed.num_features} bags for {len(self.features)} features")
         uniq: dict[int, np.ndarray] = {}

@@ -147,14 +147,7 @@ class FakePS:
 def columns(samples) -> tuple[np.ndarray, np.ndarray]:
     """(ids (n, F), present (n, F)) of decoded inference `Samples` whose features are all scalar (a bag of at
     most one ID each): the column form `reference` and the TSV reader use."""
-    n = len(samples)
-    ids = np.zeros((n, samples.bags.num_features), np.uint64)
-    present = np.zeros((n, samples.bags.num_features), bool)
-    for f, bag in enumerate(samples.bags.bags()):
-        assert (bag.lengths <= 1).all(), f"feature {f} is not scalar"
-        present[:, f] = bag.lengths == 1
-        ids[present[:, f], f] = bag.values
-    return ids, present
+    return samples.bags.to_columns()  # refuses a bag of more than one ID
 
 
 def make_config_bundle(out: Path, config_path: Path, *, vocabulary: int = 20_000, num_shards: int = 2,

@@ -27,8 +27,8 @@ import numpy as np
 from hybridrec.config import Config
 from hybridrec.criteo import feature_columns
 from hybridrec.files import fsync_dir, write_json_atomic
+from hybridrec.jagged import KeyedBags
 from services.dataloader import parquet
-from services.dataloader.batching import Rows
 from services.dataloader.criteo import read_criteo
 from services.dataloader.prepared import (MANIFEST, FileEntry, Manifest, PreparedDataError, ShardEntry,
                                           SourceEntry, checksum, fingerprint, hybridrec_version, schema,
@@ -72,24 +72,28 @@ class _NpyWriter:
 
 @dataclass
 class _Chunk:
-    rows: Rows
+    """A source chunk in the shard's layout: TSV keeps the reader's columns, Parquet one bag per feature."""
+
+    labels: np.ndarray
+    dense: np.ndarray
     bad_lines: int
     truncated_rows: int
-    columns: tuple[np.ndarray, np.ndarray] | None = None
-    """TSV: the reader's ids and present (n, features), the shard's column layout as the reader made it."""
+    columns: tuple[np.ndarray, np.ndarray] | None = None  # TSV: ids and present (n, features)
+    bags: KeyedBags | None = None  # Parquet
 
 
 def _tsv_chunks(path: str, config: Config) -> Iterator[_Chunk]:
     columns, groups = feature_columns(config.features)
     for chunk in read_criteo(path, groups=groups, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines):
-        yield _Chunk(Rows.of_chunk(chunk, columns), chunk.num_bad_lines, 0,
-                     (chunk.ids[:, columns], chunk.present[:, columns]))
+        yield _Chunk(chunk.labels, chunk.dense, chunk.num_bad_lines, 0,
+                     columns=(chunk.ids[:, columns], chunk.present[:, columns]))
 
 
 def _parquet_chunks(path: str, config: Config) -> Iterator[_Chunk]:
     spec = parquet.ParquetSpec.from_config(config)
     for chunk in parquet.read_parquet(path, spec, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines):
-        yield _Chunk(chunk.rows, chunk.num_bad_rows, chunk.num_truncated)
+        yield _Chunk(chunk.rows.labels, chunk.rows.dense, chunk.num_bad_rows, chunk.num_truncated,
+                     bags=chunk.rows.bags)
 
 
 def _writers(where: Path, config: Config) -> dict[str, _NpyWriter]:
@@ -127,18 +131,17 @@ def _fill(writers: dict[str, _NpyWriter], chunks: Iterator[_Chunk], where: Path,
     nnz = [0] * num_features
     rows = bad = truncated = 0
     for chunk in chunks:
-        r = chunk.rows
-        writers["labels.npy"].append(r.labels)
-        writers["dense.npy"].append(r.dense)
+        writers["labels.npy"].append(chunk.labels)
+        writers["dense.npy"].append(chunk.dense)
         if chunk.columns is not None:  # TSV: the column layout (every feature a bag of at most one ID)
             writers["ids.npy"].append(chunk.columns[0])
             writers["present.npy"].append(chunk.columns[1])
         else:
-            for f, bag in enumerate(r.bags.bags()):
+            for f, bag in enumerate(chunk.bags.bags()):
                 writers[f"bag{f}.values.npy"].append(bag.values)
                 writers[f"bag{f}.offsets.npy"].append(bag.offsets[1:] + nnz[f])
                 nnz[f] += int(bag.offsets[-1])
-        rows, bad, truncated = rows + len(r), bad + chunk.bad_lines, truncated + chunk.truncated_rows
+        rows, bad, truncated = rows + len(chunk.labels), bad + chunk.bad_lines, truncated + chunk.truncated_rows
     files = {name: w.close() for name, w in writers.items()}
     return ShardEntry(name=where.name, source=index, rows=rows, bad_lines=bad, truncated_rows=truncated, files=files)
 

@@ -74,6 +74,17 @@ def _observed(task: asyncio.Task) -> None:
         log.get().warning("update_failed", error=str(task.exception()))
 
 
+def _tables(stores: dict[int, dict]) -> dict[int, dict[str, int]]:
+    """The lifecycle counters per table (feature group), summed over the stores of every width."""
+    tables: dict[int, dict[str, int]] = {}
+    for st in stores.values():
+        for group, counters in st["tables"].items():
+            into = tables.setdefault(int(group), {})
+            for name, count in counters.items():
+                into[name] = into.get(name, 0) + int(count)
+    return tables
+
+
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
@@ -95,21 +106,24 @@ class EmbeddingPSServicer:
         self.published: int | None = None
         self._publishing = asyncio.Lock()
 
-    def stats(self) -> dict[str, float]:
-        """Request counters and, per width, the store's occupancy (read at every metrics scrape)."""
+    def stats(self, stores: dict[int, dict] | None = None) -> dict[str, float]:
+        """Request counters and, per width, the store's occupancy (read at every metrics scrape). `stores`:
+        each store's `stats()` when the caller has them already."""
+        stores = self._store_stats() if stores is None else stores
         values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
         values["updates_deduplicated_total"] = float(self.applied.deduplicated)  # all lives of this shard
-        for dim, store in self.stores.items():
-            st = store.stats()
+        for dim, st in stores.items():
             values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
                            f"dim{dim}_evictions_total": st["evictions"],
                            f"dim{dim}_admission_drops_total": st["admission_drops"],
                            f"dim{dim}_missing_updates_total": st["missing_updates"],
                            f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"]})
-            for group, counters in st["tables"].items():  # the lifecycle's counters per table (feature group)
-                for name, count in counters.items():
-                    values[f"table{group}_{name}_total"] = values.get(f"table{group}_{name}_total", 0.0) + count
+        for group, counters in _tables(stores).items():  # the lifecycle's counters per table (feature group)
+            values.update({f"table{group}_{name}_total": float(count) for name, count in counters.items()})
         return values
+
+    def _store_stats(self) -> dict[int, dict]:
+        return {dim: store.stats() for dim, store in self.stores.items()}
 
     async def sweep_expired(self, interval_s: float) -> None:
         """Remove expired rows (`ps.lifecycle` TTLs) every `interval_s` until cancelled; on the event loop,
@@ -179,23 +193,17 @@ class EmbeddingPSServicer:
             del self._updating[update.update_id]
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
-        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats(),
-                               recovery=self.recovery())
+        stores = self._store_stats()  # once for both parts
+        return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats(stores),
+                               recovery=self.recovery(stores))
 
-    def recovery(self) -> pb.RecoveryStats:
+    def recovery(self, stores: dict[int, dict] | None = None) -> pb.RecoveryStats:
         """What a run's summary reads of this shard, typed: rows per width, re-sent updates answered without
         applying them again, and the lifecycle counters of every table."""
-        tables: dict[int, dict[str, int]] = {}
-        rows: dict[int, int] = {}
-        for dim, store in self.stores.items():
-            st = store.stats()
-            rows[dim] = int(st["rows"])
-            for group, counters in st["tables"].items():
-                into = tables.setdefault(int(group), {})
-                for name, count in counters.items():
-                    into[name] = into.get(name, 0) + int(count)
-        return pb.RecoveryStats(updates_deduplicated=int(self.applied.deduplicated), rows_by_width=rows,
-                                tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(tables.items())])
+        stores = self._store_stats() if stores is None else stores
+        return pb.RecoveryStats(updates_deduplicated=int(self.applied.deduplicated),
+                                rows_by_width={dim: int(st["rows"]) for dim, st in stores.items()},
+                                tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(_tables(stores).items())])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint

@@ -2,19 +2,21 @@
 import numpy as np
 import pytest
 
-from hybridrec.compress import ValueCodec, dedup, scaled_fp16, unscale_fp16
+from hybridrec.compress import ValueCodec, scaled_fp16, unscale_fp16
+from hybridrec.frames import SparseBatch
+from hybridrec.jagged import KeyedBags
 
 
 def test_dedup_is_lossless():
     ids = np.random.default_rng(0).zipf(1.2, size=4096).astype(np.uint64) % 1000
-    uniq, pos = dedup(ids)
-    assert pos.dtype == np.uint16
-    np.testing.assert_array_equal(uniq[pos], ids)
+    batch = SparseBatch.from_bags(KeyedBags(ids, np.ones((1, 4096), np.int64)), phase="train")
+    assert batch.bags.values.dtype == np.uint16
+    np.testing.assert_array_equal(batch.ids(0).values, ids)
 
 
 def test_dedup_rejects_more_than_65535_unique():
     with pytest.raises(ValueError, match="uint16"):
-        dedup(np.arange(70000, dtype=np.uint64))
+        SparseBatch.from_bags(KeyedBags(np.arange(70000, dtype=np.uint64), np.full((1, 10), 7000)), phase="train")
 
 
 def test_kappa_fp16_keeps_tiny_gradients_that_a_plain_cast_flushes():

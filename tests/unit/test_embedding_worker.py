@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from hybridrec.compress import ValueCodec, dedup
+from hybridrec.compress import ValueCodec
 from hybridrec.config import Config
 from hybridrec.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBatch, worker_of_ref
 from hybridrec.ids import GROUP_SHIFT
@@ -89,16 +89,10 @@ def cluster(tmp_path):
 def _sparse(bags_per_feature: list[list[list[int]]], phase: str = "train") -> SparseBatch:
     """A SparseBatch from explicit bags: bags_per_feature[f][i] is the list of IDs of feature f, sample i."""
     batch_size = len(bags_per_feature[0])
-    uniq, pos, lengths = [], [], []
-    for bags in bags_per_feature:
-        assert len(bags) == batch_size
-        flat = np.array([i for bag in bags for i in bag], np.uint64)
-        u, p = dedup(flat)
-        uniq.append(u)
-        pos.append(p)
-        lengths.append(np.array([len(bag) for bag in bags], np.uint16))
-    return SparseBatch(KeyedBags(np.concatenate(pos).astype(np.uint16), np.stack(lengths).astype(np.uint16)), uniq,
-                       phase)
+    assert all(len(bags) == batch_size for bags in bags_per_feature)
+    values = np.array([i for bags in bags_per_feature for bag in bags for i in bag], np.uint64)
+    lengths = np.array([[len(bag) for bag in bags] for bags in bags_per_feature], np.int64)
+    return SparseBatch.from_bags(KeyedBags(values, lengths), phase=phase)
 
 
 def _batch(seed: int = 0, batch_size: int = 6, phase: str = "train") -> SparseBatch:
