@@ -7,9 +7,7 @@ the forward pass on a dedicated compute thread while the event loop keeps
 receiving requests; those form the next micro-batch (a small micro-batch runs
 on the loop's thread: the hand-over would cost more than its forward pass).
 
-Waiting: a request arriving at an idle server is answered at once, in its own
-task (no hand-over to the batching loop: a batch-1 caller pays for its own
-forward pass and nothing else). Only when
+Waiting: a request arriving at an idle server is answered at once. Only when
 requests are arriving concurrently (the previous micro-batch merged several,
 or most recent requests arrived while another was in flight) does a
 micro-batch wait up to `max_delay_ms` for more, so sequential callers pay no
@@ -76,20 +74,10 @@ class Batcher:
         self.counters["rows_total"] += len(samples)
         self.in_flight += 1
         try:
-            if self._alone():
-                await asyncio.sleep(0)  # requests that arrived with this one reach infer() first...
-                if self._alone():  # ...and if none did, this one is answered here, with no hand-over
-                    async with self._running:
-                        await self._answer([pending])
-                    return await pending.future
             await self.queue.put(pending)
             return await pending.future
         finally:
             self.in_flight -= 1
-
-    def _alone(self) -> bool:
-        """Only one request is in flight, nothing is being answered, and requests are not arriving concurrently."""
-        return self.in_flight == 1 and self.queue.empty() and not self._running.locked() and not self._waiting()
 
     def _waiting(self) -> bool:
         """Whether a micro-batch should wait for company: requests are arriving concurrently (the last
