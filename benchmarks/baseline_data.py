@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hybridrec.ids import GROUP_SHIFT
-from services.dataloader.criteo import NUM_SPARSE, read_criteo
+from services.dataloader.tsv import NUM_SPARSE, read_criteo
 
 FEATURES = [f"C{i + 1}" for i in range(NUM_SPARSE)]
 READ_CHUNK_ROWS = 1 << 18

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.baseline_data import FEATURES, Tensors
 from hybridrec.models import DNN, FeatureInfo
-from services.dataloader.criteo import NUM_DENSE
+from services.dataloader.tsv import NUM_DENSE
 
 INIT_SCALE = 0.01  # hybridrec's default ps.init: uniform(-0.01, 0.01)
 ADAGRAD_EPS = 1e-10  # hybridrec's default optimizer.embedding.eps

@@ -1,4 +1,4 @@
-"""Baselines a user would pick instead of hybridrec on one machine (README.md, "Benchmarks").
+"""Baselines a user would pick instead of hybridrec on one machine (docs/benchmarks.md).
 
 Both train the model hybridrec trains by default -- one sum-pooled embedding bag
 of ``table_rows`` x ``dim`` per Criteo categorical feature (C1..C26, hashing

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from hybridrec.launcher import rank_step
+from hybridrec.app.launcher import rank_step
+from hybridrec.summary import read_services
 
 REPO = Path(__file__).resolve().parents[1]
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -68,8 +69,7 @@ def run(config: Path, run_dir: Path, sets: list[str], kill_at_step: int | None =
     result = {k: summary.get(k) for k in keep}
     if kill_at_step is not None:
         result["killed_at_step"] = killed
-        result["restarts"] = {f"{s['name']}-{s['replica']}": s["restarts"]
-                              for s in json.loads((run_dir / "services.json").read_text())}
+        result["restarts"] = {f"{s.name}-{s.replica}": s.restarts for s in read_services(run_dir)}
     return result
 
 

@@ -109,7 +109,7 @@ def cpu_during(resources: dict[str, list[dict]], t0: float, t1: float) -> dict[s
 
     On one machine every mode does the same CPU work per sample, so a mode can only
     be faster than another by the CPU time the other leaves idle: the totals say how
-    much that is (README.md, "Benchmarks")."""
+    much that is (docs/benchmarks.md)."""
     out: dict[str, float] = {}
     for name, points in resources.items():
         values = [p["cpu_percent"] for p in points if t0 <= p["t"] <= t1]
@@ -279,7 +279,7 @@ def main() -> None:
                         "them every epoch) instead of the data prepared once")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
-        from hybridrec.synth import synthesize
+        from hybridrec.app.synth import synthesize
         synthesize(args.data, rows=args.rows)
     work = args.out.parent / (args.out.stem + "-work")
     work.mkdir(parents=True, exist_ok=True)

@@ -1,3 +1,3 @@
-from hybridrec.cli import main
+from hybridrec.app.cli import main
 
 main()

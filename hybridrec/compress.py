@@ -9,16 +9,12 @@
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-# Frames decode into read-only numpy views; torch warns when it wraps one, but the
-# codec only ever reads them (every result is a new tensor).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+from hybridrec.lazy_torch import import_torch
 
 MAX_UNIQUE = 65535
 
@@ -70,29 +66,6 @@ class Fp16Rows(NamedTuple):
     @property
     def ndim(self) -> int:
         return self.half.ndim
-
-
-def import_torch(threads: int | None = None):
-    """torch, imported on first use rather than with this module.
-
-    Importing torch costs seconds of CPU, and every service imports this module
-    (through hybridrec.frames): the data loader never needs torch, and the PS and
-    the embedding worker only for fp16 values, so they call this on a background
-    thread at start-up (`threads`: the torch thread count they want) instead of
-    paying for it before they listen.
-    """
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return torch
-
-
-def import_torch_in_background(threads: int) -> threading.Thread:
-    """Start importing torch on a daemon thread, so that it overlaps the rest of a service's start-up."""
-    thread = threading.Thread(target=import_torch, args=(threads,), name="import-torch", daemon=True)
-    thread.start()
-    return thread
 
 
 def scaled_fp16(vectors: np.ndarray, kappa: float) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hybridrec.criteo import NUM_DENSE, SPARSE_COLUMNS
+from hybridrec.criteo_format import NUM_DENSE, SPARSE_COLUMNS
 from hybridrec.ids import MAX_GROUPS
 
 

@@ -64,11 +64,6 @@ SERVICE_KINDS: tuple[ServiceKind, ...] = (
 """Every service, in the order `hybridrec run` starts them (servers before their clients)."""
 SERVICES: dict[str, ServiceKind] = {kind.name: kind for kind in SERVICE_KINDS}
 
-STANDALONE_SERVICES = {
-    # service name -> what it serves; started alone, with its own settings instead of a job config
-    "inference": "the Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle",
-}
-
 
 def default_replica() -> int:
     """HYBRIDREC_REPLICA, else the trailing -N of the hostname (StatefulSet pods: ps-1 -> 1), else 0."""

@@ -8,6 +8,7 @@ field names.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,12 @@ class Staleness(BaseModel):
         return cls(p50=int(np.searchsorted(cdf, 0.5)), max=int(np.nonzero(counts)[0].max()), histogram=list(hist))
 
 
+SERVICES_FILE = "services.json"
+"""In a run directory: every replica of the run (`ServiceInfo`), kept current across restarts."""
+
+
 class ServiceInfo(BaseModel):
-    """One replica of a service as the launcher ran it."""
+    """One replica of a service as the launcher (or the testbed) ran it: a row of services.json."""
 
     name: str
     """Service kind (embedding_ps, embedding_worker, nn_worker, dataloader)."""
@@ -49,6 +54,23 @@ class ServiceInfo(BaseModel):
     """Prometheus address."""
     restarts: int = 0
     """Times it was restarted in place (or with its group)."""
+    host: str | None = None
+    """Testbed only: the host (network namespace) it ran in."""
+    namespace: str | None = None
+    """Testbed only: that host's network namespace."""
+
+
+def write_services(run_dir: Path, services: list[ServiceInfo]) -> None:
+    """run_dir/services.json, replaced whole (a dashboard polling it never reads half a file)."""
+    write_json_atomic(Path(run_dir) / SERVICES_FILE, [s.model_dump(mode="json") for s in services])
+
+
+def read_services(run_dir: Path) -> list[ServiceInfo] | None:
+    """run_dir/services.json, or None where the run wrote none."""
+    path = Path(run_dir) / SERVICES_FILE
+    if not path.is_file():
+        return None
+    return [ServiceInfo.model_validate(row) for row in json.loads(path.read_text())]
 
 
 class PublishSummary(BaseModel):

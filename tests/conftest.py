@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrec.synth import synthesize
+from hybridrec.app.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[1]
 HYBRIDREC = [sys.executable, "-m", "hybridrec"]

@@ -20,7 +20,7 @@ def make_bundle(out: Path, *, num_features: int = 26, dim: int = 16, rows_per_fe
 
     `tokens`: feature index -> Criteo tokens whose hashed IDs get rows too (for raw-row tests).
     """
-    from hybridrec.criteo_parser import hash_token
+    from hybridrec.criteo_kernels import hash_token
 
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -156,7 +156,7 @@ def make_config_bundle(out: Path, config_path: Path, *, vocabulary: int = 20_000
     row for every integer 0..vocabulary-1 of every feature group, hashed as the Parquet reader hashes integer
     IDs: requests by feature name with such integers find their rows."""
     from hybridrec.config import load_config
-    from hybridrec.criteo_parser import hash_ints
+    from hybridrec.criteo_kernels import hash_ints
     from hybridrec.models import feature_infos
 
     config = load_config(config_path)

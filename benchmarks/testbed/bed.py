@@ -28,9 +28,9 @@ import psutil
 from benchmarks.testbed.net import Network, NetError, bridge_ns, host_ns, leftovers
 from benchmarks.testbed.spec import SpecError, TestbedSpec, format_rate
 from hybridrec.config import Config, dump_config, from_dict
-from hybridrec.launcher import _die_with_parent, tail
+from hybridrec.app.launcher import die_with_parent, tail
 from hybridrec.service import SERVICE_KINDS, SERVICES
-from hybridrec.summary import RunSummary
+from hybridrec.summary import SERVICES_FILE, RunSummary, ServiceInfo, write_services
 
 BASE_PORT = 7100  # gRPC port of the i-th replica overall: BASE_PORT + i; metrics: METRICS_PORT + i
 METRICS_PORT = 9300
@@ -75,7 +75,7 @@ class Fault:
 
 def _start_on(cpus: set[int] | None) -> None:
     """In the child before exec: die with the testbed, and run on the host's CPUs (inherited by exec)."""
-    _die_with_parent()
+    die_with_parent()
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
 
@@ -167,7 +167,7 @@ class Testbed:
     def start_services(self) -> None:
         for host, config in self.configs.items():
             dump_config(config, self.run_dir / f"config-{host}.yaml")
-        for stale in ("summary.json", "testbed.json", "services.json"):  # a reused run dir: nothing of a past run
+        for stale in ("summary.json", "testbed.json", SERVICES_FILE):  # a reused run dir: nothing of a past run
             (self.run_dir / stale).unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
         for proc in self.procs:
@@ -181,9 +181,10 @@ class Testbed:
         self._write_services()
 
     def _write_services(self) -> None:
-        rows = [{"name": p.service, "replica": p.replica, "host": p.host, "namespace": host_ns(self.prefix, p.host),
-                 "grpc": p.address, "pid": p.popen.pid if p.popen else None} for p in self.procs]
-        (self.run_dir / "services.json").write_text(json.dumps(rows, indent=1))
+        write_services(self.run_dir, [
+            ServiceInfo(name=p.service, replica=p.replica, pid=p.popen.pid if p.popen else None, grpc=p.address,
+                        metrics=f"{p.address.rsplit(':', 1)[0]}:{p.metrics_port}", host=p.host,
+                        namespace=host_ns(self.prefix, p.host)) for p in self.procs])
 
     def check(self) -> bool:
         """True once every NN worker exited 0; TestbedError naming the service when any other exit happens."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from hybridrec.frames import SparseBatch
 from hybridrec.jagged import KeyedBags
-from services.dataloader.criteo import BadLinePolicy, CriteoChunk, read_criteo
+from services.dataloader.tsv import BadLinePolicy, CriteoChunk, read_criteo
 
 
 @dataclass

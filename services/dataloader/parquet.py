@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hybridrec.config import FeatureKind
-from hybridrec.criteo_parser import hash_ints, hash_strings
+from hybridrec.criteo_kernels import hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import BadLinePolicy, Position, ReadCounters, Rows

@@ -52,7 +52,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import Config, ConfigError, FeatureKind
-from hybridrec.criteo import DENSE_COLUMNS
+from hybridrec.criteo_format import DENSE_COLUMNS
 from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import Position, ReadCounters, Rows
 

@@ -25,11 +25,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from hybridrec.config import Config
-from hybridrec.criteo import feature_columns
+from hybridrec.criteo_format import feature_columns
 from hybridrec.files import fsync_dir, write_json_atomic
 from hybridrec.jagged import KeyedBags
 from services.dataloader import parquet
-from services.dataloader.criteo import read_criteo
+from services.dataloader.tsv import read_criteo
 from services.dataloader.prepared import (MANIFEST, FileEntry, Manifest, PreparedDataError, ShardEntry,
                                           SourceEntry, checksum, fingerprint, hybridrec_version, schema,
                                           shard_files)

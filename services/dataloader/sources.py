@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from hybridrec.config import Config, ConfigError
-from hybridrec.criteo import feature_columns
+from hybridrec.criteo_format import feature_columns
 from services.dataloader import batching, parquet, prepared
 from services.dataloader.batching import Position, ReadCounters, Rows
 

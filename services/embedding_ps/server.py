@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from hybridrec.compress import ValueCodec, import_torch_in_background
+from hybridrec.compress import ValueCodec
+from hybridrec.lazy_torch import import_torch_in_background
 from hybridrec.config import Config
 from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under

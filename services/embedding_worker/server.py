@@ -5,7 +5,7 @@ import grpc
 import numpy as np
 
 from hybridrec import rpc
-from hybridrec.compress import import_torch_in_background
+from hybridrec.lazy_torch import import_torch_in_background
 from hybridrec.config import Config
 from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb

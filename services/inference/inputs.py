@@ -17,7 +17,7 @@ Three ways to send samples (docs/serving.md#inference-service):
 * `rows`, BYTES (batch,): Criteo TSV lines as in the training data, with or
   without the leading label column (39 or 40 tab-separated fields; a label is
   ignored). Parsed and hashed by the training data loader's own kernels
-  (`hybridrec.criteo_parser`), so serving cannot drift from training.
+  (`hybridrec.criteo_kernels`), so serving cannot drift from training.
 * `ids`, UINT64 or INT64 (batch, num_features): hashed IDs as the data loader
   makes them (feature group in the top 8 bits, `hybridrec.ids`), one column per
   bundle feature in manifest order; an ID whose low 56 bits are 0 (the
@@ -38,9 +38,9 @@ import numpy as np
 
 from hybridrec import rpc
 from hybridrec.bundle import BundleManifest
-from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
+from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
 from hybridrec.config import FeatureKind
-from hybridrec.criteo_parser import _OK, _parse_lines, error_text, hash_ints, hash_strings
+from hybridrec.criteo_kernels import _OK, _parse_lines, error_text, hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 from hybridrec.jagged import Bag, KeyedBags
 

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from hybridrec.launcher import free_port
+from hybridrec.app.launcher import free_port
 from tests.containers.cluster import REPO
 from tests.containers.conftest import AUC_THRESHOLD, IMAGE, SYNTH_ROWS
 

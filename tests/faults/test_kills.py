@@ -22,8 +22,8 @@ import psutil
 import pytest
 import yaml
 
-from hybridrec.synth import synthesize
-from hybridrec.launcher import rank_step
+from hybridrec.app.synth import synthesize
+from hybridrec.app.launcher import rank_step
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults

@@ -13,8 +13,8 @@ from hybridrec.config import load_config
 from hybridrec.evaluation import binary_metrics
 from hybridrec.models import FeatureInfo, build_model
 from services.dataloader.batching import ReadCounters, iter_rows
-from hybridrec.criteo import feature_columns
-from hybridrec.synth import synthesize
+from hybridrec.criteo_format import feature_columns
+from hybridrec.app.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

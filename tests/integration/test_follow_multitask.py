@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from hybridrec.config import load_config
-from hybridrec.launcher import free_port
-from hybridrec.synth_parquet import synthesize_multitask
+from hybridrec.app.launcher import free_port
+from hybridrec.app.synth_parquet import synthesize_multitask
 from hybridrec.versions import list_versions, load_version
 from services.inference.follow import build_dense, inference_model
 from services.inference.inputs import InputDecoder, Tensor

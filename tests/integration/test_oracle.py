@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from hybridrec.config import load_config
-from hybridrec.criteo import feature_columns
+from hybridrec.criteo_format import feature_columns
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of
 from services.dataloader.batching import ReadCounters, iter_train_batches

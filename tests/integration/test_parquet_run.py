@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from hybridrec.synth_parquet import synthesize_multitask
+from hybridrec.app.synth_parquet import synthesize_multitask
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration

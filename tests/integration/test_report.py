@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from hybridrec.launcher import SAMPLE_EVERY_S
-from hybridrec.report_page import inspect_page, screenshot
+from hybridrec.app.launcher import SAMPLE_EVERY_S
+from hybridrec.app.report_page import inspect_page, screenshot
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from hybridrec.bundle import read_manifest
 from hybridrec.config import FeatureKind, load_config
 from hybridrec.evaluation import binary_metrics
 from hybridrec.inference_config import BatchingConfig
-from hybridrec.synth_parquet import synthesize_multitask
+from hybridrec.app.synth_parquet import synthesize_multitask
 from services.inference.batcher import Batcher
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
 from services.inference.model import StaticSource, load_model

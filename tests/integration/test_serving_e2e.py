@@ -11,8 +11,8 @@ import pytest
 
 from hybridrec import rpc
 from hybridrec.config import load_config
-from hybridrec.launcher import free_port
-from hybridrec.synth import synthesize
+from hybridrec.app.launcher import free_port
+from hybridrec.app.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 from tests.integration.test_export_e2e import _cli, predict
 from tests.integration.test_inference import MODEL, Server, _probs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
-from hybridrec.launcher import free_port
+from hybridrec.app.launcher import free_port
 
 
 def run_ranks(target, world: int, out: Path, timeout_s: float) -> None:

@@ -29,7 +29,7 @@ SMALL = dict(batch_size=512, max_steps=30, table_rows=50_000, threads=1, curve_p
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from hybridrec.synth import synthesize
+    from hybridrec.app.synth import synthesize
 
     out = tmp_path_factory.mktemp("baselines-synth")
     s = synthesize(out, rows=20000, eval_rows=5000, seed=1)
@@ -103,7 +103,7 @@ def test_cli_writes_json(tiny, tmp_path):
 def test_baselines_read_prepared_data_as_the_tsv(tiny, tmp_path):
     """`--prepared DIR` (train/ and eval/ from `hybridrec data prepare`) gives the very arrays of the TSV."""
     from benchmarks.baseline_data import load
-    from hybridrec.cli import app
+    from hybridrec.app.cli import app
     from typer.testing import CliRunner
 
     prepared = tmp_path / "prepared"

@@ -1,4 +1,4 @@
-"""Unit tests of the Criteo TSV reader (services/dataloader/criteo.py)."""
+"""Unit tests of the Criteo TSV reader (services/dataloader/tsv.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from services.dataloader.criteo import (
+from services.dataloader.tsv import (
     GROUP_SHIFT,
     NUM_DENSE,
     NUM_SPARSE,
@@ -250,7 +250,7 @@ def test_only_bad_lines_gives_empty_chunk(tmp_path):
 @pytest.mark.parametrize("gz", [False, True])
 def test_overlong_line(tmp_path, gz):
     """A line with no newline for megabytes is dropped without being carried whole."""
-    from services.dataloader import criteo
+    from services.dataloader import tsv as criteo
 
     text = (LINE_A + "\n" + "x" * (3 * criteo.MAX_LINE_BYTES) + "\n" + LINE_B + "\n").encode()
     path = tmp_path / ("long.tsv.gz" if gz else "long.tsv")

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from hybridrec import checkpoints
 from hybridrec.bundle import load_dense, open_bundle
 from hybridrec.checkpoints import JobManifest
-from hybridrec.cli import app
+from hybridrec.app.cli import app
 from hybridrec.config import dump_config, from_dict
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of

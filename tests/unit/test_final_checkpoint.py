@@ -8,7 +8,7 @@ import pytest
 from hybridrec import checkpoints
 from hybridrec.checkpoints import JobManifest
 from hybridrec.config import from_dict
-from hybridrec.launcher import resolve
+from hybridrec.app.launcher import resolve
 
 
 def _config(**checkpoint):

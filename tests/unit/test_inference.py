@@ -68,7 +68,7 @@ def _run_remote(path, shards, samples):
 
 
 def test_raw_rows_parse_like_the_training_reader(bundle, tmp_path):
-    from services.dataloader.criteo import read_criteo
+    from services.dataloader.tsv import read_criteo
 
     path, known, tokens = bundle
     decoder = InputDecoder(read_manifest(path), 4096)
@@ -293,7 +293,7 @@ def _list_request(user, tags, lengths, dense_rows=None):
 
 
 def test_a_list_feature_keeps_its_most_recent_max_len_values_and_counts_the_cut():
-    from hybridrec.criteo_parser import hash_ints
+    from hybridrec.criteo_kernels import hash_ints
 
     decoder = InputDecoder(_list_manifest(), 16)
     samples = decoder.decode(_list_request([7, 8], [1, 2, 3, 4, 5, 6], [5, 1]))

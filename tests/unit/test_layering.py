@@ -1,6 +1,9 @@
-"""The shared package never imports a service: dependencies point from services/ to hybridrec/.
+"""Three layers, arrows pointing down only: the core library (hybridrec/) <- the services (services/NAME/, each
+importing the core and itself) <- the app (hybridrec/app/: the CLI, the launcher, reports, data tools, export).
 
-The CLI reaches service code only by name at run time (hybridrec/cli.py: `service_module`).
+The check reads the real import graph of every module, imports inside functions included, and refuses an
+import by string (`importlib.import_module`, `__import__`) of our own code: the one import by string left is
+the model plugin (`hybridrec.models`), which imports the user's model class named in the config.
 """
 from __future__ import annotations
 
@@ -12,31 +15,114 @@ import hybridrec
 
 PACKAGE = Path(hybridrec.__file__).resolve().parent
 REPO = PACKAGE.parent
+CORE, SERVICES, APP = 0, 1, 2
+LAYER_NAMES = ("core", "services", "app")
+MODEL_PLUGIN = "hybridrec.models"
 
 
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int | None:
+    """The layer a module of ours is in; None for a module that is not ours (numpy, torch, ...)."""
+    if module == "hybridrec.__main__" or module == "hybridrec.app" or module.startswith("hybridrec.app."):
+        return APP
+    if module == "services" or module.startswith("services."):
+        return SERVICES
+    if module == "hybridrec" or module.startswith("hybridrec."):
+        return CORE
+    return None
+
+
+def _service(module: str) -> str | None:
+    """services.NAME for a module of a service, else None."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "services" and len(parts) > 1 else None
+
+
+def _imported_modules(tree: ast.AST, importer: str = "", is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) for every import statement in `tree`, relative ones resolved against `importer`."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = importer.split(".")[: len(importer.split(".")) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.append((node.lineno, module))
+            # `from hybridrec import app` / `from services import nn_worker` name a package, not an attribute
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names
+                      if _layer(f"{module}.{alias.name}") is not None and module in ("hybridrec", "services")]
     return found
 
 
-def test_shared_package_does_not_import_services():
-    modules = sorted(PACKAGE.rglob("*.py"))
-    assert len(modules) > 10
-    offending = [f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
-                 for path in modules
-                 for line, name in _imported_modules(ast.parse(path.read_text(), filename=str(path)))
-                 if name == "services" or name.startswith("services.")]
-    assert not offending, "hybridrec/ imports services/ (use cli.service_module):\n" + "\n".join(offending)
+def _string_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, source of the argument) for every importlib.import_module(...) and __import__(...) call."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("import_module", "__import__") and node.args:
+                found.append((node.lineno, ast.unparse(node.args[0])))
+    return found
 
 
-def test_the_check_sees_imports_inside_functions():
-    tree = ast.parse("def f():\n    from services.embedding_ps import plan\n    import services.dataloader\n")
-    assert [name for _, name in _imported_modules(tree)] == ["services.embedding_ps", "services.dataloader"]
+def _our_modules() -> list[tuple[Path, str]]:
+    paths = sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "services").rglob("*.py"))
+    return [(path, _module_name(path)) for path in paths if "proto" not in path.relative_to(REPO).parts]
+
+
+def _arrows_up() -> list[str]:
+    offending = []
+    for path, module in _our_modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in _imported_modules(tree, module, path.name == "__init__.py"):
+            target = _layer(name)
+            if target is None:
+                continue
+            where = f"{path.relative_to(REPO)}:{line}: {module} ({LAYER_NAMES[_layer(module)]}) imports {name}"
+            if target > _layer(module):
+                offending.append(f"{where} ({LAYER_NAMES[target]})")
+            elif target == SERVICES and _layer(module) == SERVICES and _service(name) not in (None, _service(module)):
+                offending.append(f"{where} (another service)")
+        for line, argument in _string_imports(tree):
+            if module != MODEL_PLUGIN:
+                offending.append(f"{path.relative_to(REPO)}:{line}: imports by string: {argument}")
+    return offending
+
+
+def test_three_layers_and_no_arrow_up():
+    modules = _our_modules()
+    layers = {layer: [m for _, m in modules if _layer(m) == layer] for layer in (CORE, SERVICES, APP)}
+    assert len(layers[CORE]) > 20 and len(layers[SERVICES]) > 30 and len(layers[APP]) > 8, layers
+    assert {"hybridrec.app.cli", "hybridrec.app.launcher", "hybridrec.app.export", "hybridrec.app.plan"} \
+        <= set(layers[APP])
+    offending = _arrows_up()
+    assert not offending, "imports against the layers (core <- services <- app):\n" + "\n".join(offending)
+
+
+def test_the_app_imports_services_with_import_statements():
+    """The CLI runs the services' code through real imports (what the graph above sees), not by name."""
+    tree = ast.parse((PACKAGE / "app" / "cli.py").read_text())
+    imported = {name for _, name in _imported_modules(tree, "hybridrec.app.cli")}
+    assert {"services.dataloader", "services.embedding_ps", "services.inference", "services.nn_worker",
+            "services.embedding_worker"} <= {_service(name) for name in imported}
+
+
+def test_the_check_sees_what_it_must():
+    """Imports inside functions, relative imports, and imports by string of our own code."""
+    tree = ast.parse("def f():\n    from services.embedding_ps import plan\n    import services.dataloader\n"
+                     "    from .app import cli\n    from . import app\n")
+    names = [name for _, name in _imported_modules(tree, "hybridrec.core_module")]
+    assert names == ["services.embedding_ps", "services.dataloader", "hybridrec.app", "hybridrec", "hybridrec.app"]
+    assert [_layer(name) for name in names] == [SERVICES, SERVICES, APP, CORE, APP]
+    old_cli = 'def service_module(service, module):\n    return importlib.import_module(f"services.{service}.{module}")\n'
+    assert _string_imports(ast.parse(old_cli)) == [(2, "f'services.{service}.{module}'")]
 
 
 def test_no_reader_of_service_stats_parses_metric_names():
@@ -67,3 +153,25 @@ def test_job_checkpoint_file_names_are_spelled_by_their_owner_only():
             config.append(rel)
     assert dense == ["hybridrec/bundle.py", "hybridrec/checkpoints.py"], dense
     assert config == [], config
+
+
+def _code_files() -> list[Path]:
+    return [p for top in ("hybridrec", "services", "benchmarks") for p in sorted((REPO / top).rglob("*.py"))
+            if "proto" not in p.relative_to(REPO).parts]
+
+
+def test_services_json_has_one_owner():
+    """services.json is spelled, written and read by hybridrec/summary.py only (`ServiceInfo`, `write_services`,
+    `read_services`): the launcher and the testbed write the same rows through it, the report reads them
+    through it."""
+    spelled = [p.relative_to(REPO).as_posix() for p in _code_files() if '"services.json"' in p.read_text()]
+    assert spelled == ["hybridrec/summary.py"], spelled
+    writers = [p.relative_to(REPO).as_posix() for p in _code_files() if "write_services(" in p.read_text()]
+    assert sorted(writers) == ["benchmarks/testbed/bed.py", "hybridrec/app/launcher.py", "hybridrec/summary.py"], writers
+
+
+def test_no_metric_text_is_parsed_outside_metrics_code():
+    """Prometheus text is for Prometheus: no module of ours reads metric values back from it."""
+    parsers = [p.relative_to(REPO).as_posix() for p in _code_files()
+               if "text_string_to_metric_families" in p.read_text() or "parser.text_fd_to" in p.read_text()]
+    assert parsers == [], parsers

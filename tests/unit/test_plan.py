@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hybridrec.config import EmbeddingOptimizerConfig
-from services.embedding_ps.plan import Table, plan_tables
+from hybridrec.app.plan import Table, plan_tables
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
 

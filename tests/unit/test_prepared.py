@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from hybridrec.cli import app, preflight
+from hybridrec.app.cli import app, preflight
 from hybridrec.config import ConfigError, from_dict, load_config
 from hybridrec.frames import DenseBatch
-from hybridrec.synth import synthesize
-from hybridrec.synth_parquet import synthesize_multitask
+from hybridrec.app.synth import synthesize
+from hybridrec.app.synth_parquet import synthesize_multitask
 from services.dataloader import prepared
 from services.dataloader.batching import Position, ReadCounters, iter_batches
 from services.dataloader.prepared import PreparedDataError

@@ -1,4 +1,4 @@
-"""hybridrec/report.py: numbers formatted for people, whole-run series, phases, and reports of bad input."""
+"""hybridrec/app/report.py: numbers formatted for people, whole-run series, phases, and reports of bad input."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridrec.report import Recorder, rerender, write_report
-from hybridrec.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
+from hybridrec.app.report import Recorder, rerender, write_report
+from hybridrec.app.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
 from hybridrec.summary import Phases, RunSummary, ServiceInfo, Staleness
 
 
@@ -139,8 +139,7 @@ def test_missing_fields_render_a_dash_never_a_traceback(tmp_path, summary):
 def test_failed_run_report_is_marked_incomplete_and_names_the_service(tmp_path, monkeypatch):
     error = ("service nn_worker-1 (pid 4242) exited with code 1; last lines of logs/nn_worker-1.log:\n"
              "  RuntimeError: planted failure at step 3")
-    services = [{"name": "nn_worker", "replica": 1, "pid": 4242, "grpc": "127.0.0.1:1", "metrics": None,
-                 "restarts": 0}]
+    services = [ServiceInfo(name="nn_worker", replica=1, pid=4242, grpc="127.0.0.1:1")]
     page = write_report(tmp_path, None, _sampled(monkeypatch), error=error, services=services).read_text()
     assert 'data-status="incomplete"' in page and "Incomplete run" in page
     assert "service nn_worker-1 (pid 4242) exited with code 1" in page
@@ -151,7 +150,7 @@ def test_failed_run_report_is_marked_incomplete_and_names_the_service(tmp_path, 
 
 def test_progress_line_counts_every_nn_worker():
     from hybridrec.config import load_config
-    from hybridrec.progress import Progress
+    from hybridrec.app.progress import Progress
     from tests.conftest import REPO
 
     progress = Progress(load_config(REPO / "examples" / "criteo_synth.yaml"), tty=False)

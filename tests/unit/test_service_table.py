@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec import launcher
+from hybridrec.app import launcher
 from hybridrec.config import ClusterConfig
 from hybridrec.proto import pb
 from hybridrec.service import SERVICE_KINDS, SERVICES
@@ -26,3 +26,19 @@ def test_launcher_roles():
     assert tuple(k.name for k in SERVICE_KINDS if k.restart_in_place) == ("embedding_ps", "embedding_worker")
     assert launcher.GROUP == ("nn_worker", "dataloader")
     assert launcher.RESUMES_FROM == {"nn_worker": "nn_worker", "dataloader": "nn_worker"}
+
+
+def test_one_serve_subcommand_per_service():
+    """`hybridrec serve NAME` has one command per service kind the launcher starts, plus the inference
+    service (started alone, with its own settings): each with its own options, no option of another role."""
+    from typer.main import get_command
+
+    from hybridrec.app.cli import serve_app
+
+    serve = get_command(serve_app)
+    assert set(serve.commands) == set(SERVICES) | {"inference"}
+    options = {name: {p.name for p in command.params} for name, command in serve.commands.items()}
+    assert options["nn_worker"] == options["dataloader"] == options["embedding_worker"] == \
+        {"config_path", "replica", "overrides"}
+    assert {"bundle", "follow", "ps"} <= options["inference"] and "replica" not in options["inference"]
+    assert {"bundle", "listen", "tls"} <= options["embedding_ps"] and "follow" not in options["embedding_ps"]

@@ -19,7 +19,7 @@ HEAVY = ("torch", "sklearn", "scipy.stats")
 
 def imported_after(*modules: str) -> set[str]:
     """Which of HEAVY a fresh interpreter holds after importing the CLI and `modules`."""
-    code = ("import json, sys\nimport hybridrec.cli\n" + "".join(f"import {m}\n" for m in modules)
+    code = ("import json, sys\nimport hybridrec.app.cli\n" + "".join(f"import {m}\n" for m in modules)
             + f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -31,7 +31,7 @@ def test_services_without_a_dense_model_start_without_torch_or_sklearn(service):
 
 
 def test_the_launcher_starts_without_torch_or_sklearn():
-    assert imported_after("hybridrec.launcher") == set()
+    assert imported_after("hybridrec.app.launcher") == set()
 
 
 def test_the_nn_worker_imports_torch_but_not_sklearn_before_it_evaluates():

@@ -1,4 +1,4 @@
-"""Unit tests of the synthetic Criteo data generator (hybridrec/synth.py)."""
+"""Unit tests of the synthetic Criteo data generator (hybridrec/app/synth.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from hybridrec.synth import GENERATOR_VERSION, synthesize
-from services.dataloader.criteo import NUM_DENSE, NUM_SPARSE, read_criteo
+from hybridrec.app.synth import GENERATOR_VERSION, synthesize
+from services.dataloader.tsv import NUM_DENSE, NUM_SPARSE, read_criteo
 
 ROWS = 20_000
 

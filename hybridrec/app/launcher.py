@@ -30,10 +30,9 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
-from hybridrec.files import write_json_atomic
-from hybridrec.report import Recorder, write_report
+from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
-from hybridrec.summary import Phases, RunSummary, ServiceInfo
+from hybridrec.summary import Phases, RunSummary, ServiceInfo, write_services
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
@@ -100,9 +99,9 @@ class ServiceProcess:
     def name(self) -> str:
         return f"{self.service}-{self.replica}"
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.service, "replica": self.replica, "pid": self.popen.pid if self.popen else None,
-                "grpc": self.address, "metrics": self.metrics_address, "restarts": self.restarts}
+    def describe(self) -> ServiceInfo:
+        return ServiceInfo(name=self.service, replica=self.replica, pid=self.popen.pid if self.popen else None,
+                           grpc=self.address, metrics=self.metrics_address, restarts=self.restarts)
 
 
 LISTEN_PORTS = (10000, 32768)
@@ -131,7 +130,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the launcher dies, and leave the terminal's process group."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -179,7 +178,7 @@ class LocalCluster:
 
     def _write_services(self) -> None:
         """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
-        write_json_atomic(self.run_dir / "services.json", [p.describe() for p in self.procs])
+        write_services(self.run_dir, [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
@@ -188,7 +187,7 @@ class LocalCluster:
                "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env=env, preexec_fn=_die_with_parent, close_fds=True)
+                                          env=env, preexec_fn=die_with_parent, close_fds=True)
         proc.serving = False
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
@@ -406,7 +405,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
     recorder.settle(summary.model_dump())
     summary = summary.model_copy(update={
         "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
-        "services": [ServiceInfo(**p.describe()) for p in cluster.procs],
+        "services": [p.describe() for p in cluster.procs],
         "phases": Phases(**{k: recorder.phases.get(k) for k in Phases.model_fields})})
     summary.report = str(write_report(run_dir, summary, recorder))
     summary.write(summary_path)

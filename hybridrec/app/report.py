@@ -16,7 +16,7 @@ progressive AUC are drawn one line per NN worker, labelled with its rank.
 Re-render a report from a run directory (series.json, summary.json,
 config.yaml) and take a screenshot of it with headless Chromium:
 
-    python -m hybridrec.report RUN_DIR [--screenshot docs/report.png]
+    python -m hybridrec.app.report RUN_DIR [--screenshot docs/report.png]
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-from hybridrec.report_page import SERIES_VERSION, _num, render_page, screenshot
-from hybridrec.report_plots import _plot_all
+from hybridrec.summary import ServiceInfo, read_services
+from hybridrec.app.report_page import SERIES_VERSION, _num, render_page, screenshot
+from hybridrec.app.report_plots import _plot_all
 
 def _status_dict(rank: int, status) -> dict:
     return {"rank": rank, "phase": status.phase, "samples": int(status.samples), "step": int(status.step),
@@ -186,7 +187,7 @@ class Recorder:
 
 # -- plots --------------------------------------------------------------------------------------
 def write_report(run_dir: Path, run: Any, series: Recorder, *, error: str | None = None,
-                 services: list[dict] | None = None) -> Path:
+                 services: list[ServiceInfo] | None = None) -> Path:
     """Write PNGs, series.json and a self-contained report.html into run_dir; returns the HTML path.
 
     `run` is a RunSummary, a dict (possibly partial) or None (a run that failed before rank 0 wrote
@@ -199,7 +200,7 @@ def write_report(run_dir: Path, run: Any, series: Recorder, *, error: str | None
     else:
         summary = run.model_dump(mode="json")
     if services is not None and not summary.get("services"):
-        summary["services"] = services
+        summary["services"] = [s.model_dump(mode="json") for s in services]
     (run_dir / "series.json").write_text(json.dumps({**series.to_json(), "error": error}))
     images: dict[str, str] = {}
     try:
@@ -224,13 +225,12 @@ def rerender(run_dir: Path) -> Path:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     error = tree.get("error") or (None if summary else "no summary.json: the run did not finish")
-    services_path = run_dir / "services.json"
-    services = json.loads(services_path.read_text()) if services_path.is_file() else None
+    services = read_services(run_dir)
     return write_report(run_dir, summary, series, error=error, services=services)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridrec.report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hybridrec.app.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="a `hybridrec run` directory (series.json, summary.json)")
     ap.add_argument("--screenshot", type=Path, metavar="PNG", help="also save a 1280 px wide screenshot here")

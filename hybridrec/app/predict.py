@@ -34,13 +34,12 @@ class Predicted:
 
 def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
     """Score every good row of `data` with `bundle`; write the probabilities to `out`."""
-    from hybridrec.cli import service_module
+    from services.dataloader import batching, sources
+    from services.inference.model import load_model
 
     config = bundle_config(bundle)
     config = config.model_copy(update={"data": config.data.model_copy(update={"eval": [str(p) for p in data]})})
-    sources = service_module("dataloader", "sources")
-    batching = service_module("dataloader", "batching")
-    model = service_module("inference", "model").load_model(bundle)
+    model = load_model(bundle)
     parts: list[np.ndarray] = []
 
     async def score() -> None:

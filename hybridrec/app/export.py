@@ -1,7 +1,7 @@
 """`hybridrec export`: a finished run or a job checkpoint as a model bundle (hybridrec/bundle.py).
 
-In the PS service because the PS owns the shard dumps' format
-(`services/embedding_ps/checkpoint.py`); the CLI loads this module by name.
+Part of the app, not of the PS: it runs once, offline, in the CLI, and reads the
+shard dumps through their owner (`services/embedding_ps/checkpoint.py`).
 From the checkpoint it takes:
 
 * `config.yaml` (every checkpoint carries the job's resolved config): the

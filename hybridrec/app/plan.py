@@ -1,7 +1,6 @@
 """`hybridrec plan`: memory of the embedding PS before renting the machines.
 
-Runs in the CLI, which imports it by name (hybridrec/cli.py: `service_module`):
-it belongs to the PS because its numbers come from the store's own layout
+Part of the app (it runs in the CLI only); its numbers come from the PS store's own layout
 (`store_files.planned_shm_bytes`): the values array (embedding + optimizer
 state per row), the open-addressing index (a power of two >= 2x each stripe's
 rows), the keys and the LRU prev/next arrays, the lifecycle's per-table

@@ -4,21 +4,20 @@ User mistakes (bad config key, missing data file, model path that does not
 import) print one clear message and exit with code 2 — no traceback wall.
 A failed run exits 1, Ctrl-C exits 130.
 
-Commands that belong to a service (`serve`, `plan`, `checkpoint inspect`) reach
-its code only through `service_module`, by name at run time: the shared package
-never imports `services/` (tests/unit/test_layering.py checks it).
+This is the app layer (hybridrec/app/): it imports the services with plain
+import statements, inside the commands that run them, so `hybridrec --help`
+starts without loading torch or any service. The core library (hybridrec/)
+and the services never import it (tests/unit/test_layering.py checks the graph).
 """
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 import typer
@@ -31,7 +30,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 data_app = typer.Typer(no_args_is_help=True, help="Datasets.")
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Checkpoints.")
 app.add_typer(data_app, name="data")
+serve_app = typer.Typer(no_args_is_help=True, help="Run one service in this process (what a container runs).")
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(serve_app, name="serve")
 
 EXIT_USAGE = 2
 
@@ -41,17 +42,6 @@ SetOption = typer.Option(None, "--set", help="Override a config key: --set train
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
     typer.echo(f"hybridrec: error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def service_module(service: str, module: str) -> ModuleType:
-    """`services.<service>.<module>`, imported by name: the CLI's one plugin point into the services.
-
-    Services depend on the shared package, never the other way round; a command
-    that runs a service's code (`serve`, `plan`, `checkpoint inspect`) looks the
-    module up here, when it runs, instead of importing it at the top of a module
-    of hybridrec/.
-    """
-    return importlib.import_module(f"services.{service}.{module}")
 
 
 def _load(path: Path, overrides: Optional[list[str]]) -> Config:
@@ -65,9 +55,10 @@ def preflight(config: Config, *, model: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
     schema, file sizes and checksums), the feature columns and, unless `model` is False, the model
     (`check_model`)."""
-    from hybridrec.criteo import feature_columns
+    from hybridrec.criteo_format import feature_columns
 
-    sources = service_module("dataloader", "sources")
+    from services.dataloader import sources
+
     raw = []  # files read as they are; prepared directories are checked by `check_prepared`
     for key, paths in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         if sources.is_prepared(paths, key):
@@ -79,7 +70,8 @@ def preflight(config: Config, *, model: bool = True) -> None:
     try:
         sources.check_prepared(config)
         if config.data.format == "parquet":
-            parquet = service_module("dataloader", "parquet")
+            from services.dataloader import parquet
+
             spec = parquet.ParquetSpec.from_config(config)
             for path in raw:
                 parquet.check_columns(path, spec)
@@ -109,8 +101,9 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here."),
         run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Logs and results (default runs/<time>).")):
     """Start every service as a local process, train, evaluate, print a summary."""
-    from hybridrec import launcher, log
-    from hybridrec.progress import Progress
+    from hybridrec import log
+    from hybridrec.app import launcher
+    from hybridrec.app.progress import Progress
 
     config = _load(config_path, overrides)
     try:
@@ -147,7 +140,7 @@ def _print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hybridrec.report_page import fmt_duration, fmt_int, fmt_rate, fmt_sig
+    from hybridrec.app.report_page import fmt_duration, fmt_int, fmt_rate, fmt_sig
 
     table = Table(title="hybridrec run", show_header=False)
     phases = summary.phases
@@ -182,88 +175,134 @@ def _print_summary(summary: RunSummary) -> None:
     Console().print(table)
 
 
-@app.command()
-def serve(service: str = typer.Argument(..., help="embedding_ps | embedding_worker | nn_worker | dataloader | "
-                                        "inference"),
-          config_path: Optional[Path] = typer.Option(None, "--config", help="YAML config file: the job's (for "
-                                                     "inference: its settings, optional; not with a read-only PS)."),
-          replica: Optional[int] = typer.Option(None, "--replica", help="Replica index (default: "
-                                                "$HYBRIDREC_REPLICA, else the hostname's trailing -N)."),
-          overrides: Optional[list[str]] = SetOption,
-          bundle: Optional[Path] = typer.Option(None, "--bundle", help="inference: the model bundle to serve; "
-                                                "embedding_ps: serve shard --replica of it, read-only, without a "
-                                                "config."),
-          follow: Optional[Path] = typer.Option(None, "--follow", help="inference: a training job's versions "
-                                                "directory (publish.dir) to follow: serve the newest version, "
-                                                "swap in each new one."),
-          ps: Optional[list[str]] = typer.Option(None, "--ps", help="inference: a read-only PS shard HOST:PORT to "
-                                                 "look embeddings up in (repeatable, shard order)."),
-          listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only PS: gRPC HOST:PORT (port 0: a "
-                                     "free one, logged as 'listening')."),
-          metrics_port: int = typer.Option(0, "--metrics-port", help="Read-only PS: Prometheus port (0: none)."),
-          fp16: bool = typer.Option(False, "--fp16", help="Read-only PS: send rows kappa-scaled fp16 (default "
-                                    "float32)."),
-          tls: Optional[list[Path]] = typer.Option(None, "--tls", help="Read-only PS: mutual TLS, given three "
-                                                   "times: --tls CA --tls CERT --tls KEY (PEM files).")):
-    """Run one service in this process (what a container runs)."""
-    import uvloop
-    from pydantic import ValidationError
+ConfigOption = typer.Option(None, "--config", help="The job's YAML config file.")
+ReplicaOption = typer.Option(None, "--replica", help="Replica index (default: $HYBRIDREC_REPLICA, else the "
+                             "hostname's trailing -N).")
 
-    from hybridrec.bundle import BundleError
-    from hybridrec.service import SERVICES, STANDALONE_SERVICES, default_replica
 
-    if service not in SERVICES and service not in STANDALONE_SERVICES:
-        _fail(f"unknown service {service!r}; expected one of {', '.join([*SERVICES, *STANDALONE_SERVICES])}")
+def _replica(replica: Optional[int]) -> int:
+    from hybridrec.service import default_replica
+
     try:
-        replica = default_replica() if replica is None else replica
+        return default_replica() if replica is None else replica
     except ValueError as exc:
         _fail(str(exc))
-    if service in STANDALONE_SERVICES:
-        from hybridrec.inference_config import load_inference_config
 
-        try:
-            settings = load_inference_config(config_path, overrides=overrides,
-                                             values={"bundle": None if bundle is None else str(bundle),
-                                                     "follow": None if follow is None else str(follow),
-                                                     "ps": ps or None})
-        except ConfigError as exc:
-            _fail(str(exc))
-        main = service_module(service, "server").serve(settings)
-    elif bundle is not None:
-        if service != "embedding_ps":
-            _fail(f"--bundle serves embedding_ps shards read-only (or inference); {service} takes --config")
-        if config_path is not None or overrides:
-            _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
-        module = service_module("embedding_ps", "readonly")
-        try:
-            if tls and len(tls) != 3:
-                _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
-            settings = module.ReadOnlyPSSettings(
-                bundle=bundle, replica=replica, listen=listen, metrics_port=metrics_port, fp16=fp16,
-                tls=dict(zip(("ca", "cert", "key"), map(str, tls))) if tls else None)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")
-        main = module.serve(settings)
-    else:
-        if config_path is None:
-            _fail("give --config CONFIG (or, for a read-only embedding_ps, --bundle BUNDLE)")
-        config = _load(config_path, overrides)
-        main = service_module(service, "server").serve(config, replica)
-    # a bad bundle (BundleError, a ValueError) is the user's input too: exit 2 naming the file
-    usage_errors = (ConfigError, FileNotFoundError, BundleError) + ((ValueError,) if bundle is not None else ())
+
+def _job_config(config_path: Optional[Path], overrides: Optional[list[str]], alternative: str = "") -> Config:
+    if config_path is None:
+        _fail(f"give --config CONFIG{alternative}")
+    return _load(config_path, overrides)
+
+
+def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Run a service's main coroutine on uvloop (the event loop every service runs); a bad config, data file or
+    bundle met at start-up exits 2 naming it."""
+    import uvloop
+
+    from hybridrec.bundle import BundleError
+
     try:
         uvloop.run(main)
-    except usage_errors as exc:
+    except (ConfigError, FileNotFoundError, BundleError) + usage_errors as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
-    # Everything is closed and flushed by now. Skip interpreter teardown: native threads of
-    # torch.distributed (Gloo) can abort the process in static destructors ("terminate called
-    # without an active exception"), which would turn a finished NN worker into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+
+@serve_app.command("dataloader")
+def serve_dataloader(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
+                     overrides: Optional[list[str]] = SetOption):
+    """Read, deduplicate and deliver the job's mini-batches."""
+    from services.dataloader import server
+
+    replica = _replica(replica)
+    _run_service(server.serve(_job_config(config_path, overrides), replica))
+
+
+@serve_app.command("embedding_worker")
+def serve_embedding_worker(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
+                           overrides: Optional[list[str]] = SetOption):
+    """Look embeddings up in the PS shards, pool them, and route their gradients back."""
+    from services.embedding_worker import server
+
+    replica = _replica(replica)
+    _run_service(server.serve(_job_config(config_path, overrides), replica))
+
+
+@serve_app.command("nn_worker")
+def serve_nn_worker(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
+                    overrides: Optional[list[str]] = SetOption):
+    """Train the dense network (one rank of the torch.distributed group)."""
+    from services.nn_worker import server
+
+    replica = _replica(replica)
+    _run_service(server.serve(_job_config(config_path, overrides), replica))
+
+
+@serve_app.command("embedding_ps")
+def serve_embedding_ps(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
+                       overrides: Optional[list[str]] = SetOption,
+                       bundle: Optional[Path] = typer.Option(None, "--bundle", help="Serve shard --replica of this "
+                                                             "model bundle read-only, without a config."),
+                       listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only: gRPC HOST:PORT "
+                                                  "(port 0: a free one, logged as 'listening')."),
+                       metrics_port: int = typer.Option(0, "--metrics-port", help="Read-only: Prometheus port "
+                                                        "(0: none)."),
+                       fp16: bool = typer.Option(False, "--fp16", help="Read-only: send rows kappa-scaled fp16 "
+                                                 "(default float32)."),
+                       tls: Optional[list[Path]] = typer.Option(None, "--tls", help="Read-only: mutual TLS, given "
+                                                                "three times: --tls CA --tls CERT --tls KEY (PEM "
+                                                                "files).")):
+    """One shard of the embedding parameter server: the job's (--config) or a bundle's, read-only (--bundle)."""
+    replica = _replica(replica)
+    if bundle is None:
+        from services.embedding_ps import server
+
+        _run_service(server.serve(_job_config(config_path, overrides, " (or, read-only, --bundle BUNDLE)"),
+                                  replica))
+        return
+    from pydantic import ValidationError
+
+    from services.embedding_ps import readonly
+
+    if config_path is not None or overrides:
+        _fail("--bundle takes no --config or --set (the bundle says everything the read-only PS needs)")
+    if tls and len(tls) != 3:
+        _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
+    try:
+        settings = readonly.ReadOnlyPSSettings(
+            bundle=bundle, replica=replica, listen=listen, metrics_port=metrics_port, fp16=fp16,
+            tls=dict(zip(("ca", "cert", "key"), map(str, tls))) if tls else None)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        _fail(f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}")
+    _run_service(readonly.serve(settings), usage_errors=(ValueError,))  # a bad bundle names its file
+
+
+@serve_app.command("inference")
+def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config", help="Inference settings "
+                                                               "(YAML, optional)."),
+                    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Override a setting: "
+                                                                  "--set batching.max_batch_rows=64 (repeatable)."),
+                    bundle: Optional[Path] = typer.Option(None, "--bundle", help="The model bundle to serve."),
+                    follow: Optional[Path] = typer.Option(None, "--follow", help="A training job's versions "
+                                                          "directory (publish.dir) to follow: serve the newest "
+                                                          "version, swap in each new one."),
+                    ps: Optional[list[str]] = typer.Option(None, "--ps", help="A read-only PS shard HOST:PORT to "
+                                                           "look embeddings up in (repeatable, shard order).")):
+    """The Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle or a job's versions."""
+    from hybridrec.inference_config import load_inference_config
+    from services.inference import server
+
+    try:
+        settings = load_inference_config(config_path, overrides=overrides,
+                                         values={"bundle": None if bundle is None else str(bundle),
+                                                 "follow": None if follow is None else str(follow),
+                                                 "ps": ps or None})
+    except ConfigError as exc:
+        _fail(str(exc))
+    _run_service(server.serve(settings))
 
 
 @app.command()
@@ -290,7 +329,7 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
     """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
     started = time.monotonic()
     if format == "parquet":
-        from hybridrec.synth_parquet import synthesize_multitask
+        from hybridrec.app.synth_parquet import synthesize_multitask
 
         result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed)
         oracles = ", ".join(f"{task} {auc:.4f}" for task, auc in result.oracle_auc.items())
@@ -298,7 +337,7 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
         return
     if format != "tsv":
         _fail(f"--format: {format!r} is not tsv or parquet")
-    from hybridrec.synth import synthesize
+    from hybridrec.app.synth import synthesize
 
     summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
@@ -309,7 +348,7 @@ def data_to_parquet(src: Path = typer.Argument(..., help="Criteo TSV file (not g
                     dst: Path = typer.Argument(..., help="Parquet file to write."),
                     row_group_rows: int = typer.Option(131_072, "--row-group-rows", min=1)):
     """Convert a Criteo TSV file to Parquet (the same samples: identical batches, see README "Parquet input")."""
-    from hybridrec.parquet_data import tsv_to_parquet
+    from hybridrec.app.parquet_data import tsv_to_parquet
 
     if not src.is_file():
         _fail(f"{src}: no such file")
@@ -350,7 +389,8 @@ def data_prepare(sources: list[Path] = typer.Argument(..., metavar="SRC...", hel
                  overrides: Optional[list[str]] = SetOption,
                  force: bool = typer.Option(False, "--force", help="Replace DIR if it exists.")):
     """Hash IDs and transform dense values once: the data loader then memory-maps batches, parsing nothing."""
-    writer = service_module("dataloader", "prepared_write")
+    from services.dataloader import prepared_write as writer
+
     config = _prepare_config(config_path, overrides, sources)
     started = time.monotonic()
 
@@ -373,7 +413,8 @@ def data_verify(directory: Path = typer.Argument(..., metavar="DIR", help="A pre
                                                            "reads the same IDs and values (its schema)."),
                 overrides: Optional[list[str]] = SetOption):
     """Check a prepared directory fully: manifest, every file's size and checksum, array headers."""
-    prepared = service_module("dataloader", "prepared")
+    from services.dataloader import prepared
+
     config = _load(config_path, overrides) if config_path is not None else None
     started = time.monotonic()
     try:
@@ -388,7 +429,8 @@ def data_verify(directory: Path = typer.Argument(..., metavar="DIR", help="A pre
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(directory: Path = typer.Argument(..., help="Checkpoint directory.")):
     """Print a checkpoint's manifests."""
-    checkpoint = service_module("embedding_ps", "checkpoint")
+    from services.embedding_ps import checkpoint
+
     try:
         typer.echo(json.dumps(checkpoint.inspect_checkpoint(directory), indent=2))
     except (OSError, ValueError) as exc:
@@ -417,7 +459,8 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
         return
     if source is None or out is None:
         _fail("give SOURCE and --out BUNDLE (or --inspect BUNDLE)")
-    exporter = service_module("embedding_ps", "export")
+    from hybridrec.app import export as exporter
+
     started = time.monotonic()
     try:
         checkpoint, manifest = exporter.export(source, out)
@@ -439,7 +482,7 @@ def predict(bundle: Path = typer.Argument(..., help="A model bundle (hybridrec e
                                      "column per task.")):
     """Score every row of DATA offline with the same lookup and model code as `serve inference`."""
     from hybridrec.bundle import BundleError
-    from hybridrec.predict import predict as run_predict
+    from hybridrec.app.predict import predict as run_predict
 
     started = time.monotonic()
     try:
@@ -471,7 +514,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ttl: bool = typer.Option(False, "--ttl", help="Rows expire by age (16 bytes of stamps per row)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Memory per PS shard and in total, index overhead and the embedding lifecycle included."""
-    planner = service_module("embedding_ps", "plan")
+    from hybridrec.app import plan as planner
+
     if dtype != "float32":
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
     try:

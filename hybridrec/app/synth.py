@@ -46,7 +46,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from hybridrec.criteo import NUM_DENSE, NUM_SPARSE
+from hybridrec.criteo_format import NUM_DENSE, NUM_SPARSE
 
 GENERATOR_VERSION = "2"
 BLOCK_ROWS = 1 << 15

@@ -1,6 +1,6 @@
 """The run report's page: numbers formatted for people, the self-contained HTML, and headless Chromium
-(render checks, screenshots). The plots are `hybridrec.report_plots`; the recorder and `write_report` are
-`hybridrec.report`."""
+(render checks, screenshots). The plots are `hybridrec.app.report_plots`; the recorder and `write_report` are
+`hybridrec.app.report`."""
 from __future__ import annotations
 
 import html
@@ -11,8 +11,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrec.summary import ServiceInfo
+
 if TYPE_CHECKING:
-    from hybridrec.report import Recorder
+    from hybridrec.app.report import Recorder
 
 PLOTS = ("loss_auc", "throughput", "staleness", "resources")
 TITLES = {"loss_auc": "Loss and progressive AUC, per NN worker", "throughput": "Training throughput, all NN workers",
@@ -197,15 +199,15 @@ def _phase_table(phases: dict) -> str:
             + "".join(rows) + "</table>")
 
 
-def _services_table(services: Any) -> str:
+def _services_table(services: list[dict] | None) -> str:
+    """The summary's services (rows of services.json), read through their model."""
     if not services:
         return f"<p>{DASH}</p>"
     rows = []
-    for s in services:
-        name = f"{s.get('name', '?')}-{s.get('replica', '?')}"
+    for s in map(ServiceInfo.model_validate, services):
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            name, s.get("pid") or DASH, s.get("grpc") or DASH, s.get("metrics") or DASH,
-            fmt_int(s.get("restarts")))) + "</tr>")
+            f"{s.name}-{s.replica}", s.pid or DASH, s.grpc or DASH, s.metrics or DASH,
+            fmt_int(s.restarts))) + "</tr>")
     return ("<table><tr><th>service</th><th>pid</th><th>gRPC address</th><th>metrics address</th>"
             "<th>restarts</th></tr>" + "".join(rows) + "</table>")
 

@@ -1,15 +1,15 @@
 """The run report's plots (matplotlib, PNG): phases shaded from t = 0, titled in words, legends below the
-axes. Drawn by `hybridrec.report.write_report` from the launcher's `Recorder`."""
+axes. Drawn by `hybridrec.app.report.write_report` from the launcher's `Recorder`."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from hybridrec.report_page import PHASE_COLORS, PLOTS, _get, _num, fmt_rate, fmt_sig, phase_spans
+from hybridrec.app.report_page import PHASE_COLORS, PLOTS, _get, _num, fmt_rate, fmt_sig, phase_spans
 
 if TYPE_CHECKING:
-    from hybridrec.report import Recorder
+    from hybridrec.app.report import Recorder
 
 
 def _shade(ax, phases: dict, *, label: bool, names: bool = False) -> None:

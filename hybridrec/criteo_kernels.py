@@ -1,7 +1,7 @@
 """Criteo line parser: numba kernels that turn raw TSV bytes into sample rows.
 
 Runs in the data loader process, called by the reader in
-``services/dataloader/criteo.py``, and in the inference service, which parses
+``services/dataloader/tsv.py``, and in the inference service, which parses
 the rows of a request with the same kernels so serving cannot drift from
 training (and by ``hash_token`` in tests and tools). It holds only the
 per-line work: no files, no offsets -- the kernels return error codes,
@@ -29,12 +29,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from hybridrec.criteo import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
+from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 
-# numba's cache does not track hybridrec.ids or hybridrec.criteo either: after
+# numba's cache does not track hybridrec.ids or hybridrec.criteo_format either: after
 # changing the ID layout or the column counts there, delete
-# __pycache__/criteo_parser.*.nbi and .nbc.
+# __pycache__/criteo_kernels.*.nbi and .nbc.
 HASH_MASK = VALUE_MASK
 
 _TAB, _NL, _CR = 9, 10, 13
