@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from hybridrec.app.launcher import rank_step
-from hybridrec.summary import read_services
+from hybridrec.summary import RunSummary, read_services
 
 REPO = Path(__file__).resolve().parents[1]
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -63,10 +63,10 @@ def run(config: Path, run_dir: Path, sets: list[str], kill_at_step: int | None =
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"hybridrec run {' '.join(sets)} failed ({proc.returncode}):\n{err[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunSummary.of_run(run_dir)
     keep = ("samples_per_sec", "auc", "logloss", "samples", "steps", "skipped_batches", "lost_updates",
             "train_wall_s", "exposed_wait_per_step_s", "compute_per_step_s")
-    result = {k: summary.get(k) for k in keep}
+    result = {k: getattr(summary, k) for k in keep}
     if kill_at_step is not None:
         result["killed_at_step"] = killed
         result["restarts"] = {f"{s.name}-{s.replica}": s.restarts for s in read_services(run_dir)}

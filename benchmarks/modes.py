@@ -37,6 +37,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hybridrec.summary import RunSummary  # noqa: E402
 
 MODES = ("hybrid", "sync", "async", "shadow")
 BASELINES = ("pytorch", "torchrec")
@@ -85,7 +86,7 @@ def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
                             timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"hybridrec run ({mode}) failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunSummary.of_run(run_dir)
     series = json.loads((run_dir / "series.json").read_text())
     phases = series.get("phases") or {}
     t0, t1 = phases.get("first_step"), phases.get("end_of_training")
@@ -95,13 +96,13 @@ def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     rank0 = [(p["t"] - t0, r["train_auc"]) for p in train for r in p["ranks"] if r["rank"] == 0]
     curve = [(t, auc) for t, auc in rank0 if auc is not None and auc == auc]
     return {"cpu_percent": cpu_during(series["resources"], t0, t1),
-            "accounting": accounting(series["resources"], t0, t1, summary["samples"], mlp_core_s_per_1m(),
-                                     summary.get("compute_cpu_s")),
-            "samples_per_sec": summary["samples_per_sec"],
-            "auc": summary["auc"], "logloss": summary["logloss"],
-            "train_wall_s": summary["train_wall_s"], "wall_s": time.monotonic() - started,
-            "samples": summary["samples"], "staleness": summary["staleness"], "curve": curve,
-            "curve_kind": "progressive validation AUC (per NN worker, rank 0)", "oracle_auc": summary.get("oracle_auc")}
+            "accounting": accounting(series["resources"], t0, t1, summary.samples, mlp_core_s_per_1m(),
+                                     summary.compute_cpu_s),
+            "samples_per_sec": summary.samples_per_sec,
+            "auc": summary.auc, "logloss": summary.logloss,
+            "train_wall_s": summary.train_wall_s, "wall_s": time.monotonic() - started,
+            "samples": summary.samples, "staleness": summary.staleness.model_dump(mode="json"), "curve": curve,
+            "curve_kind": "progressive validation AUC (per NN worker, rank 0)", "oracle_auc": summary.oracle_auc}
 
 
 def cpu_during(resources: dict[str, list[dict]], t0: float, t1: float) -> dict[str, float]:

@@ -31,6 +31,9 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hybridrec.summary import RunSummary  # noqa: E402
+
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 README_DATA = REPO / "data" / "synth"
 
@@ -75,13 +78,13 @@ def run_once(config: Path, run_dir: Path, cache_dir: Path, overrides: list[str])
     wall = time.time() - started
     if proc.returncode != 0:
         raise SystemExit(f"hybridrec run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunSummary.of_run(run_dir)
     services = {}
     for log in sorted((run_dir / "logs").glob("*.log")):
         services[log.stem] = {event: round(t - started, 3) for event, t in log_events(log).items()}
-    return {"first_step_s": round(summary["train_started_at"] - started, 3),
-            "launcher_first_step_s": summary["phases"]["first_step"], "wall_s": round(wall, 3),
-            "steps": summary["steps"], "services": services}
+    return {"first_step_s": round(summary.train_started_at - started, 3),
+            "launcher_first_step_s": summary.phases.first_step, "wall_s": round(wall, 3),
+            "steps": summary.steps, "services": services}
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ class Staleness(BaseModel):
         return cls(p50=int(np.searchsorted(cdf, 0.5)), max=int(np.nonzero(counts)[0].max()), histogram=list(hist))
 
 
+SUMMARY_FILE = "summary.json"
+"""In a run directory (output.dir): the `RunSummary`, written by NN worker rank 0 and completed by the launcher."""
 SERVICES_FILE = "services.json"
 """In a run directory: every replica of the run (`ServiceInfo`), kept current across restarts."""
 
@@ -243,3 +245,8 @@ class RunSummary(BaseModel):
     @classmethod
     def read(cls, path: Path) -> "RunSummary":
         return cls.model_validate_json(Path(path).read_text())
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> "RunSummary":
+        """The summary of the run in `run_dir` (its SUMMARY_FILE)."""
+        return cls.read(Path(run_dir) / SUMMARY_FILE)

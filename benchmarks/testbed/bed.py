@@ -11,15 +11,12 @@ success, on any failure, on SIGTERM and on Ctrl-C.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,9 +25,9 @@ import psutil
 from benchmarks.testbed.net import Network, NetError, bridge_ns, host_ns, leftovers
 from benchmarks.testbed.spec import SpecError, TestbedSpec, format_rate
 from hybridrec.config import Config, dump_config, from_dict
-from hybridrec.app.launcher import die_with_parent, tail
-from hybridrec.service import SERVICE_KINDS, SERVICES
-from hybridrec.summary import SERVICES_FILE, RunSummary, ServiceInfo, write_services
+from hybridrec.app.launcher import LaunchError, LocalCluster, ServiceProcess
+from hybridrec.service import SERVICE_KINDS
+from hybridrec.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
 
 BASE_PORT = 7100  # gRPC port of the i-th replica overall: BASE_PORT + i; metrics: METRICS_PORT + i
 METRICS_PORT = 9300
@@ -46,23 +43,6 @@ class TestbedError(RuntimeError):
 
 
 @dataclass
-class Proc:
-    service: str
-    replica: int
-    host: str
-    address: str
-    metrics_port: int
-    log_path: Path
-    popen: subprocess.Popen | None = None
-    finished: bool = False
-    cpu_s: float = 0.0  # last sampled user+system CPU seconds (the process's own and its reaped children's)
-
-    @property
-    def name(self) -> str:
-        return f"{self.service}-{self.replica}"
-
-
-@dataclass
 class Fault:
     """A network fault, `at_s` seconds after NN worker rank 0 reports serving (training starts then)."""
 
@@ -73,20 +53,15 @@ class Fault:
     factor: float = 10.0
 
 
-def _start_on(cpus: set[int] | None) -> None:
-    """In the child before exec: die with the testbed, and run on the host's CPUs (inherited by exec)."""
-    die_with_parent()
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-
-
-def resolve(config: Config, spec: TestbedSpec, prefix: str, run_dir: Path) -> tuple[dict[str, Config], list[Proc]]:
-    """Each host's config (every replica's host:port; bind_host = that host's address) and the processes."""
+def resolve(config: Config, spec: TestbedSpec, prefix: str,
+            run_dir: Path) -> tuple[dict[str, Config], list[ServiceProcess]]:
+    """Each host's config (every replica's host:port; bind_host = that host's address, written to
+    run_dir/config-HOST.yaml when the services start) and the processes, each run in its host's namespace."""
     replicas = {k.name: len(getattr(config.cluster, k.cluster_key)) for k in SERVICE_KINDS}
     where = spec.assign(replicas)
     tree = config.model_dump(mode="json")
     cluster = tree["cluster"]
-    procs: list[Proc] = []
+    procs: list[ServiceProcess] = []
     index = 0
     for kind in SERVICE_KINDS:
         addresses = []
@@ -94,8 +69,12 @@ def resolve(config: Config, spec: TestbedSpec, prefix: str, run_dir: Path) -> tu
             host = where[(kind.name, r)]
             address = f"{spec.address(host)}:{BASE_PORT + index}"
             addresses.append(address)
-            procs.append(Proc(kind.name, r, host, address, METRICS_PORT + index,
-                              run_dir / "logs" / f"{kind.name}-{r}.log"))
+            procs.append(ServiceProcess(
+                kind.name, r, address, f"{spec.address(host)}:{METRICS_PORT + index}",
+                run_dir / "logs" / f"{kind.name}-{r}.log", run_dir / f"config-{host}.yaml",
+                prefix=("ip", "netns", "exec", host_ns(prefix, host)),
+                cpus=next(h for h in spec.hosts if h.name == host).cpu_set(), host=host,
+                namespace=host_ns(prefix, host)))
             index += 1
         cluster[kind.cluster_key] = addresses
     cluster["rendezvous"] = f"{spec.address(where[('nn_worker', 0)])}:{RENDEZVOUS_PORT}"
@@ -123,7 +102,11 @@ class Testbed:
         self.timeout_s = timeout_s
         self.on_tick = on_tick
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.configs, self.procs = resolve(config, spec, prefix, self.run_dir)  # SpecError before anything exists
+        self.configs, procs = resolve(config, spec, prefix, self.run_dir)  # SpecError before anything exists
+        # The launcher's runner, restarts off: a service that dies fails the run (what a testbed run measures).
+        self.cluster = LocalCluster(next(iter(self.configs.values())), self.run_dir, procs, restarts=False)
+        self.procs = procs
+        self.cpu_s: dict[str, float] = {}  # per process: last sampled user+system CPU seconds (own + reaped children)
         self.net = Network(spec, prefix)
         self.shm_dir = Path(next(iter(self.configs.values())).ps.shm_dir)
         self.marks: dict[str, dict[str, Any]] = {}
@@ -167,52 +150,21 @@ class Testbed:
     def start_services(self) -> None:
         for host, config in self.configs.items():
             dump_config(config, self.run_dir / f"config-{host}.yaml")
-        for stale in ("summary.json", "testbed.json", SERVICES_FILE):  # a reused run dir: nothing of a past run
+        for stale in (SUMMARY_FILE, "testbed.json", SERVICES_FILE):  # a reused run dir: nothing of a past run
             (self.run_dir / stale).unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
         for proc in self.procs:
-            cmd = ["ip", "netns", "exec", host_ns(self.prefix, proc.host), sys.executable, "-m", "hybridrec", "serve",
-                   proc.service, "--config", str(self.run_dir / f"config-{proc.host}.yaml"),
-                   "--replica", str(proc.replica), "--set", f"cluster.metrics_port={proc.metrics_port}"]
-            cpus = next(h for h in self.spec.hosts if h.name == proc.host).cpu_set()
-            with open(proc.log_path, "wb") as out:  # fresh: the run's marks are read from these logs
-                proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                              env=env, preexec_fn=functools.partial(_start_on, cpus), close_fds=True)
-        self._write_services()
-
-    def _write_services(self) -> None:
-        write_services(self.run_dir, [
-            ServiceInfo(name=p.service, replica=p.replica, pid=p.popen.pid if p.popen else None, grpc=p.address,
-                        metrics=f"{p.address.rsplit(':', 1)[0]}:{p.metrics_port}", host=p.host,
-                        namespace=host_ns(self.prefix, p.host)) for p in self.procs])
+            proc.log_path.unlink(missing_ok=True)  # fresh: the run's marks are read from these logs
+        self.cluster.start()
 
     def check(self) -> bool:
-        """True once every NN worker exited 0; TestbedError naming the service when any other exit happens."""
-        for proc in self.procs:
-            rc = proc.popen.poll() if proc.popen else None
-            if rc is None or proc.finished:
-                continue
-            if rc == 0 and proc.service in FINISHING:
-                proc.finished = True
-                continue
-            raise TestbedError(f"service {proc.name} on host {proc.host} (pid {proc.popen.pid}) exited with code "
-                               f"{rc}; last lines of {proc.log_path}:\n{tail(proc.log_path)}")
-        return all(p.finished for p in self.procs if p.service == "nn_worker")
+        """True once every NN worker exited 0; TestbedError naming the service and its host on any other exit."""
+        try:
+            return self.cluster.check()
+        except LaunchError as exc:
+            raise TestbedError(str(exc)) from None
 
     def stop_services(self) -> None:
-        alive = [p.popen for p in reversed(self.procs) if p.popen and p.popen.poll() is None]
-        for popen in alive:
-            try:
-                popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        for popen in alive:
-            try:
-                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        self.cluster.stop()
 
     def sample_cpu(self) -> None:
         for proc in self.procs:
@@ -220,14 +172,14 @@ class Testbed:
                 continue
             try:
                 t = psutil.Process(proc.popen.pid).cpu_times()
-                proc.cpu_s = t.user + t.system + t.children_user + t.children_system
+                self.cpu_s[proc.name] = t.user + t.system + t.children_user + t.children_system
             except psutil.Error:
                 pass
 
     def host_cpu(self) -> dict[str, float]:
         out = {h.name: 0.0 for h in self.spec.hosts}
         for proc in self.procs:
-            out[proc.host] += proc.cpu_s
+            out[proc.host] += self.cpu_s.get(proc.name, 0.0)
         return out
 
     def mark(self, name: str) -> None:
@@ -291,7 +243,7 @@ class Testbed:
         self.mark("end")
         if "train_done" not in self.marks:
             self.marks["train_done"] = self.marks["end"]
-        summary = RunSummary.read(self.run_dir / "summary.json")
+        summary = RunSummary.of_run(self.run_dir)
         result = self.measurements(summary, wall_s=time.monotonic() - started)
         result["faults"] = fault_log
         (self.run_dir / "testbed.json").write_text(json.dumps(result, indent=1))

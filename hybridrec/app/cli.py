@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import json
 import os
 import random
@@ -22,7 +23,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -32,7 +32,7 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
-from hybridrec.summary import Phases, RunSummary, ServiceInfo, write_services
+from hybridrec.summary import SUMMARY_FILE, Phases, RunSummary, ServiceInfo, write_services
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
@@ -82,11 +82,18 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class ServiceProcess:
+    """One replica: where it listens, the config it is started with, and what the runner knows of it."""
+
     service: str
     replica: int
     address: str
     metrics_address: str | None
     log_path: Path
+    config_path: Path
+    prefix: tuple[str, ...] = ()  # runs the command inside something: the testbed's `ip netns exec NS`
+    cpus: set[int] | None = None  # pinned to these CPUs (the testbed's hosts), inherited by exec
+    host: str | None = None  # the testbed's host it runs on
+    namespace: str | None = None  # and that host's network namespace
     popen: subprocess.Popen | None = None
     finished: bool = False
     restarts: int = 0
@@ -101,7 +108,13 @@ class ServiceProcess:
 
     def describe(self) -> ServiceInfo:
         return ServiceInfo(name=self.service, replica=self.replica, pid=self.popen.pid if self.popen else None,
-                           grpc=self.address, metrics=self.metrics_address, restarts=self.restarts)
+                           grpc=self.address, metrics=self.metrics_address, restarts=self.restarts, host=self.host,
+                           namespace=self.namespace)
+
+    @property
+    def where(self) -> str:
+        """The process as a failure names it: `nn_worker-1`, on the testbed `nn_worker-1 on host trainer`."""
+        return self.name if self.host is None else f"{self.name} on host {self.host}"
 
 
 LISTEN_PORTS = (10000, 32768)
@@ -130,11 +143,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the launcher dies, and leave the terminal's process group."""
+def die_with_parent(cpus: set[int] | None = None) -> None:
+    """In the child before exec: get SIGKILL when the launcher dies, leave the terminal's process group, and run
+    on `cpus` when given (inherited by exec)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.setsid()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 def resolve(config: Config, run_dir: Path) -> Config:
@@ -155,21 +171,31 @@ def resolve(config: Config, run_dir: Path) -> Config:
 
 
 class LocalCluster:
-    def __init__(self, config: Config, run_dir: Path):
-        self.run_dir = run_dir
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.config = resolve(config, run_dir)
-        rpc.use_tls(self.config.cluster.tls)
-        self.config_path = run_dir / "config.yaml"
-        dump_config(self.config, self.config_path)
+    """The cluster runner: starts every replica with `hybridrec serve`, keeps services.json current, applies
+    the restart policy when one exits, stops them all.
+
+    `hybridrec run` runs every replica on loopback (`on_loopback`); the testbed (benchmarks/testbed) gives it
+    processes that run in their host's network namespace, with `restarts` off (a death fails its run)."""
+
+    def __init__(self, config: Config, run_dir: Path, procs: list[ServiceProcess], *, restarts: bool = True):
+        self.config, self.run_dir, self.procs, self.restarts = config, Path(run_dir), procs, restarts
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        rpc.use_tls(config.cluster.tls)
         self.log = log.get()
         self.group_restarts = 0
-        self.procs: list[ServiceProcess] = []
-        for service in START_ORDER:
-            key = SERVICES[service].cluster_key
-            for replica, address in enumerate(getattr(self.config.cluster, key)):
-                self.procs.append(ServiceProcess(service, replica, address, f"127.0.0.1:{free_port()}",
-                                                 run_dir / "logs" / f"{service}-{replica}.log"))
+
+    @classmethod
+    def on_loopback(cls, config: Config, run_dir: Path) -> "LocalCluster":
+        """Every replica a local process on a free loopback port, all started with run_dir/config.yaml."""
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        config = resolve(config, run_dir)
+        config_path = run_dir / "config.yaml"
+        dump_config(config, config_path)
+        procs = [ServiceProcess(service, replica, address, f"127.0.0.1:{free_port()}",
+                                run_dir / "logs" / f"{service}-{replica}.log", config_path)
+                 for service in START_ORDER
+                 for replica, address in enumerate(getattr(config.cluster, SERVICES[service].cluster_key))]
+        return cls(config, run_dir, procs)
 
     def start(self) -> None:
         for proc in self.procs:
@@ -183,11 +209,12 @@ class LocalCluster:
     def _spawn(self, proc: ServiceProcess) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
         metrics_port = proc.metrics_address.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "hybridrec", "serve", proc.service, "--config", str(self.config_path),
-               "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
+        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", "serve", proc.service, "--config",
+               str(proc.config_path), "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env=env, preexec_fn=die_with_parent, close_fds=True)
+                                          env=env, preexec_fn=functools.partial(die_with_parent, proc.cpus),
+                                          close_fds=True)
         proc.serving = False
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
@@ -207,6 +234,8 @@ class LocalCluster:
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
                 continue
+            if not self.restarts:
+                raise LaunchError(self._death(proc, rc))
             counted = not (proc.serving and is_lost(rc))
             proc.failures += counted
             action = after_death(SERVICES[proc.service], rc, serving=proc.serving,
@@ -224,10 +253,14 @@ class LocalCluster:
             if action is Action.GROUP:
                 self._restart_group(proc, rc, counted=counted)
                 return False
-            raise LaunchError(f"service {proc.name} (pid {proc.popen.pid}) exited with code {rc}"
-                              f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "
-                              f"last lines of {proc.log_path}:\n{tail(proc.log_path)}")
+            raise LaunchError(self._death(proc, rc))
         return all(p.finished for p in self.procs if p.service == "nn_worker")
+
+    @staticmethod
+    def _death(proc: ServiceProcess, rc: int) -> str:
+        return (f"service {proc.where} (pid {proc.popen.pid}) exited with code {rc}"
+                f"{' (' + signal.Signals(-rc).name + ')' if rc < 0 else ''}; "
+                f"last lines of {proc.log_path}:\n{tail(proc.log_path)}")
 
     def echo_warnings(self) -> None:
         """Show new warning/error lines of every service on the launcher's stderr, tagged with the service."""
@@ -368,7 +401,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
     About once a second it polls every NN worker's Status and every service's CPU and memory for the
     run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
     recorder = Recorder(ranks=len(config.cluster.nn_workers))  # t = 0: launch
-    cluster = LocalCluster(config, run_dir)
+    cluster = LocalCluster.on_loopback(config, run_dir)
     next_sample = time.monotonic()
     try:
         try:
@@ -391,7 +424,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         finally:
             cluster.stop()
             recorder.mark("end")
-        summary_path = run_dir / "summary.json"
+        summary_path = run_dir / SUMMARY_FILE
         try:
             summary = RunSummary.read(summary_path)
         except (OSError, ValueError) as exc:
@@ -416,7 +449,7 @@ def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, er
     """The report of a failed run (what was recorded, marked incomplete); a line saying where it is."""
     partial = None
     try:
-        partial = json.loads((run_dir / "summary.json").read_text())
+        partial = json.loads((run_dir / SUMMARY_FILE).read_text())
         recorder.settle(partial)
     except (OSError, ValueError, AttributeError):
         pass

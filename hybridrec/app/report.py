@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-from hybridrec.summary import ServiceInfo, read_services
+from hybridrec.summary import SUMMARY_FILE, ServiceInfo, read_services
 from hybridrec.app.report_page import SERIES_VERSION, _num, render_page, screenshot
 from hybridrec.app.report_plots import _plot_all
 
@@ -222,7 +222,7 @@ def rerender(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     tree = json.loads((run_dir / "series.json").read_text())
     series = Recorder.from_json(tree)
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     error = tree.get("error") or (None if summary else "no summary.json: the run did not finish")
     services = read_services(run_dir)
