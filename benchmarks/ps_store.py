@@ -32,7 +32,7 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridrec.sharding import splitmix64  # noqa: E402
-from hybridrec.config import EmbeddingOptimizerConfig  # noqa: E402
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
 from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
 
 LR, EPS, INIT_ACC = 0.01, 1e-10, 0.1
@@ -130,7 +130,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     n, dim = args.rows, args.dim
     # 10% slack: stripes fill unevenly, and a full stripe would start evicting the benchmark's rows.
-    config = StoreConfig(dim=dim, capacity=int(n * 1.1), num_stripes=args.num_stripes,
+    config = StoreConfig(dim=dim, ps=PSConfig(capacity=int(n * 1.1), num_stripes=args.num_stripes),
                          optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=LR, eps=EPS,
                                                             initial_accumulator_value=INIT_ACC))
     results: dict = {"config": {"rows": n, "capacity": config.capacity, "dim": dim, "batch": args.batch,

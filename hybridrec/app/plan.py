@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridrec.config import Config, EmbeddingOptimizer, EmbeddingOptimizerConfig
+from hybridrec.config import Config, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig, PSConfig
 from services.embedding_ps.kernels import MAX_STRIPE_ROWS
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
@@ -56,10 +56,10 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
         capacity = max(16, math.ceil(table.ids / shards * headroom))
         stripes = num_stripes or max(16, 1 << (math.ceil(capacity / MAX_STRIPE_ROWS) - 1).bit_length())
         spec = EmbeddingOptimizerConfig(name=optimizer)
-        parts = planned_shm_bytes(StoreConfig(dim=table.dim, capacity=capacity, optimizer=spec,
-                                              num_stripes=stripes, admit_after={0: admit_after},
-                                              ttl_updates={0: 1} if ttl else {}, sketch_width=sketch_width,
-                                              sketch_depth=sketch_depth))
+        lifecycle = LifecycleConfig(admit_after=admit_after, ttl_steps=1 if ttl else None,
+                                    sketch_width=sketch_width, sketch_depth=sketch_depth)
+        ps = PSConfig(capacity=capacity, num_stripes=stripes, lifecycle=lifecycle)
+        parts = planned_shm_bytes(StoreConfig(dim=table.dim, optimizer=spec, ps=ps))
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
         stores.append({"dim": dim, "rows_per_shard": capacity, "per_shard_bytes": sum(parts.values())})

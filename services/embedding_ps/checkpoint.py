@@ -90,7 +90,7 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
                 "dim": config.dim, "state_width": state_width(config.optimizer, config.dim),
                 "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": int(keys.shape[0]),
                 "capacity": config.capacity, "seed": config.seed,
-                "init": {"distribution": config.init_distribution, "scale": config.init_scale},
+                "init": {"distribution": config.ps.init.distribution, "scale": config.ps.init.scale},
                 "files": {"keys": _write_npy(tmp / f"dim{dim}.keys.npy", keys),
                           "values": _write_npy(tmp / f"dim{dim}.values.npy", values)},
                 "clock": store.clock,

@@ -47,7 +47,8 @@ def warm_up(config: Config) -> None:
     scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
         for dim in config.dims:
-            small = dataclasses.replace(StoreConfig.from_config(config, dim), capacity=64, num_stripes=2)
+            full = StoreConfig.from_config(config, dim)
+            small = dataclasses.replace(full, ps=full.ps.model_copy(update={"capacity": 64, "num_stripes": 2}))
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)

@@ -72,12 +72,12 @@ class EmbeddingStore(L.StoreLifecycle):
         self._arrays = {name: np.frombuffer(mm, dtype=file_dtype(name)).reshape(layout.shape(name))
                         for name, mm in maps.items()}
         c = self.config
-        self._hp = O.hyper_parameters(c.optimizer, c.weight_bound)
+        self._hp = O.hyper_parameters(c.optimizer, c.ps.weight_bound)
         # numpy scalars, not Python ints: a Python int >= 2**63 sends numba's dispatcher down its
         # slow path (~1 ms of type inference per call).
         self._init_key = np.uint64(K.mix_seed(c.seed, _INIT_SALT))
         self._admit_key = np.uint64(K.mix_seed(c.seed, _ADMIT_SALT))
-        self._admit_threshold = -1 if c.admit_probability >= 1.0 else int(c.admit_probability * 2.0**53)
+        self._admit_threshold = -1 if c.ps.admit_probability >= 1.0 else int(c.ps.admit_probability * 2.0**53)
         self._locks = [threading.Lock() for _ in range(c.num_stripes)]
         self._scratch = threading.local()
         # Per stripe: which call last refreshed each row (dedups LRU moves within a call).
@@ -237,7 +237,7 @@ class EmbeddingStore(L.StoreLifecycle):
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
         c = self.config
-        init = (self._init_key, c.init_distribution == "normal", c.init_scale,
+        init = (self._init_key, c.ps.init.distribution == "normal", c.ps.init.scale,
                 c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim))
         r = self._rules
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))

@@ -31,13 +31,14 @@ import errno
 import mmap
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Iterable
 
 import numpy as np
 
 from hybridrec import files, log
-from hybridrec.config import Config, EmbeddingOptimizerConfig
+from hybridrec.config import Config, EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import kernels as K
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
 
@@ -59,70 +60,54 @@ OPTIONAL_FILES = ("sketch", "touched")
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Shape and behaviour of one store.
+    """Shape and behaviour of one store: the job's settings, as the config sections that declare them.
 
-    dim, capacity, optimizer name, seed and num_stripes are recorded in the
-    files and must match on re-attach; the others (hyper-parameters included)
-    may change between runs. The PS builds it from the job's config
-    (`from_config`); tests and benchmarks build stores with explicit settings.
+    `optimizer` is the config's optimizer.embedding and `ps` its ps section: capacity, num_stripes, init,
+    admit_probability, weight_bound and the lifecycle (admission, TTLs, sketch), each declared, defaulted and
+    validated there, once. Only what is one store's own is declared here: its `dim`, the `seed` (training.seed)
+    and how the lifecycle applies to it (`groups`, `ticks_per_step`). dim, capacity, optimizer name, seed and
+    num_stripes are recorded in the files and must match on re-attach (`Layout.expected_header`); the others
+    (hyper-parameters included) may change between runs.
+
+    The PS builds it from the job's config (`from_config`); tests and benchmarks build the sections they
+    change: `StoreConfig(dim=4, optimizer=SGD, ps=PSConfig(capacity=64, init={"scale": 0.05}))`.
     """
 
     dim: int
     """Embedding width."""
-    capacity: int
-    """Rows the store holds before it evicts least recently used ones."""
-    optimizer: EmbeddingOptimizerConfig
-    """Optimizer applied by `update`; decides the state stored after each row."""
+    optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    """Optimizer applied by `update` (optimizer.embedding); decides the state stored after each row."""
+    ps: PSConfig = field(default_factory=PSConfig)
+    """The PS settings the store follows (`capacity`, `num_stripes`, init, admission, lifecycle)."""
     seed: int = 0
-    """Seed of the deterministic initialisation and admission draws."""
-    init_distribution: Literal["uniform", "normal"] = "uniform"
-    """Distribution of a new row: uniform(-scale, scale) or normal(0, scale)."""
-    init_scale: float = 0.01
-    """Half-width (uniform) or standard deviation (normal) of new rows."""
-    admit_probability: float = 1.0
-    """Chance that a train lookup of a new ID inserts it, drawn once the ID's table has counted its admit_after
-    occurrences; each later lookup draws again."""
-    weight_bound: float | None = None
-    """Clip weights to [-bound, bound] after each update; None: no clipping."""
-    num_stripes: int = 16
-    """Independently locked parts of the table (parallelism across request threads)."""
-    admit_after: Mapping[int, int] = field(default_factory=dict)
-    """Per table (feature group): occurrences an ID needs before it gets a row; a table not named: 1."""
-    ttl_updates: Mapping[int, int] = field(default_factory=dict)
-    """Per table: rows not updated during this many store updates (`tick`) are removed by `expire`."""
-    ttl_ms: Mapping[int, int] = field(default_factory=dict)
-    """Per table: rows not updated for this many milliseconds are removed by `expire`."""
-    sketch_width: int = 1 << 22
-    """Count-min counters per sketch row (the sketch exists only when a table's admit_after > 1)."""
-    sketch_depth: int = 4
-    """Count-min rows (hash functions)."""
-    sketch_window: int | None = None
-    """Occurrences counted before every sketch counter is halved (None: sketch_width)."""
+    """Seed of the deterministic initialisation and admission draws (training.seed)."""
+    groups: tuple[int, ...] | None = None
+    """Feature groups (tables) whose IDs the store holds, which ps.lifecycle applies to; None: every table."""
+    ticks_per_step: int = 1
+    """Store updates per training step (one per NN worker): ps.lifecycle.ttl_steps in the store's clock."""
 
     @classmethod
     def from_config(cls, config: Config, dim: int) -> "StoreConfig":
         """The store of width `dim` that the job's config asks for (on every PS shard)."""
-        ps, life = config.ps, config.ps.lifecycle
-        groups = sorted({f.group for f in config.features if f.dim == dim})
-        admit = {g: life.admit_after_of(g) for g in groups if life.admit_after_of(g) > 1}
         # One update per NN worker per training step reaches every shard: a step is that many store ticks.
-        ticks_per_step = len(config.cluster.nn_workers)
-        ttl_updates = {g: life.ttl_of(g)[0] * ticks_per_step for g in groups if life.ttl_of(g)[0] is not None}
-        ttl_ms = {g: max(1, round(life.ttl_of(g)[1] * 1000)) for g in groups if life.ttl_of(g)[1] is not None}
-        return cls(dim=dim, capacity=ps.capacity, optimizer=config.optimizer.embedding, seed=config.training.seed,
-                   init_distribution=ps.init.distribution, init_scale=ps.init.scale,
-                   admit_probability=ps.admit_probability, weight_bound=ps.weight_bound,
-                   num_stripes=ps.num_stripes, admit_after=admit, ttl_updates=ttl_updates, ttl_ms=ttl_ms,
-                   sketch_width=life.sketch_width, sketch_depth=life.sketch_depth, sketch_window=life.sketch_window)
+        return cls(dim=dim, optimizer=config.optimizer.embedding, ps=config.ps, seed=config.training.seed,
+                   groups=tuple(sorted({f.group for f in config.features if f.dim == dim})),
+                   ticks_per_step=len(config.cluster.nn_workers))
 
     def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        """What the config sections cannot check: the store's own fields, and settings against its shape."""
         if not isinstance(self.optimizer, EmbeddingOptimizerConfig):
             raise ValueError("store optimizer must be an EmbeddingOptimizerConfig, "
                              f"got {type(self.optimizer).__name__}")
+        if not isinstance(self.ps, PSConfig):
+            raise ValueError(f"store ps must be a PSConfig, got {type(self.ps).__name__}")
+        if not isinstance(self.ticks_per_step, int) or self.ticks_per_step < 1:
+            raise ValueError(f"store ticks_per_step must be >= 1, got {self.ticks_per_step}")
         if self.dim < 1:
             raise ValueError(f"store dim must be >= 1, got {self.dim}")
-        if self.num_stripes < 1:
-            raise ValueError(f"store num_stripes must be >= 1, got {self.num_stripes}")
         if self.capacity < self.num_stripes:
             raise ValueError(f"store capacity ({self.capacity}) must be >= num_stripes ({self.num_stripes})")
         if -(-self.capacity // self.num_stripes) > K.MAX_STRIPE_ROWS:
@@ -130,31 +115,51 @@ class StoreConfig:
                              f"(capacity {self.capacity}, num_stripes {self.num_stripes})")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"store seed must be in [0, 2**63), got {self.seed}")
-        if self.init_distribution not in ("uniform", "normal"):
-            raise ValueError(f"store init_distribution must be 'uniform' or 'normal', got {self.init_distribution!r}")
-        if not self.init_scale >= 0:
-            raise ValueError(f"store init_scale must be >= 0, got {self.init_scale}")
-        if not 0.0 <= self.admit_probability <= 1.0:
-            raise ValueError(f"store admit_probability must be in [0, 1], got {self.admit_probability}")
-        if self.weight_bound is not None and not self.weight_bound > 0:
-            raise ValueError(f"store weight_bound must be > 0 or None, got {self.weight_bound}")
-        for what, table, low, high in (("admit_after", self.admit_after, 1, 255),
-                                       ("ttl_updates", self.ttl_updates, 1, 2**62),
-                                       ("ttl_ms", self.ttl_ms, 1, 2**62)):
+        if self.groups is not None and not all(0 <= g < K.NUM_TABLES for g in self.groups):
+            raise ValueError(f"store groups must be in [0, {K.NUM_TABLES}), got {list(self.groups)}")
+        for what, table in (("ps.lifecycle.ttl_steps x ticks_per_step", self.ttl_updates),
+                            ("ps.lifecycle.ttl_s in ms", self.ttl_ms)):
             for group, value in table.items():
-                if not 0 <= group < K.NUM_TABLES or not low <= value <= high:
-                    raise ValueError(f"store {what}[{group}] must be in [{low}, {high}] for a group in "
-                                     f"[0, {K.NUM_TABLES}), got {value}")
-        if self.uses_sketch and not (self.num_stripes <= self.sketch_width <= 2**31 and 1 <= self.sketch_depth <= 8):
-            raise ValueError(f"store sketch_width must be in [num_stripes, 2**31] and sketch_depth in [1, 8], got "
-                             f"{self.sketch_width} x {self.sketch_depth}")
-        if self.sketch_window is not None and self.sketch_window < 1:
-            raise ValueError(f"store sketch_window must be >= 1 or None, got {self.sketch_window}")
+                if value > 2**62:
+                    raise ValueError(f"store {what} of table {group} must be <= 2**62, got {value}")
+
+    @property
+    def capacity(self) -> int:
+        """Rows the store holds before it evicts least recently used ones (ps.capacity)."""
+        return self.ps.capacity
+
+    @property
+    def num_stripes(self) -> int:
+        """Independently locked parts of the table (ps.num_stripes)."""
+        return self.ps.num_stripes
+
+    @property
+    def tables(self) -> Iterable[int]:
+        """The tables ps.lifecycle applies to."""
+        return range(K.NUM_TABLES) if self.groups is None else self.groups
+
+    @cached_property
+    def admit_after(self) -> dict[int, int]:
+        """Per table that admits only after k > 1 occurrences: k (ps.lifecycle.admit_after, per table)."""
+        life = self.ps.lifecycle
+        return {g: life.admit_after_of(g) for g in self.tables if life.admit_after_of(g) > 1}
+
+    @cached_property
+    def ttl_updates(self) -> dict[int, int]:
+        """Per table with a step TTL: store updates (`tick`) without an update after which `expire` removes a row."""
+        steps = {g: self.ps.lifecycle.ttl_of(g)[0] for g in self.tables}
+        return {g: n * self.ticks_per_step for g, n in steps.items() if n is not None}
+
+    @cached_property
+    def ttl_ms(self) -> dict[int, int]:
+        """Per table with a time TTL: milliseconds without an update after which `expire` removes a row."""
+        seconds = {g: self.ps.lifecycle.ttl_of(g)[1] for g in self.tables}
+        return {g: max(1, round(s * 1000)) for g, s in seconds.items() if s is not None}
 
     @property
     def uses_sketch(self) -> bool:
         """A table admits only after k > 1 occurrences: the store counts them in a sketch."""
-        return any(k > 1 for k in self.admit_after.values())
+        return bool(self.admit_after)
 
     @property
     def uses_ttl(self) -> bool:
@@ -164,12 +169,18 @@ class StoreConfig:
     @property
     def sketch_cols(self) -> int:
         """Sketch counters per row per stripe (0 without a sketch)."""
-        return -(-self.sketch_width // self.num_stripes) if self.uses_sketch else 0
+        return -(-self.ps.lifecycle.sketch_width // self.num_stripes) if self.uses_sketch else 0
+
+    @property
+    def sketch_depth(self) -> int:
+        """Sketch rows (0 without a sketch)."""
+        return self.ps.lifecycle.sketch_depth if self.uses_sketch else 0
 
     @property
     def stripe_window(self) -> int:
         """Occurrences a stripe counts before it halves its counters (each stripe sees 1/num_stripes of them)."""
-        window = self.sketch_window if self.sketch_window is not None else self.sketch_width
+        life = self.ps.lifecycle
+        window = life.sketch_window if life.sketch_window is not None else life.sketch_width
         return max(1, window // self.num_stripes)
 
     @property
@@ -205,7 +216,7 @@ class Layout:
         return {"header": (GLOBAL_FIELDS + c.num_stripes * K.STRIPE_FIELDS,),
                 "index": (c.num_stripes * self.index_slots,), "values": (c.capacity, c.row_width),
                 "tables": (c.num_stripes, K.NUM_TABLES, K.TABLE_FIELDS),
-                "sketch": (c.num_stripes, c.sketch_depth if c.uses_sketch else 0, c.sketch_cols),
+                "sketch": (c.num_stripes, c.sketch_depth, c.sketch_cols),
                 "touched": (c.capacity if c.uses_ttl else 0, 2),
                 }.get(name, (c.capacity,))
 
@@ -218,7 +229,7 @@ class Layout:
                 H_INDEX_SLOTS: ("index slots per stripe", self.index_slots),
                 H_SKETCH_COLS: ("sketch columns per stripe (ps.lifecycle.sketch_width / num_stripes, 0: no sketch)",
                                 c.sketch_cols),
-                H_SKETCH_DEPTH: ("sketch depth (0: no sketch)", c.sketch_depth if c.uses_sketch else 0),
+                H_SKETCH_DEPTH: ("sketch depth (0: no sketch)", c.sketch_depth),
                 H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl))}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hybridrec.config import LifecycleConfig
 from services.embedding_ps.store import EmbeddingStore
 from tests.faults.test_ps_store_crash import CONFIG, NUM_TRACKED, TRACKED, expected_after
 
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
 TTL = 3
-LIFECYCLE_CONFIG = dataclasses.replace(CONFIG, admit_after={1: 2}, ttl_updates={1: TTL}, sketch_width=1 << 16)
+LIFECYCLE_CONFIG = dataclasses.replace(CONFIG, ps=CONFIG.ps.model_copy(update={"lifecycle": LifecycleConfig(
+    tables={1: {"admit_after": 2, "ttl_steps": TTL}}, sketch_width=1 << 16)}))
 
 CHILD = f"""
 import sys

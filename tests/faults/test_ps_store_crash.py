@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 
 pytestmark = pytest.mark.faults
 
 REPO = Path(__file__).resolve().parents[2]
 DIM, LR, SEED, NUM_TRACKED = 8, 0.1, 3, 2000
-CONFIG = StoreConfig(dim=DIM, capacity=1 << 15, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=LR), seed=SEED,
-                     num_stripes=8)
+CONFIG = StoreConfig(dim=DIM, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=LR), seed=SEED,
+                     ps=PSConfig(capacity=1 << 15, num_stripes=8))
 TRACKED = np.arange(NUM_TRACKED, dtype=np.uint64) * np.uint64(7) + np.uint64(1)
 
 CHILD = f"""
@@ -66,7 +66,7 @@ def updated_at(step: int) -> np.ndarray:
 
 def expected_after(steps: int) -> np.ndarray:
     """Row values after `steps` acknowledged steps, with the store's float32 arithmetic w + (-lr) * g."""
-    w = init_rows(TRACKED, dim=DIM, seed=SEED, distribution="uniform", scale=CONFIG.init_scale)
+    w = init_rows(TRACKED, dim=DIM, seed=SEED, distribution="uniform", scale=CONFIG.ps.init.scale)
     g = grads()
     for step in range(1, steps + 1):
         rows = updated_at(step)

@@ -16,7 +16,7 @@ from hybridrec.config import dump_config, from_dict
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 FEATURES = [{"name": "C1", "group": 0, "dim": 8}, {"name": "C2", "group": 1, "dim": 4},
@@ -51,8 +51,9 @@ def make_checkpoint(tmp_path):
     truth = {}
     for shard in range(NUM_SHARDS):
         mine = keys[shard_of(keys, NUM_SHARDS) == shard]
+        ps = PSConfig(capacity=10_000, num_stripes=2)
         stores = {d: EmbeddingStore.open(tmp_path / "shm" / f"{shard}-{d}", StoreConfig(
-            dim=d, capacity=10_000, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1), num_stripes=2, seed=1))
+            dim=d, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1), ps=ps, seed=1))
             for d in (4, 8)}
         for d, store in stores.items():
             store.lookup(mine, train=True)

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from hybridrec.app.plan import Table, plan_tables
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
 
 def _store_bytes(dim: int, capacity: int, admit_after: int = 1) -> int:
     spec = EmbeddingOptimizerConfig(name="adagrad")
-    parts = planned_shm_bytes(StoreConfig(dim=dim, capacity=capacity, optimizer=spec, num_stripes=16,
-                                          admit_after={0: admit_after}, ttl_updates={}))
+    ps = PSConfig(capacity=capacity, num_stripes=16, lifecycle={"admit_after": admit_after})
+    parts = planned_shm_bytes(StoreConfig(dim=dim, optimizer=spec, ps=ps))
     return sum(parts.values())
 
 

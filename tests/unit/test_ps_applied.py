@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hybridrec.compress import ValueCodec
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
 from services.embedding_ps import applied as A
 from services.embedding_ps.applied import WINDOW, AppliedLog
@@ -112,8 +112,8 @@ class Shard:
         self.open()
 
     def open(self) -> None:
-        config = StoreConfig(dim=DIM, capacity=1024, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=LR),
-                             num_stripes=2)
+        config = StoreConfig(dim=DIM, optimizer=EmbeddingOptimizerConfig(name="sgd", lr=LR),
+                             ps=PSConfig(capacity=1024, num_stripes=2))
         self.store = EmbeddingStore.open(self.tmp_path / "dim-4", config)
         self.applied = AppliedLog.open(self.tmp_path / "applied")
         self.servicer = EmbeddingPSServicer({DIM: self.store}, self.applied, 0, 1, VALUES, self.executor)

@@ -8,7 +8,7 @@ import pytest
 
 from hybridrec.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard, inspect_checkpoint, load_shard, shard_dir_name
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 DIMS = (4, 8)
@@ -16,7 +16,7 @@ ADAM = EmbeddingOptimizerConfig(name="adam", lr=0.05)
 
 
 def cfg(dim: int, optimizer: EmbeddingOptimizerConfig = ADAM, capacity: int = 2000) -> StoreConfig:
-    return StoreConfig(dim=dim, capacity=capacity, optimizer=optimizer, num_stripes=4, seed=2)
+    return StoreConfig(dim=dim, optimizer=optimizer, ps=PSConfig(capacity=capacity, num_stripes=4), seed=2)
 
 
 @pytest.fixture

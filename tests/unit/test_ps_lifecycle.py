@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridrec.config import ConfigError, EmbeddingOptimizerConfig, from_dict
+from hybridrec.config import ConfigError, EmbeddingOptimizerConfig, PSConfig, from_dict
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.sharding import shard_of
 from services.embedding_ps import kernels as K
@@ -20,10 +20,12 @@ def group_ids(group: int, values) -> np.ndarray:
     return (np.uint64(group) << np.uint64(GROUP_SHIFT)) | np.asarray(values, dtype=np.uint64)
 
 
-def config(**kw) -> StoreConfig:
-    base = dict(dim=4, capacity=4096, optimizer=SGD, num_stripes=4, sketch_width=1 << 16)
-    base.update(kw)
-    return StoreConfig(**base)
+def config(lifecycle: dict | None = None, **ps) -> StoreConfig:
+    """A store of width 4 with the ps section `ps` and its `lifecycle` (4096 rows in 4 stripes and a sketch
+    of 2**16 counters unless they say otherwise)."""
+    lifecycle = {"sketch_width": 1 << 16, **(lifecycle or {})}
+    return StoreConfig(dim=4, optimizer=SGD, ps=PSConfig(**{"capacity": 4096, "num_stripes": 4, **ps,
+                                                           "lifecycle": lifecycle}))
 
 
 def present(store: EmbeddingStore, ids: np.ndarray) -> np.ndarray:
@@ -33,7 +35,7 @@ def present(store: EmbeddingStore, ids: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ admission after k occurrences
 def test_an_id_seen_fewer_than_k_times_never_owns_a_row(open_store):
     """Table 1 admits from the 3rd occurrence, table 2 at once; occurrences are train lookups (one per batch)."""
-    store = open_store(config(admit_after={1: 3}))
+    store = open_store(config(lifecycle={"tables": {1: {"admit_after": 3}}}))
     rng = np.random.default_rng(0)
     gated = group_ids(1, np.arange(1, 3001))
     free = group_ids(2, np.arange(1, 501))
@@ -65,7 +67,7 @@ def test_an_id_seen_fewer_than_k_times_never_owns_a_row(open_store):
 
 
 def test_probability_is_drawn_after_the_count(open_store):
-    store = open_store(config(admit_after={0: 2}, admit_probability=0.5))
+    store = open_store(config(admit_probability=0.5, lifecycle={"tables": {0: {"admit_after": 2}}}))
     keys = group_ids(0, np.arange(1, 4001))
     store.lookup(keys, train=True)
     assert store.stats()["rows"] == 0  # first occurrence: counted, never drawn
@@ -75,8 +77,8 @@ def test_probability_is_drawn_after_the_count(open_store):
 
 def test_sketch_memory_stays_at_its_bound_under_10m_distinct_ids(open_store, tmp_path):
     """10M distinct IDs, each seen once: the sketch keeps its configured size and keeps rejecting them."""
-    cfg = config(capacity=1 << 14, num_stripes=16, sketch_width=1 << 18, sketch_depth=4, admit_after={3: 2},
-                 sketch_window=1 << 18)
+    cfg = config(capacity=1 << 14, num_stripes=16, lifecycle={
+        "sketch_width": 1 << 18, "sketch_depth": 4, "sketch_window": 1 << 18, "tables": {3: {"admit_after": 2}}})
     store = open_store(cfg)
     files = {p.name: p.stat().st_size for p in (tmp_path / "store").iterdir()}
     assert files["sketch.bin"] == (1 << 18) * 4 == store.stats()["sketch_bytes"]
@@ -106,7 +108,7 @@ def test_store_without_k_has_no_sketch_or_stamps(open_store, tmp_path):
 
 # ------------------------------------------------------------------ TTL
 def test_a_row_untouched_for_the_ttl_is_gone_and_readmitted_when_seen_again(open_store):
-    store = open_store(config(ttl_updates={1: 5}, admit_after={1: 2}))
+    store = open_store(config(lifecycle={"tables": {1: {"ttl_steps": 5, "admit_after": 2}}}))
     old, kept = group_ids(1, np.arange(1, 101)), group_ids(1, np.arange(101, 201))
     both = np.concatenate([old, kept])
     store.lookup(both, train=True)
@@ -127,7 +129,7 @@ def test_a_row_untouched_for_the_ttl_is_gone_and_readmitted_when_seen_again(open
 
 
 def test_ttl_in_seconds_and_per_table(open_store):
-    store = open_store(config(ttl_ms={1: 1000}))
+    store = open_store(config(lifecycle={"tables": {1: {"ttl_s": 1.0}}}))
     a, b = group_ids(1, np.arange(1, 51)), group_ids(2, np.arange(1, 51))
     store.lookup(np.concatenate([a, b]), train=True)
     import time
@@ -142,7 +144,7 @@ def test_expiry_matches_a_reference_under_churn(open_store):
     """Random lookups, updates, ticks and sweeps, with LRU eviction too: no row outlives its TTL, and the
     index, keys and lists stay consistent through the compacting removals."""
     ttl = 4
-    store = open_store(config(capacity=256, ttl_updates={0: ttl}))
+    store = open_store(config(capacity=256, lifecycle={"tables": {0: {"ttl_steps": ttl}}}))
     rng = np.random.default_rng(3)
     last: dict[int, int] = {}
     for clock in range(60):
@@ -167,7 +169,7 @@ def test_expiry_matches_a_reference_under_churn(open_store):
 
 # ------------------------------------------------------------------ crash recovery and checkpoints
 def test_reattach_keeps_sketch_clock_stamps_and_counters(tmp_path):
-    cfg = config(admit_after={1: 2}, ttl_updates={1: 3})
+    cfg = config(lifecycle={"tables": {1: {"admit_after": 2, "ttl_steps": 3}}})
     keys = group_ids(1, np.arange(1, 201))
     store = EmbeddingStore.open(tmp_path / "s", cfg)
     store.lookup(keys, train=True)  # counted once
@@ -190,11 +192,11 @@ def test_reattach_keeps_sketch_clock_stamps_and_counters(tmp_path):
 def test_reattach_to_a_store_made_without_the_sketch_names_it(tmp_path):
     EmbeddingStore.open(tmp_path / "s", config()).close()
     with pytest.raises(ValueError, match="sketch"):
-        EmbeddingStore.open(tmp_path / "s", config(admit_after={1: 2}))
+        EmbeddingStore.open(tmp_path / "s", config(lifecycle={"tables": {1: {"admit_after": 2}}}))
 
 
 def test_dirty_stripe_rebuild_moves_stamps_with_their_rows(tmp_path):
-    cfg = config(capacity=64, num_stripes=1, ttl_updates={0: 10})
+    cfg = config(capacity=64, num_stripes=1, lifecycle={"tables": {0: {"ttl_steps": 10}}})
     store = EmbeddingStore.open(tmp_path / "s", cfg)
     keys = np.arange(1, 41, dtype=np.uint64)
     for i, k in enumerate(keys):
@@ -218,7 +220,7 @@ def test_dirty_stripe_rebuild_moves_stamps_with_their_rows(tmp_path):
 
 
 def test_checkpoint_round_trip_and_resharding_keep_lifecycle_state(tmp_path):
-    cfg = config(admit_after={1: 2}, ttl_updates={1: 100}, num_stripes=2)
+    cfg = config(num_stripes=2, lifecycle={"tables": {1: {"admit_after": 2, "ttl_steps": 100}}})
     a = EmbeddingStore.open(tmp_path / "a", cfg)
     keys = group_ids(1, np.arange(1, 301))
     a.lookup(keys, train=True)

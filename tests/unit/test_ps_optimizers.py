@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig, from_dict
+from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig, PSConfig, from_dict
 from services.embedding_ps import optimizers as O
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, accumulator_width, hyper_parameters, state_width
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
@@ -18,9 +18,8 @@ KEYS = np.arange(1000, 1000 + ROWS, dtype=np.uint64)
 
 def make_store(tmp_path, spec: EmbeddingOptimizerConfig, *, weight_bound=None
                ) -> tuple[EmbeddingStore, np.ndarray]:
-    store = EmbeddingStore.open(tmp_path / spec.name, StoreConfig(
-        dim=DIM, capacity=4 * ROWS, optimizer=spec, seed=5, init_scale=0.5, weight_bound=weight_bound,
-        num_stripes=4))
+    ps = PSConfig(capacity=4 * ROWS, num_stripes=4, init={"scale": 0.5}, weight_bound=weight_bound)
+    store = EmbeddingStore.open(tmp_path / spec.name, StoreConfig(dim=DIM, optimizer=spec, ps=ps, seed=5))
     init = store.lookup(KEYS, train=True)
     np.testing.assert_array_equal(init, init_rows(KEYS, dim=DIM, seed=5, distribution="uniform", scale=0.5))
     return store, init
@@ -185,7 +184,7 @@ def test_ftrl_settings_reach_the_kernel_from_the_config():
     config = from_dict({"data": {"train": ["a.tsv"]}, "optimizer": {"embedding": {
         "name": "ftrl", "lr": 0.2, "l1": 0.25, "l2": 0.125, "lr_power": -0.75}}})
     store = StoreConfig.from_config(config, 16)
-    assert store.optimizer is config.optimizer.embedding
-    hp = hyper_parameters(store.optimizer, store.weight_bound)
+    assert store.optimizer is config.optimizer.embedding and store.ps is config.ps
+    hp = hyper_parameters(store.optimizer, store.ps.weight_bound)
     assert (hp[O.HP_LR], hp[O.HP_L1], hp[O.HP_L2], hp[O.HP_LR_POWER]) == (0.2, 0.25, 0.125, -0.75)
     assert np.isnan(hp[O.HP_BOUND])

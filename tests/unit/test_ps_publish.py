@@ -12,7 +12,7 @@ import torch
 
 from hybridrec.bundle import BundleManifest, FileEntry, file_entry
 from hybridrec.compress import ValueCodec
-from hybridrec.config import EmbeddingOptimizerConfig, FeatureConfig, ModelConfig
+from hybridrec.config import EmbeddingOptimizerConfig, FeatureConfig, ModelConfig, PSConfig
 from hybridrec.files import write_json_atomic
 from hybridrec.frames import PSLookup, PSUpdate
 from hybridrec.proto import pb
@@ -31,8 +31,8 @@ VALUES = ValueCodec(fp16=False, kappa=1.0)
 @pytest.fixture
 def ps(tmp_path):
     stores = {d: EmbeddingStore.open(tmp_path / "shm" / f"dim-{d}",
-                                     StoreConfig(dim=d, capacity=50_000, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1),
-                                                 num_stripes=4)) for d in WIDTHS}
+                                     StoreConfig(dim=d, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.1),
+                                                 ps=PSConfig(capacity=50_000, num_stripes=4))) for d in WIDTHS}
     executor = ThreadPoolExecutor(2)
     applied = AppliedLog.open(tmp_path / "shm" / "applied")
     servicer = EmbeddingPSServicer(stores, applied, 0, 1, VALUES, executor, publish_root=str(tmp_path / "versions"))
@@ -113,8 +113,8 @@ def test_a_delta_on_a_version_this_shard_did_not_publish_is_refused(ps):
 
 
 def test_publishing_is_off_without_a_directory(tmp_path):
-    store = EmbeddingStore.open(tmp_path / "s", StoreConfig(dim=4, capacity=64, optimizer=EmbeddingOptimizerConfig(name="sgd"),
-                                                            num_stripes=2))
+    store = EmbeddingStore.open(tmp_path / "s", StoreConfig(dim=4, optimizer=EmbeddingOptimizerConfig(name="sgd"),
+                                                            ps=PSConfig(capacity=64, num_stripes=2)))
     applied = AppliedLog.open(tmp_path / "applied")
     try:
         servicer = EmbeddingPSServicer({4: store}, applied, 0, 1, VALUES, ThreadPoolExecutor(1))

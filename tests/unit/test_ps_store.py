@@ -7,11 +7,12 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from hybridrec.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
-from hybridrec.config import EmbeddingOptimizerConfig
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import HEAD_MOVES_START, EmbeddingStore, StoreConfig, init_rows
 from services.embedding_ps.store_files import GLOBAL_FIELDS
 
@@ -22,10 +23,9 @@ def ids(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.uint64)
 
 
-def config(**kw) -> StoreConfig:
-    base = dict(dim=4, capacity=64, optimizer=SGD, num_stripes=4)
-    base.update(kw)
-    return StoreConfig(**base)
+def config(dim: int = 4, optimizer: EmbeddingOptimizerConfig = SGD, seed: int = 0, **ps) -> StoreConfig:
+    """A store of width `dim` with the ps section `ps` (64 rows in 4 stripes unless it says otherwise)."""
+    return StoreConfig(dim=dim, optimizer=optimizer, seed=seed, ps=PSConfig(**{"capacity": 64, "num_stripes": 4, **ps}))
 
 
 def lru_keys(store: EmbeddingStore) -> list[int]:
@@ -35,7 +35,7 @@ def lru_keys(store: EmbeddingStore) -> list[int]:
 
 # ------------------------------------------------------------------ init and lookup
 def test_new_rows_are_initialised_deterministically(open_store):
-    store = open_store(config(seed=7, init_scale=0.05))
+    store = open_store(config(seed=7, init={"scale": 0.05}))
     keys = ids(3, 1 << 60, 12345678901234, 0)
     rows = store.lookup(keys, train=True)
     assert rows.dtype == np.float32 and rows.shape == (4, 4)
@@ -58,7 +58,7 @@ def test_init_distribution_statistics(distribution):
 
 
 def test_init_rows_match_store_with_odd_dim_and_normal(open_store):
-    store = open_store(config(dim=5, init_distribution="normal", init_scale=0.3, seed=3))
+    store = open_store(config(dim=5, init={"distribution": "normal", "scale": 0.3}, seed=3))
     keys = np.arange(100, 140, dtype=np.uint64)
     np.testing.assert_array_equal(store.lookup(keys, train=True),
                                   init_rows(keys, dim=5, seed=3, distribution="normal", scale=0.3))
@@ -271,7 +271,10 @@ def test_admission_is_deterministic_for_a_seed(open_store):
 
 
 def test_zero_admission_never_inserts(open_store):
-    store = open_store(config(admit_probability=0.0))
+    """ps.admit_probability must be > 0; one below 2**-53 (the draw's resolution) admits nothing."""
+    with pytest.raises(ValidationError, match="admit_probability"):
+        PSConfig(admit_probability=0.0)
+    store = open_store(config(admit_probability=2.0**-54))
     assert np.all(store.lookup(ids(1, 2, 3), train=True) == 0)
     assert store.stats()["rows"] == 0 and store.stats()["admission_drops"] == 3
 
@@ -553,13 +556,18 @@ def test_lookup_rejects_bad_out_and_load_rows_bad_width(open_store):
         adam.load_rows(ids(1), np.zeros((1, 4), np.float32))
 
 
-@pytest.mark.parametrize("kw, match", [(dict(dim=0), "dim"), (dict(capacity=2, num_stripes=4), "capacity"),
-                                       (dict(admit_probability=1.5), "admit_probability"),
-                                       (dict(weight_bound=0.0), "weight_bound"),
-                                       (dict(init_distribution="zipf"), "init_distribution")])
+@pytest.mark.parametrize("kw, match", [(dict(dim=0), "dim"), (dict(capacity=2, num_stripes=4), "capacity")])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         config(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(admit_probability=1.5), "admit_probability"),
+                                       (dict(weight_bound=0.0), "weight_bound"),
+                                       (dict(init={"distribution": "zipf"}), r"init\.distribution")])
+def test_ps_settings_are_validated_by_the_ps_config(kw, match):
+    with pytest.raises(ValidationError, match=match):
+        PSConfig(**kw)
 
 
 def test_stats_and_shm_bytes(open_store, tmp_path):
