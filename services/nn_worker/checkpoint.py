@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from hybridrec.config import Config, ConfigError, Mode, dump_config
 from hybridrec.proto import pb
 from services.nn_worker.distributed import barrier, control_group
 
+if TYPE_CHECKING:
+    from services.nn_worker.trainer import TrainStats
+
 PS_TIMEOUT_S = 600.0
 AGREE_EVERY = 10
 """Steps between the ranks' agreements on whether the time interval is up."""
@@ -50,8 +53,27 @@ MAX_OVERHEAD = 0.05
 """Time checkpoints take at most this share of training: the interval stretches with their duration."""
 
 
+class CheckpointedTrainer(Protocol):
+    """What the checkpointer uses of the trainer (`services.nn_worker.trainer.Trainer`), which hands itself to
+    each of its collective calls (`save`, `finish`, `restore`): the checkpointer is built before it and holds no
+    reference to it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    stats: TrainStats  # read only: `samples` and `wall_s` go into the manifest
+
+    async def on_compute(self, fn, *args) -> Any: ...
+
+    async def collective(self, fn, *args, after_regroup: Any = ...) -> Any: ...
+
+    def restore_counters(self, manifest: JobManifest) -> None: ...
+
+
 class Checkpointer:
-    def __init__(self, config: Config, rank: int, world_size: int, trainer):
+    """Takes the whole config, not only its `checkpoint` section: every checkpoint carries the job's resolved
+    config (for `hybridrec export`), and it needs the PS addresses and the training mode."""
+
+    def __init__(self, config: Config, rank: int, world_size: int):
         self.root = config.checkpoint.dir
         self.interval = config.checkpoint.interval_steps
         self.interval_s = config.checkpoint.interval_s
@@ -59,7 +81,6 @@ class Checkpointer:
         self.last_cost_s = 0.0  # how long the last checkpoint took
         self.keep, self.resume = config.checkpoint.keep, config.checkpoint.resume
         self.rank, self.world_size, self.num_ps = rank, world_size, len(config.cluster.ps)
-        self.trainer = trainer
         self.ps_addresses = config.cluster.ps
         self.config = config
         self.final = config.checkpoint.final
@@ -85,7 +106,7 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         return bool(flag.item())
 
-    async def finish(self, step: int, seq: int, position: tuple[int, ...]) -> None:
+    async def finish(self, trainer: CheckpointedTrainer, step: int, seq: int, position: tuple[int, ...]) -> None:
         """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
 
         Not written again when a checkpoint of this step already holds the final
@@ -101,7 +122,7 @@ class Checkpointer:
             self.final_path = checkpoints.step_dir(self.root, step)
             return
         started = time.monotonic()
-        await self.save(step, seq, position, survive_peer_loss=False)
+        await self.save(trainer, step, seq, position, survive_peer_loss=False)
         self.final_s = time.monotonic() - started
         self.final_path = checkpoints.step_dir(self.root, step)
         self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
@@ -119,25 +140,25 @@ class Checkpointer:
 
         await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
-    async def save(self, step: int, seq: int, position: tuple[int, ...], *, survive_peer_loss: bool = True) -> None:
+    async def save(self, trainer: CheckpointedTrainer, step: int, seq: int, position: tuple[int, ...], *,
+                   survive_peer_loss: bool = True) -> None:
         """Collective: every rank calls it at the same step, after draining its gradient pushes.
 
         With `survive_peer_loss` (interval checkpoints), a peer lost during the checkpoint's collectives is
-        replaced like one lost in a training step (`Trainer._collective`): the group re-forms, the replacement
+        replaced like one lost in a training step (`Trainer.collective`): the group re-forms, the replacement
         starts at the next step, and this checkpoint is skipped (lost before rank 0 wrote it) or kept (lost
         after). Without it (the final checkpoint, which the ranks reach past their last step, where a
         replacement could not join them), the loss stops this rank and the group goes back to a checkpoint."""
         started = time.monotonic()
-        trainer = self.trainer
-        meet = ((lambda fn, *args: trainer._collective(fn, *args, after_regroup=False)) if survive_peer_loss
-                else trainer._on_compute)
-        gathered = await meet(self._gather_position, seq, position)
+        meet = ((lambda fn, *args: trainer.collective(fn, *args, after_regroup=False)) if survive_peer_loss
+                else trainer.on_compute)
+        gathered = await meet(self._gather_position, seq, position, trainer.stats.samples)
         if gathered is False:
             self.log.warning("checkpoint_skipped", step=step, reason="a peer was lost and replaced")
             return
         last_seq, last_position, samples = gathered
         if self.rank == 0:
-            await self._write(step, last_seq, last_position, samples)
+            await self._write(trainer, step, last_seq, last_position, samples)
         if await meet(barrier) is False:  # rank 0 may not have finished it: not counted as this step's
             self.log.warning("checkpoint_unconfirmed", step=step, reason="a peer was lost and replaced")
             return
@@ -145,14 +166,14 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.last_cost_s = self.last_time - started
 
-    async def _write(self, step: int, last_seq: int, last_position: tuple[int, ...], samples: int) -> None:
+    async def _write(self, trainer: CheckpointedTrainer, step: int, last_seq: int, last_position: tuple[int, ...],
+                     samples: int) -> None:
         """Rank 0: the dense state, every PS shard's rows and the manifest, renamed into place last."""
-        trainer = self.trainer
         final = checkpoints.step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        await trainer._on_compute(self._save_dense, tmp / checkpoints.DENSE)
+        await trainer.on_compute(self._save_dense, tmp / checkpoints.DENSE, trainer.model, trainer.optimizer)
         dump_config(self.config, tmp / checkpoints.CONFIG)
         await self._ps("Checkpoint", tmp, step)
         checkpoints.write_manifest(tmp, JobManifest(
@@ -163,24 +184,25 @@ class Checkpointer:
         checkpoints.prune(self.root, self.keep)
         self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
 
-    def _gather_position(self, seq: int, position: tuple[int, ...]) -> tuple[int, tuple[int, ...], int]:
+    def _gather_position(self, seq: int, position: tuple[int, ...], samples: int) -> tuple[int, tuple[int, ...], int]:
         """The (seq, position) of the latest batch any rank trained: where the data resumes; and the samples
         the group trained, summed over the ranks (they differ: a file's last batch is short, and which rank
-        gets it depends on the stream, so rank 0's count times N is not the job's)."""
-        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4], self.trainer.stats.samples],
+        gets it depends on the stream, so rank 0's count times N is not the job's). `samples`: this rank's."""
+        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4], samples],
                             dtype=torch.int64)
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine, group=control_group())
         newest = max(parts, key=lambda t: int(t[0]))
         return int(newest[0]), tuple(int(v) for v in newest[1:5]), int(sum(int(t[5]) for t in parts))
 
-    def _save_dense(self, path: Path) -> None:
+    @staticmethod
+    def _save_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """On the CPU whatever the device: a checkpoint loads on any device, or on none (`hybridrec export`)."""
-        torch.save(on_cpu({"model": self.trainer.model.state_dict(),
-                           "optimizer": self.trainer.optimizer.state_dict()}), path)
+        torch.save(on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), path)
 
-    async def restore(self) -> JobManifest | None:
-        """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard)."""
+    async def restore(self, trainer: CheckpointedTrainer) -> JobManifest | None:
+        """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard); the
+        trainer takes its counters (`restore_counters`)."""
         found = checkpoints.resume_from(self.config.checkpoint)
         if found is None:
             return None
@@ -188,16 +210,11 @@ class Checkpointer:
         if manifest.num_nn_workers != self.world_size:
             raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
                              f"has {self.world_size}")
-        trainer = self.trainer
-        await trainer._on_compute(load_dense, path / checkpoints.DENSE, trainer.model, trainer.optimizer)
+        await trainer.on_compute(load_dense, path / checkpoints.DENSE, trainer.model, trainer.optimizer)
         if self.rank == 0:
             await self._ps("LoadCheckpoint", path, manifest.step)
-        await trainer._on_compute(barrier)
-        stats = trainer.stats
-        stats.steps = manifest.step
-        stats.samples = manifest.samples if self.rank == 0 else 0  # summed over ranks at the end
-        stats.restored_samples = manifest.samples
-        stats.wall_offset = manifest.train_wall_s if self.rank == 0 else 0.0
+        await trainer.on_compute(barrier)
+        trainer.restore_counters(manifest)
         self.restored_step, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
         return manifest

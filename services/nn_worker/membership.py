@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrec import log
-from hybridrec.config import Config, split_address
+from hybridrec.config import ClusterConfig, Config, split_address
 from services.nn_worker.distributed import close_groups, open_groups
 
 POLL_S = 0.05
@@ -135,9 +135,10 @@ class Membership:
         self.log = log.get()
 
     @classmethod
-    def from_config(cls, config: Config, rank: int, fingerprint: Fingerprint, backend: str,
+    def from_config(cls, cluster: ClusterConfig, rank: int, fingerprint: Fingerprint, backend: str,
                     device: torch.device | None = None) -> "Membership":
-        cluster = config.cluster
+        """From the `cluster` section, all that membership reads of the config (the rest of it is compared
+        through the fingerprint)."""
         return cls(rank=rank, world_size=len(cluster.nn_workers), rendezvous=cluster.rendezvous,
                    fingerprint=fingerprint, backend=backend, bind_host=cluster.bind_host,
                    join_timeout_s=cluster.rejoin_timeout_s, collective_timeout_s=cluster.start_timeout_s * 5,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,15 @@ class PublishStats:
 
 
 class Publisher:
-    def __init__(self, config: Config, trainer):
+    """Built before the trainer (server.py), with what it needs of the training process: the dense `model` the
+    trainer trains and the `compute` thread every torch call runs on (a state_dict copy is one). Takes the whole
+    config, not only its `publish` section: every version carries the job's config and its schema."""
+
+    def __init__(self, config: Config, model: torch.nn.Module, compute: Executor):
         p = config.publish
         if not p.dir:
             raise ValueError("publish.dir must be set when publish.interval_steps or publish.interval_s is")
-        self.config, self.trainer = config, trainer
+        self.config, self.model, self.compute = config, model, compute
         self.root = Path(p.dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self.interval_steps, self.interval_s = p.interval_steps, p.interval_s
@@ -75,11 +80,17 @@ class Publisher:
         self.next_version = newest_version_number(self.root) + 1  # a restarted job goes on numbering
         self.base: int | None = None  # the last version this job completed: a delta's base
         self.since_full = 0
-        self.last_started = time.monotonic()
+        self.last_started = time.monotonic()  # the time interval's start: see `start_clock`
         self.task: asyncio.Task | None = None
         self.finished = False  # the final version was published
         self.stats = PublishStats()
         self.log = log.get()
+
+    def start_clock(self) -> None:
+        """Count the time interval from now: the server calls it once the group is set up and restored from a
+        checkpoint, right before training (the publisher is built before the trainer, so that set-up would
+        otherwise count towards the first interval)."""
+        self.last_started = time.monotonic()
 
     def due(self, step: int) -> bool:
         if self.interval_steps and step % self.interval_steps == 0:
@@ -98,7 +109,7 @@ class Publisher:
 
     async def _start(self, step: int) -> None:
         self.last_started = time.monotonic()
-        state = await self.trainer._on_compute(self._dense_copy)
+        state = await asyncio.get_running_loop().run_in_executor(self.compute, self._dense_copy)
         version, self.next_version = self.next_version, self.next_version + 1
         self.task = asyncio.ensure_future(self._publish(version, step, state, self.last_started))
 
@@ -113,7 +124,7 @@ class Publisher:
             await self.task
 
     def _dense_copy(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.trainer.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     async def _ps_publish(self, version: int, full: bool) -> list[pb.PublishReply]:
         async def one(address: str) -> pb.PublishReply:

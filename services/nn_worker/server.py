@@ -29,7 +29,7 @@ from services.nn_worker.membership import Fingerprint, Membership, failure_line,
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats
 from services.nn_worker.routing import EmbeddingWorkers
-from services.nn_worker.trainer import Trainer, make_dense_optimizer
+from services.nn_worker.trainer import Collaborators, Trainer, make_dense_optimizer
 
 
 MARKS_KEPT = 256
@@ -152,22 +152,24 @@ async def _serve(config: Config, replica: int) -> None:
     model = build_model(config.model.path, feature_infos(config.features),
                         config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
     check_resumable(config, model, make_dense_optimizer)  # another model's checkpoint: exit 2 before joining
-    membership = Membership.from_config(config, replica, Fingerprint.of(config, model), env.backend, env.device)
+    membership = Membership.from_config(config.cluster, replica, Fingerprint.of(config, model), env.backend,
+                                        env.device)
     plan = await loop.run_in_executor(compute, membership.join, None)
     host.log.info("process_group_ready", backend=env.backend, device=str(env.device), world_size=world_size,
                   generation=plan.generation, source=plan.source)
-    trainer = Trainer(config, env, model, workers.lookup, workers.push, inbox, compute)
-    if config.training.mode in RECOVERABLE_MODES:
-        trainer.membership = membership
+    checkpointer = Checkpointer(config, replica, world_size)
+    publisher = Publisher(config, model, compute) if replica == 0 and config.publish.enabled else None
+    trainer = Trainer(config, env, model, workers.lookup, workers.push, inbox, compute, Collaborators(
+        checkpointer=checkpointer, publisher=publisher,
+        membership=membership if config.training.mode in RECOVERABLE_MODES else None))
     plan = await trainer.setup(plan)
-    trainer.checkpointer = Checkpointer(config, replica, world_size, trainer)
     if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
-        await trainer.checkpointer.restore()
+        await checkpointer.restore(trainer)
         trainer.resume_at(trainer.stats.steps)
     else:
         host.log.warning("replaced_a_lost_rank", step=plan.step, source=plan.source, generation=plan.generation)
-    if replica == 0 and config.publish.enabled:
-        trainer.publisher = Publisher(config, trainer)
+    if publisher is not None:
+        publisher.start_clock()  # its time interval counts from here, after set-up and restore
     servicer.trainer = trainer
     await rpc.wait_until_serving(config.cluster.embedding_workers, timeout_s=config.cluster.start_timeout_s,
                                  what="embedding workers")
@@ -185,8 +187,7 @@ async def _serve(config: Config, replica: int) -> None:
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
                                     data={"train": end_train, "eval": end_eval},
-                                    publish=trainer.publisher.summary() if trainer.publisher else None)
-            checkpointer = trainer.checkpointer
+                                    publish=publisher.summary() if publisher else None)
             if checkpointer.final_path is not None:
                 summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s
             summary.write(Path(config.output.dir) / "summary.json")

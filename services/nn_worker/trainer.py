@@ -22,13 +22,14 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hybridrec import log
+from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
 from hybridrec.evaluation import binary_metrics
@@ -40,6 +41,10 @@ from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.routing import BatchLost
+
+if TYPE_CHECKING:
+    from services.nn_worker.checkpoint import Checkpointer
+    from services.nn_worker.publish import Publisher
 
 
 PROGRESSIVE_AUC_EVERY = 5  # steps between AUCs of a batch's predictions taken before its update
@@ -84,9 +89,25 @@ Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embed
 Push = Callable[[int, bytes], Awaitable[int]]  # (batch_ref, gradient frame) -> rows applied
 
 
+@dataclass(frozen=True)
+class Collaborators:
+    """What the trainer calls on besides the embedding workers, built before it (server.py) and handed to its
+    constructor. None of them holds the trainer: the checkpointer is handed it on each call and uses only its
+    public interface (`on_compute`, `collective`, `model`, `optimizer`, `stats`); the publisher holds the model
+    and the compute thread; membership needs nothing of it."""
+
+    checkpointer: Checkpointer | None = None
+    """Synchronised job checkpoints (every rank); None: none (tests)."""
+    publisher: Publisher | None = None
+    """Live model versions: rank 0, when `publish` is enabled."""
+    membership: Membership | None = None
+    """Re-forms the group around a lost peer's replacement (modes whose group survives losing a rank); None:
+    a lost peer stops this rank."""
+
+
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
-                 inbox: asyncio.Queue, compute: ThreadPoolExecutor):
+                 inbox: asyncio.Queue, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators()):
         self.config, self.env = config, env
         self.training = config.training
         self.lookup, self.push, self.inbox = lookup, push, inbox
@@ -97,13 +118,13 @@ class Trainer:
         self.feed = DeviceFeed(env.device, overlap=self.training.overlap_copies)
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
-        self.checkpointer = None  # services.nn_worker.checkpoint.Checkpointer, set by the server
-        self.publisher = None  # services.nn_worker.publish.Publisher, set by the server on rank 0 when publishing
+        self.checkpointer = collaborators.checkpointer
+        self.publisher = collaborators.publisher
         self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
-        self.membership: Membership | None = None  # set by the server: re-forms the group when a peer is lost
+        self.membership = collaborators.membership
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
         self._trained_through = -1  # the last training batch this rank trained
         self._unacked: set[int] = set()  # stream indices of trained batches whose update is not acknowledged
@@ -124,21 +145,32 @@ class Trainer:
         while True:
             try:
                 if plan.source is not None:
-                    await self._on_compute(self._adopt, plan)
+                    await self.on_compute(self._adopt, plan)
                 else:
-                    self.sync = await self._on_compute(DenseSync, self.model, self.env, self.training)
+                    self.sync = await self.on_compute(DenseSync, self.model, self.env, self.training)
                 return plan
             except Exception as exc:  # noqa: BLE001 - a peer was lost while the group formed: join again
                 if self.membership is None or not is_group_failure(exc):
                     raise
                 self.log.warning("group_failed", step=self.stats.steps, error=failure_line(exc))
-                plan = await self._on_compute(self.membership.join, None)
+                plan = await self.on_compute(self.membership.join, None)
 
     def resume_at(self, step: int) -> None:
         """The group's state is at `step`: this rank's next training batch is the stream's step*N + rank."""
         self.next_seq = step * self.env.world_size + self.env.rank
         self._trained_through = self.next_seq - 1
         self._confirm()
+
+    def restore_counters(self, manifest: JobManifest) -> None:
+        """Take the counters of the checkpoint the group was just restored from (`Checkpointer.restore`, which
+        loaded the model and optimizer). Its samples and training time are the job's: rank 0 carries them (the
+        ranks' counts are summed at the end), the others start from zero; every rank keeps the job's samples at
+        the checkpoint (a replacement's count starts from there, see train())."""
+        stats = self.stats
+        stats.steps = manifest.step
+        stats.samples = manifest.samples if self.env.rank == 0 else 0
+        stats.restored_samples = manifest.samples
+        stats.wall_offset = manifest.train_wall_s if self.env.rank == 0 else 0.0
 
     def _adopt(self, plan: Plan) -> None:
         """Compute thread, right after a (re)formation with a source: everyone takes its state, then DDP is
@@ -156,15 +188,18 @@ class Trainer:
 
     _SKIP = object()
 
-    async def _collective(self, fn, *args, after_regroup=_SKIP):
+    async def collective(self, fn, *args, after_regroup=_SKIP):
         """Run `fn` (which holds collectives) on the compute thread; if the group broke because a peer was lost,
         re-form it with the peer's replacement, hand it our state, and then run `fn` again — or, when
         `after_regroup` is given, return that instead: a replacement starts at the top of a step, so a
         collective that belongs after the step (the time-checkpoint vote, the sync barrier) must not be
-        repeated by the survivors alone."""
+        repeated by the survivors alone.
+
+        Public for the checkpointer: an interval checkpoint's collectives, between two steps, survive a lost
+        peer like a step's (`Checkpointer.save`)."""
         while True:
             try:
-                return await self._on_compute(fn, *args)
+                return await self.on_compute(fn, *args)
             except Exception as exc:  # noqa: BLE001 - anything but a lost peer is re-raised below
                 if self.membership is None or not is_group_failure(exc):
                     raise
@@ -177,9 +212,9 @@ class Trainer:
         while True:
             self.log.warning("group_failed", step=self.stats.steps, generation=self.membership.generation,
                              error=failure_line(exc))
-            plan = await self._on_compute(self.membership.join, self.stats.steps)
+            plan = await self.on_compute(self.membership.join, self.stats.steps)
             try:
-                await self._on_compute(self._adopt, plan)
+                await self.on_compute(self._adopt, plan)
                 break
             except Exception as again:  # noqa: BLE001 - re-raised unless it is another lost peer
                 if not is_group_failure(again):
@@ -189,7 +224,10 @@ class Trainer:
         self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
                          replaced=list(plan.joined_fresh))
 
-    async def _on_compute(self, fn, *args):
+    async def on_compute(self, fn, *args):
+        """Run `fn(*args)` on the compute thread. Every torch and torch.distributed call goes through here, so
+        collectives are issued in the same order on every rank and no tensor is touched by two threads; public
+        for the checkpointer, whose loads, saves and collectives are torch calls too."""
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     # -- training ----------------------------------------------------------------------------
@@ -300,7 +338,7 @@ class Trainer:
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
-                step = await self._collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
                 self._trained_through = batch.seq
                 self._unacked.add(batch.seq)
@@ -313,7 +351,7 @@ class Trainer:
                 if self.training.mode == Mode.SYNC:
                     waited = time.perf_counter()
                     await task
-                    await self._collective(barrier, after_regroup=None)
+                    await self.collective(barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
                 if self.count_from_stream:  # a replacement: its predecessor trained what came before this batch
                     base = self.stats.restored_samples if self.env.rank == 0 else 0  # rank 0 holds the restored
@@ -323,15 +361,15 @@ class Trainer:
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
-                    await self.checkpointer.save(self.stats.steps, batch.seq, batch.position)
+                    await checkpointer.save(self, self.stats.steps, batch.seq, batch.position)
                 if self.publisher is not None:
                     await self.publisher.maybe_publish(self.stats.steps)
         if pushes or self._replays:
             await asyncio.gather(*pushes, *self._replays)
-        await self._on_compute(self.sync.finish)
+        await self.on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
-            await checkpointer.finish(self.stats.steps, *last)
+            await checkpointer.finish(self, self.stats.steps, *last)
         if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
             await self.publisher.finish(self.stats.steps)
         return end
@@ -339,7 +377,7 @@ class Trainer:
     async def _checkpoint_due(self, checkpointer) -> bool:
         steps = self.stats.steps
         return checkpointer.due(steps) or (checkpointer.asks_time(steps)
-                                           and await self._collective(checkpointer.time_up, after_regroup=False))
+                                           and await self.collective(checkpointer.time_up, after_regroup=False))
 
     async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:
         """The batch's embeddings, or empty ones and True when its embedding worker lost it."""
@@ -360,7 +398,7 @@ class Trainer:
         bounded-staleness update — and pushed; the dense model is not touched."""
         try:
             emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
-            grads = await self._on_compute(self._embedding_gradients, batch, emb)
+            grads = await self.on_compute(self._embedding_gradients, batch, emb)
             await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
@@ -453,7 +491,7 @@ class Trainer:
                 emb, lost = await self._receive(pending, batch)
                 if lost:
                     continue
-                preds.append(await self._on_compute(self._predict, batch, emb))
+                preds.append(await self.on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
                 self.consumed = Consumed("eval", batch.seq)
         empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)

@@ -52,10 +52,10 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         stats = TrainStats(steps=10, samples=1000 * (rank + 1), loss_sum=2.0, loss_count=4, started=0.0,
                            finished=1.0, staleness_hist=np.array([3, 1], np.int64))
         trainer = SimpleNamespace(stats=stats, env=SimpleNamespace(world_size=WORLD))
-        checkpointer = Checkpointer(config, rank, WORLD, trainer)
+        checkpointer = Checkpointer(config, rank, WORLD)
         checkpointer.last_time -= 5.0 * (rank == 1)  # only rank 1's interval is up: the vote is a MAX
         result["time_up"] = checkpointer.time_up()
-        seq, position, samples = checkpointer._gather_position(40 + rank, (0, rank, 7, 8))
+        seq, position, samples = checkpointer._gather_position(40 + rank, (0, rank, 7, 8), stats.samples)
         result["position"] = [seq, list(position), samples]
         barrier()
 
@@ -116,8 +116,7 @@ def nccl_rank_main(port: int, out_dir: str) -> None:
         optimizer.step()
         config = Config.model_validate({"data": {"train": ["train.tsv"]}, "cluster": {"nn_workers": ["a:1"]},
                                         "checkpoint": {"dir": str(out / "ckpt"), "interval_s": 1000.0}})
-        trainer = SimpleNamespace(stats=None, env=env)
-        time_up = Checkpointer(config, 0, 1, trainer).time_up()
+        time_up = Checkpointer(config, 0, 1).time_up()
         hand_over(model, optimizer, {"steps": 1.0}, 1.0, source=0)
         state = optimizer.state_dict()["state"][0]
         torch.save(on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), out / "dense.pt")

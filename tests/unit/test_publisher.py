@@ -4,6 +4,7 @@ removed and followed by a full one, compaction, the final version at the end."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -14,14 +15,6 @@ from hybridrec.proto import pb
 from hybridrec.sharding import shard_of
 from hybridrec.versions import Follower, list_versions, version_dir, write_table
 from services.nn_worker.publish import Publisher
-
-
-class FakeTrainer:
-    def __init__(self):
-        self.model = torch.nn.Linear(3, 1)
-
-    async def _on_compute(self, fn, *args):
-        return fn(*args)
 
 
 class FakeShards:
@@ -54,7 +47,7 @@ def make(tmp_path, **publish):
     config = from_dict({"data": {"train": ["x"]}, "features": [{"name": "a", "group": 0, "dim": 4}],
                         "num_dense": 3, "cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]},
                         "publish": {"dir": str(tmp_path / "v"), **publish}})
-    publisher = Publisher(config, FakeTrainer())
+    publisher = Publisher(config, torch.nn.Linear(3, 1), ThreadPoolExecutor(1))
     shards = FakeShards(publisher.root)
     publisher._ps_publish = lambda version, full: shards(version, full, publisher.base if not full else None)
     return publisher, shards
@@ -93,7 +86,7 @@ def test_full_every_deltas_refusals_failures_and_the_final_version(tmp_path):
     snapshot = Follower(publisher.root).poll()
     assert snapshot.version == 8 and snapshot.step == 75 and snapshot.manifest.base_version == 7
     assert snapshot.table.lookup(4, np.array([16, 17, 14], np.uint64))[:, 0].tolist() == [8.0, 8.0, 7.0]
-    assert torch.equal(snapshot.dense_state["weight"], publisher.trainer.model.weight.detach())
+    assert torch.equal(snapshot.dense_state["weight"], publisher.model.weight.detach())
     assert publisher.metrics()["versions_published_total"] == 7
 
 
