@@ -5,6 +5,7 @@
         dense.pt        dense model and optimizer state (rank 0), loaded with weights_only=True
         config.yaml     the job's config (rank 0): what export and `hybridrec predict` rebuild the model from
         ps/shard-00000-of-00002/...   every PS shard's rows at the same step (services.embedding_ps.checkpoint)
+    <checkpoint.dir>/ps-lives/shard-00000.json   each PS shard's lives in the job (services.embedding_ps.lives)
 
 The names are spelled here only: the NN worker, the PS and export use these constants.
 
@@ -28,6 +29,7 @@ MANIFEST = "manifest.json"
 DENSE = "dense.pt"
 CONFIG = "config.yaml"
 PS = "ps"
+PS_LIVES = "ps-lives"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 

@@ -456,6 +456,11 @@ class CheckpointConfig(_Model):
     """Newest checkpoints kept."""
     resume: bool = True
     """Start from the newest complete checkpoint in `dir` when there is one (with interval checkpoints on)."""
+    job_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    """Names this job in `dir`. PS shards record their lives under it (services/embedding_ps/lives.py): a shard
+    that comes back without its store (a lost host, a fresh emptyDir) in a job that has trained it restores its
+    part of the newest checkpoint before serving, and the updates lost with it are counted. `hybridrec run`
+    draws one per run; a deployment sets one per job. None: no detection (a shard without files starts empty)."""
 
     @property
     def periodic(self) -> bool:

@@ -363,16 +363,28 @@ class Gradients:
 
 @dataclass
 class Applied:
-    """How many rows an update applied (0 for frames that apply nothing, e.g. NNWorker.PutBatch)."""
+    """How many rows an update applied (0 for frames that apply nothing, e.g. NNWorker.PutBatch), and which life
+    of each PS shard acknowledged it (`lives`: (shard, life) pairs; services/embedding_ps/lives.py): a PS shard
+    names its own, an embedding worker every shard the update reached."""
 
     applied: int = 0
+    lives: tuple[tuple[int, int], ...] = ()
 
     def encode(self) -> bytes:
-        return codec.encode(meta={"applied": int(self.applied)})
+        meta: dict = {"applied": int(self.applied)}
+        if self.lives:
+            meta["lives"] = [[int(shard), int(life)] for shard, life in self.lives]
+        return codec.encode(meta=meta)
 
     @classmethod
     def decode(cls, buf: bytes) -> "Applied":
-        return cls(codec.decode(buf).meta_int("applied", default=0))
+        frame = codec.decode(buf)
+        lives = frame.meta.get("lives", [])
+        if not isinstance(lives, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                            for v in p) for p in lives):
+            raise FrameError(f"frame meta 'lives' must be a list of [shard, life] integer pairs, got {lives!r}")
+        return cls(frame.meta_int("applied", default=0), tuple((s, life) for s, life in lives))
 
 
 @dataclass

@@ -75,6 +75,22 @@ def read_services(run_dir: Path) -> list[ServiceInfo] | None:
     return [ServiceInfo.model_validate(row) for row in json.loads(path.read_text())]
 
 
+class StoreLoss(BaseModel):
+    """A life of a PS shard that lost its store (services/embedding_ps/lives.py), and what that cost."""
+
+    shard: int
+    life: str
+    """The lost life's id (a 64-bit integer, as text: JSON readers lose precision above 2**53)."""
+    restored_step: int
+    """Step of the checkpoint its successor restored; -1: there was none, the successor started empty."""
+    acknowledged: int
+    """Updates that life acknowledged to the embedding workers."""
+    applied_at_checkpoint: int
+    """Of those, the ones applied when the restored checkpoint was written (0: it is older than the life)."""
+    lost: int
+    """acknowledged - applied_at_checkpoint: updates the shard had acknowledged and no longer holds."""
+
+
 class PublishSummary(BaseModel):
     """Live model versions NN worker rank 0 published during the run (publish.* in the config)."""
 
@@ -164,10 +180,11 @@ class RunSummary(BaseModel):
     """samples / train_wall_s."""
     mean_train_loss: float
     lost_updates: int
-    """Training batches whose embedding update never reached the PS: what the embedding workers still held,
-    looked up but not applied, at the end of the run (they keep such a batch until its update is applied, so
-    this counts pushes that failed for good and pushes lost with an NN worker that died). When an embedding
-    worker did not answer at the end, the NN workers' own count of failed pushes."""
+    """Embedding updates lost: training batches whose update never reached the PS (what the embedding workers
+    still held, looked up but not applied, at the end of the run: they keep such a batch until its update is
+    applied, so this counts pushes that failed for good and pushes lost with an NN worker that died; when an
+    embedding worker did not answer at the end, the NN workers' own count of failed pushes), plus the updates
+    PS shards had acknowledged and then lost with their store (`store_losses`)."""
     skipped_batches: int
     """Training batches whose embeddings were lost (an embedding worker lost its buffer directory; a
     restarted one re-attaches to it and loses nothing)."""
@@ -181,6 +198,11 @@ class RunSummary(BaseModel):
     ps_rows: int | None = None
     """Embedding rows the PS shards held at the end of the run (every shard and width); None when a shard
     did not answer."""
+    shards_restored: int = 0
+    """Times a PS shard came back without its store in a job that had trained it (a lost host) and restored its
+    part of the newest checkpoint (or, with none yet, started empty) before serving (`store_losses`)."""
+    store_losses: list[StoreLoss] | None = None
+    """Each store a PS shard lost during the run, and the updates lost with it (None: none)."""
     lifecycle: dict[int, TableLifecycle] | None = None
     """Per table (feature group) with any activity: rows admitted, rejected and expired, gradients dropped
     (docs/architecture.md#embedding-lifecycle); None when a shard did not answer."""

@@ -158,6 +158,11 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("recovered batches / deduplicated updates",
                          f"{fmt_int(summary.batches_recovered)} / {fmt_int(summary.updates_deduplicated)}"))
     rows.insert(-2, ("PS rows held at the end", fmt_int(summary.ps_rows)))
+    for loss in summary.store_losses or []:  # a PS shard came back without its store: say what it cost
+        restored = (f"restored from the step-{loss.restored_step} checkpoint" if loss.restored_step >= 0
+                    else "no checkpoint yet: started empty")
+        rows.insert(-2, (f"[bold red]PS shard {loss.shard} lost its store[/]",
+                         f"{restored}; {fmt_int(loss.lost)} acknowledged updates lost"))
     if summary.lifecycle:  # admission or expiry did something: per table admitted / rejected / expired
         totals = [sum(getattr(t, f) for t in summary.lifecycle.values()) for f in ("admitted", "rejected", "expired")]
         rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))
@@ -209,14 +214,19 @@ def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> No
         raise typer.Exit(130)
 
 
+def _serve_job(server, config_path: Optional[Path], replica: Optional[int], overrides: Optional[list[str]]) -> None:
+    """A service of the training job (its `server` module): the job's config, this replica."""
+    replica = _replica(replica)
+    _run_service(server.serve(_job_config(config_path, overrides), replica))
+
+
 @serve_app.command("dataloader")
 def serve_dataloader(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
                      overrides: Optional[list[str]] = SetOption):
     """Read, deduplicate and deliver the job's mini-batches."""
     from services.dataloader import server
 
-    replica = _replica(replica)
-    _run_service(server.serve(_job_config(config_path, overrides), replica))
+    _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("embedding_worker")
@@ -225,8 +235,7 @@ def serve_embedding_worker(config_path: Optional[Path] = ConfigOption, replica: 
     """Look embeddings up in the PS shards, pool them, and route their gradients back."""
     from services.embedding_worker import server
 
-    replica = _replica(replica)
-    _run_service(server.serve(_job_config(config_path, overrides), replica))
+    _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("nn_worker")
@@ -235,8 +244,7 @@ def serve_nn_worker(config_path: Optional[Path] = ConfigOption, replica: Optiona
     """Train the dense network (one rank of the torch.distributed group)."""
     from services.nn_worker import server
 
-    replica = _replica(replica)
-    _run_service(server.serve(_job_config(config_path, overrides), replica))
+    _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("embedding_ps")

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,8 @@ def resolve(config: Config, run_dir: Path) -> Config:
     tree["output"]["dir"] = str(run_dir)
     if not config.checkpoint.dir:  # always: the final checkpoint makes a finished run exportable
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    if not config.checkpoint.job_id:  # a PS shard that loses its store restores it (embedding_ps/lives.py)
+        tree["checkpoint"]["job_id"] = f"run-{uuid.uuid4().hex}"
     if config.publish.enabled and not config.publish.dir:
         tree["publish"]["dir"] = str(run_dir / "versions")
     return from_dict(tree, source="resolved config")

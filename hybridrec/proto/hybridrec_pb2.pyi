@@ -54,7 +54,7 @@ class TableLifecycle(_message.Message):
     def __init__(self, group: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., dropped_gradients: _Optional[int] = ...) -> None: ...
 
 class RecoveryStats(_message.Message):
-    __slots__ = ("batches_recovered", "unapplied_train_batches", "updates_deduplicated", "rows_by_width", "tables")
+    __slots__ = ("batches_recovered", "unapplied_train_batches", "updates_deduplicated", "rows_by_width", "tables", "life", "losses", "acks")
     class RowsByWidthEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,12 +67,40 @@ class RecoveryStats(_message.Message):
     UPDATES_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     ROWS_BY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    LIFE_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     batches_recovered: int
     unapplied_train_batches: int
     updates_deduplicated: int
     rows_by_width: _containers.ScalarMap[int, int]
     tables: _containers.RepeatedCompositeFieldContainer[TableLifecycle]
-    def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ...) -> None: ...
+    life: int
+    losses: _containers.RepeatedCompositeFieldContainer[ShardLoss]
+    acks: _containers.RepeatedCompositeFieldContainer[ShardAcks]
+    def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ..., life: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[ShardLoss, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[ShardAcks, _Mapping]]] = ...) -> None: ...
+
+class ShardLoss(_message.Message):
+    __slots__ = ("shard", "life", "applied_at_checkpoint", "restored_step")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LIFE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_AT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    life: int
+    applied_at_checkpoint: int
+    restored_step: int
+    def __init__(self, shard: _Optional[int] = ..., life: _Optional[int] = ..., applied_at_checkpoint: _Optional[int] = ..., restored_step: _Optional[int] = ...) -> None: ...
+
+class ShardAcks(_message.Message):
+    __slots__ = ("shard", "life", "updates")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LIFE_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    life: int
+    updates: int
+    def __init__(self, shard: _Optional[int] = ..., life: _Optional[int] = ..., updates: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("name", "step")

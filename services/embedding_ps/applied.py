@@ -12,7 +12,8 @@ of the PS like the rows do (docs/architecture.md#crash-rules):
 <ps.shm_dir>/shard-00001/applied/
     store.lock    flock: one process at a time
     ring.bin      uint64: magic, layout version, window, records written, re-sends deduplicated
-                  (all lives), then `window` slots: the ids of the most recent updates (0: empty)
+                  (all processes of this life), the shard's life, then `window` slots: the ids of the
+                  most recent updates (0: empty)
 ```
 
 Window: the last WINDOW ids are remembered, so a re-send is recognised while
@@ -48,7 +49,7 @@ _log = log.get(__name__)
 
 MAGIC = int.from_bytes(b"HYRECAP\x01", "little")
 LAYOUT_VERSION = 1
-H_MAGIC, H_VERSION, H_WINDOW, H_WRITTEN, H_DEDUPLICATED = range(5)
+H_MAGIC, H_VERSION, H_WINDOW, H_WRITTEN, H_DEDUPLICATED, H_LIFE = range(6)
 HEADER_WORDS = 8
 WINDOW = 1 << 16
 """Update ids remembered per shard (see the module docstring for why this many)."""
@@ -60,8 +61,11 @@ class AppliedLog:
     Single-threaded: the PS servicer calls it from its event loop.
     """
 
-    def __init__(self, directory: Path, ring_map: mmap.mmap, lock_fd: int):
+    def __init__(self, directory: Path, ring_map: mmap.mmap, lock_fd: int, *, created: bool = False):
         self.directory = directory
+        self.created = created
+        """True when this open made the record: the shard's files were not there (a first start, or a lost
+        store)."""
         self._map = ring_map
         words = np.frombuffer(ring_map, dtype=np.uint64)
         self._header, self._ring = words[:HEADER_WORDS], words[HEADER_WORDS:]
@@ -69,6 +73,16 @@ class AppliedLog:
         # id -> its slot; rebuilt from the ring on open (tens of milliseconds for a full window).
         self._slot_of = {int(uid): slot for slot, uid in enumerate(self._ring.tolist()) if uid}
         self.deduplicated = int(self._header[H_DEDUPLICATED])
+        if not int(self._header[H_LIFE]):  # a new record, or one written before lives were kept
+            self._header[H_LIFE] = np.uint64(int.from_bytes(os.urandom(8), "little") | 1)
+        self.life = int(self._header[H_LIFE])
+        """The shard's life: drawn when its files were created, the same across restarts of the process
+        (services/embedding_ps/lives.py)."""
+
+    @property
+    def applied(self) -> int:
+        """Updates this life has applied (recorded), all processes of it."""
+        return int(self._header[H_WRITTEN])
 
     @classmethod
     def open(cls, directory: str | Path) -> "AppliedLog":
@@ -78,7 +92,9 @@ class AppliedLog:
         lock_fd = files.lock_directory(directory, what="applied-update record")
         try:
             ring_map = _attach(directory)
-            return cls(directory, ring_map if ring_map is not None else _create(directory), lock_fd)
+            if ring_map is not None:
+                return cls(directory, ring_map, lock_fd)
+            return cls(directory, _create(directory), lock_fd, created=True)
         except BaseException:
             os.close(lock_fd)
             raise

@@ -66,8 +66,11 @@ def _write_npy(path: Path, array: np.ndarray) -> dict:
 
 
 def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *, shard: int, num_shards: int,
-               step: int) -> dict:
+               step: int, life: int | None = None, applied: int | None = None) -> dict:
     """Write this shard's rows of every width under `directory`/ps/; returns the manifest.
+
+    `life` and `applied`: the shard's life and the updates it had applied (services/embedding_ps/lives.py), so
+    that a successor restoring this dump after a lost store knows what was lost after it.
 
     On the PS, from a worker thread: each store is copied under its stripe
     locks (a consistent snapshot per width), then written without locks.
@@ -102,6 +105,8 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
         manifest = {"format_version": FORMAT_VERSION, "kind": "hybridrec-ps-shard", "shard": shard,
                     "num_shards": num_shards, "step": int(step), "created_unix": time.time(),
                     "widths": sorted(int(d) for d in store_by_dim), "tables": tables}
+        if life is not None:
+            manifest.update(life=int(life), applied=int(applied or 0))
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)
             f.flush()
@@ -248,7 +253,8 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
     On the PS, from a worker thread. Reads every shard dump (only its own
     when the shard count is unchanged), verifies all of them first and raises
     ValueError with the reason, touching no store, if anything is off.
-    Present rows with the same key are overwritten. Returns the step and rows loaded per width.
+    Present rows with the same key are overwritten. Returns the step, rows loaded per width, the source shard
+    count and `applied_by_life` (the updates each source shard's life had applied when it was dumped).
     """
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
@@ -305,7 +311,8 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
     step = found[0][1]["step"]
     _log.info("ps shard checkpoint loaded", directory=str(directory), step=step, shard=shard,
               num_shards=num_shards, source_shards=source_shards, rows=rows)
-    return {"step": step, "rows": rows, "source_shards": source_shards}
+    applied_by_life = {int(m["life"]): int(m["applied"]) for _, m in found if "life" in m}
+    return {"step": step, "rows": rows, "source_shards": source_shards, "applied_by_life": applied_by_life}
 
 
 def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, np.ndarray, np.ndarray]]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
 from hybridrec.sharding import shard_of
 from hybridrec.versions import version_dir
+from services.embedding_ps import lives
 from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
@@ -70,6 +72,69 @@ def open_applied(config: Config, shard: int) -> AppliedLog:
     return AppliedLog.open(shard_dir(config, shard) / "applied")
 
 
+def open_shard(config: Config, shard: int) -> tuple[dict[int, EmbeddingStore], AppliedLog, list[lives.Loss]]:
+    """The shard's stores and applied-update record, restored when the job has trained this shard before and its
+    files are gone (services/embedding_ps/lives.py): never an empty table served in a job that trained it.
+
+    Returns the stores, the record and the lives of the shard lost during the job. Without checkpoint.dir and
+    checkpoint.job_id there is nothing to know the job by: the files are opened as they are."""
+    stores, applied = open_stores(config, shard), open_applied(config, shard)
+    root, job = config.checkpoint.dir, config.checkpoint.job_id
+    if not (root and job):
+        return stores, applied, []
+    known = lives.read(root, shard, job)
+    loss = None
+    if known is not None:
+        recorded = known.lives[-1].life
+        created = [applied.created, *(s.created for s in stores.values())]
+        # The recorded life lost some of its files, or a start that never completed (a restore that failed or was
+        # killed) left some: nothing of them can be trusted; start over with none.
+        if (applied.life == recorded and any(created)) or (applied.life != recorded and not all(created)):
+            log.get().error("ps_shard_files_untrusted", shard=shard, directory=str(shard_dir(config, shard)),
+                            recorded_life=recorded, life=applied.life)
+            _close(stores, applied)
+            shutil.rmtree(shard_dir(config, shard))
+            stores, applied = open_stores(config, shard), open_applied(config, shard)
+        if applied.life != recorded:
+            try:
+                loss = restore(config, shard, stores, lost=recorded)
+            except BaseException:
+                _close(stores, applied)
+                raise
+    record = lives.begin(root, shard, job, applied.life, known, replaced=loss)
+    return stores, applied, record.losses
+
+
+def _close(stores: dict[int, EmbeddingStore], applied: AppliedLog) -> None:
+    for store in stores.values():
+        store.close()
+    applied.close()
+
+
+def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], *, lost: int) -> lives.Loss:
+    """Load the shard's part of the newest complete checkpoint into its new, empty stores (before it serves);
+    the returned Loss says what the lost life `lost` had applied at that checkpoint, so the run can count what
+    it applied after."""
+    from services.embedding_ps import checkpoint
+
+    num_shards = len(config.cluster.ps)
+    found = checkpoints.latest(config.checkpoint.dir)
+    if found is None:
+        log.get().error("ps_shard_started_empty", shard=shard, lost_life=lost,
+                        why="the job has trained this shard, its store is gone and there is no checkpoint yet: "
+                            "every update it had applied is lost")
+        return lives.Loss(life=lost, applied_at_checkpoint=0, restored_step=-1)
+    newest, _ = found
+    loaded = checkpoint.load_shard(newest, stores, shard=shard, num_shards=num_shards,
+                                   shard_of=lambda ids: shard_of(ids, num_shards))
+    applied = loaded["applied_by_life"].get(lost, 0)
+    log.get().warning("ps_shard_restored", shard=shard, checkpoint=str(newest), step=loaded["step"],
+                      rows=loaded["rows"], lost_life=lost, applied_at_checkpoint=applied,
+                      why="the job has trained this shard and its store is gone: updates applied after the "
+                          "checkpoint are lost (counted in the run's lost_updates)")
+    return lives.Loss(life=lost, applied_at_checkpoint=applied, restored_step=loaded["step"])
+
+
 def _observed(task: asyncio.Task) -> None:
     """Retrieve and log an update task's error: when its request was cancelled, nothing else would."""
     if not task.cancelled() and task.exception() is not None:
@@ -90,8 +155,11 @@ def _tables(stores: dict[int, dict]) -> dict[int, dict[str, int]]:
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
-                 publish_root: str | None = None):
+                 publish_root: str | None = None, losses: list[lives.Loss] | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.losses = losses or []
+        """Lives of this shard that lost their store during the job (lives.py), oldest first."""
+        self._life = ((shard, applied.life),)  # which life acknowledges an update (frames.Applied.lives)
         self.applied = applied
         """Update ids this shard applied: a re-sent update is acknowledged without applying it again."""
         self._updating: dict[int, asyncio.Task] = {}  # update id -> the task applying it
@@ -113,7 +181,9 @@ class EmbeddingPSServicer:
         each store's `stats()` when the caller has them already."""
         stores = self._store_stats() if stores is None else stores
         values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
-        values["updates_deduplicated_total"] = float(self.applied.deduplicated)  # all lives of this shard
+        values["updates_deduplicated_total"] = float(self.applied.deduplicated)  # every process of this life
+        values["stores_lost_total"] = float(len(self.losses))
+        values["restored_step"] = float(self.losses[-1].restored_step if self.losses else -1)
         for dim, st in stores.items():
             values.update({f"dim{dim}_rows": st["rows"], f"dim{dim}_capacity": st["capacity"],
                            f"dim{dim}_evictions_total": st["evictions"],
@@ -169,11 +239,11 @@ class EmbeddingPSServicer:
                 await asyncio.shield(running)
         if uid in self.applied:
             self.applied.count_duplicate()
-            return Applied(0).encode()
+            return Applied(0, self._life).encode()
         task = asyncio.ensure_future(self._apply(update))
         self._updating[uid] = task
         task.add_done_callback(_observed)
-        return Applied(await asyncio.shield(task)).encode()
+        return Applied(await asyncio.shield(task), self._life).encode()
 
     async def _apply(self, update: PSUpdate) -> int:
         """Apply an update's rows, then record its id. A task of its own, shielded from the request: when the
@@ -205,14 +275,17 @@ class EmbeddingPSServicer:
         stores = self._store_stats() if stores is None else stores
         return pb.RecoveryStats(updates_deduplicated=int(self.applied.deduplicated),
                                 rows_by_width={dim: int(st["rows"]) for dim, st in stores.items()},
-                                tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(_tables(stores).items())])
+                                tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(_tables(stores).items())],
+                                life=self.applied.life,
+                                losses=[pb.ShardLoss(shard=self.shard, **loss.model_dump()) for loss in self.losses])
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint
 
         directory = resolve_under(self.checkpoint_root, request.name)
         await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
-                        num_shards=self.num_shards, step=request.step)
+                        num_shards=self.num_shards, step=request.step, life=self.applied.life,
+                        applied=self.applied.applied)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
         return pb.CheckpointReply(name=request.name, rows=rows)
 
@@ -254,16 +327,16 @@ async def serve(config: Config, replica: int) -> None:
     if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
         import_torch_in_background(threads=1)
     warm_up(config)
-    stores = open_stores(config, replica)
-    applied = open_applied(config, replica)
+    stores, applied, losses = open_shard(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()},
-                  updates_deduplicated=applied.deduplicated)
+                  updates_deduplicated=applied.deduplicated, life=applied.life, lives_lost=len(losses))
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
         servicer = EmbeddingPSServicer(stores, applied, replica, len(config.cluster.ps), values, executor,
                                        checkpoint_root=config.checkpoint.dir,
-                                       publish_root=config.publish.dir if config.publish.enabled else None)
+                                       publish_root=config.publish.dir if config.publish.enabled else None,
+                                       losses=losses)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)

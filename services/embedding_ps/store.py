@@ -65,6 +65,7 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def __init__(self, directory: Path, layout: Layout, maps: dict[str, mmap.mmap], lock_fd: int) -> None:
         self.directory = directory
+        self.created = False
         self.config = layout.config
         self._layout = layout
         self._maps = maps
@@ -116,9 +117,11 @@ class EmbeddingStore(L.StoreLifecycle):
         try:
             layout = Layout(config)
             maps = attach_files(directory, layout)
-            if maps is None:
+            created = maps is None
+            if created:
                 maps = create_files(directory, layout)
             store = cls(directory, layout, maps, lock_fd)
+            store.created = created  # no files were there: a first start, or a lost store (lives.py)
         except BaseException:
             os.close(lock_fd)
             raise

@@ -29,7 +29,7 @@ class EmbeddingWorkerServicer:
         if self.worker.already_applied(Gradients.batch_ref_of(request)):
             return Applied(0).encode()
         gradients = Gradients.decode(request, self.worker.values, self.worker.rows_of)
-        return Applied(await self.worker.push_gradients(gradients)).encode()
+        return (await self.worker.push_gradients(gradients)).encode()
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_worker", replica=self.worker.replica, values=self.worker.stats(),

@@ -22,6 +22,7 @@ at most once, so a push re-sent across a restart is never applied twice.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -94,6 +95,9 @@ class EmbeddingWorker:
         self.counters = {"batches_put_total": 0, "lookups_total": 0, "gradient_pushes_total": 0,
                          "rows_looked_up_total": 0, "rows_updated_total": 0, "pushes_already_applied_total": 0,
                          "lookups_repeated_total": 0}
+        self.acks: Counter[tuple[int, int]] = Counter()
+        """Updates each PS shard's life acknowledged in this worker's successful pushes, (shard, life) -> count:
+        what a run's summary counts as lost when a life loses its store (services/embedding_ps/lives.py)."""
         self._recover()
 
     def _recover(self) -> None:
@@ -211,8 +215,9 @@ class EmbeddingWorker:
         self.counters["pushes_already_applied_total"] += 1
         return True
 
-    async def push_gradients(self, gradients: Gradients) -> int:
-        """Sum gradients per batch-unique ID and apply them on the PS shards; returns rows updated.
+    async def push_gradients(self, gradients: Gradients) -> Applied:
+        """Sum gradients per batch-unique ID and apply them on the PS shards; returns the rows updated and the
+        life of each shard that acknowledged (counted in `acks` once the push succeeds).
 
         `gradients` was decoded against `rows_of`, so its shapes match the batch.
         The batch stays buffered until every shard has acknowledged its part:
@@ -231,22 +236,23 @@ class EmbeddingWorker:
             scatter_add_rows(gradients.grads[dim], batch.gidx[dim], per_dim[dim])
         uid = update_id(ref, self.files.nonce)
 
-        async def one_shard(shard: int) -> int:
+        async def one_shard(shard: int) -> Applied:
             ids = {dim: batch.uniq[dim][pos[shard]] for dim, pos in batch.by_shard.items() if pos[shard].size}
             if not ids:
-                return 0
+                return Applied(0)
             update = PSUpdate(ids, {dim: per_dim[dim][batch.by_shard[dim][shard]] for dim in ids}, uid)
-            return Applied.decode(await self.ps_call(shard, "Update", update.encode(self.values))).applied
+            return Applied.decode(await self.ps_call(shard, "Update", update.encode(self.values)))
 
         # Every shard's call ends before this does: a push that fails has left nothing running behind it.
         results = await asyncio.gather(*(one_shard(s) for s in range(self.num_shards)), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        applied = sum(results)
+        applied = Applied(sum(r.applied for r in results), tuple(pair for r in results for pair in r.lives))
+        self.acks.update(applied.lives)
         self._consumed(batch)
         self.counters["gradient_pushes_total"] += 1
-        self.counters["rows_updated_total"] += applied
+        self.counters["rows_updated_total"] += applied.applied
         return applied
 
     def _consumed(self, batch: BufferedBatch) -> None:
@@ -280,4 +286,6 @@ class EmbeddingWorker:
         train batches trained on (looked up) whose update is not yet applied — at the end of a run, exactly the
         updates that were lost."""
         return pb.RecoveryStats(batches_recovered=int(self.files.recovered),
-                                unapplied_train_batches=sum(1 for b in self.buffer.values() if b.looked_up))
+                                unapplied_train_batches=sum(1 for b in self.buffer.values() if b.looked_up),
+                                acks=[pb.ShardAcks(shard=shard, life=life, updates=n)
+                                      for (shard, life), n in sorted(self.acks.items())])

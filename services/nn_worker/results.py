@@ -19,7 +19,7 @@ from hybridrec import log, rpc
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
-from hybridrec.summary import PublishSummary, RunSummary, Staleness, TableLifecycle, TaskMetrics
+from hybridrec.summary import PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle, TaskMetrics
 from services.nn_worker.distributed import control_group
 from services.nn_worker.trainer import Trainer
 
@@ -114,7 +114,28 @@ def recovery_counters(config: Config, *, timeout_s: float = 5.0) -> dict:
         "unapplied_updates": None if workers is None else sum(w.unapplied_train_batches for w in workers),
     }
     out.update(ps_totals(stats["ps"]))
+    out.update(store_losses(workers, stats["ps"]))
     return out
+
+
+def store_losses(workers: list[pb.RecoveryStats] | None, shards: list[pb.RecoveryStats] | None) -> dict:
+    """`shards_restored`, `store_losses` and their lost updates: for each life of a shard that lost its store,
+    the updates it acknowledged to the embedding workers minus those applied when the checkpoint its successor
+    restored was written (services/embedding_ps/lives.py)."""
+    losses = [loss for shard in shards or [] for loss in shard.losses]
+    if not losses:
+        return {"shards_restored": 0, "store_losses": None, "updates_lost_with_stores": 0}
+    acks: dict[tuple[int, int], int] = {}
+    for worker in workers or []:
+        for ack in worker.acks:
+            acks[(ack.shard, ack.life)] = acks.get((ack.shard, ack.life), 0) + int(ack.updates)
+    out = []
+    for loss in losses:
+        acknowledged = acks.get((loss.shard, loss.life), 0)
+        out.append(StoreLoss(shard=loss.shard, life=str(loss.life), restored_step=loss.restored_step,
+                             acknowledged=acknowledged, applied_at_checkpoint=loss.applied_at_checkpoint,
+                             lost=max(acknowledged - loss.applied_at_checkpoint, 0)))
+    return {"shards_restored": len(out), "store_losses": out, "updates_lost_with_stores": sum(x.lost for x in out)}
 
 
 def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
@@ -145,7 +166,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
     # hold now is every lost update — including pushes lost with an NN worker that died, which no surviving
     # NN worker counted. Without every worker's answer, the NN workers' own count of failed pushes stands.
     unapplied = recovered.pop("unapplied_updates")
-    lost = unapplied if unapplied is not None else totals["lost_updates"]
+    lost = (unapplied if unapplied is not None else totals["lost_updates"]) + recovered.pop("updates_lost_with_stores")
     return RunSummary(
         mode=config.training.mode.value, nn_workers=len(config.cluster.nn_workers),
         steps=totals["steps"], samples=totals["samples"], train_wall_s=wall,

@@ -57,9 +57,9 @@ class EmbeddingWorkers:
         """The batch's `Embeddings` frame."""
         return await self._call(self._lookups, ref, BatchRef(ref).encode())
 
-    async def push(self, ref: int, gradients: bytes) -> int:
-        """Send a `Gradients` frame; returns the rows the PS applied."""
-        return Applied.decode(await self._call(self._pushes, ref, gradients)).applied
+    async def push(self, ref: int, gradients: bytes) -> Applied:
+        """Send a `Gradients` frame; returns the rows the PS applied and which life of each shard acknowledged."""
+        return Applied.decode(await self._call(self._pushes, ref, gradients))
 
     async def close(self) -> None:
         for ch in self.channels:

@@ -179,7 +179,8 @@ async def _serve(config: Config, replica: int) -> None:
         servicer.phase = "train"
         end_train = await trainer.train()
         host.log.info("train_done", steps=trainer.stats.steps, samples=trainer.stats.samples,
-                      wall_s=round(trainer.stats.wall_s, 2))
+                      wall_s=round(trainer.stats.wall_s, 2),
+                      ps_acks=[[shard, str(life), n] for (shard, life), n in sorted(trainer.stats.ps_acks.items())])
         servicer.phase = "eval"
         preds, labels, end_eval = await trainer.evaluate()
         all_preds, all_labels = await loop.run_in_executor(compute, gather_eval, preds, labels, world_size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
@@ -72,6 +73,9 @@ class TrainStats:
     regroups: int = 0  # times this rank's group failed and was re-formed (a peer lost and replaced)
     replayed_dropped: int = 0  # re-sent batches this rank dropped: the group had trained them already
     updates_replayed: int = 0  # of those, updates lost with a predecessor and derived again (`Trainer._settle`)
+    ps_acks: Counter = field(default_factory=Counter)
+    """(PS shard, its life) -> this rank's updates that life acknowledged: the rank's own record of what a shard
+    that loses its store loses (services/embedding_ps/lives.py); logged with train_done."""
 
     @property
     def wall_s(self) -> float:
@@ -312,7 +316,8 @@ class Trainer:
                     await ready(step.event)
                     self._record_loss(step.loss())
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self.push(ref, Gradients(ref, step.grads()).encode(self.values))
+                    applied = await self.push(ref, Gradients(ref, step.grads()).encode(self.values))
+                    self.stats.ps_acks.update(applied.lives)
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -399,7 +404,8 @@ class Trainer:
         try:
             emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
             grads = await self.on_compute(self._embedding_gradients, batch, emb)
-            await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
+            applied = await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
+            self.stats.ps_acks.update(applied.lives)
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
         except BatchLost:

@@ -59,10 +59,11 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, args: tuple[str, 
 
 
 def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: tuple[int, ...] = (0,),
-                  alive=lambda: True, after_checkpoint: bool = False, during_checkpoint: bool = False) -> int:
+                  alive=lambda: True, after_checkpoint: bool = False, during_checkpoint: bool = False,
+                  before_kill=lambda: None) -> int:
     """SIGKILL `replicas` of `service` once NN rank 0 has trained `fraction` of its steps (and, with
     `after_checkpoint`, once the first interval checkpoint is complete; with `during_checkpoint`, at the next
-    moment rank 0 is writing one: its directory still ends in .tmp)."""
+    moment rank 0 is writing one: its directory still ends in .tmp). `before_kill` runs just before."""
     config_path = str(run_dir / "config.yaml")
     deadline = time.monotonic() + 600
     steps_total = ROWS // 4096 // 2
@@ -85,6 +86,7 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
     while during_checkpoint and not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").glob("step-*")):
         assert alive() and time.monotonic() < deadline, "no interval checkpoint was seen being written"
         time.sleep(0.002)
+    before_kill()
     for p in targets:  # back to back: as good as at once for the launcher, which looks every 0.1 s
         p.send_signal(signal.SIGKILL)
     return targets[0].pid
@@ -207,3 +209,46 @@ def test_chaos_a_random_process_killed_every_40_steps(fault_config, undisturbed_
     assert result["samples"] == undisturbed["samples"]
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.01, (result["auc"], undisturbed["auc"])
     assert result["lost_updates"] == 0, result
+
+
+def _events(log: Path, event: str) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if f'"event": "{event}"' in line]
+
+
+def test_a_ps_host_lost_after_a_checkpoint_restores_it_and_counts_what_was_lost(fault_config, undisturbed,
+                                                                                  tmp_path):
+    """PS shard 0's store removed and its process killed after the first checkpoint: what a rescheduled pod on
+    a new node, or a rebooted machine, gives it. The restarted shard finds no store in a job that trained it, so
+    it loads its part of the newest checkpoint before it serves, and the run counts the updates it had
+    acknowledged since that checkpoint as lost, the same number the NN workers' own record gives."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shard_dir = {}
+
+    def remove_store() -> None:  # removed first: the launcher restarts a killed PS within a tenth of a second
+        shm_dir = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["ps"]["shm_dir"])
+        shard_dir["path"] = shm_dir / "shard-00000"
+        shutil.rmtree(shard_dir["path"])
+
+    result = _run(fault_config, run_dir, kill="embedding_ps", fraction=0.0, after_checkpoint=True,
+                  before_kill=remove_store, args=("--set", "checkpoint.interval_s=5"))
+    assert result["shards_restored"] == 1 and len(result["store_losses"]) == 1, result
+    loss = result["store_losses"][0]
+    assert loss["shard"] == 0 and loss["restored_step"] > 0, loss
+    ps_log = run_dir / "logs" / "embedding_ps-0.log"
+    restored = _events(ps_log, "ps_shard_restored")
+    assert len(restored) == 1 and restored[0]["step"] == loss["restored_step"], restored
+    # Never an empty table served: the restarted shard opened with the checkpoint's rows, before it listened.
+    opened = _events(ps_log, "stores_open")
+    assert len(opened) == 2 and opened[1]["lives_lost"] == 1 and sum(opened[1]["rows"].values()) > 0, opened
+    assert sum(restored[0]["rows"].values()) == sum(opened[1]["rows"].values())
+    # The NN workers' own record: every update of theirs that the lost life acknowledged.
+    acked = sum(n for rank in (0, 1)
+                for shard, life, n in _events(run_dir / "logs" / f"nn_worker-{rank}.log", "train_done")[-1]["ps_acks"]
+                if shard == 0 and life == loss["life"])
+    assert acked == loss["acknowledged"] >= loss["applied_at_checkpoint"] > 0, (acked, loss)
+    assert loss["lost"] == acked - loss["applied_at_checkpoint"]
+    assert result["lost_updates"] == loss["lost"] and result["skipped_batches"] == 0, result
+    assert result["samples"] == undisturbed["samples"]
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.01, (result["auc"], undisturbed["auc"])

@@ -229,7 +229,11 @@ def test_push_gradients_sums_shared_ids_and_the_ps_applies_sgd(cluster):
 
     frame = Gradients(ref, grads).encode(worker.values)
     applied = asyncio.run(worker.push_gradients(Gradients.decode(frame, worker.values, worker.rows_of)))
-    assert applied == len(summed[4]) + len(summed[8])  # one update per batch-unique ID, not per feature row
+    assert applied.applied == len(summed[4]) + len(summed[8])  # one update per batch-unique ID, not per feature row
+    # Each shard's life acknowledged it, and the worker counts that (what a lost store's loss is counted from).
+    lives = tuple((s, cluster.applied[s].life) for s in range(NUM_SHARDS))
+    assert applied.lives == lives and dict(worker.acks) == {pair: 1 for pair in lives}
+    assert [(a.shard, a.life, a.updates) for a in worker.recovery().acks] == [(s, life, 1) for s, life in lives]
 
     lr = np.float32(LR)
     for dim in (4, 8):
@@ -313,7 +317,7 @@ def test_counters(cluster):
     unique = sum(np.unique(np.concatenate([sparse.uniq[f] for f, w in enumerate(WIDTHS) if w == d])).size
                  for d in (4, 8))
     stats = worker.stats()
-    assert applied == unique
+    assert applied.applied == unique
     assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
                      "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
                      "buffered_batches": 0.0, "unapplied_train_batches": 0.0, "batches_recovered_total": 0.0,

@@ -181,7 +181,7 @@ def test_a_push_cut_off_midway_is_applied_once_on_every_shard(cluster):
         np.testing.assert_allclose(cluster.ps_rows(d, ids[d]), before[d] + expected_step[d], rtol=0, atol=1e-6)
     dedup = [s.stats()["updates_deduplicated_total"] for s in cluster.servicers]
     assert dedup == [1.0, 0.0]  # shard 0 recognised the re-send
-    assert 0 < applied < sum(a.size for a in ids.values())  # only shard 1's rows were applied now
+    assert 0 < applied.applied < sum(a.size for a in ids.values())  # only shard 1's rows were applied now
     assert worker.already_applied(ref)
 
 

@@ -57,7 +57,7 @@ def test_round_trip_is_exact_and_keeps_recency(tmp_path, stores):
     assert manifest["step"] == 42 and manifest["tables"]["8"]["num_rows"] == 500
     dst = stores("dst")
     result = load_shard(tmp_path / "ckpt", dst, shard=0, num_shards=1, shard_of=lambda ids: shard_of(ids, 1))
-    assert result == {"step": 42, "rows": {4: 500, 8: 500}, "source_shards": 1}
+    assert result == {"step": 42, "rows": {4: 500, 8: 500}, "source_shards": 1, "applied_by_life": {}}
     for dim in DIMS:
         k1, v1 = src[dim].items()
         k2, v2 = dst[dim].items()
