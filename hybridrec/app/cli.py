@@ -17,7 +17,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -35,7 +35,8 @@ app.add_typer(serve_app, name="serve")
 
 EXIT_USAGE = 2
 
-SetOption = typer.Option(None, "--set", help="Override a config key: --set training.epochs=2 (repeatable).")
+SET_HELP = "Override a config key: --set training.epochs=2 (repeatable)."
+SetOption = typer.Option(None, "--set", help=SET_HELP)
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -179,9 +180,11 @@ def _print_summary(summary: RunSummary) -> None:
     Console().print(table)
 
 
-ConfigOption = typer.Option(None, "--config", help="The job's YAML config file.")
-ReplicaOption = typer.Option(None, "--replica", help="Replica index (default: $HYBRIDREC_REPLICA, else the "
-                             "hostname's trailing -N).")
+# The options every service of the training job takes (`serve dataloader` ... `serve embedding_ps`).
+JobConfig = Annotated[Optional[Path], typer.Option("--config", help="The job's YAML config file.")]
+Replica = Annotated[Optional[int], typer.Option("--replica", help="Replica index (default: $HYBRIDREC_REPLICA, "
+                                                "else the hostname's trailing -N).")]
+Overrides = Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)]
 
 
 def _replica(replica: Optional[int]) -> int:
@@ -221,35 +224,28 @@ def _serve_job(server, config_path: Optional[Path], replica: Optional[int], over
 
 
 @serve_app.command("dataloader")
-def serve_dataloader(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
-                     overrides: Optional[list[str]] = SetOption):
+def serve_dataloader(config_path: JobConfig = None, replica: Replica = None, overrides: Overrides = None):
     """Read, deduplicate and deliver the job's mini-batches."""
     from services.dataloader import server
-
     _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("embedding_worker")
-def serve_embedding_worker(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
-                           overrides: Optional[list[str]] = SetOption):
+def serve_embedding_worker(config_path: JobConfig = None, replica: Replica = None, overrides: Overrides = None):
     """Look embeddings up in the PS shards, pool them, and route their gradients back."""
     from services.embedding_worker import server
-
     _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("nn_worker")
-def serve_nn_worker(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
-                    overrides: Optional[list[str]] = SetOption):
+def serve_nn_worker(config_path: JobConfig = None, replica: Replica = None, overrides: Overrides = None):
     """Train the dense network (one rank of the torch.distributed group)."""
     from services.nn_worker import server
-
     _serve_job(server, config_path, replica, overrides)
 
 
 @serve_app.command("embedding_ps")
-def serve_embedding_ps(config_path: Optional[Path] = ConfigOption, replica: Optional[int] = ReplicaOption,
-                       overrides: Optional[list[str]] = SetOption,
+def serve_embedding_ps(config_path: JobConfig = None, replica: Replica = None, overrides: Overrides = None,
                        bundle: Optional[Path] = typer.Option(None, "--bundle", help="Serve shard --replica of this "
                                                              "model bundle read-only, without a config."),
                        listen: str = typer.Option("127.0.0.1:0", "--listen", help="Read-only: gRPC HOST:PORT "
