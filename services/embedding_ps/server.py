@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,23 @@ def shard_dir(config: Config, shard: int) -> Path:
     return Path(config.ps.shm_dir) / f"shard-{shard:05d}"
 
 
+WARM_UP_PREFIX = "hybridrec-warmup-"
+"""A warm-up's scratch store: <tmpfs>/hybridrec-warmup-<pid>-<random>/."""
+
+
+def remove_stale_warm_ups(root: Path) -> list[Path]:
+    """Remove the scratch stores of warm-ups whose process is gone (a PS killed while it compiled leaves its
+    directory behind: TemporaryDirectory cleans up on exit, not on SIGKILL); returns what was removed."""
+    removed = []
+    for path in root.glob(f"{WARM_UP_PREFIX}*"):
+        pid = path.name[len(WARM_UP_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue  # not ours, or its process still runs
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def warm_up(config: Config) -> None:
     """Compile the store's kernels on a scratch table before reporting SERVING.
 
@@ -46,8 +64,9 @@ def warm_up(config: Config) -> None:
     cache in a fresh container); doing it here keeps that out of the first
     lookups' deadlines.
     """
-    scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="hybridrec-warmup-", dir=scratch_root) as scratch:
+    scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+    remove_stale_warm_ups(Path(scratch_root))
+    with tempfile.TemporaryDirectory(prefix=f"{WARM_UP_PREFIX}{os.getpid()}-", dir=scratch_root) as scratch:
         for dim in config.dims:
             full = StoreConfig.from_config(config, dim)
             small = dataclasses.replace(full, ps=full.ps.model_copy(update={"capacity": 64, "num_stripes": 2}))
