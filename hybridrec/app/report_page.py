@@ -131,9 +131,20 @@ def _rows(rows: list[tuple[str, str]], numeric: bool = True) -> str:
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The results, formatted for people; a missing field reads '–'."""
-    s = summary
-    p50, mx = _get(s, "staleness", "p50"), _get(s, "staleness", "max")
-    return [*_result_rows(s), *_task_rows(s)]
+    return [*_result_rows(summary), *_task_rows(summary), *_store_loss_rows(summary)]
+
+
+def _store_loss_rows(s: dict) -> list[tuple[str, str]]:
+    """Each store a PS shard lost during the run (a lost host), what it restored and what was lost."""
+    losses = s.get("store_losses") if isinstance(s.get("store_losses"), list) else []
+    return [(f"PS shard {x.get('shard')} lost its store", _store_loss(x)) for x in losses if isinstance(x, dict)]
+
+
+def _store_loss(loss: dict) -> str:
+    step = _num(loss.get("restored_step"))
+    restored = f"restored from the step-{int(step)} checkpoint" if step is not None and step >= 0 else \
+        "no checkpoint yet: started empty"
+    return f"{restored}; {fmt_int(loss.get('lost'))} acknowledged updates lost"
 
 
 def _task_rows(s: dict) -> list[tuple[str, str]]:

@@ -163,3 +163,12 @@ def test_progress_line_counts_every_nn_worker():
                                                                                         "0.7000")
     progress([None, b])  # rank 0 missed a poll: its last answer still counts
     assert progress._fields()["samples"] == "1,200"
+
+
+def test_a_lost_ps_store_is_said_in_the_results():
+    rows = dict(summary_rows({"store_losses": [{"shard": 0, "life": "7", "restored_step": 20, "acknowledged": 42,
+                                                "applied_at_checkpoint": 40, "lost": 2},
+                                               {"shard": 1, "restored_step": -1, "lost": 9}]}))
+    assert rows["PS shard 0 lost its store"] == "restored from the step-20 checkpoint; 2 acknowledged updates lost"
+    assert rows["PS shard 1 lost its store"] == "no checkpoint yet: started empty; 9 acknowledged updates lost"
+    assert not any("lost its store" in key for key, _ in summary_rows({"store_losses": None}))
