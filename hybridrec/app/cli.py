@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -242,6 +243,13 @@ def serve_nn_worker(config_path: JobConfig = None, replica: Replica = None, over
     """Train the dense network (one rank of the torch.distributed group)."""
     from services.nn_worker import server
     _serve_job(server, config_path, replica, overrides)
+    # Done: summary and checkpoints are written, the servers stopped. Skip the interpreter's teardown, where
+    # torch.distributed's background threads (Gloo, the TCP store) can abort the process ("terminate called
+    # without an active exception", SIGABRT) as its peers exit too: a rank that finished must exit 0, or its
+    # supervisor takes it for lost and starts a replacement that waits for a group that is gone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @serve_app.command("embedding_ps")
