@@ -32,8 +32,6 @@ from hybridrec.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
 BASE_PORT = 7100  # gRPC port of the i-th replica overall: BASE_PORT + i; metrics: METRICS_PORT + i
 METRICS_PORT = 9300
 RENDEZVOUS_PORT = 7099
-STOP_GRACE_S = 5.0
-FINISHING = {k.name for k in SERVICE_KINDS if k.finishes}
 
 
 class TestbedError(RuntimeError):

@@ -205,7 +205,7 @@ def _job_config(config_path: Optional[Path], overrides: Optional[list[str]], alt
 
 def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> None:
     """Run a service's main coroutine on uvloop (the event loop every service runs); a bad config, data file or
-    bundle met at start-up exits 2 naming it."""
+    bundle met at start-up exits 2 naming it. A service that ends exits 0 without the interpreter's teardown."""
     import uvloop
 
     from hybridrec.bundle import BundleError
@@ -216,6 +216,13 @@ def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> No
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    # Everything is closed and flushed by now. Skip interpreter teardown: native threads of
+    # torch.distributed (Gloo, the TCP store) can abort the process in static destructors ("terminate called
+    # without an active exception", SIGABRT), which would turn a finished NN worker into a lost one that its
+    # supervisor replaces.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve_job(server, config_path: Optional[Path], replica: Optional[int], overrides: Optional[list[str]]) -> None:
@@ -243,13 +250,6 @@ def serve_nn_worker(config_path: JobConfig = None, replica: Replica = None, over
     """Train the dense network (one rank of the torch.distributed group)."""
     from services.nn_worker import server
     _serve_job(server, config_path, replica, overrides)
-    # Done: summary and checkpoints are written, the servers stopped. Skip the interpreter's teardown, where
-    # torch.distributed's background threads (Gloo, the TCP store) can abort the process ("terminate called
-    # without an active exception", SIGABRT) as its peers exit too: a rank that finished must exit 0, or its
-    # supervisor takes it for lost and starts a replacement that waits for a group that is gone.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @serve_app.command("embedding_ps")

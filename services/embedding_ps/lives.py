@@ -47,6 +47,8 @@ class Loss(BaseModel):
 
 
 class Life(BaseModel):
+    """One life of the shard in the job: when it began, and the lost life it replaced, if any."""
+
     life: int
     started_unix: float
     replaced: Loss | None = None

@@ -130,13 +130,20 @@ def _close(stores: dict[int, EmbeddingStore], applied: AppliedLog) -> None:
     applied.close()
 
 
+def load_part(directory: Path, stores: dict[int, EmbeddingStore], *, shard: int, num_shards: int) -> dict:
+    """Load into `stores` the rows of the job checkpoint in `directory` that the job's sharding gives shard
+    `shard` of `num_shards` (re-sharded when the checkpoint has another shard count): a group restart's
+    LoadCheckpoint and a lost store's `restore`."""
+    from services.embedding_ps import checkpoint
+
+    return checkpoint.load_shard(directory, stores, shard=shard, num_shards=num_shards,
+                                 shard_of=lambda ids: shard_of(ids, num_shards))
+
+
 def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], *, lost: int) -> lives.Loss:
     """Load the shard's part of the newest complete checkpoint into its new, empty stores (before it serves);
     the returned Loss says what the lost life `lost` had applied at that checkpoint, so the run can count what
     it applied after."""
-    from services.embedding_ps import checkpoint
-
-    num_shards = len(config.cluster.ps)
     found = checkpoints.latest(config.checkpoint.dir)
     if found is None:
         log.get().error("ps_shard_started_empty", shard=shard, lost_life=lost,
@@ -144,8 +151,7 @@ def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], *, lo
                             "every update it had applied is lost")
         return lives.Loss(life=lost, applied_at_checkpoint=0, restored_step=-1)
     newest, _ = found
-    loaded = checkpoint.load_shard(newest, stores, shard=shard, num_shards=num_shards,
-                                   shard_of=lambda ids: shard_of(ids, num_shards))
+    loaded = load_part(newest, stores, shard=shard, num_shards=len(config.cluster.ps))
     applied = loaded["applied_by_life"].get(lost, 0)
     log.get().warning("ps_shard_restored", shard=shard, checkpoint=str(newest), step=loaded["step"],
                       rows=loaded["rows"], lost_life=lost, applied_at_checkpoint=applied,
@@ -309,12 +315,8 @@ class EmbeddingPSServicer:
         return pb.CheckpointReply(name=request.name, rows=rows)
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
-        from services.embedding_ps import checkpoint
-
         directory = resolve_under(self.checkpoint_root, request.name)
-        num_shards = self.num_shards
-        await self._run(checkpoint.load_shard, directory, self.stores, shard=self.shard,
-                        num_shards=num_shards, shard_of=lambda ids: shard_of(ids, num_shards))
+        await self._run(load_part, directory, self.stores, shard=self.shard, num_shards=self.num_shards)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
         return pb.CheckpointReply(name=request.name, rows=rows)
 

@@ -228,6 +228,12 @@ class Trainer:
         self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
                          replaced=list(plan.joined_fresh))
 
+    async def _push(self, ref: int, grads: dict[int, np.ndarray]) -> None:
+        """Send a batch's embedding gradients and note which life of each PS shard acknowledged them
+        (`TrainStats.ps_acks`)."""
+        applied = await self.push(ref, Gradients(ref, grads).encode(self.values))
+        self.stats.ps_acks.update(applied.lives)
+
     async def on_compute(self, fn, *args):
         """Run `fn(*args)` on the compute thread. Every torch and torch.distributed call goes through here, so
         collectives are issued in the same order on every rank and no tensor is touched by two threads; public
@@ -316,8 +322,7 @@ class Trainer:
                     await ready(step.event)
                     self._record_loss(step.loss())
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    applied = await self.push(ref, Gradients(ref, step.grads()).encode(self.values))
-                    self.stats.ps_acks.update(applied.lives)
+                    await self._push(ref, step.grads())
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -404,8 +409,7 @@ class Trainer:
         try:
             emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
             grads = await self.on_compute(self._embedding_gradients, batch, emb)
-            applied = await self.push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
-            self.stats.ps_acks.update(applied.lives)
+            await self._push(batch.batch_ref, grads)
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
         except BatchLost:
