@@ -359,6 +359,11 @@ class PSConfig(_Model):
     """Keep the store and buffer files after `hybridrec run` ends (they are removed by default)."""
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     """Admission after k occurrences and expiry by age (TTL), per table."""
+    replicas: Annotated[int, Field(ge=1, le=2)] = 1
+    """Copies of each shard. 2: PS process i also keeps a backup of shard i-1 (of the next lower index, the last
+    shard's on PS 0); every update is applied on both before it is acknowledged, and a shard that loses its
+    store copies it back from its backup, losing nothing (services/embedding_ps/replica.py). Doubles the PS
+    memory; needs at least two PS shards."""
 
 
 class TLSConfig(_Model):
@@ -589,6 +594,14 @@ class Config(_Model):
     def dense_columns(self) -> list[str]:
         """Parquet: the dense features' columns."""
         return self.data.dense_columns or [f"I{i + 1}" for i in range(self.num_dense)]
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> "Config":
+        if self.ps.replicas > 1 and len(self.cluster.ps) < self.ps.replicas:
+            raise ValueError(f"ps.replicas: {self.ps.replicas} copies of each shard need at least "
+                             f"{self.ps.replicas} PS processes (cluster.ps lists {len(self.cluster.ps)}): a shard's "
+                             f"backup lives on another PS")
+        return self
 
     @model_validator(mode="after")
     def _check_publish(self) -> "Config":

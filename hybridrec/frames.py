@@ -23,6 +23,8 @@ INVALID_ARGUMENT with the reason, and keeps serving.
 | `Applied`      | EmbeddingPS.Update and EmbeddingWorker.PushGradients replies  | rows the PS applied (0 for a re-sent update) |
 | `Consumed`     | NNWorker.PutBatch reply (NN worker -> data loader)          | the phase and the last stream index the rank has trained |
 | `Received`     | NNWorker.Received reply (NN worker -> a restarted data loader) | how far the rank holds each phase's stream; recent batch ends |
+| `ShardRows`    | EmbeddingPS.Replicate request (PS -> the PS keeping its backup), PullShard reply | whole rows (values and optimizer state) per width; the primary's life and count of applied updates |
+| `ShardPull`    | EmbeddingPS.PullShard request (PS -> PS)                    | which shard, which copy (primary or backup), which page |
 
 Float rows and gradients travel as κ-scaled fp16 plus a float32 norm per
 vector when `training.compression.fp16` is on (`hybridrec.compress.ValueCodec`),
@@ -528,8 +530,92 @@ class PSUpdate:
         return cls(ids, grads, uid)
 
 
+# -- PS shard <-> its replica (ps.replicas: 2, services/embedding_ps/replica.py) -------------------------
+COPIES = ("primary", "backup")
+"""Which copy of a shard a `ShardPull` asks for: the shard itself, or the replica another PS keeps of it."""
+
+
+def _count(frame: codec.Frame, key: str, *, default: int | None = None, limit: int = _U64) -> int:
+    value = frame.meta_int(key, default=default)
+    if not 0 <= value <= limit:
+        raise FrameError(f"frame meta {key!r} must be in [0, {limit}], got {value}")
+    return value
+
+
+@dataclass
+class ShardRows:
+    """Whole rows of one PS shard (values and optimizer state), per width, and where they stand in the
+    primary's history: `life` (services/embedding_ps/lives.py) and `seq`, that life's count of applied updates.
+
+    Two uses: a replicated update (EmbeddingPS.Replicate request, primary -> backup: the rows update
+    `update_id` changed, `seq` its number) and a page of a whole-shard copy (EmbeddingPS.PullShard reply:
+    `seq` when the copy was taken, page `page` of `pages`; the last page carries `uids`, the update ids the
+    shard remembers, oldest first)."""
+
+    shard: int
+    life: int
+    seq: int
+    rows: dict[int, tuple[np.ndarray, np.ndarray]]  # width -> (keys uint64 (n,), values float32 (n, row width))
+    update_id: int = 0
+    page: int = 0
+    pages: int = 1
+    uids: np.ndarray | None = None
+
+    def encode(self) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for dim, (keys, values) in self.rows.items():
+            tensors[f"keys.{dim}"], tensors[f"values.{dim}"] = keys, values
+        if self.uids is not None:
+            tensors["uids"] = self.uids
+        return codec.encode(tensors, {"shard": self.shard, "life": self.life, "seq": self.seq,
+                                      "update_id": self.update_id, "page": self.page, "pages": self.pages})
+
+    @classmethod
+    def decode(cls, buf: bytes, row_widths: dict[int, int]) -> "ShardRows":
+        """`row_widths`: width -> values per row (the width plus its optimizer state) of this PS's stores."""
+        frame = codec.decode(buf)
+        rows = {}
+        for dim in _per_width("keys", frame.tensors, row_widths):
+            keys, values = frame.get(f"keys.{dim}", np.uint64, 1), frame.get(f"values.{dim}", np.float32, 2)
+            if values.shape != (keys.shape[0], row_widths[dim]):
+                raise FrameError(f"values.{dim} has shape {values.shape}, expected {(keys.shape[0], row_widths[dim])}")
+            rows[dim] = (keys, values)
+        extra = set(frame.tensors) - {f"{k}.{d}" for d in rows for k in ("keys", "values")} - {"uids"}
+        if extra:
+            raise FrameError(f"unexpected tensors {sorted(extra)}")
+        pages = _count(frame, "pages", default=1, limit=1 << 31)
+        page = _count(frame, "page", default=0, limit=max(pages - 1, 0))
+        uids = frame.get("uids", np.uint64, 1) if "uids" in frame.tensors else None
+        return cls(_count(frame, "shard", limit=1 << 20), _count(frame, "life"), _count(frame, "seq"), rows,
+                   _count(frame, "update_id", default=0), page, pages, uids)
+
+
+@dataclass
+class ShardPull:
+    """EmbeddingPS.PullShard request: page `page` of a copy of shard `shard` — its `copy` "primary" (a backup
+    catching up), or the "backup" another PS keeps of it (a shard that lost its store, which names the lost
+    `life`: only a copy of that life will do). Page 0 takes the copy; later pages read the same one."""
+
+    shard: int
+    copy: str
+    page: int = 0
+    life: int = 0
+
+    def encode(self) -> bytes:
+        return codec.encode(meta={"shard": self.shard, "copy": self.copy, "page": self.page, "life": self.life})
+
+    @classmethod
+    def decode(cls, buf: bytes) -> "ShardPull":
+        frame = codec.decode(buf)
+        copy = frame.meta.get("copy")
+        if copy not in COPIES:
+            raise FrameError(f"copy must be one of {COPIES}, got {copy!r}")
+        return cls(_count(frame, "shard", limit=1 << 20), copy, _count(frame, "page", default=0, limit=1 << 31),
+                   _count(frame, "life", default=0))
+
+
 FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
-          PSLookup, PSRows, PSUpdate)
+          PSLookup, PSRows, PSUpdate, ShardRows, ShardPull)
 """Every frame kind (docs and tests check they are all described)."""
 
 

@@ -231,18 +231,26 @@ def use_tls(tls) -> None:
     _security = Security.from_config(tls) if tls is not None else None
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, *, reconnect_ms: int | None = None) -> grpc.aio.Channel:
+    """An asyncio channel, secured like the rest. `reconnect_ms`: retry a lost connection at least this often
+    (gRPC's own backoff grows to two minutes)."""
+    options = CHANNEL_OPTIONS
+    if reconnect_ms is not None:
+        options = [*options, ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+                   ("grpc.min_reconnect_backoff_ms", reconnect_ms), ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
     if _security is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, _security.channel_credentials(),
-                                   options=CHANNEL_OPTIONS + _security.channel_options())
+                                   options=options + _security.channel_options())
 
 
 def sync_channel(address: str) -> grpc.Channel:
-    """A blocking channel (the launcher's status polls), secured like the rest."""
+    """A blocking channel (the launcher's status polls, a PS copying its backup before it serves), secured and
+    sized like the rest."""
     if _security is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, _security.channel_credentials(), options=_security.channel_options())
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, _security.channel_credentials(),
+                               options=CHANNEL_OPTIONS + _security.channel_options())
 
 
 def training_status(address: str, timeout_s: float = 1.0) -> pb.TrainingStatus | None:

@@ -89,6 +89,23 @@ class StoreLoss(BaseModel):
     """Of those, the ones applied when the restored checkpoint was written (0: it is older than the life)."""
     lost: int
     """acknowledged - applied_at_checkpoint: updates the shard had acknowledged and no longer holds."""
+    from_replica: bool = False
+    """Its successor copied the shard's backup (ps.replicas: 2) instead of a checkpoint; `applied_at_checkpoint`
+    is then what the backup held of the lost life."""
+
+    def describe(self) -> str:
+        return describe_store_loss(self.restored_step, self.from_replica, f"{self.lost:,}")
+
+
+def describe_store_loss(restored_step: float | None, from_replica: bool, lost: str) -> str:
+    """What a shard's lost store cost, in words (the CLI's end table and the report say the same)."""
+    if from_replica:
+        restored = "copied back from its backup"
+    elif restored_step is not None and restored_step >= 0:
+        restored = f"restored from the step-{int(restored_step)} checkpoint"
+    else:
+        restored = "no checkpoint yet: started empty"
+    return f"{restored}; {lost} acknowledged updates lost"
 
 
 class PublishSummary(BaseModel):

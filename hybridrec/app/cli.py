@@ -161,10 +161,8 @@ def _print_summary(summary: RunSummary) -> None:
                          f"{fmt_int(summary.batches_recovered)} / {fmt_int(summary.updates_deduplicated)}"))
     rows.insert(-2, ("PS rows held at the end", fmt_int(summary.ps_rows)))
     for loss in summary.store_losses or []:  # a PS shard came back without its store: say what it cost
-        restored = (f"restored from the step-{loss.restored_step} checkpoint" if loss.restored_step >= 0
-                    else "no checkpoint yet: started empty")
-        rows.insert(-2, (f"[bold red]PS shard {loss.shard} lost its store[/]",
-                         f"{restored}; {fmt_int(loss.lost)} acknowledged updates lost"))
+        rows.insert(-2, (f"[bold {'yellow' if loss.from_replica and not loss.lost else 'red'}]PS shard "
+                         f"{loss.shard} lost its store[/]", loss.describe()))
     if summary.lifecycle:  # admission or expiry did something: per table admitted / rejected / expired
         totals = [sum(getattr(t, f) for t in summary.lifecycle.values()) for f in ("admitted", "rejected", "expired")]
         rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))

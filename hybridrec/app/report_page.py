@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridrec.summary import ServiceInfo
+from hybridrec.summary import ServiceInfo, describe_store_loss
 
 if TYPE_CHECKING:
     from hybridrec.app.report import Recorder
@@ -141,10 +141,8 @@ def _store_loss_rows(s: dict) -> list[tuple[str, str]]:
 
 
 def _store_loss(loss: dict) -> str:
-    step = _num(loss.get("restored_step"))
-    restored = f"restored from the step-{int(step)} checkpoint" if step is not None and step >= 0 else \
-        "no checkpoint yet: started empty"
-    return f"{restored}; {fmt_int(loss.get('lost'))} acknowledged updates lost"
+    return describe_store_loss(_num(loss.get("restored_step")), loss.get("from_replica") is True,
+                               fmt_int(loss.get("lost")))
 
 
 def _task_rows(s: dict) -> list[tuple[str, str]]:

@@ -81,16 +81,18 @@ class RecoveryStats(_message.Message):
     def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ..., life: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[ShardLoss, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[ShardAcks, _Mapping]]] = ...) -> None: ...
 
 class ShardLoss(_message.Message):
-    __slots__ = ("shard", "life", "applied_at_checkpoint", "restored_step")
+    __slots__ = ("shard", "life", "applied_at_checkpoint", "restored_step", "from_replica")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LIFE_FIELD_NUMBER: _ClassVar[int]
     APPLIED_AT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_FIELD_NUMBER: _ClassVar[int]
     shard: int
     life: int
     applied_at_checkpoint: int
     restored_step: int
-    def __init__(self, shard: _Optional[int] = ..., life: _Optional[int] = ..., applied_at_checkpoint: _Optional[int] = ..., restored_step: _Optional[int] = ...) -> None: ...
+    from_replica: bool
+    def __init__(self, shard: _Optional[int] = ..., life: _Optional[int] = ..., applied_at_checkpoint: _Optional[int] = ..., restored_step: _Optional[int] = ..., from_replica: _Optional[bool] = ...) -> None: ...
 
 class ShardAcks(_message.Message):
     __slots__ = ("shard", "life", "updates")

@@ -12,8 +12,8 @@ of the PS like the rows do (docs/architecture.md#crash-rules):
 <ps.shm_dir>/shard-00001/applied/
     store.lock    flock: one process at a time
     ring.bin      uint64: magic, layout version, window, records written, re-sends deduplicated
-                  (all processes of this life), the shard's life, then `window` slots: the ids of the
-                  most recent updates (0: empty)
+                  (all processes of this life), the shard's life, records inherited from a replica,
+                  then `window` slots: the ids of the most recent updates (0: empty)
 ```
 
 Window: the last WINDOW ids are remembered, so a re-send is recognised while
@@ -49,7 +49,7 @@ _log = log.get(__name__)
 
 MAGIC = int.from_bytes(b"HYRECAP\x01", "little")
 LAYOUT_VERSION = 1
-H_MAGIC, H_VERSION, H_WINDOW, H_WRITTEN, H_DEDUPLICATED, H_LIFE = range(6)
+H_MAGIC, H_VERSION, H_WINDOW, H_WRITTEN, H_DEDUPLICATED, H_LIFE, H_INHERITED = range(7)
 HEADER_WORDS = 8
 WINDOW = 1 << 16
 """Update ids remembered per shard (see the module docstring for why this many)."""
@@ -81,8 +81,25 @@ class AppliedLog:
 
     @property
     def applied(self) -> int:
-        """Updates this life has applied (recorded), all processes of it."""
-        return int(self._header[H_WRITTEN])
+        """Updates this life has applied (recorded), all processes of it; ids it inherited do not count."""
+        return int(self._header[H_WRITTEN]) - int(self._header[H_INHERITED])
+
+    def recent(self) -> np.ndarray:
+        """The remembered ids, oldest first (a copy): what a replica of the shard must know to answer
+        re-sends the way the shard would."""
+        written = int(self._header[H_WRITTEN])
+        start = written % WINDOW if written >= WINDOW else 0
+        ring = np.concatenate([self._ring[start:], self._ring[:start]]) if written >= WINDOW else \
+            self._ring[:written].copy()
+        return ring[ring != 0]
+
+    def inherit(self, uids: np.ndarray) -> None:
+        """Remember ids another copy of the shard applied (a restore from its replica), oldest first, so
+        their re-sends are answered without applying them again; `applied` does not count them."""
+        for uid in np.asarray(uids, np.uint64)[-WINDOW:].tolist():
+            if uid and uid not in self._slot_of:
+                self.record(uid)
+                self._header[H_INHERITED] = np.uint64(int(self._header[H_INHERITED]) + 1)
 
     @classmethod
     def open(cls, directory: str | Path) -> "AppliedLog":

@@ -43,7 +43,11 @@ class Loss(BaseModel):
     """Updates the lost life had applied when the restored checkpoint was written (0: the checkpoint is older
     than that life, or there was none)."""
     restored_step: int
-    """Step of the restored checkpoint; -1: there was none, the successor started empty."""
+    """Step of the restored checkpoint; -1: there was none, the successor started empty (or it copied the
+    shard's backup: `from_replica`)."""
+    from_replica: bool = False
+    """The successor copied the shard from its backup (ps.replicas: 2); `applied_at_checkpoint` is then what
+    the backup held of the lost life."""
 
 
 class Life(BaseModel):

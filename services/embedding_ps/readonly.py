@@ -133,6 +133,12 @@ class ReadOnlyPSServicer:
     async def Publish(self, request: pb.PublishRequest, context) -> pb.PublishReply:
         raise self._refuse("Publish")
 
+    async def Replicate(self, request: bytes, context) -> bytes:
+        raise self._refuse("Replicate")
+
+    async def PullShard(self, request: bytes, context) -> bytes:
+        raise self._refuse("PullShard")
+
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         return pb.ServiceStats(service="embedding_ps", replica=self.shard, values=self.stats())
 

@@ -24,7 +24,7 @@ from hybridrec.lazy_torch import import_torch_in_background
 from hybridrec.config import Config
 from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
-from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
+from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost
@@ -33,6 +33,8 @@ from hybridrec.versions import version_dir
 from services.embedding_ps import lives
 from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard
+from services.embedding_ps.replica import Backup, Primary, backup_of, backup_host, open_stores_in, \
+    restore_from_backup, row_widths
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 
@@ -82,8 +84,7 @@ def warm_up(config: Config) -> None:
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:
-    return {dim: EmbeddingStore.open(shard_dir(config, shard) / f"dim-{dim}", StoreConfig.from_config(config, dim))
-            for dim in config.dims}
+    return open_stores_in(shard_dir(config, shard), config)
 
 
 def open_applied(config: Config, shard: int) -> AppliedLog:
@@ -116,7 +117,7 @@ def open_shard(config: Config, shard: int) -> tuple[dict[int, EmbeddingStore], A
             stores, applied = open_stores(config, shard), open_applied(config, shard)
         if applied.life != recorded:
             try:
-                loss = restore(config, shard, stores, lost=recorded)
+                loss = restore(config, shard, stores, applied, lost=recorded)
             except BaseException:
                 _close(stores, applied)
                 raise
@@ -140,10 +141,26 @@ def load_part(directory: Path, stores: dict[int, EmbeddingStore], *, shard: int,
                                  shard_of=lambda ids: shard_of(ids, num_shards))
 
 
-def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], *, lost: int) -> lives.Loss:
-    """Load the shard's part of the newest complete checkpoint into its new, empty stores (before it serves);
-    the returned Loss says what the lost life `lost` had applied at that checkpoint, so the run can count what
-    it applied after."""
+REPLICA_WAIT_S = 15.0
+"""How long a shard that lost its store waits for the PS keeping its backup to answer (that PS may be
+restarting too) before it restores the checkpoint instead."""
+
+
+def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], applied: AppliedLog, *,
+            lost: int) -> lives.Loss:
+    """Fill the shard's new, empty stores before it serves: from its backup when `ps.replicas` is 2 and the
+    backup follows the lost life `lost` (services/embedding_ps/replica.py), else from its part of the newest
+    complete checkpoint. The returned Loss says what the copy held of the lost life, so the run can count
+    what that life applied and the copy lacks."""
+    if config.ps.replicas > 1:
+        held = restore_from_backup(config, shard, stores, applied, lost=lost, wait_s=REPLICA_WAIT_S)
+        if held is not None:
+            log.get().warning("ps_shard_restored_from_backup", shard=shard, lost_life=lost, applied_by_lost_life=held,
+                              rows=sum(s.num_rows for s in stores.values()),
+                              backup_ps=backup_host(shard, len(config.cluster.ps)),
+                              why="the job has trained this shard and its store is gone; its backup held every "
+                                  "update it had shipped")
+            return lives.Loss(life=lost, applied_at_checkpoint=held, restored_step=-1, from_replica=True)
     found = checkpoints.latest(config.checkpoint.dir)
     if found is None:
         log.get().error("ps_shard_started_empty", shard=shard, lost_life=lost,
@@ -180,8 +197,11 @@ def _tables(stores: dict[int, dict]) -> dict[int, dict[str, int]]:
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
-                 publish_root: str | None = None, losses: list[lives.Loss] | None = None):
+                 publish_root: str | None = None, losses: list[lives.Loss] | None = None,
+                 primary: Primary | None = None, backup: Backup | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.primary, self.backup = primary, backup
+        """ps.replicas: 2: this shard's shipments to its backup, and the backup this PS keeps of another."""
         self.losses = losses or []
         """Lives of this shard that lost their store during the job (lives.py), oldest first."""
         self._life = ((shard, applied.life),)  # which life acknowledges an update (frames.Applied.lives)
@@ -217,6 +237,10 @@ class EmbeddingPSServicer:
                            f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"]})
         for group, counters in _tables(stores).items():  # the lifecycle's counters per table (feature group)
             values.update({f"table{group}_{name}_total": float(count) for name, count in counters.items()})
+        if self.primary is not None:
+            values.update({k: float(v) for k, v in self.primary.counters.items()})
+        if self.backup is not None:
+            values.update(self.backup.stats())
         return values
 
     def _store_stats(self) -> dict[int, dict]:
@@ -265,7 +289,7 @@ class EmbeddingPSServicer:
         if uid in self.applied:
             self.applied.count_duplicate()
             return Applied(0, self._life).encode()
-        task = asyncio.ensure_future(self._apply(update))
+        task = asyncio.ensure_future(self._apply_replicated(update) if self.primary else self._apply(update))
         self._updating[uid] = task
         task.add_done_callback(_observed)
         return Applied(await asyncio.shield(task), self._life).encode()
@@ -288,6 +312,35 @@ class EmbeddingPSServicer:
             return applied
         finally:
             del self._updating[update.update_id]
+
+    async def _apply_replicated(self, update: PSUpdate) -> int:
+        """`_apply`, then ship the changed rows to the backup, one update at a time: the backup has them (or is
+        unreachable, and counted) before the update is acknowledged."""
+        async with self.primary.lock:
+            applied = await self._apply(update)
+            await self.primary.ship(update.update_id, update.ids, self._run)
+        return applied
+
+    async def Replicate(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Rows the primary of the shard this PS backs up changed (ps.replicas: 2)."""
+        if self.backup is None:
+            raise FailedPrecondition(f"PS {self.shard} keeps no backup: ps.replicas is 1 in its config")
+        await self.backup.replicate(ShardRows.decode(request, row_widths(self.backup.stores)), self._run)
+        return Applied(0).encode()
+
+    async def PullShard(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A page of a copy of this shard (for its backup) or of the backup this PS keeps (for the shard that
+        lost its store)."""
+        pull = ShardPull.decode(request)
+        if pull.copy == "primary":
+            if pull.shard != self.shard:
+                raise ValueError(f"this is shard {self.shard}, not shard {pull.shard}")
+            if self.primary is None:
+                raise FailedPrecondition(f"shard {self.shard} has no backup: ps.replicas is 1 in its config")
+            return (await self.primary.page(pull, self._run)).encode()
+        if self.backup is None:
+            raise FailedPrecondition(f"PS {self.shard} keeps no backup: ps.replicas is 1 in its config")
+        return (await self.backup.page(pull, self._run)).encode()
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         stores = self._store_stats()  # once for both parts
@@ -316,7 +369,12 @@ class EmbeddingPSServicer:
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         directory = resolve_under(self.checkpoint_root, request.name)
-        await self._run(load_part, directory, self.stores, shard=self.shard, num_shards=self.num_shards)
+        if self.primary is None:
+            await self._run(load_part, directory, self.stores, shard=self.shard, num_shards=self.num_shards)
+        else:  # between two updates, and the backup told to copy the shard again
+            async with self.primary.lock:
+                await self._run(load_part, directory, self.stores, shard=self.shard, num_shards=self.num_shards)
+                await self.primary.start_over(self._run)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
         return pb.CheckpointReply(name=request.name, rows=rows)
 
@@ -353,14 +411,21 @@ async def serve(config: Config, replica: int) -> None:
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()},
                   updates_deduplicated=applied.deduplicated, life=applied.life, lives_lost=len(losses))
     values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
+    num_shards = len(config.cluster.ps)
+    primary = backup = None
+    if config.ps.replicas > 1:  # services/embedding_ps/replica.py
+        primary = Primary(replica, num_shards, config.cluster.ps[backup_host(replica, num_shards)], stores, applied)
+        backup = Backup(config, backup_of(replica, num_shards), config.cluster.ps[backup_of(replica, num_shards)])
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
-        servicer = EmbeddingPSServicer(stores, applied, replica, len(config.cluster.ps), values, executor,
+        servicer = EmbeddingPSServicer(stores, applied, replica, num_shards, values, executor,
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None,
-                                       losses=losses)
+                                       losses=losses, primary=primary, backup=backup)
         host.add(servicer, servicer.stats)
         await host.start()
         await host.set_serving(True)
+        if backup is not None:
+            backup.catch_up()
         sweeper = asyncio.ensure_future(servicer.sweep_expired(config.ps.lifecycle.sweep_interval_s))
         try:
             await host.run_until_stopped()
@@ -368,6 +433,9 @@ async def serve(config: Config, replica: int) -> None:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            for part in (primary, backup):
+                if part is not None:
+                    await part.close()
             for store in stores.values():
                 store.close()
             applied.close()

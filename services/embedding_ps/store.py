@@ -285,11 +285,12 @@ class EmbeddingStore(L.StoreLifecycle):
 
         return self._run_stripes(offsets, run, mutates=True)
 
-    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def peek(self, ids: np.ndarray, *, state: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
-        no read miss (for publishing model versions; absent IDs read zeros)."""
+        no read miss (for publishing model versions; absent IDs read zeros). `state`: whole rows, (n,
+        row_width) with the optimizer state, as `load_rows` takes them (a replicated update)."""
         ids = as_ids(ids, "ids")
-        n, dim = ids.shape[0], self.config.dim
+        n, dim = ids.shape[0], (self.config.row_width if state else self.config.dim)
         out = np.zeros((n, dim), np.float32)
         found = np.zeros(n, bool)
         perm = np.empty(n, np.int32)

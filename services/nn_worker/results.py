@@ -134,7 +134,7 @@ def store_losses(workers: list[pb.RecoveryStats] | None, shards: list[pb.Recover
         acknowledged = acks.get((loss.shard, loss.life), 0)
         out.append(StoreLoss(shard=loss.shard, life=str(loss.life), restored_step=loss.restored_step,
                              acknowledged=acknowledged, applied_at_checkpoint=loss.applied_at_checkpoint,
-                             lost=max(acknowledged - loss.applied_at_checkpoint, 0)))
+                             lost=max(acknowledged - loss.applied_at_checkpoint, 0), from_replica=loss.from_replica))
     return {"shards_restored": len(out), "store_losses": out, "updates_lost_with_stores": sum(x.lost for x in out)}
 
 

@@ -252,3 +252,40 @@ def test_a_ps_host_lost_after_a_checkpoint_restores_it_and_counts_what_was_lost(
     assert result["lost_updates"] == loss["lost"] and result["skipped_batches"] == 0, result
     assert result["samples"] == undisturbed["samples"]
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.01, (result["auc"], undisturbed["auc"])
+
+
+def test_a_ps_host_lost_with_a_replica_copies_the_shard_back_and_loses_nothing(fault_config, undisturbed,
+                                                                                tmp_path):
+    """The same fault with `ps.replicas: 2`: shard 0's backup (kept by PS 1) held every update shard 0 had
+    acknowledged, so the restarted shard copies it back before it serves, inherits the update ids it
+    remembers (a re-sent update is still applied once), and nothing is lost; PS 0's own backup of shard 1,
+    gone with its store, catches up again from shard 1."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+
+    def remove_store() -> None:
+        shm_dir = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["ps"]["shm_dir"])
+        shutil.rmtree(shm_dir / "shard-00000")
+        shutil.rmtree(shm_dir / "backup-00001")
+
+    result = _run(fault_config, run_dir, kill="embedding_ps", fraction=0.0, after_checkpoint=True,
+                  before_kill=remove_store, args=("--set", "checkpoint.interval_s=5", "--set", "ps.replicas=2"))
+    assert result["shards_restored"] == 1 and len(result["store_losses"]) == 1, result
+    loss = result["store_losses"][0]
+    assert loss["shard"] == 0 and loss["from_replica"] and loss["lost"] == 0, loss
+    ps_log = run_dir / "logs" / "embedding_ps-0.log"
+    assert not _events(ps_log, "ps_shard_restored")  # not from the checkpoint
+    copied = _events(ps_log, "ps_shard_restored_from_backup")
+    assert len(copied) == 1 and copied[0]["rows"] > 0, copied
+    opened = _events(ps_log, "stores_open")  # never an empty table served: copied before it listened
+    assert len(opened) == 2 and opened[1]["lives_lost"] == 1 and sum(opened[1]["rows"].values()) == copied[0]["rows"]
+    acked = sum(n for rank in (0, 1)
+                for shard, life, n in _events(run_dir / "logs" / f"nn_worker-{rank}.log", "train_done")[-1]["ps_acks"]
+                if shard == 0 and life == loss["life"])
+    assert acked == loss["acknowledged"] > 0 and loss["applied_at_checkpoint"] >= acked, (acked, loss)
+    in_sync = _events(ps_log, "backup_in_sync")  # PS 0's backup of shard 1, at start and after the loss
+    assert len(in_sync) >= 2 and in_sync[-1]["shard"] == 1, in_sync
+    assert result["lost_updates"] == 0 and result["skipped_batches"] == 0, result
+    assert result["samples"] == undisturbed["samples"]
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])

@@ -14,7 +14,8 @@ from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec
 from hybridrec.jagged import KeyedBags
 from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients, PSLookup,
-                              PSRows, PSUpdate, Received, SparseBatch, decode_nn_batch, make_batch_ref, update_id)
+                              PSRows, PSUpdate, Received, ShardPull, ShardRows, SparseBatch, decode_nn_batch,
+                              make_batch_ref, update_id)
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = ValueCodec(fp16=True, kappa=1024.0)
@@ -55,6 +56,9 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
                    lambda b: PSRows.decode(b, VALUES, {8: 10})),
         "PSUpdate": (PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}, update_id(7 << 56 | 3, 99)).encode(VALUES),
                      lambda b: PSUpdate.decode(b, VALUES, [8])),
+        "ShardRows": (ShardRows(1, (1 << 64) - 3, 42, {8: (ids, np.ones((10, 16), np.float32))}, update_id=77, page=2,
+                                pages=3, uids=ids[:4]).encode(), lambda b: ShardRows.decode(b, {8: 16, 4: 5})),
+        "ShardPull": (ShardPull(1, "backup", 2, life=(1 << 64) - 3).encode(), ShardPull.decode),
     }
 
 
@@ -226,3 +230,24 @@ def test_architecture_doc_describes_every_frame():
     doc = (REPO / "docs" / "architecture.md").read_text()
     rows = set(re.findall(r"^\| (\w+) \|", doc, flags=re.M))
     assert {cls.__name__ for cls in frames.FRAMES} <= rows, rows
+
+
+def test_shard_rows_and_pulls_round_trip_and_refuse_what_does_not_fit():
+    cases = _cases()
+    rows = cases["ShardRows"][1](cases["ShardRows"][0])
+    assert (rows.shard, rows.life, rows.seq, rows.update_id, rows.page, rows.pages) == (1, (1 << 64) - 3, 42, 77, 2, 3)
+    np.testing.assert_array_equal(rows.rows[8][0], np.arange(1, 11, dtype=np.uint64))
+    assert rows.rows[8][1].shape == (10, 16) and rows.uids.tolist() == [1, 2, 3, 4]
+    pull = cases["ShardPull"][1](cases["ShardPull"][0])
+    assert (pull.shard, pull.copy, pull.page, pull.life) == (1, "backup", 2, (1 << 64) - 3)
+    ids = np.arange(1, 4, dtype=np.uint64)
+    with pytest.raises(FrameError, match=r"values\.8 has shape"):  # a row without its optimizer state
+        ShardRows.decode(ShardRows(0, 1, 1, {8: (ids, np.ones((3, 8), np.float32))}).encode(), {8: 16})
+    with pytest.raises(FrameError, match="no embedding table of width"):  # a width this PS does not keep
+        ShardRows.decode(ShardRows(0, 1, 1, {4: (ids, np.ones((3, 5), np.float32))}).encode(), {8: 16})
+    with pytest.raises(FrameError, match="page"):
+        ShardRows.decode(ShardRows(0, 1, 1, {}, page=3, pages=3).encode(), {8: 16})
+    with pytest.raises(FrameError, match="copy must be one of"):
+        ShardPull.decode(ShardPull(0, "primary").encode().replace(b'"primary"', b'"mirror!"'))
+    with pytest.raises(FrameError, match="shard"):
+        ShardPull.decode(codec.encode(meta={"shard": -1, "copy": "primary"}))

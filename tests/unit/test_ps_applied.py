@@ -197,3 +197,33 @@ def test_an_update_with_ids_of_another_shard_changes_nothing(tmp_path):
     finally:
         s.close()
         s.executor.shutdown()
+
+
+def test_recent_ids_come_oldest_first_and_a_replica_inherits_them_without_counting_them(tmp_path):
+    """What a shard restored from its backup must know: the ids the backup remembers, so their re-sends are
+    still applied once; `applied` counts the new life's own updates only (services/embedding_ps/replica.py)."""
+    log = AppliedLog.open(tmp_path / "a")
+    for uid in range(1, 6):
+        log.record(uid)
+    assert log.recent().tolist() == [1, 2, 3, 4, 5] and log.applied == 5
+    heir = AppliedLog.open(tmp_path / "b")
+    heir.inherit(log.recent())
+    heir.inherit(np.array([4, 5], np.uint64))  # inherited twice: remembered once
+    heir.record(6)
+    assert all(uid in heir for uid in range(1, 7)) and heir.applied == 1
+    assert heir.recent().tolist() == [1, 2, 3, 4, 5, 6]
+    heir.close()
+    heir = AppliedLog.open(tmp_path / "b")  # the count of inherited ids is on file too
+    assert heir.applied == 1 and 3 in heir
+    heir.close()
+    log.close()
+
+
+def test_recent_ids_of_a_full_window_wrap_in_order(tmp_path):
+    log = AppliedLog.open(tmp_path / "a")
+    for uid in range(1, WINDOW + 11):
+        log.record(uid)
+    recent = log.recent()
+    assert recent.shape == (WINDOW,) and recent[0] == 11 and recent[-1] == WINDOW + 10
+    assert np.all(np.diff(recent.astype(np.int64)) == 1)
+    log.close()
