@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_fault(text: str) -> Fault:
     parts = text.split(":")
-    if len(parts) not in (4, 5) or parts[1] not in ("down", "slow"):
-        raise ValueError(f"--fault {text!r}: expected HOST:down:AT_S:DURATION_S or HOST:slow:AT_S:DURATION_S[:FACTOR]")
+    if len(parts) not in (4, 5) or parts[1] not in ("down", "slow", "lost") or (len(parts) == 5 and parts[1] != "slow"):
+        raise ValueError(f"--fault {text!r}: expected HOST:down:AT_S:DURATION_S, HOST:lost:AT_S:DURATION_S or "
+                         f"HOST:slow:AT_S:DURATION_S[:FACTOR]")
     return Fault(at_s=float(parts[2]), host=parts[0], kind=parts[1], duration_s=float(parts[3]),
                  factor=float(parts[4]) if len(parts) == 5 else 10.0)
 

@@ -46,7 +46,8 @@ class Fault:
 
     at_s: float
     host: str
-    kind: str  # "down": link down for duration_s; "slow": rate / factor for duration_s
+    kind: str  # "down": link down for duration_s; "slow": rate / factor for duration_s; "lost": the host lost
+    # whole (every process on it killed, its /dev/shm emptied) and brought back, empty, after duration_s
     duration_s: float
     factor: float = 10.0
 
@@ -76,13 +77,14 @@ def resolve(config: Config, spec: TestbedSpec, prefix: str,
             index += 1
         cluster[kind.cluster_key] = addresses
     cluster["rendezvous"] = f"{spec.address(where[('nn_worker', 0)])}:{RENDEZVOUS_PORT}"
-    tree["ps"]["shm_dir"] = f"/dev/shm/{prefix}-shm-{os.getpid()}"
+    shm_root = f"/dev/shm/{prefix}-shm-{os.getpid()}"  # each host has its own below it, as machines do
     tree["output"]["dir"] = str(run_dir)
     if config.checkpoint.interval_steps and not config.checkpoint.dir:
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
     configs = {}
     for host in spec.hosts:
         cluster["bind_host"] = spec.address(host.name)
+        tree["ps"]["shm_dir"] = f"{shm_root}/{host.name}"
         configs[host.name] = from_dict(tree, source=f"testbed config of host {host.name}")
     return configs, procs
 
@@ -106,7 +108,7 @@ class Testbed:
         self.procs = procs
         self.cpu_s: dict[str, float] = {}  # per process: last sampled user+system CPU seconds (own + reaped children)
         self.net = Network(spec, prefix)
-        self.shm_dir = Path(next(iter(self.configs.values())).ps.shm_dir)
+        self.shm_dir = Path(next(iter(self.configs.values())).ps.shm_dir).parent  # every host's is below it
         self.marks: dict[str, dict[str, Any]] = {}
         self._old_handlers: dict[int, Any] = {}
 
@@ -249,7 +251,15 @@ class Testbed:
 
     def _apply(self, fault: Fault, start: bool) -> None:
         host = next(h for h in self.spec.hosts if h.name == fault.host)
-        if fault.kind == "down":
+        if fault.kind == "lost":  # the machine is gone: its processes and its memory; back empty
+            procs = [p for p in self.procs if p.host == fault.host]
+            if start:
+                self.cluster.take_down(procs)
+                import shutil
+                shutil.rmtree(self.configs[fault.host].ps.shm_dir, ignore_errors=True)
+            else:
+                self.cluster.bring_back(procs)
+        elif fault.kind == "down":
             self.net.set_link(fault.host, up=not start)
         elif fault.kind == "slow":
             if host.link.up is None or host.link.down is None:
@@ -257,7 +267,7 @@ class Testbed:
             scale = 1.0 / fault.factor if start else 1.0
             self.net.shape(fault.host, host.link.up * scale, host.link.down * scale)
         else:
-            raise TestbedError(f"unknown fault kind {fault.kind!r} (down, slow)")
+            raise TestbedError(f"unknown fault kind {fault.kind!r} (down, slow, lost)")
 
     def measurements(self, summary: RunSummary, wall_s: float) -> dict[str, Any]:
         def delta(a: str, b: str) -> dict:

@@ -102,6 +102,7 @@ class ServiceProcess:
     joining: bool = False  # restarted to rejoin its peers and not yet seen training with them
     serving: bool = False  # this process (since its last start) has answered the health check with SERVING
     failures: int = 0  # deaths that count against cluster.max_restarts (see LocalCluster.check)
+    down: bool = False  # taken down on purpose (the testbed's lost host) until it is brought back
 
     @property
     def name(self) -> str:
@@ -248,7 +249,7 @@ class LocalCluster:
             time.sleep(DEATH_SETTLE_S)
         for proc in self.procs:
             rc = proc.popen.poll() if proc.popen else None
-            if rc is None or proc.finished:
+            if rc is None or proc.finished or proc.down:
                 continue
             if rc == 0 and proc.service in FINISHING:
                 proc.finished = True
@@ -311,6 +312,26 @@ class LocalCluster:
         self.log.warning(event, service=proc.name, exit_code=rc, restarts=proc.restarts, log=str(proc.log_path))
         self._spawn(proc)
         self._write_services()
+
+    def take_down(self, procs: list[ServiceProcess]) -> None:
+        """SIGKILL `procs` together and keep them down, not counted as failures (a host lost on purpose)."""
+        for proc in procs:
+            proc.down = True
+            if proc.popen and proc.popen.poll() is None:
+                _signal(proc.popen, signal.SIGKILL)
+        for proc in procs:
+            if proc.popen:
+                proc.popen.wait()
+        self.log.warning("services_taken_down", services=[p.where for p in procs])
+
+    def bring_back(self, procs: list[ServiceProcess]) -> None:
+        """Start `procs` again after `take_down`, each counted as a restart."""
+        for proc in procs:
+            proc.down = False
+            proc.restarts += 1
+            self._spawn(proc)
+        self._write_services()
+        self.log.warning("services_brought_back", services=[p.where for p in procs])
 
     def _state_held_for(self, proc: ServiceProcess) -> bool:
         """The state `proc` continues from is alive: for an NN worker, a peer that is not itself a replacement

@@ -55,6 +55,11 @@ def gpu() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def ps_replicas() -> list[dict]:
+    return render(K8S / "overlays" / "ps-replicas")
+
+
+@pytest.fixture(scope="module")
 def serving() -> list[dict]:
     return render(K8S / "serving")
 
@@ -80,7 +85,7 @@ def hybridrec_config(objects: list[dict]) -> dict:
     return yaml.safe_load(maps[0]["data"]["config.yaml"])
 
 
-@pytest.mark.parametrize("variant", ["base", "gpu", "serving", "serving_overlay"])
+@pytest.mark.parametrize("variant", ["base", "gpu", "ps_replicas", "serving", "serving_overlay"])
 def test_every_object_validates_against_the_kubernetes_schemas(variant, request):
     try:
         import kubernetes_validate
@@ -284,6 +289,43 @@ def test_network_policies_let_each_port_be_reached_only_by_its_callers(base):
     assert _allowed(policies, pods["nn-worker"], pods["nn-worker"], 29500)
     assert not _allowed(policies, pods["dataloader"], pods["nn-worker"], 29500)
     assert not _allowed(policies, pods["embedding-ps"], pods["nn-worker"], 41234)
+
+
+def test_ps_replicas_overlay_keeps_a_shards_two_copies_on_different_nodes(base, ps_replicas, tmp_path):
+    """overlays/ps-replicas: ps.replicas 2 on the PS command line (a config that loads), PS pods required on
+    distinct nodes (pod ps-i holds shard i and the backup of shard i-1), memory and shm doubled, and the PS pods
+    admitted to each other's gRPC port; nothing else changes."""
+    from hybridrec.config import load_config
+
+    ps, ps_base = one(ps_replicas, "StatefulSet", "ps"), one(base, "StatefulSet", "ps")
+    (container,), (base_container,) = pod_spec(ps)["containers"], pod_spec(ps_base)["containers"]
+    args = container["args"]
+    assert args[:4] == base_container["args"][:4] and args[4:] == ["--set", "ps.replicas=2"], args
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(hybridrec_config(ps_replicas)))
+    config = load_config(tmp_path / "config.yaml", [args[5]])  # as the PS reads it
+    assert config.ps.replicas == 2 and len(config.cluster.ps) == ps["spec"]["replicas"] >= 2
+    (term,) = pod_spec(ps)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    labels = ps["spec"]["template"]["metadata"]["labels"]
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+
+    def gib(quantity: str) -> float:
+        return float(quantity.removesuffix("Gi"))
+
+    for kind in ("requests", "limits"):
+        assert gib(container["resources"][kind]["memory"]) >= 2 * gib(base_container["resources"][kind]["memory"])
+    shm = {v["name"]: v for v in pod_spec(ps)["volumes"]}["shm"]["emptyDir"]
+    base_shm = {v["name"]: v for v in pod_spec(ps_base)["volumes"]}["shm"]["emptyDir"]
+    assert shm["medium"] == "Memory" and gib(shm["sizeLimit"]) == 2 * gib(base_shm["sizeLimit"])
+    policies = [o for o in ps_replicas if o["kind"] == "NetworkPolicy"]
+    pods = {c: {"app.kubernetes.io/name": "hybridrec", "app.kubernetes.io/component": c}
+            for c in ("embedding-ps", "embedding-worker", "nn-worker", "dataloader")}
+    assert _allowed(policies, pods["embedding-ps"], pods["embedding-ps"], "grpc")
+    assert not _allowed(policies, pods["dataloader"], pods["embedding-ps"], "grpc")
+    assert not _allowed(policies, pods["embedding-ps"], pods["nn-worker"], "grpc")
+    changed = {(o["kind"], o["metadata"]["name"]) for o in ps_replicas} ^ {(o["kind"], o["metadata"]["name"])
+                                                                          for o in base}
+    assert not changed, changed
 
 
 # --- serving: deploy/k8s/serving, overlays/serving, kserve ------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Network faults through the testbed (benchmarks/testbed): the embedding host's link goes down for 10 s
+"""Faults through the testbed (benchmarks/testbed): the embedding host's link goes down for 10 s
 mid-training, or drops to a tenth of its rate for 20 s. gRPC calls wait it out (TCP retransmits; callers
 retry UNAVAILABLE for cluster.retry_s, the RPC deadline is cluster.rpc_timeout_s = 60 s): the run
 finishes, no update is lost, skipped batches are counted, and the eval AUC stays within 0.005 of an
-undisturbed run. Needs root.
+undisturbed run. And a host of one PS shard lost whole (its processes killed, its /dev/shm emptied) and
+brought back: with `ps.replicas: 2` the shard copies its backup back from the other host, losing nothing.
+Needs root.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import pytest
 
 from benchmarks.testbed.bed import Fault, run_testbed
-from benchmarks.testbed.spec import two_hosts
+from benchmarks.testbed.spec import load_spec, two_hosts
 from hybridrec.config import load_config
 from hybridrec.app.synth import synthesize
 from tests.conftest import write_config
@@ -69,3 +71,31 @@ def test_embedding_link_at_a_tenth_for_20s(fault_config, undisturbed, tmp_path_f
     result = _run(fault_config, tmp_path_factory, "slow",
                   [Fault(at_s=3.0, host="embedding", kind="slow", duration_s=20.0, factor=10.0)])
     _check(result, undisturbed, "slow")
+
+
+def test_a_ps_host_lost_whole_with_replicas_loses_nothing(fault_config, undisturbed, tmp_path_factory):
+    """Each PS shard on a host of its own (PS 1 keeps shard 0's backup); the host of shard 0 is lost 3 s into
+    training and comes back, empty, 3 s later: shard 0 copies its backup back from the other host before it
+    serves, PS 0's backup of shard 1 catches up from shard 1, and the run loses and skips nothing."""
+    run_dir = tmp_path_factory.mktemp("lost")
+    config = fault_config.model_copy(update={
+        "ps": fault_config.ps.model_copy(update={"replicas": 2}),
+        "checkpoint": fault_config.checkpoint.model_copy(update={"dir": str(run_dir / "checkpoints"),
+                                                                 "job_id": "testbed-host-lost"})})
+    spec = load_spec({"hosts": [
+        {"name": "trainer", "services": ["dataloader", "nn_worker", "embedding_worker"]},
+        {"name": "psa", "services": ["embedding_ps:0"], "link": {"up": RATE, "down": RATE}},
+        {"name": "psb", "services": ["embedding_ps:1"], "link": {"up": RATE, "down": RATE}}]})
+    prefix = f"hrl{os.getpid() % 100000}"
+    result = run_testbed(config, spec, run_dir / "run", prefix=prefix, timeout_s=900,
+                         faults=[Fault(at_s=3.0, host="psa", kind="lost", duration_s=3.0)])
+    assert_torn_down(prefix, [])
+    s, ref = result["summary"], undisturbed["summary"]
+    (fault,) = result["faults"]
+    assert fault["kind"] == "lost" and fault["started_in_training"] and fault["ended_in_training"], fault
+    assert s["shards_restored"] == 1, s
+    (loss,) = s["store_losses"]
+    assert loss["shard"] == 0 and loss["from_replica"] and loss["acknowledged"] > 0 and loss["lost"] == 0, loss
+    assert s["lost_updates"] == 0 and s["skipped_batches"] == 0 and s["skipped_eval_batches"] == 0, s
+    assert s["samples"] == ref["samples"]
+    assert abs(s["auc"] - ref["auc"]) <= 0.005, (s["auc"], ref["auc"])

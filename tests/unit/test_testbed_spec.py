@@ -89,3 +89,15 @@ def test_the_data_loader_on_a_host_of_its_own() -> None:
     embedding = next(h for h in spec.hosts if h.name == "embedding")
     assert data.cpu_set() == embedding.cpu_set()  # beside the embedding host, off the trainer's CPUs
     assert len({spec.address(h.name) for h in spec.hosts}) == 3
+
+
+def test_fault_option_reads_each_kind_and_refuses_the_rest():
+    from benchmarks.testbed.__main__ import parse_fault
+
+    lost = parse_fault("psa:lost:5:3")
+    assert (lost.host, lost.kind, lost.at_s, lost.duration_s) == ("psa", "lost", 5.0, 3.0)
+    assert parse_fault("embedding:slow:5:20:4").factor == 4.0
+    assert parse_fault("embedding:down:1:2").kind == "down"
+    for bad in ("psa:lost:5:3:2", "psa:gone:5:3", "psa:lost:5"):
+        with pytest.raises(ValueError, match="--fault"):
+            parse_fault(bad)
