@@ -535,6 +535,13 @@ COPIES = ("primary", "backup")
 """Which copy of a shard a `ShardPull` asks for: the shard itself, or the replica another PS keeps of it."""
 
 
+def _text(frame: codec.Frame, key: str) -> str:
+    value = frame.meta.get(key, "")
+    if not isinstance(value, str) or len(value) > 256:
+        raise FrameError(f"frame meta {key!r} must be a string of at most 256 characters, got {value!r:.80}")
+    return value
+
+
 def _count(frame: codec.Frame, key: str, *, default: int | None = None, limit: int = _U64) -> int:
     value = frame.meta_int(key, default=default)
     if not 0 <= value <= limit:
@@ -560,6 +567,8 @@ class ShardRows:
     page: int = 0
     pages: int = 1
     uids: np.ndarray | None = None
+    job: str = ""
+    """The sender's `checkpoint.job_id`: a PS refuses rows of another job."""
 
     def encode(self) -> bytes:
         tensors: dict[str, np.ndarray] = {}
@@ -567,7 +576,7 @@ class ShardRows:
             tensors[f"keys.{dim}"], tensors[f"values.{dim}"] = keys, values
         if self.uids is not None:
             tensors["uids"] = self.uids
-        return codec.encode(tensors, {"shard": self.shard, "life": self.life, "seq": self.seq,
+        return codec.encode(tensors, {"shard": self.shard, "life": self.life, "seq": self.seq, "job": self.job,
                                       "update_id": self.update_id, "page": self.page, "pages": self.pages})
 
     @classmethod
@@ -587,7 +596,7 @@ class ShardRows:
         page = _count(frame, "page", default=0, limit=max(pages - 1, 0))
         uids = frame.get("uids", np.uint64, 1) if "uids" in frame.tensors else None
         return cls(_count(frame, "shard", limit=1 << 20), _count(frame, "life"), _count(frame, "seq"), rows,
-                   _count(frame, "update_id", default=0), page, pages, uids)
+                   _count(frame, "update_id", default=0), page, pages, uids, _text(frame, "job"))
 
 
 @dataclass
@@ -600,9 +609,12 @@ class ShardPull:
     copy: str
     page: int = 0
     life: int = 0
+    job: str = ""
+    """The asker's `checkpoint.job_id`: a PS gives no copy to another job."""
 
     def encode(self) -> bytes:
-        return codec.encode(meta={"shard": self.shard, "copy": self.copy, "page": self.page, "life": self.life})
+        return codec.encode(meta={"shard": self.shard, "copy": self.copy, "page": self.page, "life": self.life,
+                                  "job": self.job})
 
     @classmethod
     def decode(cls, buf: bytes) -> "ShardPull":
@@ -611,7 +623,7 @@ class ShardPull:
         if copy not in COPIES:
             raise FrameError(f"copy must be one of {COPIES}, got {copy!r}")
         return cls(_count(frame, "shard", limit=1 << 20), copy, _count(frame, "page", default=0, limit=1 << 31),
-                   _count(frame, "life", default=0))
+                   _count(frame, "life", default=0), _text(frame, "job"))
 
 
 FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,

@@ -83,6 +83,13 @@ def open_stores_in(directory: Path, config: Config) -> dict[int, EmbeddingStore]
             for dim in config.dims}
 
 
+def check_job(theirs: str, ours: str, what: str) -> None:
+    """Refuse a peer of another job (two jobs' PS on reused addresses): FailedPrecondition naming both."""
+    if theirs != ours:
+        raise FailedPrecondition(f"{what} comes from job {theirs!r}; this PS serves job {ours!r} "
+                                 f"(checkpoint.job_id): no rows of another job are taken or given")
+
+
 def row_widths(stores: dict[int, EmbeddingStore]) -> dict[int, int]:
     return {dim: store.config.row_width for dim, store in stores.items()}
 
@@ -140,8 +147,8 @@ class Primary:
     """The primary side of a shard: ships every applied update to the backup, and serves copies of itself."""
 
     def __init__(self, shard: int, num_shards: int, backup_address: str, stores: dict[int, EmbeddingStore],
-                 applied: AppliedLog):
-        self.shard, self.stores, self.applied = shard, stores, applied
+                 applied: AppliedLog, job: str):
+        self.shard, self.stores, self.applied, self.job = shard, stores, applied, job
         self.backup = backup_host(shard, num_shards)
         self.lock = asyncio.Lock()
         """Held while an update is applied and shipped, and while a copy is taken: one order for both copies."""
@@ -159,7 +166,7 @@ class Primary:
         for dim, keys in ids.items():
             values, found = await run(self.stores[dim].peek, keys, state=True)
             rows[dim] = (keys[found], values[found])  # a gradient for an absent row changed nothing
-        frame = ShardRows(self.shard, self.applied.life, self.applied.applied, rows, update_id=update_id)
+        frame = ShardRows(self.shard, self.applied.life, self.applied.applied, rows, update_id=update_id, job=self.job)
         try:
             await self._ship(frame.encode(), timeout=SHIP_TIMEOUT_S if self._reachable else SHIP_TIMEOUT_S / 10)
         except grpc.aio.AioRpcError as exc:
@@ -178,12 +185,14 @@ class Primary:
     async def start_over(self, run: Run) -> None:
         """Tell the backup to copy the shard again (its rows were replaced: a checkpoint loaded); under `lock`."""
         try:
-            await self._ship(ShardRows(self.shard, self.applied.life, 0, {}).encode(), timeout=SHIP_TIMEOUT_S)
+            await self._ship(ShardRows(self.shard, self.applied.life, 0, {}, job=self.job).encode(),
+                             timeout=SHIP_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:  # it copies the shard whole when it is back anyway
             log.get().warning("replica_not_told_to_start_over", shard=self.shard, code=exc.code().name)
 
     async def page(self, pull: ShardPull, run: Run) -> ShardRows:
         """A page of a copy of this shard: page 0 takes the copy (between two updates), later pages read it."""
+        check_job(pull.job, self.job, f"a request for a copy of shard {self.shard}")
         if pull.page == 0:
             async with self.lock:
                 self._copy = await run(Copy.take, self.shard, self.applied.life, self.applied.applied, self.stores,
@@ -206,6 +215,7 @@ class Backup:
 
     def __init__(self, config: Config, shard: int, primary_address: str):
         self.config, self.shard, self.directory = config, shard, backup_dir(config, shard)
+        self.job = config.checkpoint.job_id or ""
         self.stores: dict[int, EmbeddingStore] = {}
         self.applied: AppliedLog | None = None
         self.life = 0
@@ -249,6 +259,7 @@ class Backup:
         the copy in sync; out of order the copy starts over."""
         if rows.shard != self.shard:
             raise ValueError(f"this PS keeps the backup of shard {self.shard}, not of shard {rows.shard}")
+        check_job(rows.job, self.job, f"a shipment of shard {rows.shard}")
         async with self._lock:
             if rows.seq == 0:  # the primary's rows were replaced (a checkpoint loaded): copy it again from scratch
                 if self._catching_up is not None:
@@ -296,12 +307,13 @@ class Backup:
         """One attempt at copying the primary; True once this copy is in sync."""
         started, loop = time.monotonic(), asyncio.get_running_loop()
         widths = row_widths(self.stores)
-        first = ShardRows.decode(await self._pull(ShardPull(self.shard, "primary").encode(), timeout=60), widths)
+        first = ShardRows.decode(await self._pull(ShardPull(self.shard, "primary", job=self.job).encode(),
+                                                  timeout=60), widths)
         page = first
         for i in range(first.pages):
             if i:
-                page = ShardRows.decode(await self._pull(ShardPull(self.shard, "primary", i).encode(), timeout=60),
-                                        widths)
+                page = ShardRows.decode(await self._pull(ShardPull(self.shard, "primary", i, job=self.job).encode(),
+                                                         timeout=60), widths)
                 if (page.life, page.seq) != (first.life, first.seq):
                     return False
             async with self._lock:
@@ -328,6 +340,7 @@ class Backup:
         """A page of this backup's copy, for its primary that lost its store (which names the life it lost)."""
         if pull.shard != self.shard:
             raise ValueError(f"this PS keeps the backup of shard {self.shard}, not of shard {pull.shard}")
+        check_job(pull.job, self.job, f"a request for the backup of shard {self.shard}")
         if pull.page == 0:
             if not self.in_sync or self._catching_up is not None:
                 raise FailedPrecondition(f"the backup of shard {self.shard} is not in sync with its primary")
@@ -363,13 +376,13 @@ def restore_from_backup(config: Config, shard: int, stores: dict[int, EmbeddingS
     the lost life (its count of applied updates), or None when no backup can stand in (not in sync, another
     life, unreachable for `wait_s`): the caller restores the checkpoint instead."""
     address = config.cluster.ps[backup_host(shard, len(config.cluster.ps))]
-    widths = row_widths(stores)
+    widths, job = row_widths(stores), config.checkpoint.job_id or ""
     deadline = time.monotonic() + wait_s
     with rpc.sync_channel(address) as channel:
         call = channel.unary_unary("/hybridrec.EmbeddingPS/PullShard")
         while True:
             try:
-                first = ShardRows.decode(call(ShardPull(shard, "backup", 0, lost).encode(), timeout=60), widths)
+                first = ShardRows.decode(call(ShardPull(shard, "backup", 0, lost, job).encode(), timeout=60), widths)
                 break
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
@@ -381,7 +394,7 @@ def restore_from_backup(config: Config, shard: int, stores: dict[int, EmbeddingS
         page = first
         for i in range(first.pages):
             if i:
-                page = ShardRows.decode(call(ShardPull(shard, "backup", i, lost).encode(), timeout=60), widths)
+                page = ShardRows.decode(call(ShardPull(shard, "backup", i, lost, job).encode(), timeout=60), widths)
             for dim, (keys, values) in page.rows.items():
                 stores[dim].load_rows(keys, np.require(values, requirements=["C", "W"]))
             if page.uids is not None:

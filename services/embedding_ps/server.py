@@ -414,7 +414,8 @@ async def serve(config: Config, replica: int) -> None:
     num_shards = len(config.cluster.ps)
     primary = backup = None
     if config.ps.replicas > 1:  # services/embedding_ps/replica.py
-        primary = Primary(replica, num_shards, config.cluster.ps[backup_host(replica, num_shards)], stores, applied)
+        primary = Primary(replica, num_shards, config.cluster.ps[backup_host(replica, num_shards)], stores, applied,
+                          config.checkpoint.job_id or "")
         backup = Backup(config, backup_of(replica, num_shards), config.cluster.ps[backup_of(replica, num_shards)])
     with ThreadPoolExecutor(max_workers=config.ps.threads, thread_name_prefix="ps-store") as executor:
         servicer = EmbeddingPSServicer(stores, applied, replica, num_shards, values, executor,

@@ -202,6 +202,13 @@ def test_what_does_not_fit_is_refused_and_the_shard_keeps_serving(tmp_path):
                 (replicate(ShardRows(0, 5, 1, {DIM: (ids, np.ones((3, DIM), np.float32))}).encode(), timeout=30),
                  grpc.StatusCode.INVALID_ARGUMENT, "has shape"),
                 (replicate(b"not a frame", timeout=30), grpc.StatusCode.INVALID_ARGUMENT, ""),
+                # another job's PS on a reused address: neither its rows nor a copy for it
+                (replicate(ShardRows(0, 5, 1, {}, job="other-job").encode(), timeout=30),
+                 grpc.StatusCode.FAILED_PRECONDITION, "comes from job 'other-job'; this PS serves job ''"),
+                (pull(ShardPull(1, "primary", job="other-job").encode(), timeout=30),
+                 grpc.StatusCode.FAILED_PRECONDITION, "comes from job 'other-job'"),
+                (pull(ShardPull(0, "backup", job="other-job").encode(), timeout=30),
+                 grpc.StatusCode.FAILED_PRECONDITION, "comes from job 'other-job'"),
                 # the backup of shard 0 follows another life than the one asked for
                 (pull(ShardPull(0, "backup", 0, life=12345).encode(), timeout=30), grpc.StatusCode.FAILED_PRECONDITION,
                  "not the lost life 12345"),

@@ -58,7 +58,7 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
                      lambda b: PSUpdate.decode(b, VALUES, [8])),
         "ShardRows": (ShardRows(1, (1 << 64) - 3, 42, {8: (ids, np.ones((10, 16), np.float32))}, update_id=77, page=2,
                                 pages=3, uids=ids[:4]).encode(), lambda b: ShardRows.decode(b, {8: 16, 4: 5})),
-        "ShardPull": (ShardPull(1, "backup", 2, life=(1 << 64) - 3).encode(), ShardPull.decode),
+        "ShardPull": (ShardPull(1, "backup", 2, life=(1 << 64) - 3, job="run-7").encode(), ShardPull.decode),
     }
 
 
@@ -239,7 +239,7 @@ def test_shard_rows_and_pulls_round_trip_and_refuse_what_does_not_fit():
     np.testing.assert_array_equal(rows.rows[8][0], np.arange(1, 11, dtype=np.uint64))
     assert rows.rows[8][1].shape == (10, 16) and rows.uids.tolist() == [1, 2, 3, 4]
     pull = cases["ShardPull"][1](cases["ShardPull"][0])
-    assert (pull.shard, pull.copy, pull.page, pull.life) == (1, "backup", 2, (1 << 64) - 3)
+    assert (pull.shard, pull.copy, pull.page, pull.life, pull.job) == (1, "backup", 2, (1 << 64) - 3, "run-7")
     ids = np.arange(1, 4, dtype=np.uint64)
     with pytest.raises(FrameError, match=r"values\.8 has shape"):  # a row without its optimizer state
         ShardRows.decode(ShardRows(0, 1, 1, {8: (ids, np.ones((3, 8), np.float32))}).encode(), {8: 16})
@@ -251,3 +251,5 @@ def test_shard_rows_and_pulls_round_trip_and_refuse_what_does_not_fit():
         ShardPull.decode(ShardPull(0, "primary").encode().replace(b'"primary"', b'"mirror!"'))
     with pytest.raises(FrameError, match="shard"):
         ShardPull.decode(codec.encode(meta={"shard": -1, "copy": "primary"}))
+    with pytest.raises(FrameError, match="job"):
+        ShardPull.decode(codec.encode(meta={"shard": 0, "copy": "primary", "job": 7}))
