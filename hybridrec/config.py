@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hybridrec.criteo_format import NUM_DENSE, SPARSE_COLUMNS
 from hybridrec.ids import MAX_GROUPS
@@ -249,12 +249,60 @@ class TrainingConfig(_Model):
     (None: 1 each)."""
 
 
-class DataConfig(_Model):
-    """The dataset: Criteo TSV or Parquet files, or their prepared form (`hybridrec data prepare`)."""
+class StreamConfig(_Model):
+    """Training events from a NATS JetStream stream instead of files (services/dataloader/stream.py): each
+    message holds one or more samples in the training data's row format (Criteo TSV lines), with an event id
+    and an event time in its headers (`hybridrec data replay` publishes a file that way)."""
 
-    train: list[str] = Field(min_length=1)
+    url: str | None = None
+    """nats://HOST:PORT of the broker. None: `hybridrec run` starts a local nats-server (-js) for the run."""
+    subject: str = "hybridrec.events"
+    """The subject the events are published on."""
+    stream: str = "HYBRIDREC_EVENTS"
+    """The JetStream stream holding `subject` (`hybridrec data replay` creates it; training refuses a stream
+    that does not exist or does not hold the subject)."""
+    durable: str = "hybridrec-trainer"
+    """The durable consumer: a new job with the same name goes on after the last message its predecessor had
+    acknowledged (every sample in it trained)."""
+    until_event: Annotated[int, Field(ge=0)] | None = None
+    """End training with the message that holds event id `until_event - 1` (all of it), or before the first
+    message past it (`hybridrec data replay` numbers a file's lines from 0, so the line count trains the whole
+    file). None: at `for_s`, or when stopped. An event id, not a count: a restarted loader ends where the
+    first would have."""
+    for_s: Annotated[float, Field(gt=0)] | None = None
+    """End training after this many seconds of reading the stream (None: at `max_events`, or when stopped)."""
+    linger_s: Annotated[float, Field(gt=0)] = 0.5
+    """A batch that is not full after this long goes out smaller: bounds how long an event waits to train."""
+    fetch: Annotated[int, Field(gt=0, le=10_000)] = 256
+    """Messages per pull request."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        if url is not None:
+            scheme, sep, rest = url.partition("://")
+            host, colon, port = rest.rpartition(":")
+            if scheme != "nats" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{url!r} is not a NATS URL: expected nats://HOST:PORT")
+        return url
+
+    @field_validator("subject")
+    @classmethod
+    def _subject(cls, subject: str) -> str:
+        tokens = subject.split(".")
+        if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+            raise ValueError(f"{subject!r} is not a subject to consume: dot-separated tokens, no wildcards or spaces")
+        return subject
+
+
+class DataConfig(_Model):
+    """The dataset: Criteo TSV or Parquet files, or their prepared form (`hybridrec data prepare`), or a stream."""
+
+    train: list[str] = Field(default_factory=list)
     """Training files (Criteo TSV, optionally .gz, or Parquet), or directories written by `hybridrec data
-    prepare` (memory-mapped, nothing parsed; all entries one kind or the other)."""
+    prepare` (memory-mapped, nothing parsed; all entries one kind or the other). Empty with `stream`."""
+    stream: StreamConfig | None = None
+    """Train on a NATS JetStream stream of events instead of `train` files (TSV rows)."""
     eval: list[str] = Field(default_factory=list)
     """Held-out files evaluated after training (or prepared directories, as `train`)."""
     oracle: str | None = None
@@ -272,6 +320,16 @@ class DataConfig(_Model):
     naming the file and line (TSV) or row (Parquet)."""
     chunk_rows: Annotated[int, Field(gt=0)] = 65536
     """Rows the data loader parses per chunk."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if self.stream is None and not self.train:
+            raise ValueError("data.train: list the training files, or set data.stream to train on a stream")
+        if self.stream is not None and self.train:
+            raise ValueError("data.train and data.stream: train on files or on a stream, not both")
+        if self.stream is not None and self.format != "tsv":
+            raise ValueError("data.stream: stream messages hold Criteo TSV rows; data.format must be tsv")
+        return self
 
 
 class InitConfig(_Model):

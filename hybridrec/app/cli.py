@@ -352,6 +352,43 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
 
 
+@data_app.command("replay")
+def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help="Criteo TSV (.gz) files, in order."),
+                to: str = typer.Option(..., "--to", help="nats://HOST:PORT/SUBJECT (data.stream's broker and "
+                                       "subject)."),
+                rate: float = typer.Option(10_000.0, "--rate", min=0, help="Events a second (0: as fast as the "
+                                           "broker takes them)."),
+                stream: str = typer.Option("HYBRIDREC_EVENTS", "--stream", help="The JetStream stream (created "
+                                           "when missing; data.stream.stream)."),
+                rows_per_message: int = typer.Option(100, "--rows-per-message", min=1, max=65535),
+                first_event: int = typer.Option(0, "--first-event", min=0, help="Id of the first line."),
+                limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Publish this many lines.")):
+    """Publish data files as a timed event stream on NATS JetStream (for data.stream)."""
+    import asyncio
+
+    from hybridrec.app.replay import replay
+    from hybridrec.event_stream import split_target
+
+    try:
+        url, subject = split_target(to)
+    except ValueError as exc:
+        _fail(f"--to: {exc}")
+    for path in files:
+        if not path.is_file():
+            _fail(f"{path}: no such file")
+    try:
+        result = asyncio.run(replay(files, url=url, subject=subject, stream=stream, rate=rate,
+                                    rows_per_message=rows_per_message, first_event=first_event, limit=limit))
+    except ValueError as exc:
+        _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a broker that is not there: nats-py raises several kinds
+        _fail(f"--to {to}: {type(exc).__name__}: {exc}")
+    typer.echo(f"published {result.events:,} events ({result.first_event}..{result.first_event + result.events - 1}) "
+               f"in {result.messages:,} messages to {subject} in {result.seconds:.1f} s "
+               f"({result.events / max(result.seconds, 1e-9):,.0f} events/s); stream {stream} ends at "
+               f"{result.last_seq}")
+
+
 @data_app.command("to-parquet")
 def data_to_parquet(src: Path = typer.Argument(..., help="Criteo TSV file (not gzip)."),
                     dst: Path = typer.Argument(..., help="Parquet file to write."),

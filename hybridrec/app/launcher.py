@@ -441,6 +441,12 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
     About once a second it polls every NN worker's Status and every service's CPU and memory for the
     run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
     recorder = Recorder(ranks=len(config.cluster.nn_workers))  # t = 0: launch
+    broker = None
+    if config.data.stream is not None and config.data.stream.url is None:  # a broker of its own for the run
+        from hybridrec.app.broker import LocalBroker, with_url
+
+        broker = LocalBroker(run_dir)
+        config = with_url(config, broker.start(config.data.stream))
     cluster = LocalCluster.on_loopback(config, run_dir)
     next_sample = time.monotonic()
     try:
@@ -463,6 +469,8 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
             recorder.mark("end_of_eval")
         finally:
             cluster.stop()
+            if broker is not None:
+                broker.stop()
             recorder.mark("end")
         summary_path = run_dir / SUMMARY_FILE
         try:

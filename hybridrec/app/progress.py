@@ -14,6 +14,8 @@ def estimate_samples(config: Config) -> int | None:
     nn = len(config.cluster.nn_workers)
     if config.training.max_steps:
         return config.training.max_steps * nn * config.training.batch_size
+    if config.data.stream is not None:  # how far a stream goes is not known ahead
+        return None
     try:
         with open(config.data.train[0], "rb") as f:
             head = f.read(1 << 20)

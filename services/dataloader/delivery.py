@@ -32,12 +32,19 @@ class Window:
     frames: deque[tuple[str, int, bytes]] = field(default_factory=deque)  # (phase, stream index, frame)
     delivered: int = 0  # how many of `frames` the rank's current process has received
     resent: int = 0  # frames sent again after a failed call
+    through: dict[str, int] = field(default_factory=dict)  # per phase, the last stream index the rank confirmed
+
+    def confirmed(self, phase: str, seq: int) -> bool:
+        """Whether the rank has confirmed batch `seq` of `phase`: through it, or into a later phase."""
+        later = PHASES[PHASES.index(phase) + 1:]
+        return self.through.get(phase, -1) >= seq or any(p in self.through for p in later)
 
     def add(self, phase: str, seq: int, frame: bytes) -> None:
         self.frames.append((phase, seq, frame))
 
     def confirm(self, consumed: Consumed) -> None:
         """Forget what the rank has consumed: every earlier phase, and `consumed.phase` through `through`."""
+        self.through[consumed.phase] = max(self.through.get(consumed.phase, -1), consumed.through)
         done = PHASES.index(consumed.phase)
         while self.frames:
             phase, seq, _ = self.frames[0]

@@ -14,21 +14,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
 from hybridrec import rpc
 from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received
-from hybridrec.config import Config
+from hybridrec.config import Config, ConfigError
 from hybridrec.proto import pb
 from hybridrec.service import ServiceHost
 from hybridrec import checkpoints
 from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
+from services.dataloader import stream
 from services.dataloader.sources import check_prepared, eval_rows as read_eval_rows, train_batches
+from services.dataloader.stream import StreamReader
+from hybridrec.criteo_format import feature_columns
 
 _DONE = object()
 
@@ -68,6 +72,27 @@ class Dispatcher:
         self.windows = [Window() for _ in self.nn_put]  # per rank, across phases
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reader")
         self.lz4 = config.training.compression.lz4_ids
+        self.on_trained: Callable[[Position], None] | None = None
+        """Called with the position after the newest training batch such that it and every earlier one have
+        been trained (a stream acknowledges its messages through it)."""
+        self._untrained: deque[tuple[int, Position]] = deque()  # training batches read, not yet known trained
+
+    async def wait_trained(self) -> None:
+        """Wait until every rank has finished training (its status says evaluation or done), then count every
+        training batch trained (`on_trained`)."""
+        statuses = [rpc.control_method(ch, "NNWorker", "Status") for ch in self.nn_channels]
+        deadline = asyncio.get_running_loop().time() + self.retry_s
+        for status in statuses:
+            while True:
+                try:
+                    if (await status(pb.Empty(), timeout=self.timeout)).phase in ("eval", "done"):
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if asyncio.get_running_loop().time() > deadline:
+                    return  # not acknowledged: a later job reads those messages again, nothing is skipped
+                await asyncio.sleep(0.1)
+        self.note_trained(through=[END] * len(self.windows))
 
     async def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -105,6 +130,8 @@ class Dispatcher:
                 if item is None:
                     break
                 rank, sparse_frame, rows, position = item
+                if phase == "train" and self.on_trained is not None and position is not None:
+                    self._untrained.append((seq, position))
                 if resume.skips(rank, seq):
                     self.servicer.counters["batches_held_by_ranks_total"] += 1
                     continue
@@ -144,6 +171,21 @@ class Dispatcher:
             window.add(*item)
             await deliver(window, lambda frame: put(frame, timeout=None), retry_s=self.retry_s)
             self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
+            self.note_trained()
+
+    def note_trained(self, through: list[int] | None = None) -> None:
+        """Pass `on_trained` the position after the newest batch trained with every one before it, from the
+        ranks' confirmations (or `through`, each rank's last trained training batch, from `received`)."""
+        ranks, newest = len(self.windows), None
+        while self._untrained:
+            seq, position = self._untrained[0]
+            rank = seq % ranks
+            if not (self.windows[rank].confirmed("train", seq) or (through is not None and through[rank] >= seq)):
+                break
+            newest = position
+            self._untrained.popleft()
+        if newest is not None and self.on_trained is not None:
+            self.on_trained(newest)
 
 
 def checkpoint_point(config: Config) -> tuple[Position, int]:
@@ -155,11 +197,21 @@ def checkpoint_point(config: Config) -> tuple[Position, int]:
     return Position(*manifest.position), manifest.seq
 
 
-async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters) -> int:
-    """Read and send the training stream from `resume` on; returns the number of batches sent."""
+async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
+                        reader: StreamReader | None = None) -> int:
+    """Read and send the training stream from `resume` on (from `reader` with `data.stream`); returns the
+    number of batches sent."""
     training, num_ranks = config.training, len(config.cluster.nn_workers)
     first_seq = resume.train.first_seq
-    batches = train_batches(config, counts, resume.position)
+    if reader is not None:
+        await asyncio.get_running_loop().run_in_executor(dispatcher.executor, reader.start, resume.position)
+        dispatcher.on_trained = lambda position: reader.ack_through(position.offset)
+        columns, groups = feature_columns(config.features)
+        batches = stream.iter_train_batches(reader, config.data.stream, start=resume.position,
+                                            batch_size=training.batch_size, columns=columns, groups=groups,
+                                            bad_lines=config.data.bad_lines, counters=counts)
+    else:
+        batches = train_batches(config, counts, resume.position)
     items = deal_evenly(batches, num_ranks, counts)
     if training.max_steps is not None:
         items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
@@ -193,14 +245,24 @@ async def serve(config: Config, replica: int) -> None:
                              position=resume.position.as_list(), train_done=resume.train_done,
                              held=list(resume.train.skip_through), notes=resume.notes)
         if not resume.train_done:
-            n = await send_training(config, dispatcher, resume, train_counts)
+            n = await send_training(config, dispatcher, resume, train_counts, reader)
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
         eval_rows = read_eval_rows(config, eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
+        if reader is not None and not resume.train_done:  # the last messages: acknowledged once all is trained
+            await dispatcher.wait_trained()
 
+    reader = None
+    if config.data.stream is not None:
+        if config.data.stream.url is None:
+            raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
+                              "hybridrec serve dataloader needs nats://HOST:PORT)")
+        reader = StreamReader(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s)
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))
     finally:
         await dispatcher.close()
+        if reader is not None:
+            reader.close()

@@ -325,3 +325,23 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
     if filled or chunk_bad:
         first_line = first_row_no if first_row_no >= 0 else first_any
         yield emit(arrays, filled, first_line, stream_pos, chunk_bad, line_no)
+
+
+def parse_lines(data: bytes, *, where: str, groups: Sequence[int] | None = None,
+                bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP) -> CriteoChunk:
+    """Every line of `data`, whole lines in memory (a stream message), as one chunk. `where` names the data in
+    an error ("subject S, message N"), with the line number in it."""
+    policy = BadLinePolicy(bad_lines)
+    n = data.count(b"\n") + 1
+    arrays = (np.empty(n, np.float32), np.empty((n, NUM_DENSE), np.float32), np.empty((n, NUM_SPARSE), np.uint64),
+              np.empty((n, NUM_SPARSE), np.bool_))
+    buf = np.frombuffer(data, dtype=np.uint8)
+    new_pos, num_rows, num_lines, num_bad, _, code, detail = _parse_lines(
+        buf, 0, len(buf), True, _group_prefixes(groups), *arrays, 0, n, policy is BadLinePolicy.ERROR)
+    if code != _OK:
+        end = data.find(b"\n", new_pos)
+        raise CriteoFormatError(_error_message(where, num_lines + 1, data[new_pos:end if end >= 0 else len(data)],
+                                               code, detail))
+    labels, dense, ids, present = (a[:num_rows] for a in arrays)
+    return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=where, first_line=1,
+                       end_offset=len(data), num_bad_lines=num_bad, end_line=num_lines + 1)

@@ -1,0 +1,80 @@
+"""A local NATS broker for one `hybridrec run` whose `data.stream` names no url: `nats-server -js` on a free
+loopback port, its store under the run directory, and the stream created, so that `hybridrec data replay
+FILE --to nats://127.0.0.1:PORT/SUBJECT` can feed the run."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from hybridrec import log
+from hybridrec.config import Config, ConfigError, StreamConfig
+
+START_TIMEOUT_S = 20.0
+
+
+class LocalBroker:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self, stream: StreamConfig) -> str:
+        """Start nats-server and create `stream.stream` holding `stream.subject`; returns its URL."""
+        from hybridrec.app.launcher import free_port
+
+        binary = shutil.which("nats-server")
+        if binary is None:
+            raise ConfigError("data.stream.url: unset, so hybridrec run starts a local nats-server, and none is "
+                              "installed: install it (Debian package nats-server), or name a broker in "
+                              "data.stream.url")
+        port = free_port()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "logs" / "nats-server.log", "ab") as out:
+            self.proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port),
+                                          "-sd", str(self.run_dir / "nats")], stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise ConfigError(f"data.stream.url: the local nats-server did not start; see "
+                                      f"{self.run_dir / 'logs' / 'nats-server.log'}") from None
+                time.sleep(0.05)
+        self.url = f"nats://127.0.0.1:{port}"
+        asyncio.run(_create_stream(self.url, stream))
+        log.get().warning("local_broker", url=self.url, stream=stream.stream, subject=stream.subject,
+                          feed=f"hybridrec data replay FILE --to {self.url}/{stream.subject}")
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _create_stream(url: str, stream: StreamConfig) -> None:
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=5)
+    try:
+        await nc.jetstream().add_stream(name=stream.stream, subjects=[stream.subject])
+    finally:
+        await nc.close()
+
+
+def with_url(config: Config, url: str) -> Config:
+    """`config` with `data.stream.url` set."""
+    stream = config.data.stream.model_copy(update={"url": url})
+    return config.model_copy(update={"data": config.data.model_copy(update={"stream": stream})})

@@ -1,0 +1,271 @@
+"""On the data loader: training samples from a NATS JetStream stream (`data.stream`) instead of files.
+
+Each message holds one or more samples as Criteo TSV lines, with headers naming its first event's id and its
+event time (hybridrec/event_stream.py; `hybridrec data replay` publishes a file that way). The loader reads the stream through a durable pull consumer and turns it into the same training
+batches as a file, each with the position right after it, so resuming, checkpoints and the hand-over to a
+restarted loader work as they do for files (services/dataloader/resume.py):
+
+    Position(epoch=0, file=0, offset=S, line=L + 1)
+        every message up to stream sequence S is in earlier batches, and so are the first L samples of the
+        message at sequence S + 1 (L = 0 when the batch ends at a message's end)
+
+Exactly once into training: a message is acknowledged only once every sample in it has been trained (the NN
+workers' `Consumed` replies say so; the consumer acknowledges "all up to", so one acknowledgement covers every
+earlier message). A (re)started loader does not wait for the broker to redeliver what its predecessor held
+unacknowledged: it re-creates the durable consumer at the position the NN workers (or the newest checkpoint)
+give, and the batches they hold are read but not sent, as with files. A job with no position of its own
+starts after the last message the durable consumer had acknowledged, so a new job goes on where the last
+stopped. Training ends after the message holding event `data.stream.until_event` - 1 (whole; or before the
+first message past it), after `for_s` seconds, or when the job is stopped.
+
+nats-py is asyncio; the loader's reader runs on a thread of its own (the event loop serves RPCs), so the
+consumer runs on another thread with its own event loop, and hands messages over through a bounded queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from hybridrec import log
+from hybridrec.config import ConfigError, StreamConfig
+from hybridrec.event_stream import read_headers
+from services.dataloader.batching import Position, ReadCounters, Rows
+from services.dataloader.tsv import BadLinePolicy, parse_lines
+
+ACK_WAIT_S = 3600.0
+"""The consumer redelivers an unacknowledged message after this long: never, in practice, to a live loader
+(a restarted one re-creates the consumer at its position instead)."""
+QUEUE_MESSAGES = 1024
+"""Messages fetched ahead of the batcher."""
+
+
+@dataclass
+class Message:
+    seq: int
+    """Stream sequence."""
+    data: bytes
+    first_event: int
+    event_time: float
+
+
+class StreamError(RuntimeError):
+    """The broker cannot be used as configured (unreachable past the retry budget, a stream that is gone)."""
+
+
+class StreamReader:
+    """The durable pull consumer of `data.stream`, on a thread of its own: `start` it at a position, `get`
+    messages in stream order, and `ack_through` a sequence once everything up to it has been trained."""
+
+    def __init__(self, config: StreamConfig, url: str, *, retry_s: float):
+        self.config, self.url, self.retry_s = config, url, retry_s
+        self.messages: queue.Queue[Message | BaseException] = queue.Queue(QUEUE_MESSAGES)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stream", daemon=True)
+        self._thread.start()
+        self._pending: dict[int, Any] = {}  # stream seq -> its nats message, until acknowledged
+        self._acked = 0
+        self._fetching: asyncio.Future | None = None
+        self._nc = self._js = self._sub = None
+        self.log = log.get()
+        self.first_seq = 0
+
+    def start(self, position: Position) -> int:
+        """Connect, check the stream, and read from `position` (the start of the data: after the durable
+        consumer's last acknowledgement). Returns the first stream sequence read; ConfigError for a stream or
+        subject that is not there, StreamError for a broker that does not answer within `retry_s`."""
+        self.first_seq = asyncio.run_coroutine_threadsafe(self._start(position), self._loop).result()
+        self._fetching = asyncio.run_coroutine_threadsafe(self._fetch_forever(), self._loop)
+        return self.first_seq
+
+    def get(self, timeout: float) -> Message | None:
+        """The next message, or None when none came within `timeout`; the consumer's failure is raised here."""
+        try:
+            item = self.messages.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def ack_through(self, seq: int) -> None:
+        """Acknowledge every message up to stream sequence `seq` (thread-safe; at most one request)."""
+        if seq > self._acked:
+            self._loop.call_soon_threadsafe(self._ack, seq)
+
+    def close(self) -> None:
+        if self._fetching is not None:
+            self._fetching.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - closing a connection that broke
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # -- on the consumer's thread ----------------------------------------------------------------
+    async def _connect(self):
+        import nats
+
+        deadline, delay, attempt = time.monotonic() + self.retry_s, 0.1, 0
+        while True:
+            try:
+                return await nats.connect(self.url, connect_timeout=2, max_reconnect_attempts=-1,
+                                          reconnect_time_wait=0.5, allow_reconnect=True)
+            except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds for a broker that is not there
+                attempt += 1
+                if time.monotonic() + delay > deadline:
+                    raise StreamError(f"data.stream.url: no NATS broker answers at {self.url} "
+                                      f"({type(exc).__name__}: {exc}) after {self.retry_s:.0f} s "
+                                      f"(cluster.retry_s)") from None
+                if attempt == 1 or attempt % 20 == 0:
+                    self.log.warning("stream_unreachable", url=self.url, error=f"{type(exc).__name__}: {exc}",
+                                     retrying_for_s=round(deadline - time.monotonic()))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _start(self, position: Position) -> int:
+        from nats.js import api
+        from nats.js.errors import NotFoundError
+
+        c = self.config
+        self._nc = await self._connect()
+        self._js = self._nc.jetstream()
+        try:
+            info = await self._js.stream_info(c.stream)
+        except NotFoundError:
+            raise ConfigError(f"data.stream.stream: there is no stream {c.stream!r} on {self.url} (create it, e.g. "
+                              f"with `hybridrec data replay`, or name the stream that holds "
+                              f"{c.subject!r})") from None
+        if not any(_matches(pattern, c.subject) for pattern in info.config.subjects or []):
+            raise ConfigError(f"data.stream.subject: stream {c.stream!r} on {self.url} does not hold subject "
+                              f"{c.subject!r} (its subjects: {', '.join(info.config.subjects or [])})")
+        if position != Position():
+            first = position.offset + 1
+        else:  # a job with nothing of its own: after what the durable consumer acknowledged last
+            try:
+                first = (await self._js.consumer_info(c.stream, c.durable)).ack_floor.stream_seq + 1
+            except NotFoundError:
+                first = 1
+        try:
+            await self._js.delete_consumer(c.stream, c.durable)
+        except NotFoundError:
+            pass
+        config = api.ConsumerConfig(durable_name=c.durable, ack_policy=api.AckPolicy.ALL,
+                                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first,
+                                    ack_wait=ACK_WAIT_S, filter_subject=c.subject, max_ack_pending=-1)
+        self._sub = await self._js.pull_subscribe(c.subject, durable=c.durable, stream=c.stream, config=config)
+        self._acked = first - 1
+        self.log.info("stream_reading", url=self.url, stream=c.stream, subject=c.subject, durable=c.durable,
+                      first_seq=first, last_seq=info.state.last_seq)
+        return first
+
+    async def _fetch_forever(self) -> None:
+        last, loop = self.first_seq - 1, asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    msgs = await self._sub.fetch(self.config.fetch, timeout=self.config.linger_s)
+                except asyncio.TimeoutError:
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a broker restarting: nats-py reconnects, we ask again
+                    self.log.warning("stream_fetch_failed", error=f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq <= last:  # a redelivery of what this consumer gave already
+                        continue
+                    last = seq
+                    self._pending[seq] = msg
+                    item = _message(msg, seq)
+                    await loop.run_in_executor(None, self.messages.put, item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the batcher, which raises it
+            self.messages.put(exc)
+
+    def _ack(self, seq: int) -> None:
+        done = [s for s in self._pending if s <= seq]
+        if not done or seq <= self._acked:
+            return
+        newest = max(done)
+        msg = self._pending[newest]
+        for s in done:
+            del self._pending[s]
+        self._acked = newest
+        asyncio.ensure_future(_ack(msg, newest, self.log))
+
+    async def _close(self) -> None:
+        if self._nc is not None:
+            await self._nc.drain() if self._nc.is_connected else await self._nc.close()
+
+
+async def _ack(msg, seq: int, logger) -> None:
+    try:
+        await msg.ack()
+    except Exception as exc:  # noqa: BLE001 - the next acknowledgement covers this one ("all up to")
+        logger.warning("stream_ack_failed", seq=seq, error=f"{type(exc).__name__}: {exc}")
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` the rest."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _message(msg, seq: int) -> Message:
+    first, when = read_headers(msg.headers)
+    return Message(seq, msg.data, first, when)
+
+
+def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Position, batch_size: int,
+                       columns: np.ndarray, groups: list[int], bad_lines: BadLinePolicy | str,
+                       counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+    """Training batches of `batch_size` samples (fewer when the stream pauses for `linger_s`), each with the
+    position after it, from `start` on, until `until_event` or `for_s`."""
+    skip = start.line - 1  # samples of the message at start.offset + 1 already trained
+    pending: list[Rows] = []
+    held, position = 0, start
+    deadline = time.monotonic() + config.for_s if config.for_s else None
+    while deadline is None or time.monotonic() < deadline:
+        wait = config.linger_s if deadline is None else max(0.0, min(config.linger_s, deadline - time.monotonic()))
+        msg = reader.get(wait)
+        if msg is None:  # the stream paused: what is held goes out now
+            if held:
+                yield Rows.concat(pending), position
+                pending, held = [], 0
+            continue
+        if config.until_event is not None and msg.first_event >= config.until_event:
+            break
+        chunk = parse_lines(msg.data, where=f"subject {config.subject}, message {msg.seq}", groups=groups,
+                            bad_lines=bad_lines)
+        counters.bad_lines += chunk.num_bad_lines
+        counters.rows += len(chunk)
+        rows = Rows.of_chunk(chunk, columns)
+        done = 0
+        if msg.seq == start.offset + 1 and skip:
+            done, skip = min(skip, len(rows)), 0
+        while done < len(rows):
+            take = min(batch_size - held, len(rows) - done)
+            pending.append(rows.slice(done, done + take))
+            held, done = held + take, done + take
+            position = Position(0, 0, msg.seq, 1) if done == len(rows) else Position(0, 0, msg.seq - 1, done + 1)
+            if held == batch_size:
+                yield Rows.concat(pending), position
+                pending, held = [], 0
+        position = Position(0, 0, msg.seq, 1)  # a message without valid samples is passed too
+        if config.until_event is not None and msg.first_event + chunk.end_line - 1 >= config.until_event:
+            break  # it held event until_event - 1: the last message trained
+    if held:
+        yield Rows.concat(pending), position

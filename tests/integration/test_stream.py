@@ -1,0 +1,135 @@
+"""Online training from a real NATS JetStream stream (`data.stream`, services/dataloader/stream.py): a file
+replayed through a real nats-server (`hybridrec data replay`) is trained once, every message is acknowledged,
+a second job goes on after the first, and a data loader killed mid-stream resumes without skipping or
+repeating an event. Needs the nats-server binary (Debian package nats-server)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from hybridrec.app.launcher import free_port, rank_step
+from tests.conftest import HYBRIDREC, REPO, write_config
+
+pytestmark = pytest.mark.integration
+
+SUBJECT, STREAM, DURABLE = "hybridrec.events", "HYBRIDREC_EVENTS", "hybridrec-trainer"
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A real nats-server with JetStream on a free loopback port, its store in tmp_path."""
+    binary = shutil.which("nats-server")
+    if binary is None:
+        pytest.fail("nats-server is not installed: it is the broker of data.stream (Debian package nats-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "nats")],
+                            stdout=(tmp_path / "nats.log").open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "nats.log").read_text()
+            time.sleep(0.05)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _replay(url: str, path: Path, *, limit: int, first_event: int = 0) -> str:
+    out = subprocess.run(HYBRIDREC + ["data", "replay", str(path), "--to", f"{url}/{SUBJECT}", "--rate", "0",
+                                      "--limit", str(limit), "--first-event", str(first_event)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _config(tmp_path: Path, data: Path, url: str, until: int, **stream) -> Path:
+    """The small test job, trained on the stream instead of its training file (evaluated on its eval file)."""
+    path = write_config(tmp_path / "config.yaml", data)
+    tree = yaml.safe_load(path.read_text())
+    tree["data"]["train"] = []
+    tree["data"]["stream"] = {"url": url, "until_event": until, **stream}
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _run(config: Path, run_dir: Path, kill_loader_at: int | None = None) -> dict:
+    summary = run_dir / "summary-out.json"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
+                                         str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    if kill_loader_at is not None:
+        pattern = f"serve dataloader --config {run_dir / 'config.yaml'} --replica 0"
+        while (step := rank_step(run_dir)) is None or step < kill_loader_at:
+            assert proc.poll() is None, "the run ended before the kill"
+            time.sleep(0.05)
+        (loader,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
+        loader.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(summary.read_text())
+
+
+def _consumer(url: str) -> tuple[int, int, int]:
+    """(ack floor, messages pending acknowledgement, the stream's last sequence)."""
+    async def ask():
+        import nats
+
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            info = await js.consumer_info(STREAM, DURABLE)
+            return info.ack_floor.stream_seq, info.num_ack_pending, (await js.stream_info(STREAM)).state.last_seq
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_path, small_data, broker):
+    assert "published 60,000 events (0..59999) in 600 messages" in _replay(broker, small_data / "train.tsv",
+                                                                         limit=60_000)
+    result = _run(_config(tmp_path, small_data, broker, until=60_000), tmp_path / "run1")
+    assert result["samples"] == 60_000 and result["data"]["train"]["rows"] == 60_000, result["data"]
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0 and result["auc"] > 0.6
+    assert _consumer(broker) == (600, 0, 600)  # every message acknowledged once all of it was trained
+
+    # Twenty thousand more events, numbered on; a new job with the same durable consumer trains only those.
+    _replay(broker, small_data / "eval.tsv", limit=20_000, first_event=60_000)
+    second = _run(_config(tmp_path, small_data, broker, until=80_000), tmp_path / "run2")
+    assert second["samples"] == 20_000 and second["data"]["train"]["rows"] == 20_000, second["data"]
+    assert _consumer(broker) == (800, 0, 800)
+
+
+def test_a_loader_killed_mid_stream_resumes_without_skipping_or_repeating(tmp_path, small_data, broker):
+    _replay(broker, small_data / "train.tsv", limit=60_000)
+    run_dir = tmp_path / "run"
+    result = _run(_config(tmp_path, small_data, broker, until=60_000), run_dir, kill_loader_at=4)
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarts[("dataloader", 0)] == 1 and restarts[("nn_worker", 0)] == restarts[("nn_worker", 1)] == 0
+    resumed = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
+               if '"resuming"' in line]
+    assert len(resumed) == 1 and resumed[0]["source"] == "ranks" and resumed[0]["seq"] > 0, resumed
+    # Every event trained once: as many samples as events, none skipped.
+    assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert _consumer(broker) == (600, 0, 600)
+
+
+def test_a_stream_that_is_not_there_stops_the_loader_naming_the_key(tmp_path, small_data, broker):
+    config = _config(tmp_path, small_data, broker, until=10, stream="NO_SUCH")
+    proc = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(tmp_path / "run")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "data.stream.stream: there is no stream 'NO_SUCH'" in proc.stderr, proc.stderr[-3000:]
