@@ -242,6 +242,9 @@ class TrainingConfig(_Model):
     """Seed of the dense model's initialisation and of the PS's row initialisation and admission draws."""
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """Wire format of embeddings, gradients and IDs."""
+    progressive_window: Annotated[int, Field(gt=0)] = 100_000
+    """Samples in the sliding window of progressive validation: each training sample predicted before the
+    step that trains on it (the progress line's AUC, and the summary's `progressive_auc`; the online metric)."""
     log_every_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between two progress log lines of an NN worker."""
     task_weights: list[Annotated[float, Field(ge=0)]] | None = None

@@ -18,6 +18,41 @@ from pydantic import BaseModel, ConfigDict, Field
 from hybridrec.files import write_json_atomic
 
 
+STREAM_FILE = "stream.json"
+"""In the run's output directory: the data loader's account of a stream it trained on (`StreamSummary`)."""
+
+
+class Lag(BaseModel):
+    """Seconds from an event's time to a moment, over the events (weighted by samples)."""
+
+    p50: float
+    p99: float
+    max: float
+
+
+class StreamSummary(BaseModel):
+    """What the data loader read from `data.stream` (services/dataloader/stream.py), written by it to
+    `<output.dir>/stream.json` as training goes and merged into the summary at the end of `hybridrec run`."""
+
+    events: int
+    """Samples read from the stream and trained."""
+    first_seq: int
+    """The first stream sequence this job read."""
+    acknowledged_through: int
+    """The last stream sequence acknowledged: every sample of every message up to it was trained."""
+    training_lag_s: Lag | None = None
+    """From each message's event time to the moment the data loader learnt its samples were trained (a
+    batch's confirmation comes with the rank's next batch, so this errs long by up to a batch interval)."""
+
+    def write(self, output_dir: str | Path) -> None:
+        write_json_atomic(Path(output_dir) / STREAM_FILE, self.model_dump(mode="json"))
+
+    @classmethod
+    def read(cls, output_dir: str | Path) -> "StreamSummary | None":
+        path = Path(output_dir) / STREAM_FILE
+        return cls.model_validate_json(path.read_text()) if path.is_file() else None
+
+
 class Staleness(BaseModel):
     """How many earlier batches had unapplied updates when each batch's embeddings were looked up."""
 
@@ -215,6 +250,11 @@ class RunSummary(BaseModel):
     ps_rows: int | None = None
     """Embedding rows the PS shards held at the end of the run (every shard and width); None when a shard
     did not answer."""
+    progressive_auc: float | None = None
+    """Progressive validation: AUC of the last `progressive_samples` training samples' predictions, each made
+    before the step that trained on it (every rank's window; `training.progressive_window`). The online
+    metric: with a stream, no held-out file keeps up."""
+    progressive_samples: int = 0
     shards_restored: int = 0
     """Times a PS shard came back without its store in a job that had trained it (a lost host) and restored its
     part of the newest checkpoint (or, with none yet, started empty) before serving (`store_losses`)."""
@@ -257,6 +297,8 @@ class RunSummary(BaseModel):
     """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest); None when the
     checkpoint of the last step was written before (an interval one, or the one a restarted job resumed from)."""
     publish: PublishSummary | None = None
+    stream: StreamSummary | None = None
+    """Training from `data.stream`: events, acknowledgements and training lag (`hybridrec run` merges it)."""
     """Live versions published during the run (None: publishing off)."""
     services: list[ServiceInfo] | None = None
     """Launcher only: every replica it ran."""

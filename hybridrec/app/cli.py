@@ -153,6 +153,8 @@ def _print_summary(summary: RunSummary) -> None:
             ("wall time (start-up)", f"{fmt_duration(summary.wall_s)} ({fmt_duration(start_up)})"),
             ("eval AUC", fmt_sig(summary.auc)), ("oracle AUC", fmt_sig(summary.oracle_auc)),
             ("eval logloss", fmt_sig(summary.logloss)),
+            (f"progressive AUC (last {fmt_int(summary.progressive_samples)} samples)",
+             fmt_sig(summary.progressive_auc)),
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),
             ("skipped batches / lost updates", f"{summary.skipped_batches} / {summary.lost_updates}"),
             ("run dir", summary.run_dir), ("report", summary.report)]
@@ -166,6 +168,12 @@ def _print_summary(summary: RunSummary) -> None:
     if summary.lifecycle:  # admission or expiry did something: per table admitted / rejected / expired
         totals = [sum(getattr(t, f) for t in summary.lifecycle.values()) for f in ("admitted", "rejected", "expired")]
         rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))
+    if summary.stream is not None:  # trained on data.stream
+        st, lag = summary.stream, summary.stream.training_lag_s
+        rows.insert(-2, ("stream: events / acknowledged through seq", f"{fmt_int(st.events)} / {st.acknowledged_through}"))
+        if lag is not None:
+            rows.insert(-2, ("training lag p50 / p99 / max", f"{fmt_duration(lag.p50)} / {fmt_duration(lag.p99)} / "
+                                                             f"{fmt_duration(lag.max)}"))
     if summary.publish is not None:
         p = summary.publish
         rows.insert(-2, ("versions published / full / skipped / failed",

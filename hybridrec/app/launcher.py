@@ -33,7 +33,7 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
-from hybridrec.summary import SUMMARY_FILE, Phases, RunSummary, ServiceInfo, write_services
+from hybridrec.summary import SUMMARY_FILE, Phases, RunSummary, ServiceInfo, StreamSummary, write_services
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
@@ -485,6 +485,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         raise
     recorder.settle(summary.model_dump())
     summary = summary.model_copy(update={
+        "stream": StreamSummary.read(run_dir) if config.data.stream is not None else None,
         "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
         "services": [p.describe() for p in cluster.procs],
         "phases": Phases(**{k: recorder.phases.get(k) for k in Phases.model_fields})})

@@ -72,9 +72,9 @@ class Dispatcher:
         self.windows = [Window() for _ in self.nn_put]  # per rank, across phases
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reader")
         self.lz4 = config.training.compression.lz4_ids
-        self.on_trained: Callable[[Position], None] | None = None
-        """Called with the position after the newest training batch such that it and every earlier one have
-        been trained (a stream acknowledges its messages through it)."""
+        self.on_trained: Callable[[list[Position]], None] | None = None
+        """Called with the positions after training batches newly known trained, in order, each with every
+        earlier one (a stream acknowledges its messages through the last, and counts their lag)."""
         self._untrained: deque[tuple[int, Position]] = deque()  # training batches read, not yet known trained
 
     async def wait_trained(self) -> None:
@@ -176,16 +176,16 @@ class Dispatcher:
     def note_trained(self, through: list[int] | None = None) -> None:
         """Pass `on_trained` the position after the newest batch trained with every one before it, from the
         ranks' confirmations (or `through`, each rank's last trained training batch, from `received`)."""
-        ranks, newest = len(self.windows), None
+        ranks, trained = len(self.windows), []
         while self._untrained:
             seq, position = self._untrained[0]
             rank = seq % ranks
             if not (self.windows[rank].confirmed("train", seq) or (through is not None and through[rank] >= seq)):
                 break
-            newest = position
+            trained.append(position)
             self._untrained.popleft()
-        if newest is not None and self.on_trained is not None:
-            self.on_trained(newest)
+        if trained and self.on_trained is not None:
+            self.on_trained(trained)
 
 
 def checkpoint_point(config: Config) -> tuple[Position, int]:
@@ -205,7 +205,7 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
     first_seq = resume.train.first_seq
     if reader is not None:
         await asyncio.get_running_loop().run_in_executor(dispatcher.executor, reader.start, resume.position)
-        dispatcher.on_trained = lambda position: reader.ack_through(position.offset)
+        dispatcher.on_trained = reader.trained
         columns, groups = feature_columns(config.features)
         batches = stream.iter_train_batches(reader, config.data.stream, start=resume.position,
                                             batch_size=training.batch_size, columns=columns, groups=groups,
@@ -253,13 +253,16 @@ async def serve(config: Config, replica: int) -> None:
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
         if reader is not None and not resume.train_done:  # the last messages: acknowledged once all is trained
             await dispatcher.wait_trained()
+            reader.write_summary()
+            host.log.info("stream_trained", **reader.summary().model_dump())
 
     reader = None
     if config.data.stream is not None:
         if config.data.stream.url is None:
             raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
                               "hybridrec serve dataloader needs nats://HOST:PORT)")
-        reader = StreamReader(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s)
+        reader = StreamReader(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
+                              output_dir=config.output.dir)
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))
     finally:

@@ -35,6 +35,7 @@ import numpy as np
 from hybridrec import log
 from hybridrec.config import ConfigError, StreamConfig
 from hybridrec.event_stream import read_headers
+from hybridrec.summary import Lag, StreamSummary
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.tsv import BadLinePolicy, parse_lines
 
@@ -62,18 +63,23 @@ class StreamReader:
     """The durable pull consumer of `data.stream`, on a thread of its own: `start` it at a position, `get`
     messages in stream order, and `ack_through` a sequence once everything up to it has been trained."""
 
-    def __init__(self, config: StreamConfig, url: str, *, retry_s: float):
-        self.config, self.url, self.retry_s = config, url, retry_s
+    def __init__(self, config: StreamConfig, url: str, *, retry_s: float, output_dir: str | None = None):
+        self.config, self.url, self.retry_s, self.output_dir = config, url, retry_s, output_dir
         self.messages: queue.Queue[Message | BaseException] = queue.Queue(QUEUE_MESSAGES)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="stream", daemon=True)
         self._thread.start()
         self._pending: dict[int, Any] = {}  # stream seq -> its nats message, until acknowledged
-        self._acked = 0
+        self._acked = self._ack_asked = 0
         self._fetching: asyncio.Future | None = None
         self._nc = self._js = self._sub = None
         self.log = log.get()
         self.first_seq = 0
+        self._lock = threading.Lock()  # the batcher's thread notes batches, the loader's loop their training
+        self._batches: dict[Position, list[tuple[float, int]]] = {}  # position -> (event time, samples) per message
+        self._lags: list[tuple[float, int]] = []  # (seconds from event time to trained, samples)
+        self._events = 0
+        self._written = 0.0
 
     def start(self, position: Position) -> int:
         """Connect, check the stream, and read from `position` (the start of the data: after the durable
@@ -96,7 +102,49 @@ class StreamReader:
     def ack_through(self, seq: int) -> None:
         """Acknowledge every message up to stream sequence `seq` (thread-safe; at most one request)."""
         if seq > self._acked:
+            self._ack_asked = max(self._ack_asked, seq)
             self._loop.call_soon_threadsafe(self._ack, seq)
+
+    def note_batch(self, position: Position, parts: list[tuple[float, int]]) -> None:
+        """The batch ending at `position` holds `parts`: (event time, samples) of each message in it."""
+        with self._lock:
+            self._batches[position] = parts
+
+    def trained(self, positions: list[Position]) -> None:
+        """The batches ending at `positions` have been trained, with every earlier one: acknowledge their
+        messages, count their events and their training lag."""
+        now = time.time()
+        with self._lock:
+            for position in positions:
+                for when, samples in self._batches.pop(position, ()):
+                    self._events += samples
+                    if when == when:  # a message without an event time has no lag
+                        self._lags.append((now - when, samples))
+        self.ack_through(positions[-1].offset)
+        if now - self._written >= 1.0:
+            self.write_summary()
+
+    def summary(self) -> StreamSummary:
+        with self._lock:
+            lags = np.array(self._lags, np.float64).reshape(-1, 2)
+            events = self._events
+        lag = None
+        if lags.shape[0]:
+            order = np.argsort(lags[:, 0])
+            seconds, weight = lags[order, 0], np.cumsum(lags[order, 1]) / lags[:, 1].sum()
+            pick = lambda q: float(seconds[min(np.searchsorted(weight, q), len(seconds) - 1)])  # noqa: E731
+            lag = Lag(p50=pick(0.5), p99=pick(0.99), max=float(seconds[-1]))
+        return StreamSummary(events=events, first_seq=self.first_seq, acknowledged_through=max(self._ack_asked, 0),
+                             training_lag_s=lag)
+
+    def write_summary(self) -> None:
+        """`<output.dir>/stream.json` (at most once a second while training, and at its end)."""
+        self._written = time.time()
+        if self.output_dir:
+            try:
+                self.summary().write(self.output_dir)
+            except OSError as exc:
+                self.log.warning("stream_summary_not_written", error=str(exc))
 
     def close(self) -> None:
         if self._fetching is not None:
@@ -160,7 +208,7 @@ class StreamReader:
                                     deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first,
                                     ack_wait=ACK_WAIT_S, filter_subject=c.subject, max_ack_pending=-1)
         self._sub = await self._js.pull_subscribe(c.subject, durable=c.durable, stream=c.stream, config=config)
-        self._acked = first - 1
+        self._acked = self._ack_asked = first - 1
         self.log.info("stream_reading", url=self.url, stream=c.stream, subject=c.subject, durable=c.durable,
                       first_seq=first, last_seq=info.state.last_seq)
         return first
@@ -236,14 +284,21 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
     position after it, from `start` on, until `until_event` or `for_s`."""
     skip = start.line - 1  # samples of the message at start.offset + 1 already trained
     pending: list[Rows] = []
+    parts: list[tuple[float, int]] = []  # (event time, samples) of each message in the pending batch
     held, position = 0, start
+
+    def batch() -> tuple[Rows, Position]:
+        reader.note_batch(position, list(parts))
+        parts.clear()
+        return Rows.concat(pending), position
+
     deadline = time.monotonic() + config.for_s if config.for_s else None
     while deadline is None or time.monotonic() < deadline:
         wait = config.linger_s if deadline is None else max(0.0, min(config.linger_s, deadline - time.monotonic()))
         msg = reader.get(wait)
         if msg is None:  # the stream paused: what is held goes out now
             if held:
-                yield Rows.concat(pending), position
+                yield batch()
                 pending, held = [], 0
             continue
         if config.until_event is not None and msg.first_event >= config.until_event:
@@ -259,13 +314,14 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
         while done < len(rows):
             take = min(batch_size - held, len(rows) - done)
             pending.append(rows.slice(done, done + take))
+            parts.append((msg.event_time, take))
             held, done = held + take, done + take
             position = Position(0, 0, msg.seq, 1) if done == len(rows) else Position(0, 0, msg.seq - 1, done + 1)
             if held == batch_size:
-                yield Rows.concat(pending), position
+                yield batch()
                 pending, held = [], 0
         position = Position(0, 0, msg.seq, 1)  # a message without valid samples is passed too
         if config.until_event is not None and msg.first_event + chunk.end_line - 1 >= config.until_event:
             break  # it held event until_event - 1: the last message trained
     if held:
-        yield Rows.concat(pending), position
+        yield batch()

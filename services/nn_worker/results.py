@@ -155,9 +155,11 @@ def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
-                  data: dict, publish: dict | None = None) -> RunSummary:
+                  data: dict, publish: dict | None = None,
+                  progressive: tuple[np.ndarray, np.ndarray] | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
-    recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds)."""
+    recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds).
+    `progressive`: every rank's progressive-validation window, (predictions, labels)."""
     wall = totals["train_wall_s"]
     tasks = _task_metrics(config, labels, preds)
     first = (tasks[0].model_dump(include={"auc", "logloss"}) if tasks else binary_metrics(labels, preds))
@@ -179,6 +181,8 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
+        progressive_auc=binary_metrics(progressive[1], progressive[0])["auc"] if progressive is not None else None,
+        progressive_samples=int(progressive[0].shape[0]) if progressive is not None else 0,
         **recovered,
     )
 

@@ -184,10 +184,11 @@ async def _serve(config: Config, replica: int) -> None:
         servicer.phase = "eval"
         preds, labels, end_eval = await trainer.evaluate()
         all_preds, all_labels = await loop.run_in_executor(compute, gather_eval, preds, labels, world_size)
+        window = await loop.run_in_executor(compute, gather_eval, *trainer.progressive.arrays(), world_size)
         totals = await loop.run_in_executor(compute, reduce_stats, trainer)
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,
-                                    data={"train": end_train, "eval": end_eval},
+                                    data={"train": end_train, "eval": end_eval}, progressive=window,
                                     publish=publisher.summary() if publisher else None)
             if checkpointer.final_path is not None:
                 summary.checkpoint, summary.checkpoint_s = str(checkpointer.final_path), checkpointer.final_s

@@ -33,7 +33,6 @@ from hybridrec import log
 from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, Mode
-from hybridrec.evaluation import binary_metrics
 from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
@@ -41,6 +40,7 @@ from services.nn_worker.distributed import DenseSync, DistEnv, barrier
 from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
+from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class TrainStats:
     loss_sum: float = 0.0
     loss_count: int = 0
     last_loss: float = float("nan")
-    train_auc: float = float("nan")  # progressive validation: AUC of each batch's predictions before its update
+    train_auc: float = float("nan")  # progressive validation: AUC of the window's predictions (progressive.py)
     started: float | None = None
     finished: float | None = None
     wall_offset: float = 0.0  # training time before the checkpoint this run resumed from
@@ -128,6 +128,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
+        self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size))
         self.membership = collaborators.membership
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
         self._trained_through = -1  # the last training batch this rank trained
@@ -449,11 +450,14 @@ class Trainer:
         with self._autocast():
             logits = self._logits(self.sync.module(dense, embeddings))
         loss = self._loss(logits, labels) * weight
-        # At the end of every PROGRESSIVE_AUC_EVERY-th step, not the first: the first AUC imports scikit-learn,
-        # which would otherwise hold up the first step (start-up, docs/architecture.md#start-up). The first task's.
-        if weight and self.stats.steps % PROGRESSIVE_AUC_EVERY == PROGRESSIVE_AUC_EVERY - 1:
-            self._progressive_auc(logits.detach().cpu().numpy().reshape(len(labels), -1)[:, 0],
-                                  np.asarray(batch.labels).reshape(len(labels), -1)[:, 0])
+        # Every step's predictions, made before the step trains on them, go into the progressive window (the first
+        # task's); its AUC at the end of every PROGRESSIVE_AUC_EVERY-th step, not the first: the first AUC imports
+        # scikit-learn, which would otherwise hold up the first step (docs/architecture.md#start-up).
+        if weight:
+            first = logits.detach().float().cpu().numpy().reshape(len(labels), -1)[:, 0]
+            self.progressive.add(1 / (1 + np.exp(-first)), np.asarray(batch.labels).reshape(len(labels), -1)[:, 0])
+            if self.stats.steps % PROGRESSIVE_AUC_EVERY == PROGRESSIVE_AUC_EVERY - 1:
+                self.stats.train_auc = self.progressive.auc()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -478,12 +482,6 @@ class Trainer:
     def _autocast(self):
         """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
-
-    def _progressive_auc(self, logits: np.ndarray, labels: np.ndarray) -> None:
-        auc = binary_metrics(labels, 1 / (1 + np.exp(-logits)))["auc"]
-        if auc is not None:
-            old = self.stats.train_auc
-            self.stats.train_auc = auc if np.isnan(old) else 0.8 * old + 0.2 * auc
 
     def _record_loss(self, loss: float) -> None:
         self.stats.last_loss = loss

@@ -105,11 +105,17 @@ def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_p
     assert result["samples"] == 60_000 and result["data"]["train"]["rows"] == 60_000, result["data"]
     assert result["skipped_batches"] == 0 and result["lost_updates"] == 0 and result["auc"] > 0.6
     assert _consumer(broker) == (600, 0, 600)  # every message acknowledged once all of it was trained
+    stream = result["stream"]  # the loader's own account, merged into the summary
+    assert stream["events"] == 60_000 and stream["first_seq"] == 1 and stream["acknowledged_through"] == 600, stream
+    lag = stream["training_lag_s"]
+    assert 0 < lag["p50"] <= lag["p99"] <= lag["max"] < 600, lag
+    assert result["progressive_samples"] == 60_000 and 0.5 < result["progressive_auc"] < 1, result
 
     # Twenty thousand more events, numbered on; a new job with the same durable consumer trains only those.
     _replay(broker, small_data / "eval.tsv", limit=20_000, first_event=60_000)
     second = _run(_config(tmp_path, small_data, broker, until=80_000), tmp_path / "run2")
     assert second["samples"] == 20_000 and second["data"]["train"]["rows"] == 20_000, second["data"]
+    assert second["stream"]["first_seq"] == 601 and second["stream"]["events"] == 20_000, second["stream"]
     assert _consumer(broker) == (800, 0, 800)
 
 

@@ -1,0 +1,134 @@
+"""Online training from a stream against training on the file, in one invocation on one machine. Writes JSON.
+
+* `file`: the README example (`examples/criteo_synth.yaml`) trained on its training file: the eval AUC is the
+  reference;
+* `stream`: the same job with `data.stream`, through a real nats-server started here, while `hybridrec data
+  replay` publishes the same training file at `--rate` events a second (the replay starts once the job's data
+  loader is reading). Reported: samples/s, the training lag (event time to trained; p50, p99, max), the
+  progressive AUC over the last `training.progressive_window` samples (100,000) against the file run's eval
+  AUC, and the eval AUC on the same held-out file.
+
+    python benchmarks/online.py --rows 1000000 --rate 40000 --out results/online.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hybridrec.app.launcher import free_port  # noqa: E402
+from hybridrec.summary import RunSummary  # noqa: E402
+
+README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
+HYBRIDREC = [sys.executable, "-m", "hybridrec"]
+
+
+def start_broker(store: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("nats-server") or "nats-server", "-js", "-a", "127.0.0.1", "-p", str(port),
+                             "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"nats://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("nats-server did not start (Debian package nats-server)")
+            time.sleep(0.05)
+
+
+def run(config: Path, run_dir: Path, *, feed=None) -> dict:
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    fed = None
+    if feed is not None:
+        log = run_dir / "logs" / "dataloader-0.log"
+        while not (log.is_file() and '"stream_reading"' in log.read_text()):
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        fed = feed()
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"hybridrec run failed ({proc.returncode}):\n{err[-3000:]}")
+    s = RunSummary.of_run(run_dir)
+    out = {"samples": s.samples, "samples_per_sec": s.samples_per_sec, "auc": s.auc,
+           "progressive_auc": s.progressive_auc, "progressive_samples": s.progressive_samples,
+           "skipped_batches": s.skipped_batches, "lost_updates": s.lost_updates}
+    if s.stream is not None:
+        out["stream"] = s.stream.model_dump()
+    if fed is not None:
+        out["replay"] = fed
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, help="directory with train.tsv, eval.tsv (data/synth)")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="synthetic rows when --data is not given")
+    parser.add_argument("--rate", type=float, default=40_000.0, help="replayed events a second")
+    parser.add_argument("--rows-per-message", type=int, default=100)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hybridrec-online-") as scratch:
+        work = Path(scratch)
+        data = args.data
+        if data is None:
+            data = work / "data"
+            subprocess.run(HYBRIDREC + ["data", "synth", "--out", str(data), "--rows", str(args.rows)], cwd=REPO,
+                           check=True, stdout=subprocess.DEVNULL)
+        rows = sum(1 for _ in open(data / "train.tsv", "rb"))
+        tree = yaml.safe_load(README_CONFIG.read_text())
+        tree["data"] = {"train": [str(data / "train.tsv")], "eval": [str(data / "eval.tsv")]}
+        (work / "file.yaml").write_text(yaml.safe_dump(tree))
+        result: dict = {"benchmark": "online", "cpus": os.cpu_count(), "rows": rows, "rate": args.rate,
+                        "file": run(work / "file.yaml", work / "file")}
+        broker, url = start_broker(work / "nats")
+        try:
+            tree["data"] = {"stream": {"url": url, "until_event": rows}, "eval": [str(data / "eval.tsv")]}
+            (work / "stream.yaml").write_text(yaml.safe_dump(tree))
+
+            def feed() -> dict:
+                started = time.monotonic()
+                out = subprocess.run(HYBRIDREC + ["data", "replay", str(data / "train.tsv"), "--to",
+                                                  f"{url}/hybridrec.events", "--rate", str(args.rate),
+                                                  "--rows-per-message", str(args.rows_per_message)],
+                                     cwd=REPO, capture_output=True, text=True, check=True)
+                return {"seconds": round(time.monotonic() - started, 2), "output": out.stdout.strip()}
+
+            # The replay runs beside training: started in a thread of its own once the loader reads the stream.
+            import threading
+
+            replayed: dict = {}
+            starter = lambda: threading.Thread(target=lambda: replayed.update(feed()), daemon=True).start()  # noqa: E731
+            result["stream"] = run(work / "stream.yaml", work / "stream", feed=starter)
+            result["stream"]["replay"] = replayed
+        finally:
+            broker.terminate()
+            broker.wait()
+    lag = (result["stream"].get("stream") or {}).get("training_lag_s") or {}
+    result["targets"] = {
+        "training_lag_p99_s": lag.get("p99"), "training_lag_p99_bound_s": 5.0,
+        "progressive_minus_file_eval_auc": (result["stream"]["progressive_auc"] or float("nan"))
+        - (result["file"]["auc"] or float("nan")),
+        "bound": 0.005}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("file", "targets")} | {"stream": {
+        k: v for k, v in result["stream"].items() if k != "replay"}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
