@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -27,7 +28,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hybridrec.app.broker import create_stream  # noqa: E402
 from hybridrec.app.launcher import free_port  # noqa: E402
+from hybridrec.config import StreamConfig  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -99,6 +102,7 @@ def main() -> None:
         try:
             tree["data"] = {"stream": {"url": url, "until_event": rows}, "eval": [str(data / "eval.tsv")]}
             (work / "stream.yaml").write_text(yaml.safe_dump(tree))
+            asyncio.run(create_stream(url, StreamConfig()))  # the job reads it before the replay begins
 
             def feed() -> dict:
                 started = time.monotonic()

@@ -49,7 +49,7 @@ class LocalBroker:
                                       f"{self.run_dir / 'logs' / 'nats-server.log'}") from None
                 time.sleep(0.05)
         self.url = f"nats://127.0.0.1:{port}"
-        asyncio.run(_create_stream(self.url, stream))
+        asyncio.run(create_stream(self.url, stream))
         log.get().warning("local_broker", url=self.url, stream=stream.stream, subject=stream.subject,
                           feed=f"hybridrec data replay FILE --to {self.url}/{stream.subject}")
         return self.url
@@ -64,7 +64,8 @@ class LocalBroker:
                 self.proc.wait()
 
 
-async def _create_stream(url: str, stream: StreamConfig) -> None:
+async def create_stream(url: str, stream: StreamConfig) -> None:
+    """Create `stream.stream` holding `stream.subject` on the broker at `url`."""
     import nats
 
     nc = await nats.connect(url, connect_timeout=5)
