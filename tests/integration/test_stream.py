@@ -139,3 +139,32 @@ def test_a_stream_that_is_not_there_stops_the_loader_naming_the_key(tmp_path, sm
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "data.stream.stream: there is no stream 'NO_SUCH'" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_run_without_a_broker_url_starts_its_own_and_says_how_to_feed_it(tmp_path, small_data):
+    """No data.stream.url: `hybridrec run` starts nats-server -js for the run (its store in the run directory),
+    creates the stream, and logs the replay command; a replay to it is trained; the broker stops with the run."""
+    path = _config(tmp_path, small_data, None, until=20_000)
+    tree = yaml.safe_load(path.read_text())
+    del tree["data"]["stream"]["url"]
+    path.write_text(yaml.safe_dump(tree))
+    run_dir, err = tmp_path / "run", tmp_path / "run.err"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(path), "--run-dir", str(run_dir), "--summary-json",
+                                         str(tmp_path / "summary.json")], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=err.open("wb"))
+    deadline = time.monotonic() + 120
+    while not (lines := [json.loads(line) for line in err.read_text().splitlines()
+                         if line.startswith("{") and '"local_broker"' in line]):
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+        time.sleep(0.1)
+    (started,) = lines
+    url = started["url"]
+    assert started["feed"] == f"hybridrec data replay FILE --to {url}/{SUBJECT}"
+    _replay(url, small_data / "train.tsv", limit=20_000)
+    assert proc.wait(timeout=600) == 0, err.read_text()[-3000:]
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["samples"] == 20_000 and result["stream"]["acknowledged_through"] == 200, result["stream"]
+    assert (run_dir / "nats").is_dir()
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # stopped with the run
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
