@@ -239,7 +239,8 @@ class LocalCluster:
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
     def check(self) -> bool:
-        """True once every NN worker finished cleanly; LaunchError as soon as any service fails.
+        """True once every NN worker finished cleanly (training on a stream: and the data loader, whose last
+        acknowledgement must reach the broker); LaunchError as soon as any service fails.
 
         On a death, waits DEATH_SETTLE_S once before deciding: processes lost together (a machine, or a
         kill of several) die a few milliseconds apart on a loaded machine, and a peer still dying must not
@@ -274,7 +275,10 @@ class LocalCluster:
                 self._restart_group(proc, rc, counted=counted)
                 return False
             raise LaunchError(self._death(proc, rc))
-        return all(p.finished for p in self.procs if p.service == "nn_worker")
+        finished = all(p.finished for p in self.procs if p.service == "nn_worker")
+        if finished and self.config.data.stream is not None:  # and the loader's last acknowledgement is in
+            finished = all(p.finished for p in self.procs if p.service == "dataloader")
+        return finished
 
     @staticmethod
     def _death(proc: ServiceProcess, rc: int) -> str:

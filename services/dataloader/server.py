@@ -247,14 +247,15 @@ async def serve(config: Config, replica: int) -> None:
         if not resume.train_done:
             n = await send_training(config, dispatcher, resume, train_counts, reader)
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
+            if reader is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
+                await dispatcher.wait_trained()  # every rank is there to ask (it waits for the eval data)
+                await asyncio.get_running_loop().run_in_executor(None, reader.finish, config.cluster.retry_s)
+                reader.write_summary()
+                host.log.info("stream_trained", **reader.summary().model_dump())
         eval_rows = read_eval_rows(config, eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
-        if reader is not None and not resume.train_done:  # the last messages: acknowledged once all is trained
-            await dispatcher.wait_trained()
-            reader.write_summary()
-            host.log.info("stream_trained", **reader.summary().model_dump())
 
     reader = None
     if config.data.stream is not None:

@@ -71,6 +71,7 @@ class StreamReader:
         self._thread.start()
         self._pending: dict[int, Any] = {}  # stream seq -> its nats message, until acknowledged
         self._acked = self._ack_asked = 0
+        self._last_ack = None  # the nats message of the newest acknowledgement
         self._fetching: asyncio.Future | None = None
         self._nc = self._js = self._sub = None
         self.log = log.get()
@@ -104,6 +105,12 @@ class StreamReader:
         if seq > self._acked:
             self._ack_asked = max(self._ack_asked, seq)
             self._loop.call_soon_threadsafe(self._ack, seq)
+
+    def finish(self, timeout_s: float) -> bool:
+        """Make sure the broker holds the last acknowledgement before the loader exits (it covers every earlier
+        message), waiting up to `timeout_s` for a broker that is restarting; False if it never answered (the
+        next job then reads those messages again: nothing is skipped)."""
+        return asyncio.run_coroutine_threadsafe(self._confirm_last_ack(timeout_s), self._loop).result()
 
     def note_batch(self, position: Position, parts: list[tuple[float, int]]) -> None:
         """The batch ending at `position` holds `parts`: (event time, samples) of each message in it."""
@@ -164,7 +171,9 @@ class StreamReader:
         while True:
             try:
                 return await nats.connect(self.url, connect_timeout=2, max_reconnect_attempts=-1,
-                                          reconnect_time_wait=0.5, allow_reconnect=True)
+                                          reconnect_time_wait=0.5, allow_reconnect=True,
+                                          error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+                                          reconnected_cb=self._on_reconnected)
             except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds for a broker that is not there
                 attempt += 1
                 if time.monotonic() + delay > deadline:
@@ -176,6 +185,15 @@ class StreamReader:
                                      retrying_for_s=round(deadline - time.monotonic()))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def _on_error(self, exc: Exception) -> None:  # nats-py's own would print to stderr
+        self.log.warning("stream_broker_error", error=f"{type(exc).__name__}: {exc}")
+
+    async def _on_disconnected(self) -> None:
+        self.log.warning("stream_broker_disconnected", url=self.url, why="reconnecting every 0.5 s")
+
+    async def _on_reconnected(self) -> None:
+        self.log.info("stream_broker_reconnected", url=self.url)
 
     async def _start(self, position: Position) -> int:
         from nats.js import api
@@ -227,7 +245,9 @@ class StreamReader:
                     continue
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
-                    if seq <= last:  # a redelivery of what this consumer gave already
+                    if seq <= last:  # a redelivery of what this consumer gave already (a restarted broker):
+                        if seq in self._pending:  # not passed on twice, but acknowledged through this delivery,
+                            self._pending[seq] = msg  # which the broker knows (it may have lost the first)
                         continue
                     last = seq
                     self._pending[seq] = msg
@@ -246,8 +266,25 @@ class StreamReader:
         msg = self._pending[newest]
         for s in done:
             del self._pending[s]
-        self._acked = newest
+        self._acked, self._last_ack = newest, msg
         asyncio.ensure_future(_ack(msg, newest, self.log))
+
+    async def _confirm_last_ack(self, timeout_s: float) -> bool:
+        """The last acknowledgement again, as a request the broker answers: an acknowledgement published while
+        the broker was restarting may be lost with it."""
+        if self._last_ack is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._nc.request(self._last_ack.reply, b"+ACK", timeout=2)
+                return True
+            except Exception as exc:  # noqa: BLE001 - not connected yet, or no answer: try again
+                if time.monotonic() > deadline:
+                    self.log.warning("stream_last_ack_unconfirmed", seq=self._acked, error=f"{type(exc).__name__}: "
+                                     f"{exc}", why="the next job reads the unacknowledged messages again")
+                    return False
+                await asyncio.sleep(0.5)
 
     async def _close(self) -> None:
         if self._nc is not None:

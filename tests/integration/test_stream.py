@@ -25,26 +25,50 @@ pytestmark = pytest.mark.integration
 SUBJECT, STREAM, DURABLE = "hybridrec.events", "HYBRIDREC_EVENTS", "hybridrec-trainer"
 
 
+class Broker:
+    """A real nats-server with JetStream on a free loopback port, its store in a directory that outlives it:
+    killed and started again, it comes back with its stream, as a restarted broker pod does."""
+
+    def __init__(self, tmp_path: Path):
+        binary = shutil.which("nats-server")
+        if binary is None:
+            pytest.fail("nats-server is not installed: it is the broker of data.stream (Debian package nats-server)")
+        self.binary, self.store, self.log = binary, tmp_path / "nats", tmp_path / "nats.log"
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
+                                      str(self.store)], stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 @pytest.fixture
-def broker(tmp_path):
-    """A real nats-server with JetStream on a free loopback port, its store in tmp_path."""
-    binary = shutil.which("nats-server")
-    if binary is None:
-        pytest.fail("nats-server is not installed: it is the broker of data.stream (Debian package nats-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "nats")],
-                            stdout=(tmp_path / "nats.log").open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "nats.log").read_text()
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
+def nats_server(tmp_path):
+    server = Broker(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def broker(nats_server) -> str:
+    return nats_server.url
 
 
 def _replay(url: str, path: Path, *, limit: int, first_event: int = 0) -> str:
@@ -65,18 +89,26 @@ def _config(tmp_path: Path, data: Path, url: str, until: int, **stream) -> Path:
     return path
 
 
-def _run(config: Path, run_dir: Path, kill_loader_at: int | None = None) -> dict:
+def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4, broker: Broker | None = None,
+         down_s: float = 3.0) -> dict:
+    """`hybridrec run`; with `kill`, that service's replica 0 SIGKILLed once rank 0 is at `at_step` (the
+    launcher replaces it), or with kill="broker" the broker, started again with its store `down_s` later."""
     summary = run_dir / "summary-out.json"
     proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
                                          str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    if kill_loader_at is not None:
-        pattern = f"serve dataloader --config {run_dir / 'config.yaml'} --replica 0"
-        while (step := rank_step(run_dir)) is None or step < kill_loader_at:
+    if kill is not None:
+        while (step := rank_step(run_dir)) is None or step < at_step:
             assert proc.poll() is None, "the run ended before the kill"
             time.sleep(0.05)
-        (loader,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
-        loader.send_signal(signal.SIGKILL)
+        if kill == "broker":
+            broker.kill()
+            time.sleep(down_s)
+            broker.start()
+        else:
+            pattern = f"serve {kill} --config {run_dir / 'config.yaml'} --replica 0"
+            (target,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
+            target.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     return json.loads(summary.read_text())
@@ -122,7 +154,7 @@ def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_p
 def test_a_loader_killed_mid_stream_resumes_without_skipping_or_repeating(tmp_path, small_data, broker):
     _replay(broker, small_data / "train.tsv", limit=60_000)
     run_dir = tmp_path / "run"
-    result = _run(_config(tmp_path, small_data, broker, until=60_000), run_dir, kill_loader_at=4)
+    result = _run(_config(tmp_path, small_data, broker, until=60_000), run_dir, kill="dataloader", at_step=4)
     restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     assert restarts[("dataloader", 0)] == 1 and restarts[("nn_worker", 0)] == restarts[("nn_worker", 1)] == 0
     resumed = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
@@ -168,3 +200,18 @@ def test_a_run_without_a_broker_url_starts_its_own_and_says_how_to_feed_it(tmp_p
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(OSError):  # stopped with the run
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+
+
+@pytest.mark.parametrize("kill", ["embedding_ps", "embedding_worker", "nn_worker", "broker"])
+def test_a_service_or_the_broker_killed_mid_stream_loses_and_repeats_nothing(tmp_path, small_data, nats_server,
+                                                                              kill):
+    """kill -9 of each other service kind mid-stream (the loader: above), and of the broker, started again with
+    its store: training goes on, every event is trained once, and every message is acknowledged."""
+    _replay(nats_server.url, small_data / "train.tsv", limit=60_000)
+    result = _run(_config(tmp_path, small_data, nats_server.url, until=60_000), tmp_path / "run", kill=kill,
+                  broker=nats_server)
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    if kill != "broker":
+        assert restarts[(kill, 0)] == 1, restarts
+    assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert _consumer(nats_server.url) == (600, 0, 600)
