@@ -112,10 +112,12 @@ class StreamReader:
         next job then reads those messages again: nothing is skipped)."""
         return asyncio.run_coroutine_threadsafe(self._confirm_last_ack(timeout_s), self._loop).result()
 
-    def note_batch(self, position: Position, parts: list[tuple[float, int]]) -> None:
-        """The batch ending at `position` holds `parts`: (event time, samples) of each message in it."""
+    def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:
+        """The batch ending at `position` holds `parts`: (event time, samples, first event id) of each message's
+        share of it. Logged (`stream_batch`): the events of every batch read, to account for them by id."""
         with self._lock:
-            self._batches[position] = parts
+            self._batches[position] = [(when, samples) for when, samples, _ in parts]
+        self.log.info("stream_batch", position=position.as_list(), events=[[first, n] for _, n, first in parts])
 
     def trained(self, positions: list[Position]) -> None:
         """The batches ending at `positions` have been trained, with every earlier one: acknowledge their
@@ -321,7 +323,7 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
     position after it, from `start` on, until `until_event` or `for_s`."""
     skip = start.line - 1  # samples of the message at start.offset + 1 already trained
     pending: list[Rows] = []
-    parts: list[tuple[float, int]] = []  # (event time, samples) of each message in the pending batch
+    parts: list[tuple[float, int, int]] = []  # (event time, samples, first event id) per message in the batch
     held, position = 0, start
 
     def batch() -> tuple[Rows, Position]:
@@ -351,7 +353,7 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
         while done < len(rows):
             take = min(batch_size - held, len(rows) - done)
             pending.append(rows.slice(done, done + take))
-            parts.append((msg.event_time, take))
+            parts.append((msg.event_time, take, msg.first_event + done))  # exact when no line of it was bad
             held, done = held + take, done + take
             position = Position(0, 0, msg.seq, 1) if done == len(rows) else Position(0, 0, msg.seq - 1, done + 1)
             if held == batch_size:

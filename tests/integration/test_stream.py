@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import yaml
@@ -114,6 +115,40 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     return json.loads(summary.read_text())
 
 
+def _events_read(run_dir: Path) -> list[tuple[int, int]]:
+    """The events of every training batch the data loader read, as (first id, count) runs: of a restarted
+    loader, what its predecessor read up to where it resumed, then its own (`stream_batch`, `resuming`)."""
+    lives: list[tuple[list[int] | None, list[tuple[list[int], list[list[int]]]]]] = []
+    resumed_at = None  # a restarted loader logs where it resumes, then starts reading
+    for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        if entry["event"] == "resuming":
+            resumed_at = entry["position"]
+        elif entry["event"] == "stream_reading":
+            lives.append((resumed_at, []))
+            resumed_at = None
+        elif entry["event"] == "stream_batch":
+            lives[-1][1].append((entry["position"], entry["events"]))
+    runs: list[tuple[int, int]] = []
+    for i, (_, batches) in enumerate(lives):
+        until = lives[i + 1][0] if i + 1 < len(lives) else None  # where the next loader resumed
+        for position, events in batches:
+            if until is None or position <= until:
+                runs += [(first, n) for first, n in events]
+    return runs
+
+
+def _assert_each_event_once(run_dir: Path, events: int) -> None:
+    """The batches read cover event ids 0..events-1, each exactly once."""
+    seen = np.zeros(events, np.int64)
+    for first, n in _events_read(run_dir):
+        assert 0 <= first and first + n <= events, (first, n)
+        seen[first:first + n] += 1
+    assert seen.min() == seen.max() == 1, (np.flatnonzero(seen == 0)[:10], np.flatnonzero(seen > 1)[:10])
+
+
 def _consumer(url: str) -> tuple[int, int, int]:
     """(ack floor, messages pending acknowledgement, the stream's last sequence)."""
     async def ask():
@@ -137,6 +172,7 @@ def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_p
     assert result["samples"] == 60_000 and result["data"]["train"]["rows"] == 60_000, result["data"]
     assert result["skipped_batches"] == 0 and result["lost_updates"] == 0 and result["auc"] > 0.6
     assert _consumer(broker) == (600, 0, 600)  # every message acknowledged once all of it was trained
+    _assert_each_event_once(tmp_path / "run1", 60_000)
     stream = result["stream"]  # the loader's own account, merged into the summary
     assert stream["events"] == 60_000 and stream["first_seq"] == 1 and stream["acknowledged_through"] == 600, stream
     lag = stream["training_lag_s"]
@@ -162,6 +198,7 @@ def test_a_loader_killed_mid_stream_resumes_without_skipping_or_repeating(tmp_pa
     assert len(resumed) == 1 and resumed[0]["source"] == "ranks" and resumed[0]["seq"] > 0, resumed
     # Every event trained once: as many samples as events, none skipped.
     assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    _assert_each_event_once(run_dir, 60_000)
     assert _consumer(broker) == (600, 0, 600)
 
 
@@ -214,4 +251,5 @@ def test_a_service_or_the_broker_killed_mid_stream_loses_and_repeats_nothing(tmp
     if kill != "broker":
         assert restarts[(kill, 0)] == 1, restarts
     assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    _assert_each_event_once(tmp_path / "run", 60_000)
     assert _consumer(nats_server.url) == (600, 0, 600)
