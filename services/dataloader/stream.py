@@ -114,10 +114,12 @@ class StreamReader:
 
     def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:
         """The batch ending at `position` holds `parts`: (event time, samples, first event id) of each message's
-        share of it. Logged (`stream_batch`): the events of every batch read, to account for them by id."""
+        share of it. Logged (`stream_batch`: [first id, samples, event time] per share): the events of every
+        batch read, in order, to account for them by id and to time them into a served version."""
         with self._lock:
             self._batches[position] = [(when, samples) for when, samples, _ in parts]
-        self.log.info("stream_batch", position=position.as_list(), events=[[first, n] for _, n, first in parts])
+        self.log.info("stream_batch", position=position.as_list(),
+                      events=[[first, n, when] for when, n, first in parts])
 
     def trained(self, positions: list[Position]) -> None:
         """The batches ending at `positions` have been trained, with every earlier one: acknowledge their

@@ -136,7 +136,7 @@ def _events_read(run_dir: Path) -> list[tuple[int, int]]:
         until = lives[i + 1][0] if i + 1 < len(lives) else None  # where the next loader resumed
         for position, events in batches:
             if until is None or position <= until:
-                runs += [(first, n) for first, n in events]
+                runs += [(first, n) for first, n, _ in events]
     return runs
 
 
