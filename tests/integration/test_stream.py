@@ -91,13 +91,30 @@ def _config(tmp_path: Path, data: Path, url: str, until: int, **stream) -> Path:
 
 
 def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4, broker: Broker | None = None,
-         down_s: float = 3.0) -> dict:
+         down_s: float = 3.0, replay: tuple[str, Path, int] | None = None) -> dict:
     """`hybridrec run`; with `kill`, that service's replica 0 SIGKILLed once rank 0 is at `at_step` (the
-    launcher replaces it), or with kill="broker" the broker, started again with its store `down_s` later."""
+    launcher replaces it), or with kill="broker" the broker, started again with its store `down_s` later. With
+    `replay` (url, file, events), the file is replayed at 10,000 events/s from the moment the data loader
+    reads the stream: the kill comes in the middle of the replay."""
+    if replay is not None:
+        from hybridrec.app.broker import create_stream
+        from hybridrec.config import StreamConfig
+
+        asyncio.run(create_stream(replay[0], StreamConfig()))
     summary = run_dir / "summary-out.json"
     proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
                                          str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    replaying = None
+    if replay is not None:
+        url, path, limit = replay
+        log = run_dir / "logs" / "dataloader-0.log"
+        while not (log.is_file() and '"stream_reading"' in log.read_text()):
+            assert proc.poll() is None, "the run ended before it read the stream"
+            time.sleep(0.05)
+        replaying = subprocess.Popen(HYBRIDREC + ["data", "replay", str(path), "--to", f"{url}/{SUBJECT}", "--rate",
+                                                  "10000", "--limit", str(limit)], cwd=REPO,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if kill is not None:
         while (step := rank_step(run_dir)) is None or step < at_step:
             assert proc.poll() is None, "the run ended before the kill"
@@ -110,6 +127,9 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
             pattern = f"serve {kill} --config {run_dir / 'config.yaml'} --replica 0"
             (target,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
             target.send_signal(signal.SIGKILL)
+    if replaying is not None:
+        assert replaying.poll() is None or kill is None, "the replay ended before the kill"
+        assert replaying.wait(timeout=300) == 0, replaying.stderr.read()[-3000:]
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     return json.loads(summary.read_text())
@@ -187,10 +207,10 @@ def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_p
     assert _consumer(broker) == (800, 0, 800)
 
 
-def test_a_loader_killed_mid_stream_resumes_without_skipping_or_repeating(tmp_path, small_data, broker):
-    _replay(broker, small_data / "train.tsv", limit=60_000)
+def test_a_loader_killed_mid_replay_resumes_without_skipping_or_repeating(tmp_path, small_data, broker):
     run_dir = tmp_path / "run"
-    result = _run(_config(tmp_path, small_data, broker, until=60_000), run_dir, kill="dataloader", at_step=4)
+    result = _run(_config(tmp_path, small_data, broker, until=60_000), run_dir, kill="dataloader", at_step=4,
+                  replay=(broker, small_data / "train.tsv", 60_000))
     restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     assert restarts[("dataloader", 0)] == 1 and restarts[("nn_worker", 0)] == restarts[("nn_worker", 1)] == 0
     resumed = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
@@ -242,11 +262,15 @@ def test_a_run_without_a_broker_url_starts_its_own_and_says_how_to_feed_it(tmp_p
 @pytest.mark.parametrize("kill", ["embedding_ps", "embedding_worker", "nn_worker", "broker"])
 def test_a_service_or_the_broker_killed_mid_stream_loses_and_repeats_nothing(tmp_path, small_data, nats_server,
                                                                               kill):
-    """kill -9 of each other service kind mid-stream (the loader: above), and of the broker, started again with
-    its store: training goes on, every event is trained once, and every message is acknowledged."""
-    _replay(nats_server.url, small_data / "train.tsv", limit=60_000)
-    result = _run(_config(tmp_path, small_data, nats_server.url, until=60_000), tmp_path / "run", kill=kill,
-                  broker=nats_server)
+    """kill -9 of each other service kind in the middle of a replay (the loader: above), and of the broker,
+    started again with its store 3 s later (the replay is published first: a broker lost mid-publish fails the
+    publisher, not training): training goes on, every event is trained once, every message is acknowledged."""
+    config = _config(tmp_path, small_data, nats_server.url, until=60_000)
+    if kill == "broker":
+        _replay(nats_server.url, small_data / "train.tsv", limit=60_000)
+        result = _run(config, tmp_path / "run", kill=kill, broker=nats_server)
+    else:
+        result = _run(config, tmp_path / "run", kill=kill, replay=(nats_server.url, small_data / "train.tsv", 60_000))
     restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     if kill != "broker":
         assert restarts[(kill, 0)] == 1, restarts
