@@ -317,6 +317,12 @@ class LocalCluster:
         self._spawn(proc)
         self._write_services()
 
+    def end_stream(self) -> None:
+        """Tell the data loader to end training with the events it has read (a run on `data.stream`)."""
+        for proc in self.procs:
+            if proc.service == "dataloader" and proc.popen and proc.popen.poll() is None:
+                _signal(proc.popen, signal.SIGUSR1)
+
     def take_down(self, procs: list[ServiceProcess]) -> None:
         """SIGKILL `procs` together and keep them down, not counted as failures (a host lost on purpose)."""
         for proc in procs:
@@ -453,6 +459,14 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         config = with_url(config, broker.start(config.data.stream))
     cluster = LocalCluster.on_loopback(config, run_dir)
     next_sample = time.monotonic()
+    if config.data.stream is not None:  # the first Ctrl-C ends training with what was read, the second stops all
+        def end_stream(signum, frame) -> None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            log.get().warning("stream_ending", why="Ctrl-C: training ends with the events read so far, then "
+                                                   "evaluation and the final checkpoint; Ctrl-C again stops at once")
+            cluster.end_stream()
+
+        signal.signal(signal.SIGINT, end_stream)
     try:
         try:
             cluster.start()
@@ -472,6 +486,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
                         progress(statuses)
             recorder.mark("end_of_eval")
         finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             cluster.stop()
             if broker is not None:
                 broker.stop()

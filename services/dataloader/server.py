@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -264,6 +265,12 @@ async def serve(config: Config, replica: int) -> None:
                               "hybridrec serve dataloader needs nats://HOST:PORT)")
         reader = StreamReader(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
                               output_dir=config.output.dir)
+
+        def end_stream() -> None:  # SIGUSR1: training ends with what was read (hybridrec run's first Ctrl-C)
+            host.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")
+            reader.stopping.set()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, end_stream)
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))
     finally:

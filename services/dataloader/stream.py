@@ -16,7 +16,8 @@ unacknowledged: it re-creates the durable consumer at the position the NN worker
 give, and the batches they hold are read but not sent, as with files. A job with no position of its own
 starts after the last message the durable consumer had acknowledged, so a new job goes on where the last
 stopped. Training ends after the message holding event `data.stream.until_event` - 1 (whole; or before the
-first message past it), after `for_s` seconds, or when the job is stopped.
+first message past it), after `for_s` seconds, or on SIGUSR1 (`hybridrec run`'s first Ctrl-C): then with
+what was read, evaluated and checkpointed as at any end.
 
 nats-py is asyncio; the loader's reader runs on a thread of its own (the event loop serves RPCs), so the
 consumer runs on another thread with its own event loop, and hands messages over through a bounded queue.
@@ -76,6 +77,8 @@ class StreamReader:
         self._nc = self._js = self._sub = None
         self.log = log.get()
         self.first_seq = 0
+        self.stopping = threading.Event()
+        """Set to end training with what was read (the loader's SIGUSR1: `hybridrec run`'s first Ctrl-C)."""
         self._lock = threading.Lock()  # the batcher's thread notes batches, the loader's loop their training
         self._batches: dict[Position, list[tuple[float, int]]] = {}  # position -> (event time, samples) per message
         self._lags: list[tuple[float, int]] = []  # (seconds from event time to trained, samples)
@@ -334,7 +337,7 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
         return Rows.concat(pending), position
 
     deadline = time.monotonic() + config.for_s if config.for_s else None
-    while deadline is None or time.monotonic() < deadline:
+    while (deadline is None or time.monotonic() < deadline) and not reader.stopping.is_set():
         wait = config.linger_s if deadline is None else max(0.0, min(config.linger_s, deadline - time.monotonic()))
         msg = reader.get(wait)
         if msg is None:  # the stream paused: what is held goes out now

@@ -277,3 +277,29 @@ def test_a_service_or_the_broker_killed_mid_stream_loses_and_repeats_nothing(tmp
     assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
     _assert_each_event_once(tmp_path / "run", 60_000)
     assert _consumer(nats_server.url) == (600, 0, 600)
+
+
+def test_ctrl_c_ends_an_unbounded_stream_with_what_was_read(tmp_path, small_data, broker):
+    """No end in the config: training runs until stopped. The first Ctrl-C (SIGINT to `hybridrec run`) ends
+    training with the events read, then evaluates and writes the final checkpoint, exit 0; nothing is lost."""
+    _replay(broker, small_data / "train.tsv", limit=20_000)
+    path = _config(tmp_path, small_data, broker, until=0)
+    tree = yaml.safe_load(path.read_text())
+    del tree["data"]["stream"]["until_event"]
+    path.write_text(yaml.safe_dump(tree))
+    run_dir, err = tmp_path / "run", tmp_path / "run.err"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(path), "--run-dir", str(run_dir), "--summary-json",
+                                         str(tmp_path / "summary.json")], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=err.open("wb"))
+    deadline = time.monotonic() + 300
+    while sum(n for first, n in (_events_read(run_dir) if (run_dir / "logs" / "dataloader-0.log").is_file()
+                                 else [])) < 20_000:  # every replayed event read: the stream is idle
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 0, err.read_text()[-3000:]
+    assert "stream_ending" in err.read_text()
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["samples"] == 20_000 and result["stream"]["acknowledged_through"] == 200, result["stream"]
+    assert result["checkpoint"] and Path(result["checkpoint"]).is_dir() and result["auc"] > 0.5, result
+    assert _consumer(broker) == (200, 0, 200)
