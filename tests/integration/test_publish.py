@@ -226,8 +226,11 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
 
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
+        while True:
             assert server.poll() is None, (tmp_path / "inference.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, ("the inference service was not ready within 240 s; run: "
+                                                 f"{run.poll()}, versions: {list_versions(root)[0]}\n"
+                                                 + (tmp_path / "inference.log").read_text()[-3000:])
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as r:
                     if r.status == 200:
