@@ -80,14 +80,24 @@ def _replay(url: str, path: Path, *, limit: int, first_event: int = 0) -> str:
     return out.stdout
 
 
-def _config(tmp_path: Path, data: Path, url: str, until: int, **stream) -> Path:
-    """The small test job, trained on the stream instead of its training file (evaluated on its eval file)."""
+def _config(tmp_path: Path, data: Path, url: str | None, until: int | None, **stream) -> Path:
+    """The small test job, trained on the stream instead of its training file (evaluated on its eval file);
+    `url` or `until` None: that key left out (a broker of the run's own; no end)."""
     path = write_config(tmp_path / "config.yaml", data)
     tree = yaml.safe_load(path.read_text())
     tree["data"]["train"] = []
-    tree["data"]["stream"] = {"url": url, "until_event": until, **stream}
+    tree["data"]["stream"] = {k: v for k, v in (("url", url), ("until_event", until)) if v is not None} | stream
     path.write_text(yaml.safe_dump(tree))
     return path
+
+
+def _start(config: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`hybridrec run` in the background: (process, run dir, its stderr file); the summary in tmp_path."""
+    run_dir, err = tmp_path / "run", tmp_path / "run.err"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
+                                         str(tmp_path / "summary.json")], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=err.open("wb"))
+    return proc, run_dir, err
 
 
 def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4, broker: Broker | None = None,
@@ -233,14 +243,7 @@ def test_a_stream_that_is_not_there_stops_the_loader_naming_the_key(tmp_path, sm
 def test_a_run_without_a_broker_url_starts_its_own_and_says_how_to_feed_it(tmp_path, small_data):
     """No data.stream.url: `hybridrec run` starts nats-server -js for the run (its store in the run directory),
     creates the stream, and logs the replay command; a replay to it is trained; the broker stops with the run."""
-    path = _config(tmp_path, small_data, None, until=20_000)
-    tree = yaml.safe_load(path.read_text())
-    del tree["data"]["stream"]["url"]
-    path.write_text(yaml.safe_dump(tree))
-    run_dir, err = tmp_path / "run", tmp_path / "run.err"
-    proc = subprocess.Popen(HYBRIDREC + ["run", str(path), "--run-dir", str(run_dir), "--summary-json",
-                                         str(tmp_path / "summary.json")], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=err.open("wb"))
+    proc, run_dir, err = _start(_config(tmp_path, small_data, None, until=20_000), tmp_path)
     deadline = time.monotonic() + 120
     while not (lines := [json.loads(line) for line in err.read_text().splitlines()
                          if line.startswith("{") and '"local_broker"' in line]):
@@ -283,14 +286,7 @@ def test_ctrl_c_ends_an_unbounded_stream_with_what_was_read(tmp_path, small_data
     """No end in the config: training runs until stopped. The first Ctrl-C (SIGINT to `hybridrec run`) ends
     training with the events read, then evaluates and writes the final checkpoint, exit 0; nothing is lost."""
     _replay(broker, small_data / "train.tsv", limit=20_000)
-    path = _config(tmp_path, small_data, broker, until=0)
-    tree = yaml.safe_load(path.read_text())
-    del tree["data"]["stream"]["until_event"]
-    path.write_text(yaml.safe_dump(tree))
-    run_dir, err = tmp_path / "run", tmp_path / "run.err"
-    proc = subprocess.Popen(HYBRIDREC + ["run", str(path), "--run-dir", str(run_dir), "--summary-json",
-                                         str(tmp_path / "summary.json")], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=err.open("wb"))
+    proc, run_dir, err = _start(_config(tmp_path, small_data, broker, until=None), tmp_path)
     deadline = time.monotonic() + 300
     while sum(n for first, n in (_events_read(run_dir) if (run_dir / "logs" / "dataloader-0.log").is_file()
                                  else [])) < 20_000:  # every replayed event read: the stream is idle
