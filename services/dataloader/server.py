@@ -32,7 +32,7 @@ from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
 from services.dataloader import stream
 from services.dataloader.sources import check_prepared, eval_rows as read_eval_rows, train_batches
-from services.dataloader.stream import StreamReader
+from services.dataloader.stream import NatsSource, StreamAccount
 from hybridrec.criteo_format import feature_columns
 
 _DONE = object()
@@ -199,16 +199,17 @@ def checkpoint_point(config: Config) -> tuple[Position, int]:
 
 
 async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
-                        reader: StreamReader | None = None) -> int:
-    """Read and send the training stream from `resume` on (from `reader` with `data.stream`); returns the
-    number of batches sent."""
+                        stream_parts: tuple[NatsSource, StreamAccount] | None = None) -> int:
+    """Read and send the training stream from `resume` on (with `data.stream`, from `stream_parts`: the source
+    and its account); returns the number of batches sent."""
     training, num_ranks = config.training, len(config.cluster.nn_workers)
     first_seq = resume.train.first_seq
-    if reader is not None:
-        await asyncio.get_running_loop().run_in_executor(dispatcher.executor, reader.start, resume.position)
-        dispatcher.on_trained = reader.trained
+    if stream_parts is not None:
+        source, account = stream_parts
+        await asyncio.get_running_loop().run_in_executor(dispatcher.executor, source.start, resume.position)
+        dispatcher.on_trained = account.trained
         columns, groups = feature_columns(config.features)
-        batches = stream.iter_train_batches(reader, config.data.stream, start=resume.position,
+        batches = stream.iter_train_batches(source, account, config.data.stream, start=resume.position,
                                             batch_size=training.batch_size, columns=columns, groups=groups,
                                             bad_lines=config.data.bad_lines, counters=counts)
     else:
@@ -246,34 +247,35 @@ async def serve(config: Config, replica: int) -> None:
                              position=resume.position.as_list(), train_done=resume.train_done,
                              held=list(resume.train.skip_through), notes=resume.notes)
         if not resume.train_done:
-            n = await send_training(config, dispatcher, resume, train_counts, reader)
+            n = await send_training(config, dispatcher, resume, train_counts,
+                                    (source, account) if source is not None else None)
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
-            if reader is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
+            if source is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
                 await dispatcher.wait_trained()  # every rank is there to ask (it waits for the eval data)
-                await asyncio.get_running_loop().run_in_executor(None, reader.finish, config.cluster.retry_s)
-                reader.write_summary()
-                host.log.info("stream_trained", **reader.summary().model_dump())
+                await asyncio.get_running_loop().run_in_executor(None, source.finish, config.cluster.retry_s)
+                account.write_summary()
+                host.log.info("stream_trained", **account.summary().model_dump())
         eval_rows = read_eval_rows(config, eval_counts)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
 
-    reader = None
+    source = account = None
     if config.data.stream is not None:
         if config.data.stream.url is None:
             raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
                               "hybridrec serve dataloader needs nats://HOST:PORT)")
-        reader = StreamReader(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
-                              output_dir=config.output.dir)
+        source = NatsSource(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s)
+        account = StreamAccount(source, output_dir=config.output.dir)
 
         def end_stream() -> None:  # SIGUSR1: training ends with what was read (hybridrec run's first Ctrl-C)
             host.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")
-            reader.stopping.set()
+            account.stopping.set()
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, end_stream)
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))
     finally:
         await dispatcher.close()
-        if reader is not None:
-            reader.close()
+        if source is not None:
+            source.close()

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -60,12 +60,29 @@ class StreamError(RuntimeError):
     """The broker cannot be used as configured (unreachable past the retry budget, a stream that is gone)."""
 
 
-class StreamReader:
+class EventSource(Protocol):
+    """Where a stream's events come from, as the batcher and the account use it. `NatsSource` is NATS
+    JetStream's; another broker's (Kafka: a consumer group's committed offsets in place of acknowledgements)
+    implements the same calls."""
+
+    first_seq: int
+    """The first sequence (offset) this job read."""
+    acknowledged: int
+    """The last sequence acknowledged (asked for): everything up to it was trained."""
+
+    def start(self, position: Position) -> int: ...
+    def get(self, timeout: float) -> Message | None: ...
+    def ack_through(self, seq: int) -> None: ...
+    def finish(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+class NatsSource:
     """The durable pull consumer of `data.stream`, on a thread of its own: `start` it at a position, `get`
     messages in stream order, and `ack_through` a sequence once everything up to it has been trained."""
 
-    def __init__(self, config: StreamConfig, url: str, *, retry_s: float, output_dir: str | None = None):
-        self.config, self.url, self.retry_s, self.output_dir = config, url, retry_s, output_dir
+    def __init__(self, config: StreamConfig, url: str, *, retry_s: float):
+        self.config, self.url, self.retry_s = config, url, retry_s
         self.messages: queue.Queue[Message | BaseException] = queue.Queue(QUEUE_MESSAGES)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="stream", daemon=True)
@@ -77,13 +94,6 @@ class StreamReader:
         self._nc = self._js = self._sub = None
         self.log = log.get()
         self.first_seq = 0
-        self.stopping = threading.Event()
-        """Set to end training with what was read (the loader's SIGUSR1: `hybridrec run`'s first Ctrl-C)."""
-        self._lock = threading.Lock()  # the batcher's thread notes batches, the loader's loop their training
-        self._batches: dict[Position, list[tuple[float, int]]] = {}  # position -> (event time, samples) per message
-        self._lags: list[tuple[float, int]] = []  # (seconds from event time to trained, samples)
-        self._events = 0
-        self._written = 0.0
 
     def start(self, position: Position) -> int:
         """Connect, check the stream, and read from `position` (the start of the data: after the durable
@@ -109,56 +119,15 @@ class StreamReader:
             self._ack_asked = max(self._ack_asked, seq)
             self._loop.call_soon_threadsafe(self._ack, seq)
 
+    @property
+    def acknowledged(self) -> int:
+        return max(self._ack_asked, 0)
+
     def finish(self, timeout_s: float) -> bool:
         """Make sure the broker holds the last acknowledgement before the loader exits (it covers every earlier
         message), waiting up to `timeout_s` for a broker that is restarting; False if it never answered (the
         next job then reads those messages again: nothing is skipped)."""
         return asyncio.run_coroutine_threadsafe(self._confirm_last_ack(timeout_s), self._loop).result()
-
-    def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:
-        """The batch ending at `position` holds `parts`: (event time, samples, first event id) of each message's
-        share of it. Logged (`stream_batch`: [first id, samples, event time] per share): the events of every
-        batch read, in order, to account for them by id and to time them into a served version."""
-        with self._lock:
-            self._batches[position] = [(when, samples) for when, samples, _ in parts]
-        self.log.info("stream_batch", position=position.as_list(),
-                      events=[[first, n, when] for when, n, first in parts])
-
-    def trained(self, positions: list[Position]) -> None:
-        """The batches ending at `positions` have been trained, with every earlier one: acknowledge their
-        messages, count their events and their training lag."""
-        now = time.time()
-        with self._lock:
-            for position in positions:
-                for when, samples in self._batches.pop(position, ()):
-                    self._events += samples
-                    if when == when:  # a message without an event time has no lag
-                        self._lags.append((now - when, samples))
-        self.ack_through(positions[-1].offset)
-        if now - self._written >= 1.0:
-            self.write_summary()
-
-    def summary(self) -> StreamSummary:
-        with self._lock:
-            lags = np.array(self._lags, np.float64).reshape(-1, 2)
-            events = self._events
-        lag = None
-        if lags.shape[0]:
-            order = np.argsort(lags[:, 0])
-            seconds, weight = lags[order, 0], np.cumsum(lags[order, 1]) / lags[:, 1].sum()
-            pick = lambda q: float(seconds[min(np.searchsorted(weight, q), len(seconds) - 1)])  # noqa: E731
-            lag = Lag(p50=pick(0.5), p99=pick(0.99), max=float(seconds[-1]))
-        return StreamSummary(events=events, first_seq=self.first_seq, acknowledged_through=max(self._ack_asked, 0),
-                             training_lag_s=lag)
-
-    def write_summary(self) -> None:
-        """`<output.dir>/stream.json` (at most once a second while training, and at its end)."""
-        self._written = time.time()
-        if self.output_dir:
-            try:
-                self.summary().write(self.output_dir)
-            except OSError as exc:
-                self.log.warning("stream_summary_not_written", error=str(exc))
 
     def close(self) -> None:
         if self._fetching is not None:
@@ -298,6 +267,67 @@ class StreamReader:
             await self._nc.drain() if self._nc.is_connected else await self._nc.close()
 
 
+class StreamAccount:
+    """What the loader read from a stream and what of it is trained: each batch's events, acknowledgements
+    through the source, the training lag, and `<output.dir>/stream.json` (`summary.StreamSummary`)."""
+
+    def __init__(self, source: EventSource, output_dir: str | None = None):
+        self.source, self.output_dir = source, output_dir
+        self.log = log.get()
+        self.stopping = threading.Event()
+        """Set to end training with what was read (the loader's SIGUSR1: `hybridrec run`'s first Ctrl-C)."""
+        self._lock = threading.Lock()  # the batcher's thread notes batches, the loader's loop their training
+        self._batches: dict[Position, list[tuple[float, int]]] = {}  # position -> (event time, samples) per message
+        self._lags: list[tuple[float, int]] = []  # (seconds from event time to trained, samples)
+        self._events = 0
+        self._written = 0.0
+
+    def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:
+        """The batch ending at `position` holds `parts`: (event time, samples, first event id) of each message's
+        share of it. Logged (`stream_batch`: [first id, samples, event time] per share): the events of every
+        batch read, in order, to account for them by id and to time them into a served version."""
+        with self._lock:
+            self._batches[position] = [(when, samples) for when, samples, _ in parts]
+        self.log.info("stream_batch", position=position.as_list(),
+                      events=[[first, n, when] for when, n, first in parts])
+
+    def trained(self, positions: list[Position]) -> None:
+        """The batches ending at `positions` have been trained, with every earlier one: acknowledge their
+        messages, count their events and their training lag."""
+        now = time.time()
+        with self._lock:
+            for position in positions:
+                for when, samples in self._batches.pop(position, ()):
+                    self._events += samples
+                    if when == when:  # a message without an event time has no lag
+                        self._lags.append((now - when, samples))
+        self.source.ack_through(positions[-1].offset)
+        if now - self._written >= 1.0:
+            self.write_summary()
+
+    def summary(self) -> StreamSummary:
+        with self._lock:
+            lags = np.array(self._lags, np.float64).reshape(-1, 2)
+            events = self._events
+        lag = None
+        if lags.shape[0]:
+            order = np.argsort(lags[:, 0])
+            seconds, weight = lags[order, 0], np.cumsum(lags[order, 1]) / lags[:, 1].sum()
+            pick = lambda q: float(seconds[min(np.searchsorted(weight, q), len(seconds) - 1)])  # noqa: E731
+            lag = Lag(p50=pick(0.5), p99=pick(0.99), max=float(seconds[-1]))
+        return StreamSummary(events=events, first_seq=self.source.first_seq, acknowledged_through=self.source.acknowledged,
+                             training_lag_s=lag)
+
+    def write_summary(self) -> None:
+        """`<output.dir>/stream.json` (at most once a second while training, and at its end)."""
+        self._written = time.time()
+        if self.output_dir:
+            try:
+                self.summary().write(self.output_dir)
+            except OSError as exc:
+                self.log.warning("stream_summary_not_written", error=str(exc))
+
+
 async def _ack(msg, seq: int, logger) -> None:
     try:
         await msg.ack()
@@ -321,7 +351,8 @@ def _message(msg, seq: int) -> Message:
     return Message(seq, msg.data, first, when)
 
 
-def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Position, batch_size: int,
+def iter_train_batches(source: EventSource, account: StreamAccount, config: StreamConfig, *, start: Position,
+                       batch_size: int,
                        columns: np.ndarray, groups: list[int], bad_lines: BadLinePolicy | str,
                        counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
     """Training batches of `batch_size` samples (fewer when the stream pauses for `linger_s`), each with the
@@ -332,14 +363,14 @@ def iter_train_batches(reader: StreamReader, config: StreamConfig, *, start: Pos
     held, position = 0, start
 
     def batch() -> tuple[Rows, Position]:
-        reader.note_batch(position, list(parts))
+        account.note_batch(position, list(parts))
         parts.clear()
         return Rows.concat(pending), position
 
     deadline = time.monotonic() + config.for_s if config.for_s else None
-    while (deadline is None or time.monotonic() < deadline) and not reader.stopping.is_set():
+    while (deadline is None or time.monotonic() < deadline) and not account.stopping.is_set():
         wait = config.linger_s if deadline is None else max(0.0, min(config.linger_s, deadline - time.monotonic()))
-        msg = reader.get(wait)
+        msg = source.get(wait)
         if msg is None:  # the stream paused: what is held goes out now
             if held:
                 yield batch()
