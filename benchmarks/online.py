@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hybridrec.app.broker import create_stream  # noqa: E402
+from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
 from hybridrec.app.launcher import free_port  # noqa: E402
 from hybridrec.config import StreamConfig  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402
@@ -43,18 +42,12 @@ HYBRIDREC = [sys.executable, "-m", "hybridrec"]
 
 
 def start_broker(store: Path) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("nats-server")
+    if binary is None:
+        raise SystemExit("nats-server is not installed (Debian package nats-server)")
     port = free_port()
-    proc = subprocess.Popen([shutil.which("nats-server") or "nats-server", "-js", "-a", "127.0.0.1", "-p", str(port),
-                             "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"nats://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("nats-server did not start (Debian package nats-server)")
-            time.sleep(0.05)
+    store.mkdir(parents=True, exist_ok=True)
+    return spawn_nats_server(binary, port, store, store.parent / "nats-server.log"), f"nats://127.0.0.1:{port}"
 
 
 def run(config: Path, run_dir: Path, *, feed=None) -> dict:

@@ -33,21 +33,11 @@ class LocalBroker:
                               "data.stream.url")
         port = free_port()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "logs" / "nats-server.log", "ab") as out:
-            self.proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port),
-                                          "-sd", str(self.run_dir / "nats")], stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise ConfigError(f"data.stream.url: the local nats-server did not start; see "
-                                      f"{self.run_dir / 'logs' / 'nats-server.log'}") from None
-                time.sleep(0.05)
+        log_path = self.run_dir / "logs" / "nats-server.log"
+        try:
+            self.proc = spawn_nats_server(binary, port, self.run_dir / "nats", log_path)
+        except RuntimeError:
+            raise ConfigError(f"data.stream.url: the local nats-server did not start; see {log_path}") from None
         self.url = f"nats://127.0.0.1:{port}"
         asyncio.run(create_stream(self.url, stream))
         log.get().warning("local_broker", url=self.url, stream=stream.stream, subject=stream.subject,
@@ -62,6 +52,25 @@ class LocalBroker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def spawn_nats_server(binary: str, port: int, store: Path, log_path: Path) -> subprocess.Popen:
+    """`nats-server -js` on 127.0.0.1:`port`, its store in `store`, its output appended to `log_path`; returns
+    once it accepts connections (RuntimeError, the process stopped, if it does not within START_TIMEOUT_S)."""
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"nats-server did not start on port {port}; see {log_path}") from None
+            time.sleep(0.05)
 
 
 async def create_stream(url: str, stream: StreamConfig) -> None:

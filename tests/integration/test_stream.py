@@ -18,6 +18,7 @@ import psutil
 import pytest
 import yaml
 
+from hybridrec.app.broker import spawn_nats_server
 from hybridrec.app.launcher import free_port, rank_step
 from tests.conftest import HYBRIDREC, REPO, write_config
 
@@ -40,16 +41,7 @@ class Broker:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
-                                      str(self.store)], stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-                time.sleep(0.05)
+        self.proc = spawn_nats_server(self.binary, self.port, self.store, self.log)
 
     def kill(self) -> None:
         self.proc.kill()
