@@ -194,6 +194,9 @@ class Primary:
         """A page of a copy of this shard: page 0 takes the copy (between two updates), later pages read it."""
         check_job(pull.job, self.job, f"a request for a copy of shard {self.shard}")
         if pull.page == 0:
+            if not self._reachable:  # the backup asks for a copy: it is back, so shipments get their full wait
+                log.get().info("replica_reachable", shard=self.shard, backup_ps=self.backup, why="it asked for a copy")
+                self._reachable = True
             async with self.lock:
                 self._copy = await run(Copy.take, self.shard, self.applied.life, self.applied.applied, self.stores,
                                        self.applied.recent())
