@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +89,77 @@ def run_once(config: Path, run_dir: Path, cache_dir: Path, overrides: list[str])
             "steps": summary.steps, "services": services}
 
 
+RECOVERY_TARGETS = {"embedding_ps": 1, "embedding_worker": 0, "nn_worker": 1, "dataloader": 0}
+"""The replica of each kind the recovery runs kill (an NN worker other than rank 0, whose steps are watched)."""
+
+
+def at_work_after(log: Path, after: float) -> float | None:
+    """Unix time of the first `at_work` line of `log` stamped after `after` (a replacement's first work)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"at_work"' not in line:
+            continue
+        try:
+            at = datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        if at > after:
+            return at
+    return None
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise SystemExit(f"the run ended while waiting for {what}: {proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def recovery_run(config: Path, run_dir: Path, cache_dir: Path, overrides: list[str], kind: str, kills: int,
+                 gap_steps: int) -> dict:
+    """One `hybridrec run` in which replica RECOVERY_TARGETS[kind] of `kind` is SIGKILLed `kills` times, each
+    time `gap_steps` steps of NN rank 0 after the last replacement was at work: seconds from each kill to the
+    replacement's first piece of work (its `at_work` line), and what the run lost."""
+    from hybridrec.app.launcher import rank_step
+    from hybridrec.summary import read_services
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    name = f"{kind}-{RECOVERY_TARGETS[kind]}"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seconds = []
+    try:
+        step = wait_for(lambda: (rank_step(run_dir) or 0) >= gap_steps and rank_step(run_dir), "training", proc)
+        for _ in range(kills):
+            (target,) = [s for s in read_services(run_dir) if f"{s.name}-{s.replica}" == name]
+            killed_at = time.time()
+            os.kill(target.pid, signal.SIGKILL)
+            back = wait_for(lambda: at_work_after(run_dir / "logs" / f"{name}.log", killed_at),
+                            f"{name} to be at work again", proc)
+            seconds.append(round(back - killed_at, 3))
+            step = wait_for(lambda: (s := rank_step(run_dir)) is not None and s >= step + gap_steps and s,
+                            f"{gap_steps} more steps", proc)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise SystemExit(f"hybridrec run failed ({proc.returncode}):\n{err[-3000:]}")
+    summary = RunSummary.of_run(run_dir)
+    return {"kind": kind, "replica": RECOVERY_TARGETS[kind], "seconds": seconds,
+            "median_s": statistics.median(seconds), "launcher_recoveries": [r.model_dump() for r in
+                                                                            summary.recoveries or []],
+            "skipped_batches": summary.skipped_batches, "lost_updates": summary.lost_updates, "auc": summary.auc,
+            "samples": summary.samples}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -97,6 +170,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps per NN worker of each run")
     parser.add_argument("--eval-rows", type=int, default=20_000)
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one")
+    parser.add_argument("--recovery-kills", type=int, default=3,
+                        help="kills of each service kind in the recovery runs (0: no recovery runs)")
+    parser.add_argument("--recovery-gap", type=int, default=8, help="steps of NN rank 0 between two kills")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hybridrec-startup-") as scratch:
         scratch = Path(scratch)
@@ -109,11 +185,17 @@ def main() -> None:
         runs = [run_once(args.config, scratch / "run-cold", cache, overrides)]
         for i in range(args.warm_runs):
             runs.append(run_once(args.config, scratch / f"run-warm-{i}", cache, overrides))
+        full = [f"data.train=[{data / 'train.tsv'}]", f"data.eval=[{eval_file}]", "data.oracle=null"]
+        recoveries = [recovery_run(args.config, scratch / f"run-recovery-{kind}", cache, full, kind,
+                                   args.recovery_kills, args.recovery_gap)
+                      for kind in (RECOVERY_TARGETS if args.recovery_kills else ())]
     warm = runs[1:]
     result = {"benchmark": "startup", "config": str(args.config), "data": str(args.data or f"synthetic {args.rows} rows"),
               "cpus": os.cpu_count(), "cold": runs[0], "warm": warm,
               "cold_first_step_s": runs[0]["first_step_s"],
-              "warm_first_step_s": min(r["first_step_s"] for r in warm) if warm else None}
+              "warm_first_step_s": min(r["first_step_s"] for r in warm) if warm else None,
+              "recovery": recoveries,
+              "recovery_median_s": {r["kind"]: r["median_s"] for r in recoveries}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, indent=2))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import prometheus_client
@@ -76,6 +78,33 @@ def default_replica() -> int:
     return int(tail) if tail.isdigit() else 0
 
 
+def process_started_at() -> float:
+    """Unix time this process started (its fork), to the kernel's 10 ms tick: /proc/self/stat's start time
+    counts from boot, so it is placed against the boot clock read now."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime, the 22nd field
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+
+
+_at_work: dict[str, float] = {}
+
+
+def at_work(what: str) -> None:
+    """Say, once per process, that this service has done its first piece of work (what `what` names: a
+    training step, a lookup served, a batch delivered): logged as `at_work` with the seconds since the
+    process started, which a supervisor reads as the end of a start-up or of a recovery."""
+    if _at_work:
+        return
+    now = time.time()
+    _at_work.update(at=now, start_to_work_s=now - process_started_at())
+    log.get().info("at_work", what=what, start_to_work_s=round(_at_work["start_to_work_s"], 3))
+
+
+def start_stats() -> dict[str, float]:
+    """`start_to_work_seconds` once the process is at work (for every service's metrics)."""
+    return {"start_to_work_seconds": _at_work["start_to_work_s"]} if _at_work else {}
+
+
 class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
@@ -128,7 +157,7 @@ class ServiceHost:
         if impl is not None:
             rpc.add_service(self.server, self.proto_service, impl)
         if stats is not None:
-            register_stats(self.service, self.replica, stats)
+            register_stats(self.service, self.replica, lambda: {**stats(), **start_stats()})
 
     async def start(self) -> None:
         _, port = split_address(self.address)

@@ -97,6 +97,24 @@ class ServiceInfo(BaseModel):
     """Testbed only: that host's network namespace."""
 
 
+class Recovery(BaseModel):
+    """A process the launcher restarted, and how long its replacement took to be at work again."""
+
+    service: str
+    replica: int
+    exit_code: int
+    """How the lost process ended: negative, the signal that killed it; 75, it stopped because a peer was lost."""
+    action: str
+    """What the launcher did: replace (rejoin the peers), restart (in place), group (from the checkpoint)."""
+    down_at: float
+    """Unix time the launcher saw the process gone (it looks ten times a second)."""
+    seconds: float | None = None
+    """From `down_at` to the replacement's first piece of work; None: not at work again before the run ended."""
+    what: str | None = None
+    """That first piece of work: a training step (NN worker), a lookup served (PS), a batch delivered
+    (data loader, embedding worker)."""
+
+
 def write_services(run_dir: Path, services: list[ServiceInfo]) -> None:
     """run_dir/services.json, replaced whole (a dashboard polling it never reads half a file)."""
     write_json_atomic(Path(run_dir) / SERVICES_FILE, [s.model_dump(mode="json") for s in services])
@@ -297,11 +315,13 @@ class RunSummary(BaseModel):
     """Seconds the final checkpoint took (dense state, every PS shard's dump, manifest); None when the
     checkpoint of the last step was written before (an interval one, or the one a restarted job resumed from)."""
     publish: PublishSummary | None = None
+    """Live versions published during the run (None: publishing off)."""
     stream: StreamSummary | None = None
     """Training from `data.stream`: events, acknowledgements and training lag (`hybridrec run` merges it)."""
-    """Live versions published during the run (None: publishing off)."""
     services: list[ServiceInfo] | None = None
     """Launcher only: every replica it ran."""
+    recoveries: list[Recovery] | None = None
+    """Launcher only: every process it restarted, and the seconds until the replacement was at work."""
     run_dir: str | None = None
     """Launcher only: where logs, report and results are."""
     report: str | None = None

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -114,18 +113,15 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     log.setup(service="launcher")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     progress = Progress(config)
-    # The model check imports torch (seconds of CPU on a small machine): it runs beside the services' own
-    # start-up, and a bad model still stops the run with exit 2 and its message (run_local polls it).
-    model_check = ThreadPoolExecutor(1, thread_name_prefix="model-check").submit(check_model, config)
     try:
-        summary = launcher.run_local(config, run_dir, progress=progress, check=model_check)
+        # The model check imports torch (seconds of CPU): `hybridrec check --only model` forked from the
+        # services' pre-imported parent, beside their start-up; a bad model stops the run with exit 2.
+        summary = launcher.run_local(config, run_dir, progress=progress, check_model=True)
     except ConfigError as exc:
         progress.close()
         _fail(str(exc))
     except launcher.LaunchError as exc:
         progress.close()
-        if isinstance(model_check.exception(), ConfigError):  # an NN worker failed on the model first
-            _fail(str(model_check.exception()))
         _fail(str(exc), code=1)
     except KeyboardInterrupt:
         progress.close()
@@ -320,6 +316,24 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
     except ConfigError as exc:
         _fail(str(exc))
     _run_service(server.serve(settings))
+
+
+@app.command()
+def check(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file."),
+          overrides: Optional[list[str]] = SetOption,
+          only: Optional[str] = typer.Option(None, "--only", help="Check only 'data' or only 'model'.")):
+    """Check a config without starting anything: its data files and columns, and its model (built once)."""
+    config = _load(config_path, overrides)
+    if only not in (None, "data", "model"):
+        _fail(f"--only is 'data' or 'model', not {only!r}")
+    try:
+        if only == "model":
+            check_model(config)
+        else:
+            preflight(config, model=only is None)
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(f"{config_path}: {only or 'data and model'} ok")
 
 
 @app.command()

@@ -21,19 +21,20 @@ import subprocess
 import sys
 import time
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import grpc
 
 from hybridrec import log, rpc
-from hybridrec.config import Config, dump_config, from_dict
+from hybridrec.config import Config, ConfigError, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
+from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServer, ForkServerError
 from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
-from hybridrec.summary import SUMMARY_FILE, Phases, RunSummary, ServiceInfo, StreamSummary, write_services
+from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
 
 # The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
@@ -95,7 +96,7 @@ class ServiceProcess:
     cpus: set[int] | None = None  # pinned to these CPUs (the testbed's hosts), inherited by exec
     host: str | None = None  # the testbed's host it runs on
     namespace: str | None = None  # and that host's network namespace
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | Forked | None = None
     finished: bool = False
     restarts: int = 0
     log_offset: int = 0  # how far the launcher has read the log (warnings are echoed, tagged)
@@ -103,6 +104,7 @@ class ServiceProcess:
     serving: bool = False  # this process (since its last start) has answered the health check with SERVING
     failures: int = 0  # deaths that count against cluster.max_restarts (see LocalCluster.check)
     down: bool = False  # taken down on purpose (the testbed's lost host) until it is brought back
+    recovering: Recovery | None = None  # restarted, and not yet seen at work (its `at_work` log line)
 
     @property
     def name(self) -> str:
@@ -197,12 +199,17 @@ class LocalCluster:
     `hybridrec run` runs every replica on loopback (`on_loopback`); the testbed (benchmarks/testbed) gives it
     processes that run in their host's network namespace, with `restarts` off (a death fails its run)."""
 
-    def __init__(self, config: Config, run_dir: Path, procs: list[ServiceProcess], *, restarts: bool = True):
+    def __init__(self, config: Config, run_dir: Path, procs: list[ServiceProcess], *, restarts: bool = True,
+                 forkserver: ForkServer | None = None):
         self.config, self.run_dir, self.procs, self.restarts = config, Path(run_dir), procs, restarts
+        self.forkserver = forkserver
+        """Forks the services (hybridrec/app/forkserver.py); without one, or for a process run inside a
+        `prefix` (the testbed's network namespaces), each is started by executing `hybridrec serve`."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         rpc.use_tls(config.cluster.tls)
         self.log = log.get()
         self.group_restarts = 0
+        self.recoveries: list[Recovery] = []
 
     @classmethod
     def on_loopback(cls, config: Config, run_dir: Path) -> "LocalCluster":
@@ -215,9 +222,14 @@ class LocalCluster:
                                 run_dir / "logs" / f"{service}-{replica}.log", config_path)
                  for service in START_ORDER
                  for replica, address in enumerate(getattr(config.cluster, SERVICES[service].cluster_key))]
-        return cls(config, run_dir, procs)
+        forkserver = ForkServer(run_dir / "logs" / "forkserver.log", config_path=config_path)
+        if not config.ps.keep_shm:
+            forkserver.clean_up_on_death(config.ps.shm_dir)
+        return cls(config, run_dir, procs, forkserver=forkserver)
 
     def start(self) -> None:
+        if self.forkserver is not None:
+            self.forkserver.start()
         for proc in self.procs:
             self._spawn(proc)
         self._write_services()
@@ -227,10 +239,20 @@ class LocalCluster:
         write_services(self.run_dir, [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **FORK_ENV}
         metrics_port = proc.metrics_address.rsplit(":", 1)[1]
-        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", "serve", proc.service, "--config",
-               str(proc.config_path), "--replica", str(proc.replica), "--set", f"cluster.metrics_port={metrics_port}"]
+        argv = ["serve", proc.service, "--config", str(proc.config_path), "--replica", str(proc.replica), "--set",
+                f"cluster.metrics_port={metrics_port}"]
+        proc.serving = False
+        if self.forkserver is not None and not proc.prefix:
+            try:
+                proc.popen = self.forkserver.spawn(argv, proc.log_path, env=env, cpus=proc.cpus)
+            except ForkServerError as exc:
+                raise LaunchError(f"{exc}; last lines of {self.forkserver.log_path}:\n"
+                                  f"{tail(self.forkserver.log_path)}") from None
+            self.log.debug("forked", service=proc.name, pid=proc.popen.pid)
+            return
+        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *argv]
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           env=env, preexec_fn=functools.partial(die_with_parent, proc.cpus),
@@ -246,6 +268,7 @@ class LocalCluster:
         kill of several) die a few milliseconds apart on a loaded machine, and a peer still dying must not
         count as holding the state a replacement would resume from (that replaced one NN worker, then
         restarted the group for the other)."""
+        noticed = time.time()
         if any(p.popen and not p.finished and p.popen.poll() is not None for p in self.procs):
             time.sleep(DEATH_SETTLE_S)
         for proc in self.procs:
@@ -264,6 +287,8 @@ class LocalCluster:
                                  state_held=proc.service in RESUMES_FROM and self._state_held_for(proc),
                                  checkpoints=bool(self.config.checkpoint.dir),
                                  group_budget_left=self.group_restarts < self.config.cluster.max_restarts)
+            if action is not Action.FAIL:
+                self._recovering(proc, rc, action, noticed)
             if action is Action.REPLACE:
                 proc.joining = proc.service == RESUMES_FROM[proc.service]  # rejoins its peers
                 self._restart_alone(proc, rc, "service_replaced")
@@ -272,13 +297,30 @@ class LocalCluster:
                 self._restart_alone(proc, rc, "service_restarted")
                 continue
             if action is Action.GROUP:
-                self._restart_group(proc, rc, counted=counted)
+                self._restart_group(proc, rc, counted=counted, noticed=noticed)
                 return False
             raise LaunchError(self._death(proc, rc))
         finished = all(p.finished for p in self.procs if p.service == "nn_worker")
         if finished and self.config.data.stream is not None:  # and the loader's last acknowledgement is in
             finished = all(p.finished for p in self.procs if p.service == "dataloader")
         return finished
+
+    def _recovering(self, proc: ServiceProcess, rc: int, action: Action, down_at: float) -> None:
+        """Start timing `proc`'s recovery: until its replacement logs `at_work` (see `note_at_work`)."""
+        proc.recovering = Recovery(service=proc.service, replica=proc.replica, exit_code=rc, action=action.value,
+                                   down_at=down_at)
+        self.recoveries.append(proc.recovering)
+
+    @staticmethod
+    def _note_at_work(proc: ServiceProcess, record: dict) -> None:
+        """A replacement's first piece of work ends its recovery."""
+        if proc.recovering is None or "timestamp" not in record:
+            return
+        at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+        if at < proc.recovering.down_at:  # the lost process's own line, read late
+            return
+        proc.recovering.seconds, proc.recovering.what = round(at - proc.recovering.down_at, 3), record.get("what")
+        proc.recovering = None
 
     @staticmethod
     def _death(proc: ServiceProcess, rc: int) -> str:
@@ -305,6 +347,8 @@ class LocalCluster:
                     if "Traceback" in line or "Error" in line:
                         print(f"[{proc.name}] {line}", file=sys.stderr)
                     continue
+                if isinstance(record, dict) and record.get("event") == "at_work":
+                    self._note_at_work(proc, record)
                 if isinstance(record, dict) and record.get("level") in ("warning", "error", "critical"):
                     event = record.pop("event", "")
                     extra = " ".join(f"{k}={v}" for k, v in record.items()
@@ -359,7 +403,7 @@ class LocalCluster:
             if proc.joining and status is not None and status.phase not in ("", "starting"):
                 proc.joining = False
 
-    def _restart_group(self, failed: ServiceProcess, rc: int, *, counted: bool) -> None:
+    def _restart_group(self, failed: ServiceProcess, rc: int, *, counted: bool, noticed: float) -> None:
         """The dense part never loses a synchronisation: every NN worker and the data loader go back to
         the newest checkpoint together (Persia paper (Lian et al., KDD 2022) §4.2.4). `counted`: against
         cluster.max_restarts (not when `failed` was killed from outside while serving)."""
@@ -371,6 +415,9 @@ class LocalCluster:
             if proc.popen and proc.popen.poll() is None:
                 _signal(proc.popen, signal.SIGKILL)
                 proc.popen.wait()
+            if proc is not failed:
+                self._recovering(proc, proc.popen.returncode if proc.popen else -signal.SIGKILL, Action.GROUP,
+                                 noticed)
         for proc in group:
             proc.restarts += 1
             proc.finished = False
@@ -422,6 +469,8 @@ class LocalCluster:
                 popen.wait()
         if not self.config.ps.keep_shm:
             shutil.rmtree(self.config.ps.shm_dir, ignore_errors=True)
+        if self.forkserver is not None:
+            self.forkserver.close()
 
 
 def _signal(popen: subprocess.Popen, sig: signal.Signals) -> None:
@@ -442,11 +491,11 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 SAMPLE_EVERY_S = 1.0
 
 
-def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | None = None) -> RunSummary:
+def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool = False) -> RunSummary:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
 
-    `check` is a check still running beside the start-up (the CLI's model check): when it raises, the
-    services are stopped and its exception is raised.
+    `check_model`: build the model once in a process of its own beside the start-up (`ModelCheck`): a bad
+    model stops the services and raises ConfigError with its message.
 
     About once a second it polls every NN worker's Status and every service's CPU and memory for the
     run report; a run that fails part-way still gets a report of what was recorded, marked incomplete."""
@@ -458,6 +507,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         broker = LocalBroker(run_dir)
         config = with_url(config, broker.start(config.data.stream))
     cluster = LocalCluster.on_loopback(config, run_dir)
+    check = None
     next_sample = time.monotonic()
     if config.data.stream is not None:  # the first Ctrl-C ends training with what was read, the second stops all
         def end_stream(signum, frame) -> None:
@@ -470,11 +520,12 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
     try:
         try:
             cluster.start()
-            while not cluster.check():
+            check = ModelCheck.start(cluster) if check_model else None
+            while True:
+                finished = cluster.check()
+                if check_passed(check) and finished:
+                    break
                 time.sleep(0.1)
-                if check is not None and check.done():
-                    check.result()  # its exception, if any, stops every service (finally below)
-                    check = None
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
                     statuses = cluster.statuses()
@@ -488,6 +539,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             cluster.stop()
+            cluster.echo_warnings()  # the last lines: warnings, and the end of a recovery (at_work)
             if broker is not None:
                 broker.stop()
             recorder.mark("end")
@@ -497,6 +549,8 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
         except (OSError, ValueError) as exc:
             raise LaunchError(f"the NN workers finished but {summary_path} is missing or unreadable: {exc}") from None
     except LaunchError as exc:
+        if check is not None and (failure := check.failure(wait_s=60)):  # an NN worker failed on the model first
+            raise ConfigError(failure) from None
         report = _partial_report(run_dir, recorder, cluster, str(exc))
         raise LaunchError(f"{exc}\n{report}") from None
     except KeyboardInterrupt:
@@ -506,11 +560,55 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check: Future | N
     summary = summary.model_copy(update={
         "stream": StreamSummary.read(run_dir) if config.data.stream is not None else None,
         "wall_s": recorder.phases["end"], "oracle_auc": find_oracle(config), "run_dir": str(run_dir),
-        "services": [p.describe() for p in cluster.procs],
+        "services": [p.describe() for p in cluster.procs], "recoveries": cluster.recoveries or None,
         "phases": Phases(**{k: recorder.phases.get(k) for k in Phases.model_fields})})
     summary.report = str(write_report(run_dir, summary, recorder))
     summary.write(summary_path)
     return summary
+
+
+class ModelCheck:
+    """`hybridrec check --only model`, forked beside the services' start-up: building the model imports torch,
+    which the fork server has done already."""
+
+    def __init__(self, proc: Forked | subprocess.Popen, log_path: Path):
+        self.proc, self.log_path = proc, log_path
+
+    @classmethod
+    def start(cls, cluster: LocalCluster) -> "ModelCheck":
+        log_path = cluster.run_dir / "logs" / "model-check.log"
+        argv = ["check", str(cluster.run_dir / "config.yaml"), "--only", "model"]  # LocalCluster.on_loopback's
+        if cluster.forkserver is not None:
+            try:
+                return cls(cluster.forkserver.spawn(argv, log_path), log_path)
+            except ForkServerError as exc:
+                raise LaunchError(str(exc)) from None
+        with open(log_path, "ab") as out:
+            return cls(subprocess.Popen([sys.executable, "-m", "hybridrec", *argv], stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log_path)
+
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """The check's error message once it failed; None while it runs (up to `wait_s`) or when it passed."""
+        try:
+            rc = self.proc.wait(timeout=wait_s) if wait_s else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+        if not rc:
+            return None
+        text = self.log_path.read_text(errors="replace")
+        marker = "hybridrec: error: "
+        return text[text.rindex(marker) + len(marker):].strip() if marker in text else \
+            f"the model check exited with code {rc}:\n{tail(self.log_path)}"
+
+
+def check_passed(check: ModelCheck | None) -> bool:
+    """False while the model check runs; ConfigError once it failed (which stops every service)."""
+    if check is None:
+        return True
+    failure = check.failure()
+    if failure is not None:
+        raise ConfigError(failure)
+    return check.proc.poll() is not None
 
 
 def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, error: str) -> str:

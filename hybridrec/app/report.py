@@ -111,11 +111,14 @@ class Recorder:
                 continue
             try:
                 proc = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
-                cpu, rss, times = proc.cpu_percent(None), proc.memory_info().rss, proc.cpu_times()
+                cpu, pss, times = proc.cpu_percent(None), proc.memory_full_info().pss, proc.cpu_times()
             except psutil.Error:
                 continue
-            # cpu_s: the process's CPU seconds so far (user + system), for core-seconds per sample (modes benchmark)
-            self.resources.setdefault(name, []).append({"t": now, "cpu_percent": cpu, "rss_bytes": rss,
+            # cpu_s: the process's CPU seconds so far (user + system), for core-seconds per sample (modes benchmark).
+            # pss_bytes: the proportional set size, shared pages split among the processes that share them: the
+            # services are forked from one parent and share its imported libraries, which the resident set
+            # size would count once per service.
+            self.resources.setdefault(name, []).append({"t": now, "cpu_percent": cpu, "pss_bytes": pss,
                                                         "cpu_s": round(times.user + times.system, 3)})
 
     def mark(self, boundary: str) -> None:

@@ -124,11 +124,11 @@ def _plot_all(series: Recorder, summary: dict, out: Path) -> dict[str, Path]:
     for name, points in sorted(series.resources.items()):
         ts = [p["t"] for p in points]
         cpu_ax.plot(ts, [p["cpu_percent"] for p in points], lw=1, label=name)
-        mem_ax.plot(ts, [p["rss_bytes"] / 2**20 for p in points], lw=1)
+        mem_ax.plot(ts, [p["pss_bytes"] / 2**20 for p in points], lw=1)
     _shade(cpu_ax, series.phases, label=True, names=True)
     _shade(mem_ax, series.phases, label=False, names=True)
     cpu_ax.set_title("CPU per service (100 % = one core)")
-    mem_ax.set_title("Resident memory per service (MiB)")
+    mem_ax.set_title("Memory per service (MiB, shared pages split)")
     for a in (cpu_ax, mem_ax):
         a.set_xlabel("time since launch (s)")
         a.set_ylim(bottom=0, top=a.get_ylim()[1] * 1.12)  # room for the phase names

@@ -20,6 +20,7 @@ import grpc
 
 from hybridrec import rpc
 from hybridrec.frames import PHASES, Consumed
+from hybridrec.service import at_work
 
 END = 1 << 62
 """The stream index an end-of-phase frame is filed under: after every batch of its phase."""
@@ -67,6 +68,7 @@ async def deliver(window: Window, put: PutBatch, *, retry_s: float) -> None:
             while window.delivered < len(window.frames):
                 reply = await put(window.frames[window.delivered][2])
                 window.delivered += 1
+                at_work("batch delivered")
                 window.confirm(Consumed.decode(reply))
         except grpc.aio.AioRpcError:
             window.resent += window.delivered

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from hybridrec.config import Config, ConfigError
 from hybridrec.criteo_format import feature_columns
-from services.dataloader import batching, parquet, prepared
+from services.dataloader import batching, prepared
 from services.dataloader.batching import Position, ReadCounters, Rows
 
 
@@ -45,6 +45,8 @@ def train_batches(config: Config, counters: ReadCounters, start: Position = Posi
     if is_prepared(data.train, "data.train"):
         return prepared.iter_train_batches(data.train, config, counters=counters, start=start)
     if data.format == "parquet":
+        from services.dataloader import parquet  # pyarrow: imported where Parquet is read (see eval_rows)
+
         return parquet.iter_train_batches(data.train, parquet.ParquetSpec.from_config(config), epochs=training.epochs,
                                           batch_size=training.batch_size, bad_lines=data.bad_lines,
                                           counters=counters, start=start)
@@ -60,6 +62,9 @@ def eval_rows(config: Config, counters: ReadCounters) -> Iterator[Rows]:
     if is_prepared(data.eval, "data.eval"):
         return prepared.iter_rows(data.eval, config, counters=counters)
     if data.format == "parquet":
+        from services.dataloader import parquet  # pyarrow starts a thread (jemalloc's) as it is imported: only
+        # a loader reading Parquet imports it, never the fork server its process comes from
+
         return parquet.iter_rows(data.eval, parquet.ParquetSpec.from_config(config), chunk_rows=data.chunk_rows,
                                  bad_lines=data.bad_lines, counters=counters)
     columns, groups = feature_columns(config.features)

@@ -27,7 +27,7 @@ from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
-from hybridrec.service import ServiceHost
+from hybridrec.service import ServiceHost, at_work
 from hybridrec.sharding import shard_of
 from hybridrec.versions import version_dir
 from services.embedding_ps import lives
@@ -43,7 +43,8 @@ def shard_dir(config: Config, shard: int) -> Path:
 
 
 WARM_UP_PREFIX = "hybridrec-warmup-"
-"""A warm-up's scratch store: <tmpfs>/hybridrec-warmup-<pid>-<random>/."""
+"""A warm-up's scratch store: <ps.shm_dir>/hybridrec-warmup-<pid>-<random>/, inside the run's own directory,
+so that whoever removes the run's shared memory removes it too, even after a PS killed while warming up."""
 
 
 def remove_stale_warm_ups(root: Path) -> list[Path]:
@@ -66,8 +67,9 @@ def warm_up(config: Config) -> None:
     cache in a fresh container); doing it here keeps that out of the first
     lookups' deadlines.
     """
-    scratch_root = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
-    remove_stale_warm_ups(Path(scratch_root))
+    scratch_root = Path(config.ps.shm_dir)
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    remove_stale_warm_ups(scratch_root)
     with tempfile.TemporaryDirectory(prefix=f"{WARM_UP_PREFIX}{os.getpid()}-", dir=scratch_root) as scratch:
         for dim in config.dims:
             full = StoreConfig.from_config(config, dim)
@@ -275,6 +277,7 @@ class EmbeddingPSServicer:
             if lookup.train and self.changes is not None:  # may have admitted new rows
                 self.changes.add(dim, ids)
         self.counters["lookups_total"] += 1
+        at_work("lookup served")
         return PSRows(out).encode(self.values)
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

@@ -10,7 +10,7 @@ from hybridrec.config import Config
 from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
-from hybridrec.service import ServiceHost
+from hybridrec.service import ServiceHost, at_work
 from services.embedding_worker.aggregation import scatter_add_rows
 from services.embedding_worker.worker import EmbeddingWorker
 
@@ -23,7 +23,9 @@ class EmbeddingWorkerServicer:
         return BatchRef(self.worker.put(request)).encode()
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self.worker.lookup(BatchRef.decode(request).batch_ref)
+        rows = await self.worker.lookup(BatchRef.decode(request).batch_ref)
+        at_work("batch delivered")
+        return rows
 
     async def PushGradients(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if self.worker.already_applied(Gradients.batch_ref_of(request)):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from hybridrec import log
 from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
+from hybridrec.service import at_work
 from hybridrec.config import Config, Mode
 from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
@@ -344,6 +345,7 @@ class Trainer:
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
+                    at_work("training step")
                 else:  # the first batch's wait is start-up, not exposed communication
                     self.stats.exposed_wait_s += time.perf_counter() - waited
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
