@@ -1,6 +1,7 @@
 """Shared fixtures: a small synthetic dataset and a config pointing at it."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,12 @@ from hybridrec.app.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[1]
 HYBRIDREC = [sys.executable, "-m", "hybridrec"]
+
+# Tests press Ctrl-C on the processes they start (SIGINT). A shell that runs the suite in the background
+# (`bash .ci/run &`) starts it with SIGINT ignored, and an ignored signal stays ignored in every child
+# through exec: Python would then never raise KeyboardInterrupt there. A handler is reset to the default
+# by exec instead, so this one line gives every child the usual Ctrl-C.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

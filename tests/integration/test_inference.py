@@ -276,11 +276,15 @@ def test_dynamic_batching_merges_concurrent_requests(setup):
             together.wait(timeout=60)
             return server.infer_grpc({"ids": ids[i:i + 1], "dense": dense[i:i + 1]})
 
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            responses = list(pool.map(one, range(128)))
-        got = np.concatenate([_probs(r) for r in responses])
-        np.testing.assert_allclose(got, want, atol=ATOL)
-        merged = [r.parameters["micro_batch_rows"].int64_param for r in responses]
+        merged = []
+        for _ in range(5):  # a loaded machine can still send one round's requests one by one: a few rounds
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                responses = list(pool.map(one, range(128)))
+            got = np.concatenate([_probs(r) for r in responses])
+            np.testing.assert_allclose(got, want, atol=ATOL)
+            merged += [r.parameters["micro_batch_rows"].int64_param for r in responses]
+            if max(merged) > 1:
+                break
         assert max(merged) > 1, merged  # some requests shared a micro-batch
     finally:
         server.stop()
