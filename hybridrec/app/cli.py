@@ -110,13 +110,17 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         preflight(config, model=False)
     except ConfigError as exc:
         _fail(str(exc))
-    log.setup(service="launcher")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    # The services' parents start importing now, beside the rest of the launcher's set-up
+    # (hybridrec/app/forkserver.py).
+    forkserver = launcher.ForkServers(run_dir / "logs")
+    forkserver.start()
+    log.setup(service="launcher")
     progress = Progress(config)
     try:
         # The model check imports torch (seconds of CPU): `hybridrec check --only model` forked from the
         # services' pre-imported parent, beside their start-up; a bad model stops the run with exit 2.
-        summary = launcher.run_local(config, run_dir, progress=progress, check_model=True)
+        summary = launcher.run_local(config, run_dir, progress=progress, check_model=True, forkserver=forkserver)
     except ConfigError as exc:
         progress.close()
         _fail(str(exc))

@@ -1,32 +1,39 @@
-"""Services forked from one pre-imported parent: how `hybridrec run` starts (and restarts) its processes.
+"""Services forked from pre-imported parents: how `hybridrec run` starts (and restarts) its processes.
 
-Every service is a Python process that imports torch, numpy, numba and grpc and loads its compiled kernels
-before it can do anything; on a small machine, six of them doing so at once take seconds of CPU each, and
-every restart after a failure pays it again. The fork server pays it once: one process (`ForkServer`
-starts it with `python -m hybridrec.app.forkserver`) imports every service's modules, loads the kernels,
-and then forks a child per service on request. The child runs `hybridrec serve NAME ...` in-process, as
-the executed command would, with its own log file, environment and CPU set.
+Every service is a Python process that imports numpy, numba, grpc (and, for an NN worker, torch) and loads
+its compiled kernels before it can do anything; on a small machine, six of them doing so at once take
+seconds of CPU each, and every restart after a failure pays it again. The fork servers pay it once: two
+parent processes, started as `hybridrec run` starts, import what the services import and then fork a child
+per service on request; the child runs `hybridrec serve NAME ...` in-process, as the executed command
+would, with its own log file, environment and CPU set.
 
-What the parent must not hold, because a fork copies only the calling thread and shares every descriptor:
-no thread (torch's and OpenBLAS's pools stay unstarted: OMP_NUM_THREADS=1, and no tensor math), no gRPC
-channel or server (gRPC supports fork only before either exists; each child creates its own), no open
-socket or file beyond its pipes to the launcher and its log, no CUDA context (on a GPU the NN worker
-initialises CUDA after the fork). `check_fork_safe` asserts this before every fork, and
-tests/unit/test_forkserver.py checks it from outside.
+Two parents, because torch is most of the import time and only the NN workers need it: the light parent
+(the data loader, the PS shards, the embedding workers) is ready in well under a second, the dense one
+(NN workers, the model check) imports torch meanwhile, on another core. The light parent compiles or loads
+the PS kernels once, before it forks the first PS (two PS processes no longer each compile them).
+
+What a parent must not hold, because a fork copies only the calling thread and shares every descriptor:
+no thread (torch's and OpenBLAS's pools stay unstarted: OMP_NUM_THREADS=1, and no tensor math; pyarrow,
+which starts jemalloc's thread as it is imported, is left to the loader that reads Parquet), no gRPC channel
+or server (gRPC supports fork only before either exists; each child creates its own), no open socket or
+file beyond its pipes to the launcher and its log, no CUDA (on a GPU the NN worker initialises CUDA after
+the fork). `check_fork_safe` asserts this before every fork; tests/unit/test_forkserver.py checks it from
+outside.
 
 Supervision stays with the launcher: a child is forked twice (the intermediate exits at once) so that it
 becomes the launcher's own child (the launcher is a child subreaper), which waits for it, reads its exit
 status and signals it exactly as before; a child dies with the launcher (PR_SET_PDEATHSIG, set once it is
 the launcher's). A replacement is forked from the same parent; a parent that died is started again.
 
-The parent is also the run's janitor: when its pipe from the launcher closes without a goodbye (the
-launcher was killed), it waits until every child it forked is gone (they die with the launcher) and removes
-the run's shared-memory directory, so a killed run leaves no processes and no /dev/shm behind.
+A parent is also the run's janitor: when its pipe from the launcher closes without a goodbye (the launcher
+was killed), it waits until every child it forked is gone (they die with the launcher) and removes the
+run's shared-memory directory, so a killed run leaves no processes and no /dev/shm behind.
 
 Protocol: one JSON object per line each way. The launcher writes `{"op": "spawn", "argv": [...], "log":
 PATH, "env": {...}, "cpus": [...] | null, "parent": PID}` and reads `{"pid": N}` or `{"error": TEXT}`;
+`{"op": "config", "path": CONFIG}` gives the run's resolved config (the PS kernels are compiled for it);
 `{"op": "clean_up", "path": DIR}` names what to remove if the launcher dies; `{"op": "exit"}` ends the
-parent. The parent writes `{"ready": SECONDS}` once its imports are done.
+parent. A parent writes `{"ready": SECONDS}` once its imports are done.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -55,8 +63,9 @@ REPARENT_TIMEOUT_S = 10.0
 """How long a forked child waits to become the launcher's (its intermediate parent exits at once)."""
 FORK_ENV = {"PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
 """Set in every service's environment (and the parent's: what is read at import time is read there)."""
-IDLE_S = 1.0
-"""The parent loads what only replacements need once no request came for this long."""
+IDLE_S = 5.0
+"""The parent loads what only later children need once no request came for this long (not while the first
+services start on the same cores)."""
 
 
 def _libc() -> ctypes.CDLL:
@@ -108,32 +117,43 @@ class ForkServerError(RuntimeError):
 
 
 class ForkServer:
-    """The launcher's handle on its fork-server process: `spawn` forks a service from it."""
+    """The launcher's handle on one parent process: `spawn` forks a service from it."""
 
-    def __init__(self, log_path: Path, env: dict[str, str] | None = None, config_path: Path | None = None):
-        self.log_path, self.config_path = Path(log_path), config_path
+    def __init__(self, log_path: Path, *, dense: bool = False, env: dict[str, str] | None = None):
+        self.log_path, self.dense = Path(log_path), dense
         self.env = {**(env if env is not None else os.environ), **FORK_ENV}
         self._proc: subprocess.Popen | None = None
-        self._clean_up: list[str] = []
+        self._settings: list[dict] = []  # config and clean-up: sent again to a parent started again
+        self._waiting: deque[list[str]] = deque()  # submitted, not yet collected
         self.ready_s: float | None = None
-        """Seconds the parent took to import and load everything (from its `ready` line)."""
-        self.starts = 0
+        """Seconds the parent took to import what it forks with (from its `ready` line)."""
 
     def start(self) -> None:
         """Start the parent (it imports in the background; the first `spawn` waits for it)."""
         if _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ForkServerError(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
-        cmd = [sys.executable, "-m", "hybridrec.app.forkserver"]
-        if self.config_path is not None:
-            cmd += ["--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "hybridrec.app.forkserver", *(["--dense"] if self.dense else [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                                           env=self.env, close_fds=True, preexec_fn=_die_with_parent)
-        self.starts += 1
         self.ready_s = None
-        for path in self._clean_up:
-            self._send({"op": "clean_up", "path": path})
+        self._waiting.clear()
+        for message in self._settings:
+            self._send(message)
+
+    def configure(self, config_path: Path) -> None:
+        """The run's resolved config (the light parent compiles the PS kernels for it)."""
+        self._setting({"op": "config", "path": str(config_path)})
+
+    def clean_up_on_death(self, path: str | Path) -> None:
+        """Have the parent remove `path` if this process dies without `close` (a killed launcher)."""
+        self._setting({"op": "clean_up", "path": str(path)})
+
+    def _setting(self, message: dict) -> None:
+        self._settings.append(message)
+        if self.alive:
+            self._send(message)
 
     @property
     def pid(self) -> int | None:
@@ -153,24 +173,28 @@ class ForkServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def clean_up_on_death(self, path: str | Path) -> None:
-        """Have the parent remove `path` if this process dies without `close` (a killed launcher)."""
-        self._clean_up.append(str(path))
-        if self.alive:
-            self._send({"op": "clean_up", "path": str(path)})
-
     def spawn(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
               cpus: set[int] | None = None) -> Forked:
-        """Fork `hybridrec ARGV...` with stdout and stderr appended to `log_path`; a parent that died is
+        """Fork `hybridrec ARGV...` with stdout and stderr appended to `log_path` (`submit`, then `collect`)."""
+        self.submit(argv, log_path, env=env, cpus=cpus)
+        return self.collect()
+
+    def submit(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+               cpus: set[int] | None = None) -> None:
+        """Ask for a fork without waiting for it (a parent still importing answers later); a parent that died is
         started again first."""
         if not self.alive:
             if self._proc is not None:
                 self._reap()
             self.start()
-        request = {"op": "spawn", "argv": list(argv), "log": str(log_path), "parent": os.getpid(),
-                   "env": {**(env if env is not None else self.env), **FORK_ENV},
-                   "cpus": sorted(cpus) if cpus is not None else None}
-        self._send(request)
+        self._send({"op": "spawn", "argv": list(argv), "log": str(log_path), "parent": os.getpid(),
+                    "env": {**(env if env is not None else self.env), **FORK_ENV},
+                    "cpus": sorted(cpus) if cpus is not None else None})
+        self._waiting.append(list(argv))
+
+    def collect(self) -> Forked:
+        """The process of the oldest `submit` not yet collected."""
+        argv = self._waiting.popleft()
         reply = self._receive()
         if "error" in reply:
             raise ForkServerError(f"the fork server could not start `hybridrec {' '.join(argv)}`: {reply['error']}")
@@ -216,6 +240,49 @@ class ForkServer:
         self._reap()
 
 
+class ForkServers:
+    """The light and the dense parent of one run (see the module docstring): `spawn` picks the one a
+    command's imports are in."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
+        self.light = ForkServer(Path(log_dir) / "forkserver.log", env=env)
+        self.dense = ForkServer(Path(log_dir) / "forkserver-dense.log", dense=True, env=env)
+
+    def start(self) -> None:
+        self.dense.start()  # the longer import first
+        self.light.start()
+
+    def configure(self, config_path: Path) -> None:
+        self.light.configure(config_path)
+
+    def clean_up_on_death(self, path: str | Path) -> None:
+        self.light.clean_up_on_death(path)
+        self.dense.clean_up_on_death(path)
+
+    def _for(self, argv: list[str]) -> ForkServer:
+        return self.dense if needs_dense(argv) else self.light
+
+    def spawn(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+              cpus: set[int] | None = None) -> Forked:
+        return self._for(argv).spawn(argv, log_path, env=env, cpus=cpus)
+
+    def submit(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+               cpus: set[int] | None = None) -> None:
+        self._for(argv).submit(argv, log_path, env=env, cpus=cpus)
+
+    def collect(self, argv: list[str]) -> Forked:
+        """The process of the oldest submit of `argv`'s parent (collect in the order of submitting)."""
+        return self._for(argv).collect()
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return [self.light.log_path, self.dense.log_path]
+
+    def close(self) -> None:
+        self.light.close()
+        self.dense.close()
+
+
 def _die_with_parent() -> None:
     """In the parent before exec: SIGTERM when the launcher dies (it then cleans up), its own session."""
     _libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -227,39 +294,47 @@ def _die_with_parent() -> None:
 
 
 def preload_base() -> None:
-    """What every service imports: the data loader, PS and embedding worker need nothing more."""
+    """What the data loader, PS and embedding worker import, and the loader's and worker's kernels."""
     import numpy  # noqa: F401
     import grpc  # noqa: F401
     import grpc.aio  # noqa: F401
     import uvloop  # noqa: F401
 
     from hybridrec.app import cli  # noqa: F401
-    from services.dataloader import server as _loader  # noqa: F401
+    from services.dataloader import server as _loader, tsv
     from services.embedding_ps import server as _ps  # noqa: F401
-    from services.embedding_worker import server as _ew  # noqa: F401
+    from services.embedding_worker import server as ew_server
+
+    tsv.warm_up()  # the kernels of the data loader and the embedding worker (the PS's: `warm_up_ps`)
+    ew_server.warm_up()
 
 
 def preload_dense() -> None:
-    """What an NN worker (and the model check) imports beyond that: torch, about 2 core-s of it."""
+    """What an NN worker and the model check import: torch (about 2 core-s, torch._dynamo included), the CLI
+    and the NN worker's modules."""
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by DDP and the optimizer whether or not anything is compiled)
 
+    from hybridrec.app import cli  # noqa: F401
     from services.nn_worker import server as _nn  # noqa: F401
 
 
-def preload_later(config_path: Path | None) -> None:
-    """What only replacements gain from, loaded once the parent is idle (not while the first services start
-    on the same cores): scikit-learn for evaluation, and the PS kernels compiled on a scratch table."""
+def preload_later() -> None:
+    """What only the dense parent's later children gain from, loaded once it is idle (not while the first
+    services start on the same cores): scikit-learn, which evaluation imports."""
     import sklearn.metrics  # noqa: F401
 
-    if config_path is not None:
-        from hybridrec.config import load_config
-        from services.embedding_ps import server as ps_server
 
-        ps_server.warm_up(load_config(config_path, []))
+def warm_up_ps(config_path: Path) -> None:
+    """Compile (or load from numba's cache) the PS kernels for the run's config, on a scratch table."""
+    from hybridrec.config import load_config
+    from services.embedding_ps import server as ps_server
+
+    ps_server.warm_up(load_config(config_path, []))
 
 
 def needs_dense(argv: list[str]) -> bool:
+    """Forked from the dense parent: an NN worker, the model check."""
     return argv[:2] == ["serve", "nn_worker"] or argv[:1] == ["check"]
 
 
@@ -289,17 +364,18 @@ def _describe_fd(fd: int) -> str | None:
 
 @dataclass
 class Parent:
-    """The fork server's loop: reads requests on its stdin, answers on its stdout, loads what a request needs
-    first (`preload_dense` for an NN worker) and the rest when it is idle (`preload_later`)."""
+    """A fork server's loop: reads requests on its stdin, answers on its stdout. The light parent compiles the
+    PS kernels before it forks the first PS; the dense one loads scikit-learn once it is idle."""
 
     requests: int
     """The descriptor requests come in on (read directly: `select` must see what is not yet consumed)."""
     replies: IO[bytes]
+    dense: bool = False
     config_path: Path | None = None
+    warmed: bool = False
+    later: bool = False
     children: list[int] = field(default_factory=list)
     clean_up: list[str] = field(default_factory=list)
-    dense: bool = False
-    later: bool = False
     _buffer: bytes = b""
 
     def serve(self) -> None:
@@ -313,22 +389,28 @@ class Parent:
                 return
             if op == "clean_up":
                 self.clean_up.append(request["path"])
+            elif op == "config":
+                self.config_path = Path(request["path"])
             elif op == "spawn":
-                if needs_dense(request["argv"]) and not self.dense:
-                    self._load(preload_dense, "dense")
-                    self.dense = True
+                if request["argv"][:2] == ["serve", "embedding_ps"]:
+                    self._warm_up()
                 self._reply(self._spawn(request))
         self.janitor()  # the launcher is gone without a goodbye
 
+    def _warm_up(self) -> None:
+        if not self.warmed and self.config_path is not None:
+            self._load(lambda: warm_up_ps(self.config_path), "ps kernels")
+            self.warmed = True
+
     def _next_line(self) -> bytes | None:
-        """The next request line; None once the launcher closed its end. Idle for IDLE_S first: the rest is
-        loaded then."""
+        """The next request line; None once the launcher closed its end. After IDLE_S without one, what only
+        later children gain from is loaded first."""
         while b"\n" not in self._buffer:
             if not self.later and not select.select([self.requests], [], [], IDLE_S)[0]:
-                if not self.dense:
-                    self._load(preload_dense, "dense")
-                    self.dense = True
-                self._load(lambda: preload_later(self.config_path), "later")
+                if self.dense:
+                    self._load(preload_later, "later")
+                else:
+                    self._warm_up()
                 self.later = True
                 continue
             chunk = os.read(self.requests, 1 << 16)
@@ -344,7 +426,8 @@ class Parent:
         what()
         gc.collect()
         gc.freeze()  # what the imports made is never scanned again: fewer copied pages in the children
-        print(json.dumps({"event": "preloaded", "what": name, "seconds": round(time.monotonic() - started, 3)}),
+        print(json.dumps({"event": "preloaded", "what": name, "seconds": round(time.monotonic() - started, 3),
+                          "at": round(time.time(), 3)}),
               file=sys.stderr, flush=True)
 
     def _reply(self, message: dict) -> None:
@@ -474,16 +557,14 @@ def _exit_like_interpreter(code: int) -> None:
 
 def main() -> None:
     started = time.monotonic()
-    config_path = None
-    if len(sys.argv) == 3 and sys.argv[1] == "--config":
-        config_path = Path(sys.argv[2])
+    dense = sys.argv[1:] == ["--dense"]
     signal.signal(signal.SIGTERM, lambda *_: None)  # PDEATHSIG: the closed pipe ends the loop, then the janitor
     replies = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing the imports print may land in the reply pipe
-    Parent._load(preload_base, "base")
+    Parent._load(preload_dense if dense else preload_base, "dense" if dense else "base")
     replies.write(json.dumps({"ready": round(time.monotonic() - started, 3)}).encode() + b"\n")
     replies.flush()
-    Parent(sys.stdin.fileno(), replies, config_path).serve()
+    Parent(sys.stdin.fileno(), replies, dense=dense).serve()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, ConfigError, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
-from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServer, ForkServerError
+from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, needs_dense
 from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
@@ -200,7 +200,7 @@ class LocalCluster:
     processes that run in their host's network namespace, with `restarts` off (a death fails its run)."""
 
     def __init__(self, config: Config, run_dir: Path, procs: list[ServiceProcess], *, restarts: bool = True,
-                 forkserver: ForkServer | None = None):
+                 forkserver: ForkServers | None = None):
         self.config, self.run_dir, self.procs, self.restarts = config, Path(run_dir), procs, restarts
         self.forkserver = forkserver
         """Forks the services (hybridrec/app/forkserver.py); without one, or for a process run inside a
@@ -212,8 +212,9 @@ class LocalCluster:
         self.recoveries: list[Recovery] = []
 
     @classmethod
-    def on_loopback(cls, config: Config, run_dir: Path) -> "LocalCluster":
-        """Every replica a local process on a free loopback port, all started with run_dir/config.yaml."""
+    def on_loopback(cls, config: Config, run_dir: Path, forkserver: ForkServers | None = None) -> "LocalCluster":
+        """Every replica a local process on a free loopback port, all started with run_dir/config.yaml, forked
+        from `forkserver` (started already, or here)."""
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = resolve(config, run_dir)
         config_path = run_dir / "config.yaml"
@@ -222,42 +223,70 @@ class LocalCluster:
                                 run_dir / "logs" / f"{service}-{replica}.log", config_path)
                  for service in START_ORDER
                  for replica, address in enumerate(getattr(config.cluster, SERVICES[service].cluster_key))]
-        forkserver = ForkServer(run_dir / "logs" / "forkserver.log", config_path=config_path)
+        forkserver = forkserver or ForkServers(run_dir / "logs")
+        forkserver.configure(config_path)
         if not config.ps.keep_shm:
             forkserver.clean_up_on_death(config.ps.shm_dir)
         return cls(config, run_dir, procs, forkserver=forkserver)
 
     def start(self) -> None:
-        if self.forkserver is not None:
+        """Start every replica. Forked ones are asked for all at once and collected after, in an order that
+        keeps the parents busy: the light parent forks the embedding workers and the data loader at once and
+        the PS shards once their kernels are compiled, while the dense parent is still importing torch."""
+        if self.forkserver is not None and not self.forkserver.light.alive:
             self.forkserver.start()
+        forked = sorted((p for p in self.procs if self._forks(p)), key=_fork_order)
+        for proc in forked:
+            self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
+        for proc in forked:
+            proc.popen = self._collect(proc)
+            proc.serving = False
         for proc in self.procs:
-            self._spawn(proc)
+            if not self._forks(proc):
+                self._spawn(proc)
         self._write_services()
+
+    def _forks(self, proc: ServiceProcess) -> bool:
+        """Forked from the fork server (not a testbed process, which runs inside its host's namespace)."""
+        return self.forkserver is not None and not proc.prefix
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        return {**os.environ, **FORK_ENV}
+
+    @staticmethod
+    def _argv(proc: ServiceProcess) -> list[str]:
+        metrics_port = proc.metrics_address.rsplit(":", 1)[1]
+        return ["serve", proc.service, "--config", str(proc.config_path), "--replica", str(proc.replica), "--set",
+                f"cluster.metrics_port={metrics_port}"]
+
+    def _collect(self, proc: ServiceProcess) -> Forked:
+        try:
+            forked = self.forkserver.collect(self._argv(proc))
+        except ForkServerError as exc:
+            raise LaunchError(f"{exc}; last lines of its logs:\n" + "\n".join(
+                tail(path) for path in self.forkserver.log_paths)) from None
+        self.log.debug("forked", service=proc.name, pid=forked.pid)
+        return forked
 
     def _write_services(self) -> None:
         """run_dir/services.json: every replica's pid, gRPC and metrics address, kept current across restarts."""
         write_services(self.run_dir, [p.describe() for p in self.procs])
 
     def _spawn(self, proc: ServiceProcess) -> None:
-        env = {**os.environ, **FORK_ENV}
-        metrics_port = proc.metrics_address.rsplit(":", 1)[1]
-        argv = ["serve", proc.service, "--config", str(proc.config_path), "--replica", str(proc.replica), "--set",
-                f"cluster.metrics_port={metrics_port}"]
         proc.serving = False
-        if self.forkserver is not None and not proc.prefix:
+        if self._forks(proc):
             try:
-                proc.popen = self.forkserver.spawn(argv, proc.log_path, env=env, cpus=proc.cpus)
+                self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
             except ForkServerError as exc:
-                raise LaunchError(f"{exc}; last lines of {self.forkserver.log_path}:\n"
-                                  f"{tail(self.forkserver.log_path)}") from None
-            self.log.debug("forked", service=proc.name, pid=proc.popen.pid)
+                raise LaunchError(str(exc)) from None
+            proc.popen = self._collect(proc)
             return
-        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *argv]
+        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *self._argv(proc)]
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env=env, preexec_fn=functools.partial(die_with_parent, proc.cpus),
+                                          env=self._env(), preexec_fn=functools.partial(die_with_parent, proc.cpus),
                                           close_fds=True)
-        proc.serving = False
         self.log.debug("started", service=proc.name, pid=proc.popen.pid)
 
     def check(self) -> bool:
@@ -473,6 +502,12 @@ class LocalCluster:
             self.forkserver.close()
 
 
+def _fork_order(proc: ServiceProcess) -> tuple[bool, bool]:
+    """Light before dense (`LocalCluster.start`), and PS shards last of the light: the parent compiles their
+    kernels first."""
+    return needs_dense(LocalCluster._argv(proc)), proc.service == "embedding_ps"
+
+
 def _signal(popen: subprocess.Popen, sig: signal.Signals) -> None:
     try:
         popen.send_signal(sig)
@@ -491,8 +526,12 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 SAMPLE_EVERY_S = 1.0
 
 
-def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool = False) -> RunSummary:
+def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool = False,
+              forkserver: ForkServers | None = None) -> RunSummary:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
+
+    `forkserver`: the services' parents, started already (the CLI starts them before the rest of its set-up);
+    by default started here.
 
     `check_model`: build the model once in a process of its own beside the start-up (`ModelCheck`): a bad
     model stops the services and raises ConfigError with its message.
@@ -506,7 +545,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
 
         broker = LocalBroker(run_dir)
         config = with_url(config, broker.start(config.data.stream))
-    cluster = LocalCluster.on_loopback(config, run_dir)
+    cluster = LocalCluster.on_loopback(config, run_dir, forkserver)
     check = None
     next_sample = time.monotonic()
     if config.data.stream is not None:  # the first Ctrl-C ends training with what was read, the second stops all

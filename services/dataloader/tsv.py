@@ -345,3 +345,13 @@ def parse_lines(data: bytes, *, where: str, groups: Sequence[int] | None = None,
     labels, dense, ids, present = (a[:num_rows] for a in arrays)
     return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=where, first_line=1,
                        end_offset=len(data), num_bad_lines=num_bad, end_line=num_lines + 1)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the parser and the batch deduplication now, not inside the first
+    batch's wait (the fork server calls it once for every data loader)."""
+    from hybridrec.dedup import unique_segments
+
+    line = b"\t".join([b"1", *[b"1"] * NUM_DENSE, *[b"68fd1e64"] * NUM_SPARSE])
+    parse_lines(line, where="the warm-up line")
+    unique_segments(np.array([3, 1, 3], np.uint64), np.array([0, 2, 3], np.int64))

@@ -7,6 +7,7 @@ import numpy as np
 from hybridrec import rpc
 from hybridrec.lazy_torch import import_torch_in_background
 from hybridrec.config import Config
+from hybridrec.dedup import has_duplicates, unique_inverse
 from hybridrec.frames import Applied, BatchRef, Gradients
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
@@ -38,6 +39,15 @@ class EmbeddingWorkerServicer:
                                recovery=self.worker.recovery())
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the embedding worker's kernels now, not inside the first batch's
+    deadline: deduplication and gradient aggregation (the fork server calls it once for every worker)."""
+    ids = np.array([3, 1, 3], np.uint64)
+    if has_duplicates(ids):
+        unique_inverse(ids)
+    scatter_add_rows(np.zeros((1, 1), np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32))
+
+
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_worker", config, replica)
     if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
@@ -55,8 +65,7 @@ async def serve(config: Config, replica: int) -> None:
             raise Unavailable(f"PS shard {shard} ({config.cluster.ps[shard]}) {method} failed: "
                               f"{exc.code().name} {exc.details()}") from exc
 
-    # Compile the aggregation kernel now, not inside the first gradient push's deadline.
-    scatter_add_rows(np.zeros((1, 1), np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32))
+    warm_up()
     # Before the server starts: a batch of a previous life is served the moment requests arrive.
     worker = EmbeddingWorker(config, replica, ps_call)
     host.log.info("buffer_open", directory=str(worker.files.directory), incarnation=worker.incarnation,

@@ -1,10 +1,11 @@
-"""A launcher stand-in for tests/unit/test_forkserver.py, in a process of its own: a ForkServer makes its
+"""A launcher stand-in for tests/unit/test_forkserver.py, in a process of its own: a fork server makes its
 owner a child subreaper, which the test process must not become.
 
 Reads one JSON object per line on stdin and answers each with one line on stdout:
-  {"spawn": [ARGV...], "log": PATH}  ->  {"pid": N, "forkserver": PID}  (or {"error": TEXT})
+  {"spawn": [ARGV...], "log": PATH}  ->  {"pid": N, "forkserver": PID of its parent}  (or {"error": TEXT})
   {"wait": PID}                      ->  {"code": EXIT_CODE}
-  {"ready": true}                    ->  {"forkserver": PID, "ready_s": SECONDS}
+  {"ready": true}                    ->  {"light": PID, "dense": PID} once both parents have imported
+  {"config": PATH}                   ->  {} (the run's config: the light parent compiles the PS kernels)
     python tests/unit/forkserver_launcher.py LOG_DIR [CLEAN_UP_PATH]
 """
 from __future__ import annotations
@@ -13,12 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from hybridrec.app.forkserver import ForkServer, ForkServerError
+from hybridrec.app.forkserver import ForkServerError, ForkServers, needs_dense
 
 
 def main() -> None:
     log_dir = Path(sys.argv[1])
-    server = ForkServer(log_dir / "forkserver.log")
+    server = ForkServers(log_dir)
     server.start()
     if len(sys.argv) > 2:
         server.clean_up_on_death(sys.argv[2])
@@ -32,12 +33,17 @@ def main() -> None:
                 reply = {"error": str(exc)}
             else:
                 children[child.pid] = child
-                reply = {"pid": child.pid, "forkserver": server.pid}
+                parent = server.dense if needs_dense(request["spawn"]) else server.light
+                reply = {"pid": child.pid, "forkserver": parent.pid}
         elif "wait" in request:
             reply = {"code": children[request["wait"]].wait(timeout=120)}
+        elif "config" in request:
+            server.configure(Path(request["config"]))
+            reply = {}
         else:
-            server.wait_ready()
-            reply = {"forkserver": server.pid, "ready_s": server.ready_s}
+            server.light.wait_ready()
+            server.dense.wait_ready()
+            reply = {"light": server.light.pid, "dense": server.dense.pid}
         print(json.dumps(reply), flush=True)
     server.close()
 

@@ -75,22 +75,27 @@ def until(predicate, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_the_parent_holds_one_thread_no_descriptor_but_its_pipes_and_torch_without_cuda(tmp_path):
+def test_the_parents_hold_one_thread_no_descriptor_but_their_pipes_and_no_cuda(tmp_path):
     launcher = Launcher(tmp_path)
     try:
-        ready = launcher.ask({"ready": True})
-        pid = ready["forkserver"]
-        until(lambda: '"what": "later"' in text(tmp_path / "forkserver.log"), "the parent to load everything")
-        assert os.listdir(f"/proc/{pid}/task") == [str(pid)]  # one thread
-        fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        assert sorted(fds) == [0, 1, 2], fds
-        assert fds[0].startswith("pipe:") and fds[1].startswith("pipe:") and fds[2].endswith("forkserver.log")
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        assert "libtorch_cpu" in maps and "numba" in maps  # what the children need is loaded ...
-        assert "libcuda.so" not in maps  # ... and no GPU driver: CUDA is initialised after the fork
-        # Forking needs nothing the parent lacks: a service forked now is the launcher's child, named.
         config, _ = ps_config(tmp_path)
+        launcher.ask({"config": str(config)})
+        pids = launcher.ask({"ready": True})
+        until(lambda: '"what": "later"' in text(tmp_path / "forkserver-dense.log"), "the dense parent to idle")
+        until(lambda: '"what": "ps kernels"' in text(tmp_path / "forkserver.log"), "the PS kernels")
+        for kind, pid in pids.items():
+            assert os.listdir(f"/proc/{pid}/task") == [str(pid)], kind  # one thread
+            fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert sorted(fds) == [0, 1, 2], (kind, fds)
+            assert fds[0].startswith("pipe:") and fds[1].startswith("pipe:") and "forkserver" in fds[2], fds
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libcuda.so" not in maps, kind  # no GPU driver: CUDA comes after the fork
+            # torch only where NN workers come from; the light parent has the kernels its services run
+            assert ("libtorch_cpu" in maps) == (kind == "dense"), kind
+            assert kind == "dense" or "llvmlite" in maps, kind
+        # Forking needs nothing the parents lack: a command forked now is the launcher's child.
         child = launcher.spawn(["check", str(config), "--only", "model"], "check")
+        assert child["forkserver"] == pids["dense"]
         assert launcher.ask({"wait": child["pid"]}) == {"code": 0}
         assert "ps.yaml: model ok" in (tmp_path / "check.log").read_text()
     finally:
