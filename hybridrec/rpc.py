@@ -43,6 +43,11 @@ CHANNEL_OPTIONS = [*HTTP2_OPTIONS,
     ("grpc.enable_retries", 0),
     # One TCP connection per channel even when several channels target the same address.
     ("grpc.use_local_subchannel_pool", 1),
+    # A lost peer is tried again after 0.1 s, then less and less often, but at least every second (gRPC's
+    # own backoff starts at 1 s and grows to two minutes): a restarted service is reached within a second of
+    # listening, not after a backoff that grew while it was down.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = [*HTTP2_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -236,8 +241,8 @@ def channel(address: str, *, reconnect_ms: int | None = None) -> grpc.aio.Channe
     (gRPC's own backoff grows to two minutes)."""
     options = CHANNEL_OPTIONS
     if reconnect_ms is not None:
-        options = [*options, ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
-                   ("grpc.min_reconnect_backoff_ms", reconnect_ms), ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
+        backoff = ("grpc.initial_reconnect_backoff_ms", "grpc.min_reconnect_backoff_ms", "grpc.max_reconnect_backoff_ms")
+        options = [o for o in options if o[0] not in backoff] + [(key, reconnect_ms) for key in backoff]
     if _security is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, _security.channel_credentials(),
@@ -335,13 +340,15 @@ async def wait_until_serving(addresses: list[str], *, timeout_s: float, what: st
 
 
 async def retry(call: Callable[[], Awaitable[Any]], *, deadline_s: float, base_delay_s: float = 0.05,
-                max_delay_s: float = 2.0,
+                max_delay_s: float = 0.5,
                 retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> Any:
     """Run `call`, retrying on transient status codes with jittered exponential backoff until `deadline_s`.
 
     A peer being restarted in place (a PS re-attaching to its shm table, an
     embedding worker coming back) answers UNAVAILABLE for a few seconds; callers
-    wait it out instead of failing the job.
+    wait it out instead of failing the job. The delay stops growing at
+    `max_delay_s` (0.5 s, 0.75 s with jitter): a restart takes about a second,
+    and a caller should not sleep far past it.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s

@@ -293,12 +293,13 @@ class LocalCluster:
         """True once every NN worker finished cleanly (training on a stream: and the data loader, whose last
         acknowledgement must reach the broker); LaunchError as soon as any service fails.
 
-        On a death, waits DEATH_SETTLE_S once before deciding: processes lost together (a machine, or a
-        kill of several) die a few milliseconds apart on a loaded machine, and a peer still dying must not
-        count as holding the state a replacement would resume from (that replaced one NN worker, then
-        restarted the group for the other)."""
+        On the death of a process whose restart depends on its peers (an NN worker, the data loader), waits
+        DEATH_SETTLE_S once before deciding: processes lost together (a machine, or a kill of several) die a
+        few milliseconds apart on a loaded machine, and a peer still dying must not count as holding the state
+        a replacement would resume from (that replaced one NN worker, then restarted the group for the other).
+        A PS or an embedding worker is restarted in place whatever its peers do: at once."""
         noticed = time.time()
-        if any(p.popen and not p.finished and p.popen.poll() is not None for p in self.procs):
+        if any(self._settles(p) for p in self.procs):
             time.sleep(DEATH_SETTLE_S)
         for proc in self.procs:
             rc = proc.popen.poll() if proc.popen else None
@@ -333,6 +334,13 @@ class LocalCluster:
         if finished and self.config.data.stream is not None:  # and the loader's last acknowledgement is in
             finished = all(p.finished for p in self.procs if p.service == "dataloader")
         return finished
+
+    @staticmethod
+    def _settles(proc: ServiceProcess) -> bool:
+        """`proc` died (not a clean finish) and what becomes of it depends on which of its peers are alive."""
+        rc = proc.popen.poll() if proc.popen and not proc.finished and not proc.down else None
+        kind = SERVICES[proc.service]
+        return rc is not None and not (rc == 0 and kind.finishes) and (kind.resumes_from or kind.restart_as_group)
 
     def _recovering(self, proc: ServiceProcess, rc: int, action: Action, down_at: float) -> None:
         """Start timing `proc`'s recovery: until its replacement logs `at_work` (see `note_at_work`)."""

@@ -58,7 +58,7 @@ MAX_SEQ = 1 << INCARNATION_SHIFT
 """Sequence numbers a buffer can hand out: the 40 low bits of a batch_ref."""
 RETIRED_KEPT = 64
 """Consumed batches remembered per worker. A consumed batch's request comes again only when the worker died between
-consuming it and answering; the NN worker re-sends within its retry backoff (at most 2 s) of the restart,
+consuming it and answering; the NN worker re-sends within its retry backoff (at most 0.75 s) of the restart,
 while each rank has at most `training.staleness` + 1 pushes and `training.prefetch` lookups outstanding:
 far fewer than 64 other batches of this worker are consumed in between at any size this runs."""
 
