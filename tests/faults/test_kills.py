@@ -102,6 +102,11 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
     result = _run(fault_config, tmp_path / "run", kill=service)
     restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
     assert restarted[(service, 0)] == 1
+    # The launcher timed the recovery: from the death it saw to the replacement's first piece of work.
+    (recovery,) = result["recoveries"]
+    assert (recovery["service"], recovery["replica"], recovery["exit_code"]) == (service, 0, -9), recovery
+    assert recovery["action"] == ("restart" if service in ("embedding_ps", "embedding_worker") else "replace")
+    assert 0 < recovery["seconds"] < 60 and recovery["what"], recovery
     if service == "nn_worker":  # rank 1 handed its state to rank 0's replacement; nobody else restarted
         assert restarted[("nn_worker", 1)] == 0 and restarted[("dataloader", 0)] == 0
         logs = (tmp_path / "run" / "logs" / "nn_worker-1.log").read_text()

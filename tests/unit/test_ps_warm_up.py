@@ -47,3 +47,20 @@ def test_a_warm_up_names_its_process(tmp_path, monkeypatch):
     server.warm_up(Config.model_validate({"data": {"train": ["unused"]}, "ps": {"capacity": 1024, "num_stripes": 2}}))
     assert seen and all(prefix == f"{WARM_UP_PREFIX}{os.getpid()}-" for prefix in seen)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_warm_up_works_inside_the_runs_shared_memory(tmp_path, monkeypatch):
+    """Its scratch store is under ps.shm_dir, which the launcher (or, when the launcher is killed, its fork
+    server) removes with the run: a PS killed while warming up leaves nothing behind in /dev/shm."""
+    from hybridrec.config import Config
+    from services.embedding_ps import server
+
+    where = []
+    real = server.EmbeddingStore.open
+    monkeypatch.setattr(server.EmbeddingStore, "open", lambda path, cfg: where.append(path) or real(path, cfg))
+    shm = tmp_path / "run-shm"
+    server.warm_up(Config.model_validate({"data": {"train": ["unused"]},
+                                          "ps": {"capacity": 1024, "num_stripes": 2, "shm_dir": str(shm)}}))
+    assert where and all(path.parent.parent == shm and path.parent.name.startswith(WARM_UP_PREFIX)
+                         for path in where), where
+    assert list(shm.iterdir()) == []  # and it removes it when done
