@@ -64,8 +64,8 @@ REPARENT_TIMEOUT_S = 10.0
 FORK_ENV = {"PYTHONUNBUFFERED": "1", "HYBRIDREC_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
 """Set in every service's environment (and the parent's: what is read at import time is read there)."""
 IDLE_S = 5.0
-"""The parent loads what only later children need once no request came for this long (not while the first
-services start on the same cores)."""
+"""The light parent compiles the PS kernels once no request came for this long, if no PS asked first (not
+while the first services start on the same cores)."""
 
 
 def _libc() -> ctypes.CDLL:
@@ -319,12 +319,6 @@ def preload_dense() -> None:
     from services.nn_worker import server as _nn  # noqa: F401
 
 
-def preload_later() -> None:
-    """What only the dense parent's later children gain from, loaded once it is idle (not while the first
-    services start on the same cores): scikit-learn, which evaluation imports."""
-    import sklearn.metrics  # noqa: F401
-
-
 def warm_up_ps(config_path: Path) -> None:
     """Compile (or load from numba's cache) the PS kernels for the run's config, on a scratch table."""
     from hybridrec.config import load_config
@@ -365,7 +359,11 @@ def _describe_fd(fd: int) -> str | None:
 @dataclass
 class Parent:
     """A fork server's loop: reads requests on its stdin, answers on its stdout. The light parent compiles the
-    PS kernels before it forks the first PS; the dense one loads scikit-learn once it is idle."""
+    PS kernels before it forks the first PS, or once it is idle.
+
+    Nothing else is loaded later: scikit-learn, which the NN workers import for evaluation, may bring
+    pyarrow (through pandas, where it is installed) and with it jemalloc's thread; it stays the NN
+    workers' own import."""
 
     requests: int
     """The descriptor requests come in on (read directly: `select` must see what is not yet consumed)."""
@@ -407,10 +405,7 @@ class Parent:
         later children gain from is loaded first."""
         while b"\n" not in self._buffer:
             if not self.later and not select.select([self.requests], [], [], IDLE_S)[0]:
-                if self.dense:
-                    self._load(preload_later, "later")
-                else:
-                    self._warm_up()
+                self._warm_up()  # the light parent of a run without a PS yet (a testbed, a test)
                 self.later = True
                 continue
             chunk = os.read(self.requests, 1 << 16)

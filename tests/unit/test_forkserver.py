@@ -81,15 +81,15 @@ def test_the_parents_hold_one_thread_no_descriptor_but_their_pipes_and_no_cuda(t
         config, _ = ps_config(tmp_path)
         launcher.ask({"config": str(config)})
         pids = launcher.ask({"ready": True})
-        until(lambda: '"what": "later"' in text(tmp_path / "forkserver-dense.log"), "the dense parent to idle")
-        until(lambda: '"what": "ps kernels"' in text(tmp_path / "forkserver.log"), "the PS kernels")
+        until(lambda: '"what": "ps kernels"' in text(tmp_path / "forkserver.log"), "the PS kernels (when idle)")
         for kind, pid in pids.items():
             assert os.listdir(f"/proc/{pid}/task") == [str(pid)], kind  # one thread
             fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            # Nothing else open: no socket, and no /dev/nvidia* (CUDA initialised opens them; a CUDA build of
+            # torch maps libcuda as it is imported, which is harmless): CUDA comes after the fork.
             assert sorted(fds) == [0, 1, 2], (kind, fds)
             assert fds[0].startswith("pipe:") and fds[1].startswith("pipe:") and "forkserver" in fds[2], fds
             maps = Path(f"/proc/{pid}/maps").read_text()
-            assert "libcuda.so" not in maps, kind  # no GPU driver: CUDA comes after the fork
             # torch only where NN workers come from; the light parent has the kernels its services run
             assert ("libtorch_cpu" in maps) == (kind == "dense"), kind
             assert kind == "dense" or "llvmlite" in maps, kind
