@@ -132,7 +132,9 @@ class ForkServer:
         """Start the parent (it imports in the background; the first `spawn` waits for it)."""
         if _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ForkServerError(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
-        cmd = [sys.executable, "-m", "hybridrec.app.forkserver", *(["--dense"] if self.dense else [])]
+        # --for: which run it serves, for ps and top (the parent itself does not need it)
+        cmd = [sys.executable, "-m", "hybridrec.app.forkserver", "--for", str(self.log_path.parent),
+               *(["--dense"] if self.dense else [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
@@ -552,7 +554,7 @@ def _exit_like_interpreter(code: int) -> None:
 
 def main() -> None:
     started = time.monotonic()
-    dense = sys.argv[1:] == ["--dense"]
+    dense = "--dense" in sys.argv[1:]
     signal.signal(signal.SIGTERM, lambda *_: None)  # PDEATHSIG: the closed pipe ends the loop, then the janitor
     replies = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing the imports print may land in the reply pipe

@@ -34,7 +34,7 @@ def _port_free(address: str) -> bool:
 
 
 def _assert_clean(summary_or_run_dir) -> None:
-    """No service process left, no port bound, no shm files."""
+    """No service or fork-server process left, no port bound, no shm files."""
     config_path = Path(summary_or_run_dir) / "config.yaml"
     import yaml
     config = yaml.safe_load(config_path.read_text())
@@ -42,8 +42,8 @@ def _assert_clean(summary_or_run_dir) -> None:
     addresses = cluster["ps"] + cluster["embedding_workers"] + cluster["nn_workers"] + cluster["dataloader"]
     deadline = time.monotonic() + 5
     while True:
-        leftovers = [p for p in psutil.process_iter(["cmdline"])
-                     if str(config_path) in " ".join(p.info["cmdline"] or [])]
+        leftovers = [p for p in psutil.process_iter(["cmdline"])  # services name the config, parents its logs
+                     if str(config_path.parent) in " ".join(p.info["cmdline"] or [])]
         if not leftovers or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -129,3 +129,25 @@ def test_bad_input_exits_2_with_a_clear_message(small_config, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_killed_launcher_leaves_no_service_and_no_shared_memory(tmp_path, small_config):
+    """kill -9 of `hybridrec run` itself mid-training: its services die with it (PR_SET_PDEATHSIG), and its
+    fork servers, which outlive it for a moment, remove the run's shared memory (nobody else is left to)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(small_config), "--run-dir", str(run_dir),
+                                         "--set", "training.epochs=20"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any('"at_work"' in p.read_text() for p in (run_dir / "logs").glob("nn_worker-*.log")):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    import yaml
+    shm = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["ps"]["shm_dir"])
+    assert shm.is_dir()
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while shm.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _assert_clean(run_dir)
