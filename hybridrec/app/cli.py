@@ -101,9 +101,7 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here."),
         run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Logs and results (default runs/<time>).")):
     """Start every service as a local process, train, evaluate, print a summary."""
-    from hybridrec import log
-    from hybridrec.app import launcher
-    from hybridrec.app.progress import Progress
+    from hybridrec.app.forkserver import ForkServers
 
     config = _load(config_path, overrides)
     try:
@@ -111,10 +109,14 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     except ConfigError as exc:
         _fail(str(exc))
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    # The services' parents start importing now, beside the rest of the launcher's set-up
+    # The services' parents start importing now, beside the rest of the launcher's own imports and set-up
     # (hybridrec/app/forkserver.py).
-    forkserver = launcher.ForkServers(run_dir / "logs")
+    forkserver = ForkServers(run_dir / "logs")
     forkserver.start()
+    from hybridrec import log
+    from hybridrec.app import launcher
+    from hybridrec.app.progress import Progress
+
     log.setup(service="launcher")
     progress = Progress(config)
     try:
