@@ -570,7 +570,9 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
             check = ModelCheck.start(cluster) if check_model else None
             while True:
                 finished = cluster.check()
-                if check_passed(check) and finished:
+                if check_passed(check):  # ConfigError once it failed
+                    check = None
+                if check is None and finished:
                     break
                 time.sleep(0.1)
                 if time.monotonic() >= next_sample:
@@ -579,14 +581,16 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
                     cluster.note_statuses(statuses)
                     cluster.note_serving()
                     recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
-                    cluster.echo_warnings()
+                    if check is None:  # until the model is known good, an NN worker's crash is its consequence,
+                        cluster.echo_warnings()  # which the check's one message says
                     if progress is not None:
                         progress(statuses)
             recorder.mark("end_of_eval")
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             cluster.stop()
-            cluster.echo_warnings()  # the last lines: warnings, and the end of a recovery (at_work)
+            if check is None:
+                cluster.echo_warnings()  # the last lines: warnings, and the end of a recovery (at_work)
             if broker is not None:
                 broker.stop()
             recorder.mark("end")
@@ -649,7 +653,8 @@ class ModelCheck:
 
 
 def check_passed(check: ModelCheck | None) -> bool:
-    """False while the model check runs; ConfigError once it failed (which stops every service)."""
+    """True once the model check passed (or there is none), False while it runs; ConfigError once it failed
+    (which stops every service)."""
     if check is None:
         return True
     failure = check.failure()
