@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -167,6 +168,10 @@ def _print_summary(summary: RunSummary) -> None:
     for loss in summary.store_losses or []:  # a PS shard came back without its store: say what it cost
         rows.insert(-2, (f"[bold {'yellow' if loss.from_replica and not loss.lost else 'red'}]PS shard "
                          f"{loss.shard} lost its store[/]", loss.describe()))
+    if summary.recoveries:  # processes the launcher restarted: how long each replacement took to work again
+        timed = [r.seconds for r in summary.recoveries if r.seconds is not None]
+        rows.insert(-2, ("restarts, back at work in", f"{len(summary.recoveries)}" + (
+            f", {fmt_duration(statistics.median(timed))} (max {fmt_duration(max(timed))})" if timed else "")))
     if summary.lifecycle:  # admission or expiry did something: per table admitted / rejected / expired
         totals = [sum(getattr(t, f) for t in summary.lifecycle.values()) for f in ("admitted", "rejected", "expired")]
         rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))

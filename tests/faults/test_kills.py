@@ -55,6 +55,7 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, args: tuple[str, 
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(summary.read_text())
     result["killed_pid"] = killed
+    result["printed"] = out
     return result
 
 
@@ -107,6 +108,7 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
     assert (recovery["service"], recovery["replica"], recovery["exit_code"]) == (service, 0, -9), recovery
     assert recovery["action"] == ("restart" if service in ("embedding_ps", "embedding_worker") else "replace")
     assert 0 < recovery["seconds"] < 60 and recovery["what"], recovery
+    assert "restarts, back at work in" in result["printed"]  # and the end table says so
     if service == "nn_worker":  # rank 1 handed its state to rank 0's replacement; nobody else restarted
         assert restarted[("nn_worker", 1)] == 0 and restarted[("dataloader", 0)] == 0
         logs = (tmp_path / "run" / "logs" / "nn_worker-1.log").read_text()
