@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
 from hybridrec.app.launcher import free_port  # noqa: E402
 from hybridrec.config import StreamConfig  # noqa: E402
+from hybridrec.log import timestamp_of  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -83,12 +84,6 @@ def _log(path: Path, event: str) -> list[dict]:
     return out
 
 
-def _unix(entry: dict) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
-
-
 def served_lag(run_dir: Path, inference_log: Path, ranks: int) -> dict:
     """Event time to served, per event (weighted by samples), from the three logs (see the module docstring)."""
     import numpy as np
@@ -96,7 +91,7 @@ def served_lag(run_dir: Path, inference_log: Path, ranks: int) -> dict:
     batches = _log(run_dir / "logs" / "dataloader-0.log", "stream_batch")
     published = sorted((e["step"], e["version"]) for e in _log(run_dir / "logs" / "nn_worker-0.log",
                                                                "version_published"))
-    swapped = sorted((_unix(e), e["version"]) for e in _log(inference_log, "version_swapped"))
+    swapped = sorted((timestamp_of(e), e["version"]) for e in _log(inference_log, "version_swapped"))
     lags, weights, unserved = [], [], 0
     for seq, batch in enumerate(batches):
         step = seq // ranks + 1  # steps done once this batch is trained

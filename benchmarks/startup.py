@@ -29,11 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hybridrec.log import timestamp_of  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -65,7 +65,7 @@ def log_events(path: Path, events: tuple[str, ...] = ("listening", "serving")) -
             continue
         event = entry.get("event")
         if event in events and event not in found and "timestamp" in entry:
-            found[event] = datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+            found[event] = timestamp_of(entry)
     return found
 
 
@@ -99,7 +99,7 @@ def at_work_after(log: Path, after: float) -> float | None:
         if '"at_work"' not in line:
             continue
         try:
-            at = datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
+            at = timestamp_of(json.loads(line))
         except (ValueError, KeyError):
             continue
         if at > after:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import datetime
 
 import structlog
 
@@ -41,3 +42,9 @@ def setup(*, service: str | None = None, replica: int | None = None, json: bool 
 
 def get(name: str | None = None) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+def timestamp_of(record: dict) -> float:
+    """Unix time of a JSON log line (`setup`'s ISO timestamp in UTC), as read back by the launcher and the
+    benchmarks."""
+    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()

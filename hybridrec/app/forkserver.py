@@ -38,6 +38,7 @@ parent. A parent writes `{"ready": SECONDS}` once its imports are done.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -138,7 +139,9 @@ class ForkServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                                          env=self.env, close_fds=True, preexec_fn=_die_with_parent)
+                                          env=self.env, close_fds=True,
+                                          # SIGTERM, not SIGKILL: it cleans up (see `Parent.janitor`)
+                                          preexec_fn=functools.partial(die_with_parent, sig=signal.SIGTERM))
         self.ready_s = None
         self._waiting.clear()
         for message in self._settings:
@@ -285,10 +288,14 @@ class ForkServers:
         self.dense.close()
 
 
-def _die_with_parent() -> None:
-    """In the parent before exec: SIGTERM when the launcher dies (it then cleans up), its own session."""
-    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(cpus: set[int] | None = None, sig: int = signal.SIGKILL) -> None:
+    """In a child of the launcher (an executed service before exec, a forked one once adopted, a fork-server
+    parent): get `sig` when the launcher dies, leave the terminal's process group, and run on `cpus` when
+    given (inherited by exec and fork)."""
+    _libc().prctl(PR_SET_PDEATHSIG, sig)
     os.setsid()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -370,10 +377,8 @@ class Parent:
     requests: int
     """The descriptor requests come in on (read directly: `select` must see what is not yet consumed)."""
     replies: IO[bytes]
-    dense: bool = False
     config_path: Path | None = None
     warmed: bool = False
-    later: bool = False
     children: list[int] = field(default_factory=list)
     clean_up: list[str] = field(default_factory=list)
     _buffer: bytes = b""
@@ -403,12 +408,12 @@ class Parent:
             self.warmed = True
 
     def _next_line(self) -> bytes | None:
-        """The next request line; None once the launcher closed its end. After IDLE_S without one, what only
-        later children gain from is loaded first."""
+        """The next request line; None once the launcher closed its end. After IDLE_S without one, the PS
+        kernels are compiled first if they are due (a run that has not asked for its PS shards yet)."""
         while b"\n" not in self._buffer:
-            if not self.later and not select.select([self.requests], [], [], IDLE_S)[0]:
-                self._warm_up()  # the light parent of a run without a PS yet (a testbed, a test)
-                self.later = True
+            due = self.config_path is not None and not self.warmed
+            if due and not select.select([self.requests], [], [], IDLE_S)[0]:
+                self._warm_up()
                 continue
             chunk = os.read(self.requests, 1 << 16)
             if not chunk:
@@ -488,17 +493,14 @@ def _child(request: dict) -> None:
             if time.monotonic() > deadline:
                 os._exit(1)
             time.sleep(0.0005)
-        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent(set(request["cpus"]) if request.get("cpus") is not None else None)
         if os.getppid() != request["parent"]:  # the launcher died meanwhile
             os._exit(1)
-        os.setsid()
         argv = request["argv"]
         # What ps, top and /proc show: the command an executed service would have, not the parent's.
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "hybridrec", *argv]))
         name = f"hr-{argv[1] if argv[0] == 'serve' and len(argv) > 1 else argv[0]}"
         _libc().prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-        if request.get("cpus") is not None:
-            os.sched_setaffinity(0, set(request["cpus"]))
         log_fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)
@@ -561,7 +563,7 @@ def main() -> None:
     Parent._load(preload_dense if dense else preload_base, "dense" if dense else "base")
     replies.write(json.dumps({"ready": round(time.monotonic() - started, 3)}).encode() + b"\n")
     replies.flush()
-    Parent(sys.stdin.fileno(), replies, dense=dense).serve()
+    Parent(sys.stdin.fileno(), replies).serve()
 
 
 if __name__ == "__main__":

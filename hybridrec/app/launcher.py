@@ -8,7 +8,6 @@ launcher killed with SIGKILL leaves no service behind.
 """
 from __future__ import annotations
 
-import ctypes
 import enum
 import functools
 import json
@@ -22,7 +21,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -31,7 +29,7 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, ConfigError, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
-from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, needs_dense
+from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
 from hybridrec.app.report import Recorder, write_report
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
@@ -163,16 +161,6 @@ def free_port() -> int:
             return port
 
 
-def die_with_parent(cpus: set[int] | None = None) -> None:
-    """In the child before exec: get SIGKILL when the launcher dies, leave the terminal's process group, and run
-    on `cpus` when given (inherited by exec)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.setsid()
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-
-
 def resolve(config: Config, run_dir: Path) -> Config:
     """The config every local service gets: loopback addresses on free ports, private shm and output dirs."""
     tree = config.model_dump(mode="json")
@@ -237,7 +225,7 @@ class LocalCluster:
             self.forkserver.start()
         forked = sorted((p for p in self.procs if self._forks(p)), key=_fork_order)
         for proc in forked:
-            self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
+            self._submit(proc)
         for proc in forked:
             proc.popen = self._collect(proc)
             proc.serving = False
@@ -260,6 +248,12 @@ class LocalCluster:
         return ["serve", proc.service, "--config", str(proc.config_path), "--replica", str(proc.replica), "--set",
                 f"cluster.metrics_port={metrics_port}"]
 
+    def _submit(self, proc: ServiceProcess) -> None:
+        try:
+            self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
+        except ForkServerError as exc:
+            raise LaunchError(str(exc)) from None
+
     def _collect(self, proc: ServiceProcess) -> Forked:
         try:
             forked = self.forkserver.collect(self._argv(proc))
@@ -276,10 +270,7 @@ class LocalCluster:
     def _spawn(self, proc: ServiceProcess) -> None:
         proc.serving = False
         if self._forks(proc):
-            try:
-                self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
-            except ForkServerError as exc:
-                raise LaunchError(str(exc)) from None
+            self._submit(proc)
             proc.popen = self._collect(proc)
             return
         cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *self._argv(proc)]
@@ -343,7 +334,7 @@ class LocalCluster:
         return rc is not None and not (rc == 0 and kind.finishes) and (kind.resumes_from or kind.restart_as_group)
 
     def _recovering(self, proc: ServiceProcess, rc: int, action: Action, down_at: float) -> None:
-        """Start timing `proc`'s recovery: until its replacement logs `at_work` (see `note_at_work`)."""
+        """Start timing `proc`'s recovery: until its replacement logs `at_work` (see `_note_at_work`)."""
         proc.recovering = Recovery(service=proc.service, replica=proc.replica, exit_code=rc, action=action.value,
                                    down_at=down_at)
         self.recoveries.append(proc.recovering)
@@ -353,7 +344,7 @@ class LocalCluster:
         """A replacement's first piece of work ends its recovery."""
         if proc.recovering is None or "timestamp" not in record:
             return
-        at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+        at = log.timestamp_of(record)
         if at < proc.recovering.down_at:  # the lost process's own line, read late
             return
         proc.recovering.seconds, proc.recovering.what = round(at - proc.recovering.down_at, 3), record.get("what")
@@ -570,7 +561,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
             check = ModelCheck.start(cluster) if check_model else None
             while True:
                 finished = cluster.check()
-                if check_passed(check):  # ConfigError once it failed
+                if check is not None and check.passed():  # ConfigError once it failed
                     check = None
                 if check is None and finished:
                     break
@@ -619,24 +610,28 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
 
 
 class ModelCheck:
-    """`hybridrec check --only model`, forked beside the services' start-up: building the model imports torch,
-    which the fork server has done already."""
+    """`hybridrec check --only model`, forked beside the services' start-up from the parent that has imported
+    torch already."""
 
-    def __init__(self, proc: Forked | subprocess.Popen, log_path: Path):
+    def __init__(self, proc: Forked, log_path: Path):
         self.proc, self.log_path = proc, log_path
 
     @classmethod
     def start(cls, cluster: LocalCluster) -> "ModelCheck":
         log_path = cluster.run_dir / "logs" / "model-check.log"
         argv = ["check", str(cluster.run_dir / "config.yaml"), "--only", "model"]  # LocalCluster.on_loopback's
-        if cluster.forkserver is not None:
-            try:
-                return cls(cluster.forkserver.spawn(argv, log_path), log_path)
-            except ForkServerError as exc:
-                raise LaunchError(str(exc)) from None
-        with open(log_path, "ab") as out:
-            return cls(subprocess.Popen([sys.executable, "-m", "hybridrec", *argv], stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log_path)
+        try:
+            return cls(cluster.forkserver.spawn(argv, log_path), log_path)
+        except ForkServerError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def passed(self) -> bool:
+        """True once the check passed, False while it runs; ConfigError once it failed (which stops every
+        service)."""
+        failure = self.failure()
+        if failure is not None:
+            raise ConfigError(failure)
+        return self.proc.poll() is not None
 
     def failure(self, wait_s: float = 0.0) -> str | None:
         """The check's error message once it failed; None while it runs (up to `wait_s`) or when it passed."""
@@ -650,17 +645,6 @@ class ModelCheck:
         marker = "hybridrec: error: "
         return text[text.rindex(marker) + len(marker):].strip() if marker in text else \
             f"the model check exited with code {rc}:\n{tail(self.log_path)}"
-
-
-def check_passed(check: ModelCheck | None) -> bool:
-    """True once the model check passed (or there is none), False while it runs; ConfigError once it failed
-    (which stops every service)."""
-    if check is None:
-        return True
-    failure = check.failure()
-    if failure is not None:
-        raise ConfigError(failure)
-    return check.proc.poll() is not None
 
 
 def _partial_report(run_dir: Path, recorder: Recorder, cluster: LocalCluster, error: str) -> str:

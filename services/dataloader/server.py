@@ -32,7 +32,7 @@ from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
 from services.dataloader import stream
 from services.dataloader.sources import check_prepared, eval_rows as read_eval_rows, train_batches
-from services.dataloader.stream import NatsSource, StreamAccount
+from services.dataloader.stream import EventSource, NatsSource, StreamAccount
 from hybridrec.criteo_format import feature_columns
 
 _DONE = object()
@@ -199,7 +199,7 @@ def checkpoint_point(config: Config) -> tuple[Position, int]:
 
 
 async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
-                        stream_parts: tuple[NatsSource, StreamAccount] | None = None) -> int:
+                        stream_parts: tuple[EventSource, StreamAccount] | None = None) -> int:
     """Read and send the training stream from `resume` on (with `data.stream`, from `stream_parts`: the source
     and its account); returns the number of batches sent."""
     training, num_ranks = config.training, len(config.cluster.nn_workers)
