@@ -162,3 +162,10 @@ def test_check_names_what_is_wrong(tmp_path, only, message):
     result = subprocess.run(args + (["--only", only] if only else []), cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_check_refuses_an_unknown_part(tmp_path):
+    config, _ = ps_config(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "hybridrec", "check", str(config), "--only", "everything"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--only is 'data' or 'model', not 'everything'" in result.stderr, result.stderr
