@@ -367,9 +367,21 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files."),
                format: str = typer.Option("tsv", "--format",
                                           help="tsv: Criteo-format files; parquet: the multi-task data set (multi-hot "
-                                               "and sequence features, two correlated tasks).")):
+                                               "and sequence features, two correlated tasks)."),
+               drift_at: Optional[int] = typer.Option(None, "--drift-at", min=0, help="Plant a drift (tsv): from "
+                                                      "this training row on, --drift-ids IDs of one slot change "
+                                                      "their effect; the eval file is drawn after it."),
+               drift_slot: Optional[int] = typer.Option(None, "--drift-slot", min=0, max=25, help="The drifted "
+                                                        "slot, 0-25 (C1 is 0; default: the fullest slot of 1,000 "
+                                                        "IDs or more outside the planted interactions)."),
+               drift_ids: int = typer.Option(8, "--drift-ids", min=1, help="How many IDs drift: the slot's 5th "
+                                             "most frequent and the next ones."),
+               drift_shift: float = typer.Option(1.5, "--drift-shift", help="What the drift adds to each drifted "
+                                                 "ID's effect, in logits.")):
     """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
     started = time.monotonic()
+    if drift_at is not None and format != "tsv":
+        _fail("--drift-at: a drift is planted in the tsv data set only")
     if format == "parquet":
         from hybridrec.app.synth_parquet import synthesize_multitask
 
@@ -379,10 +391,19 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
         return
     if format != "tsv":
         _fail(f"--format: {format!r} is not tsv or parquet")
-    from hybridrec.app.synth import synthesize
+    from hybridrec.app.synth import Drift, synthesize
 
-    summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip)
+    drift = None if drift_at is None else Drift(at_row=drift_at, slot=drift_slot, ids=drift_ids, shift=drift_shift)
+    try:
+        summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip, drift=drift)
+    except ValueError as exc:
+        _fail(str(exc))
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
+    if drift is not None:
+        planted = summary.extra["drift"]
+        typer.echo(f"drift from row {drift_at}: {planted['column']} IDs {', '.join(planted['ids'])} "
+                   f"(rows holding them: {planted['share_of_rows']:.1%}) add {drift_shift:+g} to their logit; "
+                   f"probe rows in {planted['probe_file']}")
 
 
 @data_app.command("replay")

@@ -28,6 +28,12 @@ Planted model (logit = bias + sum of effects, label ~ Bernoulli(sigmoid)):
   at INTERACTION_SCALE 0.2 instead of 0.12 the reference model's gap to the
   oracle (examples/check_synth_learnable.py) grows from ~0.009 to ~0.014.
 * The bias is calibrated to a CTR of about 0.25.
+* Optionally a planted drift (`Drift`): from a given training row on, a few
+  frequent IDs of one slot change their effect, as when an item suddenly
+  becomes popular. The eval file is drawn after the drift (the world the
+  final model is judged in), and `drift_probes.tsv` holds rows carrying the
+  drifted IDs, with their true click probability before and after in
+  `oracle.json`, to watch served predictions follow the change.
 
 Deterministic given the seed; rows are drawn in fixed-size blocks with their
 own random streams, so a longer file starts with the rows of a shorter one.
@@ -42,6 +48,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numba
 import numpy as np
@@ -97,6 +104,41 @@ class SynthSummary:
     oracle_logloss: float
     seconds: float
     extra: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """From training row `at_row` on, `ids` IDs of slot `slot` add `shift` to their effect (in logits).
+
+    The IDs are the slot's most frequent ones from rank `first_rank` on (the 5th most frequent and after, by
+    default): each is in about 1-2 % of rows, so a stream carries hundreds of them a second, while the head
+    IDs, which a large share of rows hold, keep the overall click rate close to what it was. The slot
+    (`None`: the fullest slot of at least 1,000 IDs outside the pairwise interactions) must not be in an
+    interaction, so an ID's effect is its own."""
+
+    at_row: int
+    slot: Optional[int] = None
+    ids: int = 8
+    first_rank: int = 4
+    shift: float = 1.5
+
+    def resolve(self, model: "_PlantedModel") -> tuple[int, np.ndarray]:
+        """(slot, ranks of the drifted IDs) in `model`, or ValueError naming the setting that cannot hold."""
+        paired = {a for a, b, _, _ in model.pairs} | {b for a, b, _, _ in model.pairs}
+        slot = self.slot
+        if slot is None:
+            candidates = [s for s in range(NUM_SPARSE) if s not in paired and model.cardinalities[s] >= 1000]
+            slot = min(candidates, key=lambda s: model.missing_rates[s])
+        if not 0 <= slot < NUM_SPARSE:
+            raise ValueError(f"drift slot {slot}: there are {NUM_SPARSE} slots (0..{NUM_SPARSE - 1})")
+        if slot in paired:
+            raise ValueError(f"drift slot {slot} is in a pairwise interaction ({sorted(paired)}); choose another")
+        if self.at_row < 0 or self.ids <= 0 or self.first_rank < 0:
+            raise ValueError(f"drift: at_row and first_rank must be >= 0 and ids > 0, got {self}")
+        if self.first_rank + self.ids > model.cardinalities[slot]:
+            raise ValueError(f"drift: slot {slot} has {model.cardinalities[slot]} IDs, fewer than first_rank + "
+                             f"ids = {self.first_rank + self.ids}")
+        return slot, np.arange(self.first_rank, self.first_rank + self.ids)
 
 
 @dataclass
@@ -284,8 +326,10 @@ def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out):
 
 
 def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows: int,
-                use_gzip: bool):
-    """Write ``rows`` rows; returns (labels, click probabilities)."""
+                use_gzip: bool, drift: Optional[tuple[int, int, np.ndarray, float]] = None):
+    """Write ``rows`` rows; returns (labels, click probabilities).
+
+    ``drift``: (first row it applies to, slot, drifted ranks, shift)."""
     all_labels, all_p = [], []
     opener = (lambda: gzip_module.open(path, "wb", compresslevel=3)) if use_gzip else (
         lambda: open(path, "wb"))
@@ -294,6 +338,8 @@ def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows
             rng = _stream(seed, file_key, block)
             n = min(BLOCK_ROWS, rows - start)
             logit, ranks, ints, empty = _draw_rows(model, rng, BLOCK_ROWS)
+            if drift is not None:
+                logit += _drift_shift(drift, start, ranks)
             p = 1.0 / (1.0 + np.exp(-(logit + model.bias)))
             labels = (rng.random(BLOCK_ROWS) < p).astype(np.int8)
             # Full blocks are always drawn, then cut: a file's rows do not
@@ -308,13 +354,65 @@ def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows
     return np.concatenate(all_labels), np.concatenate(all_p)
 
 
+def _drift_shift(drift: tuple[int, int, np.ndarray, float], start: int, ranks: np.ndarray) -> np.ndarray:
+    """The logit shift of each row of a block starting at file row `start`: rows from the drift's first row
+    on that hold a drifted ID get its shift. The rows and the random streams stay as they were."""
+    at_row, slot, drifted, shift = drift
+    after = np.arange(start, start + len(ranks)) >= at_row
+    return np.where(after & np.isin(ranks[:, slot], drifted), shift, 0.0)
+
+
+def _token_hex(rank: int, key: int) -> str:
+    """An ID as the TSV files spell it."""
+    return f"{int(_token(np.int64(rank), int(key))):08x}"
+
+
+def _write_probes(path: Path, model: _PlantedModel, seed: int, slot: int, drifted: np.ndarray, shift: float,
+                  per_id: int) -> tuple[list[float], list[float]]:
+    """`per_id` rows for each drifted ID (feature rows drawn as usual, then `slot` set to the ID), without a
+    label: the inference service's `rows` input. Returns each ID's mean true click probability over its rows
+    before the drift and after it."""
+    rng = _stream(seed, 3, 0)
+    logit, ranks, ints, empty = _draw_rows(model, rng, per_id * len(drifted))
+    old = np.where(ranks[:, slot] >= 0, model.effects[slot][np.maximum(ranks[:, slot], 0)], 0.0)
+    ranks[:, slot] = np.repeat(drifted, per_id)
+    logit += model.effects[slot][ranks[:, slot]] - old + model.bias
+    out = np.empty(len(ranks) * (2 + NUM_DENSE * 22 + NUM_SPARSE * 9), np.uint8)
+    nbytes = _format_rows(np.zeros(len(ranks), np.int8), ints, empty, ranks, model.token_keys, _HEX, out)
+    # _format_rows writes a label first: drop it and its tab from every line.
+    lines = bytes(out[:nbytes]).split(b"\n")[:-1]
+    path.write_bytes(b"".join(line[2:] + b"\n" for line in lines))
+    sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+    before = sigmoid(logit).reshape(len(drifted), per_id).mean(1)
+    after = sigmoid(logit + shift).reshape(len(drifted), per_id).mean(1)
+    return [round(float(x), 6) for x in before], [round(float(x), 6) for x in after]
+
+
+PROBE_FILE = "drift_probes.tsv"
+PROBE_ROWS_PER_ID = 100
+
+
+def _plant_drift(out: Path, model: _PlantedModel, seed: int, drift: Drift, rows: int) -> dict:
+    """Write the drift's probe rows; returns what oracle.json records of it."""
+    if drift.at_row >= rows:
+        raise ValueError(f"drift at row {drift.at_row}: the training file has only {rows} rows")
+    slot, drifted = drift.resolve(model)
+    before, after = _write_probes(out / PROBE_FILE, model, seed, slot, drifted, drift.shift, PROBE_ROWS_PER_ID)
+    return {"at_row": drift.at_row, "slot": slot, "column": f"C{slot + 1}", "ranks": drifted.tolist(),
+            "ids": [_token_hex(r, model.token_keys[slot]) for r in drifted], "shift": drift.shift,
+            "share_of_rows": round(float(np.diff(model.cdfs[slot], prepend=0.0)[drifted].sum()
+                                         * (1 - model.missing_rates[slot])), 6),
+            "probe_file": PROBE_FILE, "probe_rows_per_id": PROBE_ROWS_PER_ID,
+            "probe_p_before": before, "probe_p_after": after}
+
+
 def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
-               seed: int = 0, gzip: bool = False) -> SynthSummary:
+               seed: int = 0, gzip: bool = False, drift: Optional[Drift] = None) -> SynthSummary:
     """Write train.tsv, eval.tsv (``.tsv.gz`` with ``gzip``) and oracle.json.
 
     ``eval_rows`` defaults to rows // 10, at least 10,000. The eval file is
     drawn from the same planted model as the train file, with its own
-    random streams.
+    random streams (after the drift, with ``drift``: see `Drift`).
     """
     from sklearn.metrics import log_loss, roc_auc_score
 
@@ -330,8 +428,11 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
     suffix = ".tsv.gz" if gzip else ".tsv"
     train_path, eval_path = out / f"train{suffix}", out / f"eval{suffix}"
     model = _build_model(seed)
-    train_labels, train_p = _write_file(train_path, model, seed, 1, rows, gzip)
-    eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip)
+    planted = _plant_drift(out, model, seed, drift, rows) if drift is not None else None
+    shifts = (planted["slot"], np.asarray(planted["ranks"]), drift.shift) if drift is not None else None
+    train_labels, train_p = _write_file(train_path, model, seed, 1, rows, gzip,
+                                        (drift.at_row, *shifts) if shifts else None)
+    eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip, (0, *shifts) if shifts else None)
     oracle_auc = float(roc_auc_score(eval_labels, eval_p))
     oracle_logloss = float(log_loss(eval_labels, eval_p, labels=[0, 1]))
     ctr = float(train_labels.mean())
@@ -348,6 +449,7 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
         "oracle_logloss": round(oracle_logloss, 6),
         "oracle_auc_train": round(float(roc_auc_score(train_labels, train_p)), 6),
         **model.describe(),
+        **({"drift": planted} if planted is not None else {}),
     }
     oracle_path = out / "oracle.json"
     oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")

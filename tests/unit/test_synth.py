@@ -94,3 +94,42 @@ def test_prefix_stable_and_gzip(synth_dir, tmp_path):
 def test_argument_checks(tmp_path):
     with pytest.raises(ValueError, match="rows"):
         synthesize(tmp_path, rows=0)
+
+
+def test_a_planted_drift_changes_the_labels_of_its_ids_from_its_row_on_and_nothing_else(synth_dir, tmp_path):
+    """Rows before the drift are the undrifted file's; from `at_row` on, rows holding a drifted ID are clicked
+    at about the planted new rate; the probe rows are valid rows carrying each drifted ID."""
+    from hybridrec.app.synth import Drift
+
+    out, _ = synth_dir
+    at = 8_000
+    summary = synthesize(tmp_path, rows=ROWS, seed=7, drift=Drift(at_row=at, shift=2.0))
+    planted = summary.extra["drift"]
+    lines = (tmp_path / "train.tsv").read_bytes().split(b"\n")
+    assert lines[:at] == (out / "train.tsv").read_bytes().split(b"\n")[:at]
+    undrifted = (out / "train.tsv").read_bytes().split(b"\n")
+    column = 1 + NUM_DENSE + planted["slot"]
+    ids = {i.encode() for i in planted["ids"]}
+    changed = [i for i in range(ROWS) if lines[i] != undrifted[i]]
+    assert changed and min(changed) >= at
+    # Only the labels of rows holding a drifted ID change.
+    assert all(lines[i][1:] == undrifted[i][1:] and lines[i].split(b"\t")[column] in ids for i in changed)
+    hits = np.array([line.split(b"\t")[column] in ids for line in lines[:ROWS]])
+    labels = np.array([line[:1] == b"1" for line in lines[:ROWS]])
+    before, after = labels[:at][hits[:at]].mean(), labels[at:][hits[at:]].mean()
+    assert after - before > 0.2, (before, after)
+    probes = (tmp_path / planted["probe_file"]).read_bytes().splitlines()
+    assert len(probes) == planted["probe_rows_per_id"] * len(ids)
+    assert {p.split(b"\t")[column - 1] for p in probes} == ids  # no label: the column is one to the left
+    assert all(p.count(b"\t") == NUM_DENSE + NUM_SPARSE - 1 for p in probes)
+    assert all(a > b for a, b in zip(planted["probe_p_after"], planted["probe_p_before"]))
+    assert json.loads((tmp_path / "oracle.json").read_text())["drift"] == planted
+
+
+def test_a_drift_that_cannot_be_planted_names_why(tmp_path):
+    from hybridrec.app.synth import Drift
+
+    with pytest.raises(ValueError, match="only 1000 rows"):
+        synthesize(tmp_path, rows=1_000, eval_rows=1_000, drift=Drift(at_row=1_000))
+    with pytest.raises(ValueError, match="slot 26"):
+        synthesize(tmp_path, rows=1_000, eval_rows=1_000, drift=Drift(at_row=10, slot=26))
