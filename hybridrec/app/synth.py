@@ -367,24 +367,24 @@ def _token_hex(rank: int, key: int) -> str:
     return f"{int(_token(np.int64(rank), int(key))):08x}"
 
 
-def _write_probes(path: Path, model: _PlantedModel, seed: int, slot: int, drifted: np.ndarray, shift: float,
+def _write_probes(path: Path, model: _PlantedModel, seed: int, slot: int, ranks: np.ndarray, shifts: np.ndarray,
                   per_id: int) -> tuple[list[float], list[float]]:
-    """`per_id` rows for each drifted ID (feature rows drawn as usual, then `slot` set to the ID), without a
-    label: the inference service's `rows` input. Returns each ID's mean true click probability over its rows
-    before the drift and after it."""
+    """`per_id` rows for each ID of `slot` in `ranks` (feature rows drawn as usual, then `slot` set to the ID),
+    without a label: the inference service's `rows` input. Returns each ID's mean true click probability over
+    its rows before the drift and after it (`shifts`: each ID's shift)."""
     rng = _stream(seed, 3, 0)
-    logit, ranks, ints, empty = _draw_rows(model, rng, per_id * len(drifted))
-    old = np.where(ranks[:, slot] >= 0, model.effects[slot][np.maximum(ranks[:, slot], 0)], 0.0)
-    ranks[:, slot] = np.repeat(drifted, per_id)
-    logit += model.effects[slot][ranks[:, slot]] - old + model.bias
-    out = np.empty(len(ranks) * (2 + NUM_DENSE * 22 + NUM_SPARSE * 9), np.uint8)
-    nbytes = _format_rows(np.zeros(len(ranks), np.int8), ints, empty, ranks, model.token_keys, _HEX, out)
+    logit, drawn, ints, empty = _draw_rows(model, rng, per_id * len(ranks))
+    old = np.where(drawn[:, slot] >= 0, model.effects[slot][np.maximum(drawn[:, slot], 0)], 0.0)
+    drawn[:, slot] = np.repeat(ranks, per_id)
+    logit += model.effects[slot][drawn[:, slot]] - old + model.bias
+    out = np.empty(len(drawn) * (2 + NUM_DENSE * 22 + NUM_SPARSE * 9), np.uint8)
+    nbytes = _format_rows(np.zeros(len(drawn), np.int8), ints, empty, drawn, model.token_keys, _HEX, out)
     # _format_rows writes a label first: drop it and its tab from every line.
     lines = bytes(out[:nbytes]).split(b"\n")[:-1]
     path.write_bytes(b"".join(line[2:] + b"\n" for line in lines))
     sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
-    before = sigmoid(logit).reshape(len(drifted), per_id).mean(1)
-    after = sigmoid(logit + shift).reshape(len(drifted), per_id).mean(1)
+    before = sigmoid(logit).reshape(len(ranks), per_id).mean(1)
+    after = sigmoid(logit + np.repeat(shifts, per_id)).reshape(len(ranks), per_id).mean(1)
     return [round(float(x), 6) for x in before], [round(float(x), 6) for x in after]
 
 
@@ -393,17 +393,27 @@ PROBE_ROWS_PER_ID = 100
 
 
 def _plant_drift(out: Path, model: _PlantedModel, seed: int, drift: Drift, rows: int) -> dict:
-    """Write the drift's probe rows; returns what oracle.json records of it."""
+    """Write the drift's probe rows; returns what oracle.json records of it.
+
+    The probe file holds the drifted IDs' rows, then as many rows of as many control IDs: the slot's IDs
+    right after the drifted ones in frequency (when the slot has them), whose effect does not change, so a
+    served model that moves them too has not learnt the drift but moved as a whole."""
     if drift.at_row >= rows:
         raise ValueError(f"drift at row {drift.at_row}: the training file has only {rows} rows")
     slot, drifted = drift.resolve(model)
-    before, after = _write_probes(out / PROBE_FILE, model, seed, slot, drifted, drift.shift, PROBE_ROWS_PER_ID)
+    control = np.arange(drifted[-1] + 1, min(drifted[-1] + 1 + len(drifted), model.cardinalities[slot]))
+    ranks = np.concatenate([drifted, control])
+    shifts = np.where(np.arange(len(ranks)) < len(drifted), drift.shift, 0.0)
+    before, after = _write_probes(out / PROBE_FILE, model, seed, slot, ranks, shifts, PROBE_ROWS_PER_ID)
+    hex_ids = [_token_hex(r, model.token_keys[slot]) for r in ranks]
+    n = len(drifted)
     return {"at_row": drift.at_row, "slot": slot, "column": f"C{slot + 1}", "ranks": drifted.tolist(),
-            "ids": [_token_hex(r, model.token_keys[slot]) for r in drifted], "shift": drift.shift,
+            "ids": hex_ids[:n], "shift": drift.shift,
             "share_of_rows": round(float(np.diff(model.cdfs[slot], prepend=0.0)[drifted].sum()
                                          * (1 - model.missing_rates[slot])), 6),
             "probe_file": PROBE_FILE, "probe_rows_per_id": PROBE_ROWS_PER_ID,
-            "probe_p_before": before, "probe_p_after": after}
+            "probe_p_before": before[:n], "probe_p_after": after[:n],
+            "control_ids": hex_ids[n:], "control_p": before[n:]}
 
 
 def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,

@@ -119,8 +119,12 @@ def test_a_planted_drift_changes_the_labels_of_its_ids_from_its_row_on_and_nothi
     before, after = labels[:at][hits[:at]].mean(), labels[at:][hits[at:]].mean()
     assert after - before > 0.2, (before, after)
     probes = (tmp_path / planted["probe_file"]).read_bytes().splitlines()
-    assert len(probes) == planted["probe_rows_per_id"] * len(ids)
-    assert {p.split(b"\t")[column - 1] for p in probes} == ids  # no label: the column is one to the left
+    controls = {i.encode() for i in planted["control_ids"]}
+    assert len(controls) == len(ids) and not controls & ids
+    assert len(probes) == planted["probe_rows_per_id"] * (len(ids) + len(controls))
+    drifted_probes = probes[:planted["probe_rows_per_id"] * len(ids)]
+    assert {p.split(b"\t")[column - 1] for p in drifted_probes} == ids  # no label: one column to the left
+    assert {p.split(b"\t")[column - 1] for p in probes} == ids | controls
     assert all(p.count(b"\t") == NUM_DENSE + NUM_SPARSE - 1 for p in probes)
     assert all(a > b for a, b in zip(planted["probe_p_after"], planted["probe_p_before"]))
     assert json.loads((tmp_path / "oracle.json").read_text())["drift"] == planted
