@@ -1,12 +1,16 @@
-"""docker-compose.yml gives each container the paths deploy/compose/config.yaml sends it to."""
+"""docker-compose.yml gives each container the paths deploy/compose/config.yaml (and, in the profile `online`,
+deploy/compose/online.yaml) sends it to."""
 from __future__ import annotations
 
+import re
 from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+TRAINING = ("ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "nn-worker-0", "nn-worker-1")
+CONFIG_MOUNT = "${HYBRIDREC_CONFIG:-./deploy/compose/config.yaml}:/etc/hybridrec/config.yaml:ro"
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +23,20 @@ def config() -> dict:
     return yaml.safe_load((REPO / "deploy" / "compose" / "config.yaml").read_text())
 
 
+def split_volume(volume: str) -> list[str]:
+    """"src:target[:mode]" (or an anonymous "target") as its parts; a source may be an interpolation
+    such as ${HYBRIDREC_CONFIG:-./deploy/compose/config.yaml}, whose colon separates nothing."""
+    source = re.match(r"\$\{[^}]*\}", volume)
+    if source:
+        return [source.group(0)] + volume[source.end() + 1:].split(":")
+    return volume.split(":")
+
+
 def targets(service: dict) -> list[PurePosixPath]:
     """Container paths of a service's mounts ("src:target[:mode]" or an anonymous "target")."""
     out = []
     for volume in service.get("volumes", []):
-        parts = volume.split(":") if isinstance(volume, str) else [volume["target"]]
+        parts = split_volume(volume) if isinstance(volume, str) else [volume["target"]]
         out.append(PurePosixPath(parts[1] if len(parts) > 1 else parts[0]))
     return out
 
@@ -70,19 +83,23 @@ def test_every_container_has_a_tmpfs_at_tmp(compose):
 
 
 SERVING = ("export", "inference")
+ONLINE = ("nats", "replay", "inference-online")
 
 
-def test_serving_is_a_profile_that_training_does_not_start(compose):
-    """`up nn-worker-0` (train.sh) and plain `up` leave export and inference alone; --profile serve adds them."""
+def test_serving_and_online_are_profiles_that_training_does_not_start(compose):
+    """`up nn-worker-0` (train.sh) and plain `up` leave export, inference and the online services alone;
+    --profile serve and --profile online add them."""
     for name, service in compose["services"].items():
         assert (service.get("profiles") == ["serve"]) == (name in SERVING), name
+        assert (service.get("profiles") == ["online"]) == (name in ONLINE), name
     training = {"nn-worker-0"}
     while True:  # everything `up nn-worker-0` starts: its depends_on, transitively
         more = {dep for name in training for dep in compose["services"][name].get("depends_on", {})} - training
         if not more:
             break
         training |= more
-    assert not training & set(SERVING)
+    assert training == set(TRAINING) | {"synth"}
+    assert not training & (set(SERVING) | set(ONLINE))
 
 
 def test_export_reads_the_checkpoints_the_nn_workers_write_and_inference_reads_its_bundle(compose, config):
@@ -123,6 +140,93 @@ def test_named_volumes_mount_over_directories_the_image_gives_the_service_user(c
     owned = {PurePosixPath(p.rstrip(";\\")) for p in chown.split()[2:]}
     for name, service in compose["services"].items():
         for volume in service.get("volumes", []):
-            parts = volume.split(":")
+            parts = split_volume(volume)
             if len(parts) >= 2 and parts[0] in compose["volumes"] and parts[2:] != ["ro"]:
                 assert PurePosixPath(parts[1]) in owned, f"{name}: {volume} (the image chowns {sorted(map(str, owned))})"
+
+
+# --- profile "online": deploy/compose/online.yaml --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def online() -> dict:
+    return yaml.safe_load((REPO / "deploy" / "compose" / "online.yaml").read_text())
+
+
+def test_every_training_container_mounts_the_job_config_hybridrec_config_names(compose):
+    """HYBRIDREC_CONFIG picks the job config of every training container (and of nats, whose healthcheck creates
+    the stream it names); unset, it is config.yaml, so `up`, `up nn-worker-0` and train.sh are as they were."""
+    for name in TRAINING + ("nats",):
+        assert CONFIG_MOUNT in compose["services"][name]["volumes"], name
+    for name in ("synth", "replay", "export", "inference", "inference-online"):
+        assert not any("/etc/hybridrec" in str(v) for v in compose["services"][name].get("volumes", [])), name
+
+
+def test_both_job_configs_load(tmp_path):
+    from hybridrec.config import load_config
+
+    files = load_config(REPO / "deploy" / "compose" / "config.yaml")
+    stream = load_config(REPO / "deploy" / "compose" / "online.yaml")
+    assert files.data.stream is None and files.data.train == ["/data/train.tsv"] and not files.publish.enabled
+    assert stream.data.stream is not None and stream.data.train == [] and stream.publish.enabled
+    assert stream.data.stream.until_event is not None, "without an end the online job never finishes"
+
+
+def test_the_online_config_differs_from_the_file_config_only_in_data_checkpoint_and_publish(config, online):
+    assert set(online) - set(config) == {"publish"}
+    for section in set(config) - {"data", "checkpoint"}:
+        assert online[section] == config[section], section
+    assert {k: v for k, v in online["data"].items() if k != "stream"} == \
+        {k: v for k, v in config["data"].items() if k != "train"}
+    # a job of its own: neither job resumes from the other's checkpoints
+    assert online["checkpoint"]["dir"] != config["checkpoint"]["dir"]
+    assert online["checkpoint"]["job_id"] != config["checkpoint"]["job_id"]
+
+
+def test_the_online_job_reads_what_replay_publishes_on_the_nats_service(compose, online):
+    stream = online["data"]["stream"]
+    nats = compose["services"]["nats"]
+    command = nats["command"]
+    assert nats["entrypoint"] == ["nats-server"] and "-js" in command
+    port = command[command.index("-p") + 1]
+    assert stream["url"] == f"nats://{nats['hostname']}:{port}"
+    assert "ports" not in nats, "the broker has no authentication: it must not be published"
+    store = command[command.index("-sd") + 1]
+    assert f"nats:{store}" in nats["volumes"] and "nats" in compose["volumes"], "the JetStream store is a volume"
+    assert nats["healthcheck"]["test"][:2] == ["CMD", "python"] and "add_stream" in nats["healthcheck"]["test"][-1]
+
+    replay = compose["services"]["replay"]
+    args = replay["command"]
+    assert args[:2] == ["data", "replay"]
+    assert args[args.index("--to") + 1] == f"{stream['url']}/{stream['subject']}"
+    assert "--rate" in args
+    [published] = [a for a in args[2:] if a.startswith("/")]
+    assert published == "/data/train.tsv" and mounted(published, replay)
+    assert replay["depends_on"] == {"synth": {"condition": "service_completed_successfully"},
+                                    "nats": {"condition": "service_healthy"}}
+    # the job ends with the last replayed event: until_event is the synthetic set's default row count
+    default_rows = re.fullmatch(r"\$\{HYBRIDREC_SYNTH_ROWS:-(\d+)\}",
+                                compose["services"]["synth"]["environment"]["HYBRIDREC_SYNTH_ROWS"])
+    assert default_rows and stream["until_event"] == int(default_rows.group(1))
+
+
+def test_the_online_job_writes_versions_inference_online_follows_and_the_stream_account(compose, online):
+    root = online["publish"]["dir"]
+    for name in ("ps-0", "ps-1", "nn-worker-0"):  # every PS shard and NN worker rank 0 write a version's parts
+        service = compose["services"][name]
+        assert mounted(root, service), f"{name} does not mount publish.dir {root}"
+        [parts] = [p for p in map(split_volume, service["volumes"])
+                   if len(p) > 1 and PurePosixPath(root).is_relative_to(p[1])]
+        assert parts[2:] != ["ro"], f"{name}: {':'.join(parts)} is read-only"
+    follower = compose["services"]["inference-online"]
+    command = follower["command"]
+    assert command[:4] == ["serve", "inference", "--follow", root], command
+    assert mounted(root, follower) and "models:/models:ro" in follower["volumes"]
+    settings = dict(command[i + 1].split("=", 1) for i, arg in enumerate(command) if arg == "--set")
+    for port in follower["ports"]:
+        host, container_port = port.rsplit(":", 1)
+        assert host.startswith("127.0.0.1:") and int(container_port) in {int(settings["http_port"]),
+                                                                          int(settings["grpc_port"])}, port
+    assert f"127.0.0.1:{settings['http_port']}/v2/health/ready" in follower["healthcheck"]["test"][-1]
+    # the data loader writes stream.json into output.dir, next to rank 0's summary
+    assert mounted(online["output"]["dir"], compose["services"]["dataloader-0"])
+    assert f"results:{online['output']['dir']}" in compose["services"]["dataloader-0"]["volumes"]
