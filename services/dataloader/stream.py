@@ -141,16 +141,24 @@ class NatsSource:
 
     # -- on the consumer's thread ----------------------------------------------------------------
     async def _connect(self):
+        """Connect, retrying with backoff for `retry_s` and saying so, then fail naming the key and the URL.
+
+        nats-py's own first connect never gives up when reconnecting is allowed (which a broker restart
+        mid-run needs), so the loop below first waits for the broker's port to accept a connection, and the
+        connect itself is bounded by what is left of `retry_s`."""
         import nats
 
         deadline, delay, attempt = time.monotonic() + self.retry_s, 0.1, 0
+        host, _, port = self.url.partition("://")[2].rpartition(":")
         while True:
             try:
-                return await nats.connect(self.url, connect_timeout=2, max_reconnect_attempts=-1,
-                                          reconnect_time_wait=0.5, allow_reconnect=True,
-                                          error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                                          reconnected_cb=self._on_reconnected)
-            except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds for a broker that is not there
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout=2)
+                writer.close()
+                return await asyncio.wait_for(nats.connect(
+                    self.url, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    allow_reconnect=True, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected), timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - refused, unresolvable, timed out: nothing answers yet
                 attempt += 1
                 if time.monotonic() + delay > deadline:
                     raise StreamError(f"data.stream.url: no NATS broker answers at {self.url} "

@@ -291,3 +291,57 @@ def test_ctrl_c_ends_an_unbounded_stream_with_what_was_read(tmp_path, small_data
     assert result["samples"] == 20_000 and result["stream"]["acknowledged_through"] == 200, result["stream"]
     assert result["checkpoint"] and Path(result["checkpoint"]).is_dir() and result["auc"] > 0.5, result
     assert _consumer(broker) == (200, 0, 200)
+
+
+def _with_bad_lines(data: Path, out: Path, rows: int, bad_at: tuple[int, ...]) -> Path:
+    """The first `rows` lines of the training file with a malformed line inserted before each line of `bad_at`."""
+    lines = (data / "train.tsv").read_bytes().splitlines(keepends=True)[:rows]
+    for at in sorted(bad_at, reverse=True):
+        lines.insert(at, b"1\tnot a number\tx\n")
+    out.write_bytes(b"".join(lines))
+    return out
+
+
+def test_malformed_events_are_counted_skipped_and_acknowledged(tmp_path, small_data, broker):
+    """data.bad_lines skip (the default): a message line that does not parse is counted and skipped, the rest of
+    its message trains, and every message is acknowledged (none is re-delivered forever)."""
+    path = _with_bad_lines(small_data, tmp_path / "bad.tsv", 3_000, bad_at=(150, 1_000, 2_999))
+    assert "published 3,003 events (0..3002) in 31 messages" in _replay(broker, path, limit=3_003)
+    result = _run(_config(tmp_path, small_data, broker, until=3_003), tmp_path / "run")
+    assert result["samples"] == 3_000 and result["skipped_batches"] == 0, result
+    assert result["data"]["train"]["bad_lines"] == 3, result["data"]
+    assert result["stream"]["acknowledged_through"] == 31, result["stream"]
+    assert _consumer(broker) == (31, 0, 31)
+
+
+def test_a_malformed_event_with_bad_lines_error_stops_the_run_naming_subject_message_and_line(tmp_path,
+                                                                                              small_data, broker):
+    path = _with_bad_lines(small_data, tmp_path / "bad.tsv", 1_000, bad_at=(250,))
+    _replay(broker, path, limit=1_001)
+    config = _config(tmp_path, small_data, broker, until=1_001)
+    tree = yaml.safe_load(config.read_text())
+    tree["data"]["bad_lines"] = "error"
+    config.write_text(yaml.safe_dump(tree))
+    proc = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(tmp_path / "run")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # Line 51 of message 3: the replay puts 100 lines in a message, and the bad line is the 251st.
+    assert f"subject {SUBJECT}, message 3:51:" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_broker_that_never_answers_is_retried_reported_and_named(tmp_path, small_data):
+    """Nothing listens at data.stream.url: the loader retries with backoff for cluster.retry_s, logs that it is
+    retrying, then stops the run naming the key and the URL; never a silent stall."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    config = _config(tmp_path, small_data, url, until=1_000)
+    tree = yaml.safe_load(config.read_text())
+    tree.setdefault("cluster", {})["retry_s"] = 5
+    config.write_text(yaml.safe_dump(tree))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"data.stream.url: no NATS broker answers at {url}" in proc.stderr, proc.stderr[-3000:]
+    retrying = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
+                if '"stream_unreachable"' in line]
+    assert retrying and retrying[0]["url"] == url, retrying

@@ -107,3 +107,18 @@ def test_checkpoint_names_resolve_inside_the_root(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="checkpoint.dir"):
         check_root(tmp_path / "file" / "sub")
+
+
+@pytest.mark.parametrize("stream, key, says", [
+    ({"url": "http://broker:4222"}, "data.stream.url", "is not a NATS URL"),
+    ({"url": "nats://broker"}, "data.stream.url", "is not a NATS URL"),
+    ({"url": "nats://broker:99999"}, "data.stream.url", "is not a NATS URL"),
+    ({"subject": "events.>"}, "data.stream.subject", "no wildcards"),
+    ({"subject": "events..clicks"}, "data.stream.subject", "dot-separated tokens"),
+    ({"fetch": 0}, "data.stream.fetch", "greater than 0"),
+])
+def test_a_stream_config_that_cannot_work_is_refused_naming_the_key(stream, key, says):
+    tree = {"data": {"stream": stream, "eval": []}, "model": {"path": "hybridrec.models:DNN"}}
+    with pytest.raises(ConfigError) as info:
+        from_dict(tree)
+    assert key in str(info.value) and says in str(info.value), str(info.value)
