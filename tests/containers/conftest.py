@@ -27,8 +27,9 @@ SYNTH_ROWS = int(os.environ.get("HYBRIDREC_TEST_ROWS", "100000"))
 """Training rows of the synthetic set the container tests train on."""
 AUC_THRESHOLD = float(os.environ.get("HYBRIDREC_TEST_AUC", "0.70"))
 """Eval AUC a container run must reach (the 100k-row set gives ~0.78)."""
-SOURCES = ["pyproject.toml", "hybridrec", "services", "protos", "deploy/Dockerfile"]
-"""What the image is built from: newer files than the image mean a rebuild."""
+SOURCES = ["pyproject.toml", "hybridrec", "services", "protos", "deploy/Dockerfile", "deploy/build-base.sh"]
+"""What the image is built from: newer files than the image mean a rebuild (build-base.sh: what the base holds,
+nats-server among it; build-image.sh rebuilds the base when its package list changed)."""
 
 
 def pytest_collection_modifyitems(items):

@@ -6,8 +6,10 @@ v2 (`docker compose`) and once with Debian's docker-compose 1.29, whichever
 are installed; at least one must be. Each then goes on with the same run's
 checkpoints: `--profile serve up -d inference` exports the final checkpoint
 and serves it, and raw Criteo rows POSTed to /v2/models/hybridrec/infer get
-probabilities. Each run has its own project name and removes its containers
-and volumes.
+probabilities. The profile `online` runs end to end with each Compose too:
+nats, the replay of the synthetic file, training on the stream (every event
+once) and inference-online answering from a published version. Each run has
+its own project name and removes its containers and volumes.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import urllib.request
 import uuid
 
 import pytest
+import yaml
 
 from hybridrec.app.launcher import free_port
 from tests.containers.cluster import REPO
@@ -28,6 +31,11 @@ from tests.containers.conftest import AUC_THRESHOLD, IMAGE, SYNTH_ROWS
 
 COMPOSE_TIMEOUT_S = 900
 SERVE_TIMEOUT_S = 240
+ONLINE_ROWS = int(os.environ.get("HYBRIDREC_TEST_ONLINE_ROWS", "30000"))
+"""Rows the online profile's test replays and trains (a multiple of the replay's 100 rows a message)."""
+ONLINE = {"nats", "replay", "inference-online"}
+SERVE = {"export", "inference"}
+TRAINING = {"ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "nn-worker-0", "nn-worker-1"}
 ROWS = [  # raw Criteo rows (13 integer, 26 categorical columns, no label), as in docs/serving.md
     "1\t2\t\t4\t5\t6\t7\t8\t9\t10\t11\t12\t13\t68fd1e64\t80e26c9b\tfb936136\t7b4723c4\t25c83c98\t7e0ccccf\t"
     "de7995b8\t1f89b562\ta73ee510\ta8cd5504\tb2cb9c98\t37c9c164\t2824a5f6\t1adce6ef\t8ba8b39a\t891b62e7\te5ba7672\t"
@@ -46,20 +54,42 @@ def available() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("flavor", ["v2", "v1"])
-def test_compose_accepts_the_file_with_and_without_the_serve_profile(flavor):
+def test_compose_accepts_the_file_with_and_without_its_profiles(flavor):
     flavors = available()
     if flavor not in flavors:
         pytest.skip(f"Compose {flavor} is not installed")
-    for profile in ([], ["--profile", "serve"]):
+    for profile, added in (([], set()), (["--profile", "serve"], SERVE), (["--profile", "online"], ONLINE)):
         proc = subprocess.run([*flavors[flavor], *profile, "config", "--services"], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         services = set(proc.stdout.split())
         assert {"nn-worker-0", "ps-0", "synth"} <= services, proc.stdout
-        if profile:
-            assert {"export", "inference"} <= services, proc.stdout
-        elif flavor == "v2":  # 1.29's `config --services` lists every service, profile or not
-            assert not {"export", "inference"} & services, proc.stdout
+        assert added <= services, proc.stdout
+        if flavor == "v2":  # 1.29's `config --services` lists every service, profile or not
+            assert not (SERVE | ONLINE) - added & services, proc.stdout
+    # HYBRIDREC_CONFIG picks the job config every training container mounts; unset, config.yaml
+    for chosen, expected in ((None, "deploy/compose/config.yaml"),
+                             ("./deploy/compose/online.yaml", "deploy/compose/online.yaml")):
+        env = {k: v for k, v in os.environ.items() if k != "HYBRIDREC_CONFIG"}
+        if chosen:
+            env["HYBRIDREC_CONFIG"] = chosen
+        proc = subprocess.run([*flavors[flavor], "--profile", "online", "config"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        sources = {name: config_source(service) for name, service in yaml.safe_load(proc.stdout)["services"].items()}
+        assert {name for name, source in sources.items() if source} == TRAINING | {"nats"}, sources
+        assert {source for source in sources.values() if source} == {str(REPO / expected)}, (chosen, sources)
+
+
+def config_source(service: dict) -> str | None:
+    """The host file a resolved service (`config` output) mounts at /etc/hybridrec/config.yaml: v2 writes long
+    syntax, 1.29 "source:target:mode"."""
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict) and volume.get("target") == "/etc/hybridrec/config.yaml":
+            return volume["source"]
+        if isinstance(volume, str) and volume.split(":")[1:2] == ["/etc/hybridrec/config.yaml"]:
+            return volume.split(":")[0]
+    return None
 
 
 
@@ -149,6 +179,153 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
     finally:
         subprocess.run([*compose, "-p", project, "--profile", "serve", "down", "--volumes", "--remove-orphans"],
                        cwd=REPO, env=env, capture_output=True, timeout=300)
+    leftovers = docker_client.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
+    assert not leftovers, f"containers left behind: {[c.name for c in leftovers]}"
+    volumes = docker_client.volumes.list(filters={"label": f"com.docker.compose.project={project}"})
+    assert not volumes, f"volumes left behind: {[v.name for v in volumes]}"
+
+
+# --- profile "online" --------------------------------------------------------------------------------------------
+
+_CONSUMER_SCRIPT = """
+import asyncio, json, nats
+async def main():
+    nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=5, allow_reconnect=False)
+    try:
+        js = nc.jetstream()
+        stream = await js.stream_info("HYBRIDREC_EVENTS")
+        consumer = await js.consumer_info("HYBRIDREC_EVENTS", "hybridrec-trainer")
+        print(json.dumps({"messages": stream.state.messages, "last_seq": stream.state.last_seq,
+                          "ack_floor": consumer.ack_floor.stream_seq, "ack_pending": consumer.num_ack_pending}))
+    finally:
+        await nc.close()
+asyncio.run(main())
+"""
+
+
+def container_of(docker_client, project: str, service: str):
+    [container] = docker_client.containers.list(all=True, filters={"label": [f"com.docker.compose.project={project}",
+                                                                             f"com.docker.compose.service={service}"]})
+    return container
+
+
+def read_file(container, path: str) -> str:
+    import io
+    import tarfile
+
+    stream, _ = container.get_archive(path)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+        return tar.extractfile(tar.getmembers()[0]).read().decode()
+
+
+@pytest.mark.parametrize("flavor", ["v2", "v1"])
+def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_versions(flavor, docker_client, image,
+                                                                                     tmp_path):
+    """The documented commands of the profile `online`, with HYBRIDREC_CONFIG naming deploy/compose/online.yaml
+    (until_event set to this test's rows): `up -d replay inference-online` (synth, a healthy nats holding the stream,
+    the replay), then at once `up --exit-code-from nn-worker-0 nn-worker-0` trains the stream, as the replay fills
+    it, to its end. Every replayed
+    event is trained once (summary samples, the loader's stream.json, the broker's consumer: all acknowledged,
+    none pending), versions are published, and inference-online serves the last one to raw rows over REST."""
+    flavors = available()
+    if not flavors:
+        pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
+                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
+    if flavor not in flavors:
+        pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
+    compose = flavors[flavor]
+    assert ONLINE_ROWS % 100 == 0, "the replay sends 100 rows a message"
+    job = yaml.safe_load((REPO / "deploy" / "compose" / "online.yaml").read_text())
+    job["data"]["stream"]["until_event"] = ONLINE_ROWS  # the end of the replayed file
+    config = tmp_path / "online.yaml"
+    config.write_text(yaml.safe_dump(job, sort_keys=False))
+    project = f"hybridrec-online-{uuid.uuid4().hex[:8]}"
+    http_port = free_port()
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "HYBRIDREC_IMAGE": image, "HYBRIDREC_CONFIG": str(config),
+           "HYBRIDREC_SYNTH_ROWS": str(ONLINE_ROWS), "HYBRIDREC_REPLAY_RATE": "1000",
+           "HYBRIDREC_HTTP_PORT": str(http_port), "HYBRIDREC_GRPC_PORT": str(free_port())}
+    online = [*compose, "-p", project, "--profile", "online"]
+
+    def logs(*services: str) -> str:
+        return subprocess.run([*online, "logs", "--no-color", *services], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60).stdout[-6000:]
+
+    started = time.monotonic()
+    try:
+        proc = subprocess.run([*online, "up", "-d", "replay", "inference-online"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=SERVE_TIMEOUT_S)
+        assert proc.returncode == 0, f"up replay failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs()}"
+        up_s = time.monotonic() - started
+        # Training starts while the replay publishes (30 s at 1,000 events a second): the loader reads the
+        # stream as it fills and ends with the last replayed event.
+        proc = subprocess.run([*online, "up", "--exit-code-from", "nn-worker-0", "nn-worker-0"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=COMPOSE_TIMEOUT_S)
+        output = f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"online training failed ({proc.returncode}):\n{output}\n{logs('dataloader-0')}"
+        trained_s = time.monotonic() - started - up_s
+        replay = container_of(docker_client, project, "replay")
+        assert replay.wait(timeout=60)["StatusCode"] == 0, logs("replay", "nats")
+        published = replay.logs().decode()
+        messages = ONLINE_ROWS // 100
+        assert f"published {ONLINE_ROWS:,} events (0..{ONLINE_ROWS - 1}) in {messages} messages" in published, published
+        rank0 = container_of(docker_client, project, "nn-worker-0")
+        summary = json.loads(read_file(rank0, "/results/summary.json"))
+        account = json.loads(read_file(rank0, "/results/stream.json"))  # the data loader's, on the same volume
+
+        # every replayed event trained exactly once, nothing skipped or lost
+        assert summary["samples"] == ONLINE_ROWS and summary["data"]["train"]["rows"] == ONLINE_ROWS, summary["data"]
+        assert summary["skipped_batches"] == 0 and summary["lost_updates"] == 0, summary
+        assert account["events"] == ONLINE_ROWS and account["first_seq"] == 1, account
+        assert account["acknowledged_through"] == messages, account
+        assert summary["auc"] > 0.6 and summary["oracle_auc"] is not None, summary  # eval file, after the stream
+        code, out = container_of(docker_client, project, "nats").exec_run(["python", "-c", _CONSUMER_SCRIPT])
+        assert code == 0, out.decode()
+        broker = json.loads(out.decode().strip().splitlines()[-1])
+        assert broker == {"messages": messages, "last_seq": messages, "ack_floor": messages, "ack_pending": 0}, broker
+        # versions published into the volume inference-online follows
+        publish = summary["publish"]
+        assert publish and publish["published"] >= 1 and publish["failed"] == 0, publish
+        assert publish["directory"] == job["publish"]["dir"], publish
+        last = str(publish["last_version"])
+
+        # inference-online follows them: it serves the last version (swapped in within a poll) to raw rows
+        base = f"http://127.0.0.1:{http_port}"
+        deadline, status, metadata = time.monotonic() + SERVE_TIMEOUT_S, None, {}
+        while time.monotonic() < deadline:
+            try:
+                status, metadata = http(f"{base}/v2/models/hybridrec", timeout=5)
+            except OSError:  # not listening yet
+                status = None
+            if status == 200 and metadata.get("versions") == [last]:
+                break
+            time.sleep(1)
+        assert status == 200 and metadata["versions"] == [last], \
+            f"inference-online does not serve version {last}: {status} {metadata}\n{logs('inference-online')}"
+        status, ready = http(f"{base}/v2/health/ready")
+        assert status == 200 and ready == {"ready": True}, ready
+        status, answer = http(f"{base}/v2/models/hybridrec/infer",
+                              {"inputs": [{"name": "rows", "datatype": "BYTES", "shape": [len(ROWS)], "data": ROWS}]})
+        assert status == 200, f"{status} {answer}\n{logs('inference-online')}"
+        assert answer["model_name"] == "hybridrec" and answer["model_version"] == last, answer
+        [output] = answer["outputs"]
+        assert output["name"] == "probability" and output["shape"] == [len(ROWS)], answer
+        assert all(0.0 < p < 1.0 for p in output["data"]), answer
+        follower = container_of(docker_client, project, "inference-online")
+        health = None
+        for _ in range(60):  # its healthcheck (REST readiness) turns healthy too
+            follower.reload()
+            health = follower.attrs["State"].get("Health", {}).get("Status")
+            if health == "healthy":
+                break
+            time.sleep(1)
+        assert health == "healthy", f"inference-online health {health}\n{logs('inference-online')}"
+        lag = account["training_lag_s"]
+        print(f"compose {flavor} online: `up -d replay inference-online` {up_s:.0f}s, {ONLINE_ROWS:,} events "
+              f"trained once in {trained_s:.0f}s (start-up included; lag p50 {lag['p50']:.1f}s, max {lag['max']:.1f}s), "
+              f"AUC {summary['auc']:.4f}, {publish['published']} versions, version {last} served: {output['data']}")
+    finally:
+        subprocess.run([*online, "down", "--volumes", "--remove-orphans"], cwd=REPO, env=env, capture_output=True,
+                       timeout=300)
     leftovers = docker_client.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
     assert not leftovers, f"containers left behind: {[c.name for c in leftovers]}"
     volumes = docker_client.volumes.list(filters={"label": f"com.docker.compose.project={project}"})
