@@ -5,7 +5,8 @@ validates every object against the Kubernetes JSON schemas bundled with the
 `kubernetes-validate` package (strict: unknown fields are errors), and checks
 the facts the deployment relies on: probes, the in-memory shm volume of the
 PS, replica counts that agree with the config's cluster section, a hybridrec
-config that loads, and what the GPU overlay adds. Serving (deploy/k8s/serving,
+config that loads, and what the GPU overlay adds. The online overlay (NATS
+broker, replay, the data loader on the stream) is checked the same way. Serving (deploy/k8s/serving,
 alone and with the base in overlays/serving) gets the same validation and
 checks. The KServe example (deploy/k8s/kserve) is of custom resources that
 kubernetes-validate has no schema for: a structural test checks its fields
@@ -14,6 +15,8 @@ cluster and no Docker.
 """
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -60,6 +63,11 @@ def ps_replicas() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def online() -> list[dict]:
+    return render(K8S / "overlays" / "online")
+
+
+@pytest.fixture(scope="module")
 def serving() -> list[dict]:
     return render(K8S / "serving")
 
@@ -85,7 +93,7 @@ def hybridrec_config(objects: list[dict]) -> dict:
     return yaml.safe_load(maps[0]["data"]["config.yaml"])
 
 
-@pytest.mark.parametrize("variant", ["base", "gpu", "ps_replicas", "serving", "serving_overlay"])
+@pytest.mark.parametrize("variant", ["base", "gpu", "ps_replicas", "online", "serving", "serving_overlay"])
 def test_every_object_validates_against_the_kubernetes_schemas(variant, request):
     try:
         import kubernetes_validate
@@ -197,7 +205,7 @@ def test_checkpoints_and_results_on_the_pvc(base):
         assert volume["persistentVolumeClaim"]["claimName"] == "hybridrec-state"
 
 
-@pytest.mark.parametrize("variant", ["base", "serving"])
+@pytest.mark.parametrize("variant", ["base", "online", "serving"])
 def test_hardening_and_resources(variant, request):
     for obj in workloads(request.getfixturevalue(variant)):
         spec = pod_spec(obj)
@@ -326,6 +334,115 @@ def test_ps_replicas_overlay_keeps_a_shards_two_copies_on_different_nodes(base, 
     changed = {(o["kind"], o["metadata"]["name"]) for o in ps_replicas} ^ {(o["kind"], o["metadata"]["name"])
                                                                           for o in base}
     assert not changed, changed
+
+
+# --- online training: deploy/k8s/components/online, overlays/online -------------------------------------------
+
+def names(objects: list[dict]) -> set[tuple[str, str]]:
+    """(kind, name) of every object, a generated ConfigMap without its hash suffix."""
+    return {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
+            for o in objects}
+
+
+def test_online_overlay_adds_the_broker_and_the_replay_and_changes_only_the_config_and_the_loader(base, online):
+    assert names(online) - names(base) == {("StatefulSet", "nats"), ("Service", "nats"), ("Job", "replay"),
+                                           ("NetworkPolicy", "nats"), ("ConfigMap", "nats-stream-ready")}
+    assert names(base) <= names(online)
+
+    def unhashed(obj: dict) -> str:  # the replaced config gets another hash suffix: every pod mounts it
+        return re.sub(r"hybridrec-config-[a-z0-9]+", "hybridrec-config", json.dumps(obj, sort_keys=True))
+
+    changed = [o for o in base if o["kind"] != "ConfigMap"
+               and unhashed(o) != unhashed(one(online, o["kind"], o["metadata"]["name"]))]
+    assert [(o["kind"], o["metadata"]["name"]) for o in changed] == [("Job", "dataloader")]
+    for obj in online:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hybridrec", obj["metadata"]["name"]
+
+
+def test_online_config_trains_the_stream_of_the_nats_service(base, online):
+    from hybridrec.config import from_dict
+
+    tree, base_tree = hybridrec_config(online), hybridrec_config(base)
+    config = from_dict(tree, source="deploy/k8s/components/online/config.yaml")
+    stream = config.data.stream
+    assert stream is not None and config.data.train == [] and stream.until_event is not None
+    svc = one(online, "Service", "nats")
+    [port] = [p["port"] for p in svc["spec"]["ports"] if p["name"] == "client"]
+    assert stream.url == f"nats://{svc['metadata']['name']}:{port}", stream.url
+    # the same job otherwise: cluster, model, training and paths as the base's, and a checkpoint id of its own
+    for section in set(base_tree) - {"data", "checkpoint"}:
+        assert tree.get(section) == base_tree[section], section
+    assert {k: v for k, v in tree["data"].items() if k != "stream"} == \
+        {k: v for k, v in base_tree["data"].items() if k != "train"}
+    assert tree["checkpoint"]["job_id"] != base_tree["checkpoint"]["job_id"]
+    # the replay publishes where the loader reads: the broker's URL and the stream's subject
+    [replay] = pod_spec(one(online, "Job", "replay"))["containers"]
+    assert replay["args"][:3] == ["data", "replay", "/data/train.tsv"]
+    assert replay["args"][replay["args"].index("--to") + 1] == f"{stream.url}/{stream.subject}"
+
+
+def test_nats_is_a_statefulset_with_its_store_on_a_persistent_volume(online):
+    sts = one(online, "StatefulSet", "nats")
+    svc = one(online, "Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["replicas"] == 1
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    [container] = pod_spec(sts)["containers"]
+    assert container["command"] == ["nats-server"] and "-js" in container["args"]
+    args = container["args"]
+    store = args[args.index("-sd") + 1]
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[store] == claim["metadata"]["name"], "the JetStream store must be the claimed volume"
+    assert claim["metadata"]["name"] not in {v["name"] for v in pod_spec(sts).get("volumes", [])}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["client"] == int(args[args.index("-p") + 1])
+    assert ports["monitor"] == int(args[args.index("-m") + 1])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "monitor" and \
+            container[probe]["httpGet"]["path"].startswith("/healthz"), probe
+    assert container["image"].startswith("hybridrec"), "clusters here are offline: nats-server is in our image"
+
+
+def test_the_data_loader_and_the_replay_wait_for_the_stream(online, base):
+    config = hybridrec_config(online)
+    loader = pod_spec(one(online, "Job", "dataloader"))
+    base_loader = pod_spec(one(base, "Job", "dataloader"))
+    scripts = {v["name"]: v for v in loader["volumes"]}["scripts"]["configMap"]["name"]
+    assert scripts.startswith("nats-stream-ready-")
+    stream_init = {c["name"]: c for c in loader["initContainers"]}["stream"]
+    assert stream_init["command"] == ["python", "/etc/hybridrec-online/stream-ready.py"]
+    assert {m["mountPath"] for m in stream_init["volumeMounts"]} >= {"/etc/hybridrec", "/etc/hybridrec-online"}
+    assert {c["name"] for c in base_loader["initContainers"]} < {c["name"] for c in loader["initContainers"]}
+    [container] = loader["containers"]
+    results = mounts_of(loader, container)[config["output"]["dir"]]  # stream.json goes there
+    assert results["persistentVolumeClaim"]["claimName"] == "hybridrec-state" and results["subPath"] == "results"
+    assert not results["readOnly"]
+    replay = pod_spec(one(online, "Job", "replay"))
+    assert one(online, "Job", "replay")["spec"]["backoffLimit"] == 0 and replay["restartPolicy"] == "Never", \
+        "a replay run again publishes the file again"
+    [wait] = replay["initContainers"]
+    assert "/data/oracle.json" in " ".join(wait["args"]) and "stream-ready.py" in " ".join(wait["args"])
+    [publisher] = replay["containers"]
+    data = mounts_of(replay, publisher)["/data"]
+    written = mounts_of(base_loader, {c["name"]: c for c in base_loader["initContainers"]}["synth"])["/data"]
+    assert data["persistentVolumeClaim"] == written["persistentVolumeClaim"] and data["subPath"] == written["subPath"]
+    assert data["readOnly"]
+
+
+def test_only_the_data_loader_and_the_replay_reach_nats(online):
+    policies = [o for o in online if o["kind"] == "NetworkPolicy"]
+    pods = {c: {"app.kubernetes.io/name": "hybridrec", "app.kubernetes.io/component": c}
+            for c in ("nats", "replay", "dataloader", "embedding-ps", "embedding-worker", "nn-worker")}
+    for source in pods:
+        assert _allowed(policies, pods[source], pods["nats"], "client") == (source in ("dataloader", "replay")), source
+        assert not _allowed(policies, pods[source], pods["nats"], "monitor"), source
+        assert not _allowed(policies, pods[source], pods["replay"], "client"), source
+    assert not _allowed(policies, {"app.kubernetes.io/name": "other"}, pods["nats"], "client")
+    assert not _allowed(policies, {"ns": {"kubernetes.io/metadata.name": "monitoring"}}, pods["nats"], "client")
+    # the base's paths are as they were
+    assert _allowed(policies, pods["dataloader"], pods["embedding-worker"], "grpc")
+    assert not _allowed(policies, pods["replay"], pods["embedding-worker"], "grpc")
 
 
 # --- serving: deploy/k8s/serving, overlays/serving, kserve ------------------------------------------------------
