@@ -287,7 +287,9 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 
 def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
-    """The standard grpc.health.v1 service; the overall status starts NOT_SERVING."""
+    """The standard grpc.health.v1 service. Its overall status must be set NOT_SERVING before the server
+    starts (`set_serving(servicer, False)`): grpcio's servicer starts it SERVING, which would tell a readiness
+    probe, and a peer waiting in `wait_until_serving`, that a service is ready before its dependencies answer."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer

@@ -162,6 +162,7 @@ class ServiceHost:
     async def start(self) -> None:
         _, port = split_address(self.address)
         self.port = bound = rpc.bind(self.server, self.bind_host, port)
+        await rpc.set_serving(self.health, False)  # until the service says it is ready (set_serving)
         await self.server.start()
         if self.metrics_port:
             prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
