@@ -21,7 +21,7 @@ is at least halfway from the first to the second and stays there** to the end of
 30 s). Also reported: how far the served level got by the end, in the same terms, and where the control IDs'
 served level went (it should stay: a model that moves them too has moved as a whole, not learnt the drift).
 
-    python benchmarks/drift.py --rows 2400000 --drift-at 1200000 --out results/drift.json
+    python benchmarks/drift.py --rows 3200000 --drift-at 2000000 --out results/drift.json
 """
 from __future__ import annotations
 
@@ -167,8 +167,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=2_400_000, help="synthetic training rows")
-    parser.add_argument("--drift-at", type=int, default=1_200_000, help="the first drifted row")
+    parser.add_argument("--rows", type=int, default=3_200_000, help="synthetic training rows")
+    parser.add_argument("--drift-at", type=int, default=2_000_000, help="the first drifted row (50 s into a 40,000 events/s replay: a trained model meets the drift)")
     parser.add_argument("--drift-shift", type=float, default=1.5)
     parser.add_argument("--rate", type=float, default=40_000.0, help="replayed events a second")
     parser.add_argument("--publish-s", type=float, default=2.0, help="publish a version every S seconds")
