@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40_000.0, help="replayed events a second")
     parser.add_argument("--rows-per-message", type=int, default=100)
     parser.add_argument("--publish-s", type=float, help="publish a version every S seconds and serve it")
+    parser.add_argument("--stream-staleness", type=int, help="training.staleness of the stream job (default: the "
+                        "README example's, as the file run)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hybridrec-online-") as scratch:
@@ -138,6 +140,9 @@ def main() -> None:
         broker, url = start_broker(work / "nats")
         try:
             tree["data"] = {"stream": {"url": url, "until_event": rows}, "eval": [str(data / "eval.tsv")]}
+            if args.stream_staleness is not None:
+                tree["training"]["staleness"] = args.stream_staleness
+                result["stream_staleness"] = args.stream_staleness
             if args.publish_s:
                 tree["publish"] = {"interval_s": args.publish_s, "dir": str(work / "versions")}
             (work / "stream.yaml").write_text(yaml.safe_dump(tree))
