@@ -365,8 +365,14 @@ async def retry(call: Callable[[], Awaitable[Any]], *, deadline_s: float, base_d
         delay = min(delay * 2, max_delay_s)
 
 
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    """SIGTERM / SIGINT set `stop` so the service shuts down gracefully."""
+def install_stop_handlers(stop: asyncio.Event, also: Callable[[], None] | None = None) -> None:
+    """SIGTERM / SIGINT set `stop` so the service shuts down gracefully (and call `also`)."""
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        if also is not None:
+            also()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)

@@ -151,6 +151,7 @@ class ServiceHost:
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
         self.port: int | None = None
+        self._starting: asyncio.Task | None = None
 
     def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
         """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
@@ -167,7 +168,11 @@ class ServiceHost:
         if self.metrics_port:
             prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
             self.metrics_address = f"{self.bind_host}:{self.metrics_port}"
-        rpc.install_stop_handlers(self.stop)
+        # A stop asked for while the service still starts (waiting for its peers, restoring, loading) cancels
+        # the start: nothing would look at `stop` until run_until_stopped, and a pod or a run being torn down
+        # would wait for its kill. `serve` exits 0 after its cleanup, as after a stop while running.
+        self._starting = asyncio.current_task()
+        rpc.install_stop_handlers(self.stop, also=self._stop_while_starting)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
         # turns SERVING only once the service's dependencies answer, for readiness.
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
@@ -177,8 +182,15 @@ class ServiceHost:
         await rpc.set_serving(self.health, serving)
         self.log.info("serving" if serving else "not_serving")
 
+    def _stop_while_starting(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self.log.warning("stopped_while_starting")
+            self._starting.cancel()
+            self._starting = None
+
     async def run_until_stopped(self, main: asyncio.Task | None = None) -> None:
         """Wait for SIGTERM (or for `main` to finish, re-raising its error), then shut down gracefully."""
+        self._starting = None  # started: a stop is now this method's to handle
         stop_wait = asyncio.ensure_future(self.stop.wait())
         waiters = {stop_wait} | ({main} if main else set())
         try:

@@ -229,6 +229,8 @@ def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> No
         _fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    except asyncio.CancelledError:  # stopped (SIGTERM) while it still started: ServiceHost.start
+        pass
     # Everything is closed and flushed by now. Skip interpreter teardown: native threads of
     # torch.distributed (Gloo, the TCP store) can abort the process in static destructors ("terminate called
     # without an active exception", SIGABRT), which would turn a finished NN worker into a lost one that its

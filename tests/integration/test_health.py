@@ -51,3 +51,29 @@ def test_an_embedding_worker_is_alive_but_not_ready_until_its_ps_answers(tmp_pat
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
+
+
+def test_a_service_stopped_while_it_waits_for_its_peers_exits_at_once(tmp_path):
+    """SIGTERM while a service still starts (here: an embedding worker waiting for a PS that never comes) stops
+    it within seconds, exit 0, instead of when its start-up wait times out (a pod torn down would wait for its
+    kill)."""
+    worker = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 8}],
+        "ps": {"capacity": 10_000, "num_stripes": 2, "shm_dir": str(tmp_path / "shm")},
+        "cluster": {"ps": [f"127.0.0.1:{free_port()}"], "embedding_workers": [worker], "bind_host": "127.0.0.1",
+                    "start_timeout_s": 600},
+    }))
+    proc = _serve(tmp_path, config, "embedding_worker")
+    try:
+        deadline = time.monotonic() + 120
+        while not asyncio.run(rpc.is_serving(worker, service=LIVENESS)):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "embedding_worker.log").read_text()
+            time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        assert "stopped_while_starting" in (tmp_path / "embedding_worker.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
