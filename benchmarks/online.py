@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40_000.0, help="replayed events a second")
     parser.add_argument("--rows-per-message", type=int, default=100)
     parser.add_argument("--publish-s", type=float, help="publish a version every S seconds and serve it")
+    parser.add_argument("--prefill", action="store_true", help="publish the whole file (as fast as the broker "
+                        "takes it) before training starts: the stream path's own capacity, without the replay's CPU")
     parser.add_argument("--stream-staleness", type=int, help="training.staleness of the stream job (default: the "
                         "README example's, as the file run)")
     parser.add_argument("--out", type=Path, required=True)
@@ -151,7 +153,7 @@ def main() -> None:
             def feed() -> dict:
                 started = time.monotonic()
                 out = subprocess.run(HYBRIDREC + ["data", "replay", str(data / "train.tsv"), "--to",
-                                                  f"{url}/hybridrec.events", "--rate", str(args.rate),
+                                                  f"{url}/hybridrec.events", "--rate", str(0 if args.prefill else args.rate),
                                                   "--rows-per-message", str(args.rows_per_message)],
                                      cwd=REPO, capture_output=True, text=True, check=True)
                 return {"seconds": round(time.monotonic() - started, 2), "output": out.stdout.strip()}
@@ -169,7 +171,10 @@ def main() -> None:
                     stdout=(work / "inference.log").open("wb"), stderr=subprocess.STDOUT,
                     env={**os.environ, "HYBRIDREC_LOG_JSON": "1"})
             try:
-                result["stream"] = run(work / "stream.yaml", work / "stream", feed=starter)
+                if args.prefill:
+                    replayed.update(feed())
+                    result["prefilled"] = True
+                result["stream"] = run(work / "stream.yaml", work / "stream", feed=None if args.prefill else starter)
                 time.sleep(2.0)  # the last version's swap
             finally:
                 if inference is not None:
