@@ -71,6 +71,10 @@ class EventSource(Protocol):
     acknowledged: int
     """The last sequence acknowledged (asked for): everything up to it was trained."""
 
+    ended: bool
+    """Set by `start`: the position is past `until_event` (a job started again after it read its last event),
+    so there is nothing to read, and the consumer is left as the job left it."""
+
     def start(self, position: Position) -> int: ...
     def get(self, timeout: float) -> Message | None: ...
     def ack_through(self, seq: int) -> None: ...
@@ -95,13 +99,15 @@ class NatsSource:
         self._nc = self._js = self._sub = None
         self.log = log.get()
         self.first_seq = 0
+        self.ended = False
 
     def start(self, position: Position) -> int:
         """Connect, check the stream, and read from `position` (the start of the data: after the durable
         consumer's last acknowledgement). Returns the first stream sequence read; ConfigError for a stream or
         subject that is not there, StreamError for a broker that does not answer within `retry_s`."""
         self.first_seq = asyncio.run_coroutine_threadsafe(self._start(position), self._loop).result()
-        self._fetching = asyncio.run_coroutine_threadsafe(self._fetch_forever(), self._loop)
+        if not self.ended:
+            self._fetching = asyncio.run_coroutine_threadsafe(self._fetch_forever(), self._loop)
         return self.first_seq
 
     def get(self, timeout: float) -> Message | None:
@@ -180,6 +186,17 @@ class NatsSource:
     async def _on_reconnected(self) -> None:
         self.log.info("stream_broker_reconnected", url=self.url)
 
+    async def _events_end(self, seq: int) -> int | None:
+        """The id after the last event of message `seq` (its first event's id plus its lines); None when the
+        stream no longer holds it or it carries no event id."""
+        try:
+            msg = await self._js.get_msg(self.config.stream, seq)
+        except Exception:  # noqa: BLE001 - not found (the stream's limits dropped it): unknown
+            return None
+        first, _ = read_headers(msg.headers)
+        data = msg.data or b""
+        return None if first < 0 else first + data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+
     async def _start(self, position: Position) -> int:
         from nats.js import api
         from nats.js.errors import NotFoundError
@@ -198,6 +215,13 @@ class NatsSource:
                               f"{c.subject!r} (its subjects: {', '.join(info.config.subjects or [])})")
         if position != Position():
             first = position.offset + 1
+            if c.until_event is not None and position.line == 1 and position.offset > 0 and (
+                    end := await self._events_end(position.offset)) is not None and end >= c.until_event:
+                # Started again after it read its last event: nothing to read. The consumer stays as it is (a
+                # new one would have no acknowledgement floor, and the next job would read from the start).
+                self.ended = True
+                self.log.info("stream_already_read", seq=position.offset, until_event=c.until_event)
+                return first
         else:  # a job with nothing of its own: after what the durable consumer acknowledged last
             try:
                 first = (await self._js.consumer_info(c.stream, c.durable)).ack_floor.stream_seq + 1
@@ -370,6 +394,8 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
     """Training batches of `batch_size` samples (fewer when the stream pauses for `linger_s`), each with the
     position after it, from `start` on, until `until_event` or `for_s`."""
     skip = start.line - 1  # samples of the message at start.offset + 1 already trained
+    if source.ended:  # a job started again after its last event
+        return
     pending: list[Rows] = []
     parts: list[tuple[float, int, int]] = []  # (event time, samples, first event id) per message in the batch
     held, position = 0, start

@@ -345,3 +345,19 @@ def test_a_broker_that_never_answers_is_retried_reported_and_named(tmp_path, sma
     retrying = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
                 if '"stream_unreachable"' in line]
     assert retrying and retrying[0]["url"] == url, retrying
+
+
+def test_a_finished_stream_job_started_again_ends_without_waiting_for_events(tmp_path, small_data, broker):
+    """A job that trained through `until_event`, started again in its run directory (a rerun, or a job restarted
+    after it finished), resumes after its last event and ends: it does not wait for events past its end."""
+    _replay(broker, small_data / "train.tsv", limit=20_000)
+    config = _config(tmp_path, small_data, broker, until=20_000)
+    assert _run(config, tmp_path / "run")["samples"] == 20_000
+    log = tmp_path / "run" / "logs" / "dataloader-0.log"
+    batches = log.read_text().count('"stream_batch"')
+    again = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(tmp_path / "run")], cwd=REPO,
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert log.read_text().count('"stream_batch"') == batches  # nothing read again
+    assert log.read_text().count('"stream_already_read"') == 1
+    assert _consumer(broker) == (200, 0, 200)  # the consumer as the job left it: a next job goes on after it
