@@ -53,6 +53,29 @@ def available() -> dict[str, list[str]]:
     return found
 
 
+def wait_healthy(container, timeout_s: int = 60) -> str | None:
+    """The container's health status once healthy, or the last one seen after `timeout_s` seconds."""
+    health = None
+    for _ in range(timeout_s):
+        container.reload()
+        health = container.attrs["State"].get("Health", {}).get("Status")
+        if health == "healthy":
+            break
+        time.sleep(1)
+    return health
+
+
+def compose_command(flavor: str) -> list[str]:
+    """The command of Compose `flavor`; fails when no Compose is installed at all (.ci/run installs both)."""
+    flavors = available()
+    if not flavors:
+        pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
+                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
+    if flavor not in flavors:
+        pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
+    return flavors[flavor]
+
+
 @pytest.mark.parametrize("flavor", ["v2", "v1"])
 def test_compose_accepts_the_file_with_and_without_its_profiles(flavor):
     flavors = available()
@@ -139,26 +162,14 @@ def serve_and_predict(compose, project, env, docker_client) -> str:
     # The compose healthcheck (grpc.health.v1 on the gRPC port) turns healthy too.
     [container] = docker_client.containers.list(filters={"label": [f"com.docker.compose.project={project}",
                                                                     "com.docker.compose.service=inference"]})
-    health = None
-    for _ in range(60):
-        container.reload()
-        health = container.attrs["State"].get("Health", {}).get("Status")
-        if health == "healthy":
-            break
-        time.sleep(1)
+    health = wait_healthy(container)
     assert health == "healthy", f"inference container health {health}\n{logs()}"
     return f"served: ready {ready_s:.0f}s after `up` (export included), probabilities {output['data']}"
 
 
 @pytest.mark.parametrize("flavor", ["v2", "v1"])
 def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_path):
-    flavors = available()
-    if not flavors:
-        pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
-                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
-    if flavor not in flavors:
-        pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
-    compose = flavors[flavor]
+    compose = compose_command(flavor)
     project = f"hybridrec-test-{uuid.uuid4().hex[:8]}"
     summary_path = tmp_path / "summary.json"
     env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "COMPOSE": " ".join(compose),
@@ -227,13 +238,7 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
     it, to its end. Every replayed
     event is trained once (summary samples, the loader's stream.json, the broker's consumer: all acknowledged,
     none pending), versions are published, and inference-online serves the last one to raw rows over REST."""
-    flavors = available()
-    if not flavors:
-        pytest.fail("neither `docker compose` (v2) nor `docker-compose` (1.29) is installed; "
-                    "`sudo bash .ci/compose.sh` installs both", pytrace=False)
-    if flavor not in flavors:
-        pytest.skip(f"Compose {flavor} is not installed (ran with {', '.join(flavors)})")
-    compose = flavors[flavor]
+    compose = compose_command(flavor)
     assert ONLINE_ROWS % 100 == 0, "the replay sends 100 rows a message"
     job = yaml.safe_load((REPO / "deploy" / "compose" / "online.yaml").read_text())
     job["data"]["stream"]["until_event"] = ONLINE_ROWS  # the end of the replayed file
@@ -311,13 +316,7 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
         assert output["name"] == "probability" and output["shape"] == [len(ROWS)], answer
         assert all(0.0 < p < 1.0 for p in output["data"]), answer
         follower = container_of(docker_client, project, "inference-online")
-        health = None
-        for _ in range(60):  # its healthcheck (REST readiness) turns healthy too
-            follower.reload()
-            health = follower.attrs["State"].get("Health", {}).get("Status")
-            if health == "healthy":
-                break
-            time.sleep(1)
+        health = wait_healthy(follower)  # its healthcheck (REST readiness) turns healthy too
         assert health == "healthy", f"inference-online health {health}\n{logs('inference-online')}"
         lag = account["training_lag_s"]
         print(f"compose {flavor} online: `up -d replay inference-online` {up_s:.0f}s, {ONLINE_ROWS:,} events "
