@@ -137,7 +137,7 @@ def rows_to_keep(keys: np.ndarray, dim: int, received: Received, *, life: int, s
 def seq_after(received: Received, *, life: int, seq: int) -> int | None:
     """Where a backup stands once it loaded a copy taken at `seq` of `life` plus the shipments it received
     meanwhile: the last shipment's seq, or None when one is missing (it copies again)."""
-    seqs = sorted(r_seq for r_life, r_seq, _ in received if r_life == life and r_seq > seq)
+    seqs = sorted({r_seq for r_life, r_seq, _ in received if r_life == life and r_seq > seq})  # a heartbeat repeats one
     if seqs != list(range(seq + 1, seq + 1 + len(seqs))):
         return None
     return seqs[-1] if seqs else seq
@@ -156,6 +156,7 @@ class Primary:
         self._ship = rpc.raw_method(self._channel, "EmbeddingPS", "Replicate")
         self._copy: Copy | None = None
         self._reachable = True
+        self._heartbeat: asyncio.Task | None = None
         self.counters = {"replica_shipments_total": 0, "replica_shipments_failed_total": 0,
                          "replica_copies_served_total": 0}
 
@@ -176,11 +177,28 @@ class Primary:
                                   code=exc.code().name, detail=exc.details(),
                                   why="updates are acknowledged without a backup until it has caught up")
                 self._reachable = False
+            if self._heartbeat is None or self._heartbeat.done():
+                self._heartbeat = asyncio.ensure_future(self._tell_where_it_is())
             return
         self.counters["replica_shipments_total"] += 1
         if not self._reachable:
             log.get().info("replica_reachable", shard=self.shard, backup_ps=self.backup)
             self._reachable = True
+
+    async def _tell_where_it_is(self) -> None:
+        """After a shipment failed, send the backup where this shard is (an empty frame at its current seq) until
+        one gets through: a backup that missed shipments and hears of no later update would otherwise stay "in
+        sync" behind its primary (it sees the gap only at the next shipment)."""
+        delay = 0.1
+        while True:
+            await asyncio.sleep(delay)
+            async with self.lock:  # every update up to it has been shipped (or failed to be)
+                frame = ShardRows(self.shard, self.applied.life, self.applied.applied, {}, job=self.job)
+            try:  # not under the lock: updates go on meanwhile, and the backup ignores a heartbeat it passed
+                await self._ship(frame.encode(), timeout=SHIP_TIMEOUT_S / 10)
+                return
+            except grpc.aio.AioRpcError:
+                delay = min(delay * 2, 1.0)
 
     async def start_over(self, run: Run) -> None:
         """Tell the backup to copy the shard again (its rows were replaced: a checkpoint loaded); under `lock`."""
@@ -209,6 +227,8 @@ class Primary:
         return out
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await self._channel.close()
 
 
@@ -271,6 +291,15 @@ class Backup:
                 log.get().info("backup_starting_over", shard=self.shard, life=rows.life)
                 self._wipe()
                 self.catch_up()
+                return
+            if not rows.rows and not rows.update_id:  # where the primary is (after a shipment failed)
+                if self._catching_up is not None:
+                    self._received.append((rows.life, rows.seq, {}))  # the copy must reach it
+                elif not self.in_sync or rows.life != self.life or rows.seq > self.seq:  # it missed some
+                    log.get().warning("backup_out_of_sync", shard=self.shard, life=rows.life, seq=rows.seq,
+                                      held_life=self.life, held_seq=self.seq, in_sync=self.in_sync)
+                    self._wipe()
+                    self.catch_up()
                 return
             in_order = self.in_sync and rows.life == self.life and rows.seq == self.seq + 1
             if not in_order and self._catching_up is None:

@@ -31,6 +31,10 @@ def test_a_backup_is_in_sync_only_when_no_shipment_after_the_copy_is_missing():
     assert seq_after([(LIFE, 7, {}), (LIFE, 6, {})], life=LIFE, seq=5) == 7  # arrival order does not matter
     assert seq_after([(LIFE, 6, {}), (LIFE, 8, {})], life=LIFE, seq=5) is None  # 7 went missing
     assert seq_after([(OTHER, 6, {})], life=LIFE, seq=5) == 5
+    # The primary's heartbeat after a failed shipment: where it is. Received with every shipment up to it, the
+    # copy is complete; alone past the copy, shipments went missing and the backup copies again.
+    assert seq_after([(LIFE, 6, {}), (LIFE, 7, {}), (LIFE, 7, {})], life=LIFE, seq=5) == 7
+    assert seq_after([(LIFE, 8, {})], life=LIFE, seq=5) is None
 
 
 def test_each_shard_is_backed_up_on_the_next_ps():
