@@ -91,10 +91,16 @@ def change_time(loader_log: Path, at_row: int) -> float:
     raise SystemExit(f"event {at_row} was never read (see {loader_log})")
 
 
+def level_before(times: np.ndarray, served: np.ndarray, changed_at: float, before_s: float) -> float:
+    """The served level at the change: the mean of the answers of the `before_s` seconds before it (the last
+    answer before it when none came in that window)."""
+    before = served[(times >= changed_at - before_s) & (times < changed_at)]
+    return float(before.mean()) if len(before) else float(served[times < changed_at][-1])
+
+
 def follow(times: np.ndarray, served: np.ndarray, changed_at: float, target: float, before_s: float) -> dict:
     """How one served level (a series over `times`) followed the change towards `target`."""
-    before = served[(times >= changed_at - before_s) & (times < changed_at)]
-    level = float(before.mean()) if len(before) else float(served[times < changed_at][-1])
+    level = level_before(times, served, changed_at, before_s)
     moved = (served - level) / (target - level)  # 0 at the old level, 1 at the new one
     after = times >= changed_at
     below = np.flatnonzero(after & (moved < 0.5))
@@ -106,8 +112,7 @@ def follow(times: np.ndarray, served: np.ndarray, changed_at: float, target: flo
 
 def control_shift(times: np.ndarray, served: np.ndarray, changed_at: float, before_s: float) -> dict:
     """How far the control IDs' served level (whose truth did not change) moved from the change to the end."""
-    before = served[(times >= changed_at - before_s) & (times < changed_at)]
-    level = float(before.mean()) if len(before) else float(served[times < changed_at][-1])
+    level = level_before(times, served, changed_at, before_s)
     return {"served_before": round(level, 4), "served_at_end": round(float(served[-1]), 4)}
 
 
