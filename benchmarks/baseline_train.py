@@ -12,11 +12,12 @@ it back from there would load a second copy of the script.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -60,9 +61,9 @@ def _metrics(labels: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
 
 @torch.no_grad()
 def _evaluate(predict: Callable[[Tensors, int, int], torch.Tensor], data: Tensors) -> tuple[float, float]:
-    out = [predict(data, lo, min(lo + EVAL_BATCH, len(data))).float().numpy()
+    out = [predict(data, lo, min(lo + EVAL_BATCH, len(data))).float().cpu().numpy()
            for lo in range(0, len(data), EVAL_BATCH)]
-    return _metrics(data.labels.numpy(), np.concatenate(out))
+    return _metrics(data.labels.cpu().numpy(), np.concatenate(out))
 
 
 def _curve_steps(total_steps: int, points: int) -> set[int]:
@@ -72,10 +73,24 @@ def _curve_steps(total_steps: int, points: int) -> set[int]:
     return {max(1, round(total_steps * k / (points + 1))) for k in range(1, points + 1)} - {total_steps}
 
 
+def no_sync() -> None:
+    """On the CPU every step has finished when it returns: nothing to wait for before reading the clock."""
+
+
+def _clock(sync: Callable[[], None]) -> tuple[float, float]:
+    """(wall, CPU) clocks once the device has finished what was queued, so a GPU's queued steps are timed."""
+    sync()
+    return time.perf_counter(), time.process_time()
+
+
 def _train_loop(name: str, step_fn: Callable[[Tensors, int, int], None],
                 predict: Callable[[Tensors, int, int], torch.Tensor], train: Tensors, evals: Tensors, *,
                 batch_size: int, epochs: int, max_steps: int | None, curve_points: int, threads: int,
-                set_train: Callable[[bool], None], details: dict) -> BaselineResult:
+                set_train: Callable[[bool], None], details: dict, sync: Callable[[], None] = no_sync,
+                watch: ContextManager | None = None) -> BaselineResult:
+    """Train for `total` steps and evaluate; `sync` waits for the device before each clock read, `watch`
+    (a GPU utilisation sampler, say) is entered around the training loop only, the final evaluation left out
+    (the curve's evaluations, when `curve_points` asks for them, fall inside it)."""
     n = len(train)
     steps_per_epoch = math.ceil(n / batch_size)
     total = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
@@ -86,22 +101,23 @@ def _train_loop(name: str, step_fn: Callable[[Tensors, int, int], None],
     step = 0
     load_before = os.getloadavg()[0]
     set_train(True)
-    t0, c0 = time.perf_counter(), time.process_time()
-    while step < total:
-        lo = (step % steps_per_epoch) * batch_size
-        hi = min(lo + batch_size, n)
-        step_fn(train, lo, hi)
-        samples += hi - lo
-        step += 1
-        if step in evals_at:
-            wall += time.perf_counter() - t0
-            cpu += time.process_time() - c0
-            set_train(False)
-            curve.append((wall, _evaluate(predict, evals)[0]))
-            set_train(True)
-            t0, c0 = time.perf_counter(), time.process_time()
-    wall += time.perf_counter() - t0
-    cpu += time.process_time() - c0
+    with watch or contextlib.nullcontext():
+        t0, c0 = _clock(sync)
+        while step < total:
+            lo = (step % steps_per_epoch) * batch_size
+            hi = min(lo + batch_size, n)
+            step_fn(train, lo, hi)
+            samples += hi - lo
+            step += 1
+            if step in evals_at:
+                t1, c1 = _clock(sync)
+                wall, cpu = wall + t1 - t0, cpu + c1 - c0
+                set_train(False)
+                curve.append((wall, _evaluate(predict, evals)[0]))
+                set_train(True)
+                t0, c0 = _clock(sync)
+        t1, c1 = _clock(sync)
+        wall, cpu = wall + t1 - t0, cpu + c1 - c0
     # CPU seconds the process got while training: on a shared machine, wall time / CPU time shows
     # how much of the cores it actually had (2 threads on 2 free cores: cpu close to 2 x wall).
     details = {**details, "train_cpu_s": cpu, "loadavg_1m_before": load_before,

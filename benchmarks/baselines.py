@@ -11,7 +11,8 @@ does by default) and Adam on the MLP:
 
 * ``run_pytorch``: single-process PyTorch: 26 ``nn.EmbeddingBag(sparse=True)``,
   ``torch.optim.Adagrad`` on their sparse gradients, ``torch.optim.Adam`` on the
-  MLP.
+  MLP. The same function runs it on a GPU (``device="cuda"``, all the data
+  indexed on the GPU): benchmarks/gpu.py's ``pytorch_gpu`` baseline.
 * ``run_torchrec``: TorchRec on CPU as a TorchRec user sets it up: an
   ``EmbeddingBagCollection`` of 26 tables on the meta device, the optimizer
   applied in backward (``apply_optimizer_in_backward``), sharded by
@@ -41,7 +42,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ from benchmarks.baseline_data import (  # noqa: E402,F401
     FEATURES, READ_CHUNK_ROWS, Arrays, Tensors, _prepare, clear_cache, jagged, load, to_tensors)
 from benchmarks.baseline_torchrec import TorchRecDNN, run_torchrec, torchrec_available  # noqa: E402,F401
 from benchmarks.baseline_train import (  # noqa: E402,F401
-    ADAGRAD_EPS, EVAL_BATCH, INIT_SCALE, BaselineResult, _check, _dnn, _train_loop)
+    ADAGRAD_EPS, EVAL_BATCH, INIT_SCALE, BaselineResult, _check, _dnn, _train_loop, no_sync)
 
 
 # ------------------------------------------------------------------ (a) single-process PyTorch
@@ -75,7 +76,7 @@ class EmbeddingBagDNN(nn.Module):
     def forward(self, dense: torch.Tensor, idx: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
         b = dense.shape[0]
         values, lengths = jagged(idx, present)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         bounds = offsets[::b].tolist()  # where each feature's values start (one sync, not 26)
         pooled = {}
@@ -88,15 +89,23 @@ class EmbeddingBagDNN(nn.Module):
 def run_pytorch(train_paths, eval_paths, *, batch_size: int = 4096, epochs: int = 1,
                 max_steps: int | None = None, table_rows: int = 1_000_000, dim: int = 16,
                 hidden: Sequence[int] = (512, 256, 128), lr_emb: float = 0.05, lr_dense: float = 1e-3,
-                threads: int = 2, seed: int = 0, curve_points: int = 3) -> BaselineResult:
-    """Single-process PyTorch: sparse EmbeddingBags + Adagrad, the DNN + Adam."""
+                threads: int = 2, seed: int = 0, curve_points: int = 3, device: str | torch.device = "cpu",
+                watch: ContextManager | None = None) -> BaselineResult:
+    """Single-process PyTorch: sparse EmbeddingBags + Adagrad, the DNN + Adam.
+
+    One function for the CPU baseline and the GPU one (benchmarks/gpu.py), so the two differ only in `device`:
+    the model is built (and initialised, from `seed`) on the CPU and moved there, all the data is indexed on it
+    before the clock starts, and the clock waits for the device. `watch` is entered around the training loop
+    (benchmarks/gpu.py samples the GPU's utilisation in it)."""
     _check(batch_size, epochs, table_rows, dim, threads)
-    train, evals = _prepare(train_paths, eval_paths, table_rows)
+    dev = torch.device(device)
+    train, evals = (t.to(dev) for t in _prepare(train_paths, eval_paths, table_rows))
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else no_sync
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(seed)
-        model = EmbeddingBagDNN(table_rows, dim, hidden)
+        model = EmbeddingBagDNN(table_rows, dim, hidden).to(dev)
         emb_opt = torch.optim.Adagrad(model.tables.parameters(), lr=lr_emb, eps=ADAGRAD_EPS)
         dense_opt = torch.optim.Adam(model.dnn.parameters(), lr=lr_dense)
         loss_fn = nn.BCEWithLogitsLoss()
@@ -117,10 +126,10 @@ def run_pytorch(train_paths, eval_paths, *, batch_size: int = 4096, epochs: int 
         with torch.sparse.check_sparse_tensor_invariants(enable=False):
             return _train_loop("pytorch", step, predict, train, evals, batch_size=batch_size, epochs=epochs,
                                max_steps=max_steps, curve_points=curve_points, threads=threads,
-                               set_train=model.train,
+                               set_train=model.train, sync=sync, watch=watch,
                                details={"embedding": "26 x nn.EmbeddingBag(sum, sparse=True)",
                                         "embedding_optimizer": "torch.optim.Adagrad", "dense_optimizer": "Adam",
-                                        "torch": torch.__version__})
+                                        "torch": torch.__version__, "device": str(dev)})
     finally:
         torch.set_num_threads(prev_threads)
 
