@@ -229,6 +229,9 @@ class TaskMetrics(BaseModel):
     """Eval log loss of the task's predictions."""
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities of this task, when the data says so."""
+    progressive_auc: float | None = None
+    """Progressive validation of this task over the run's window (as the summary's `progressive_auc`)."""
+    progressive_logloss: float | None = None
 
 
 class RunSummary(BaseModel):
@@ -271,7 +274,12 @@ class RunSummary(BaseModel):
     progressive_auc: float | None = None
     """Progressive validation: AUC of the last `progressive_samples` training samples' predictions, each made
     before the step that trained on it (every rank's window; `training.progressive_window`). The online
-    metric: with a stream, no held-out file keeps up."""
+    metric: with a stream, no held-out file keeps up. Computed from a histogram of the predictions' logits
+    (services/nn_worker/progressive.py): within `progressive_auc_bound` of the exact AUC of the window."""
+    progressive_auc_bound: float | None = None
+    """The largest difference between `progressive_auc` and the window's exact AUC that its bucketing allows."""
+    progressive_logloss: float | None = None
+    """Mean log loss of the same window's predictions (exact)."""
     progressive_samples: int = 0
     shards_restored: int = 0
     """Times a PS shard came back without its store in a job that had trained it (a lost host) and restored its

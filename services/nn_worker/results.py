@@ -21,6 +21,7 @@ from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
 from hybridrec.summary import PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle, TaskMetrics
 from services.nn_worker.distributed import control_group
+from services.nn_worker.progressive import ProgressiveWindow, WindowMetrics, task_metrics
 from services.nn_worker.trainer import Trainer
 
 
@@ -41,6 +42,16 @@ def gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple
     if preds.ndim == 1:
         return joined[0], joined[1]
     return joined[:tasks].T, joined[tasks:].T
+
+
+def reduce_window(window: ProgressiveWindow) -> list[WindowMetrics]:
+    """Every task's progressive-validation metrics over every rank's window: the ranks' histograms and loss sums
+    added up (an all_reduce of a few MB, not the predictions)."""
+    counts = torch.from_numpy(window.counts.copy())
+    losses = torch.from_numpy(window.loss_sums())
+    dist.all_reduce(counts, group=control_group())
+    dist.all_reduce(losses, group=control_group())
+    return task_metrics(counts.numpy(), losses.numpy())
 
 
 def reduce_stats(trainer: Trainer) -> dict:
@@ -156,12 +167,12 @@ def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
                   data: dict, publish: dict | None = None,
-                  progressive: tuple[np.ndarray, np.ndarray] | None = None) -> RunSummary:
+                  progressive: list[WindowMetrics] | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
     recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds).
-    `progressive`: every rank's progressive-validation window, (predictions, labels)."""
+    `progressive`: each task's progressive-validation metrics over every rank's window (`reduce_window`)."""
     wall = totals["train_wall_s"]
-    tasks = _task_metrics(config, labels, preds)
+    tasks = _task_metrics(config, labels, preds, progressive)
     first = (tasks[0].model_dump(include={"auc", "logloss"}) if tasks else binary_metrics(labels, preds))
     recovered = recovery_counters(config)
     # The embedding workers keep a looked-up training batch until its update is applied, so what they still
@@ -181,16 +192,35 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None,
-        progressive_auc=binary_metrics(progressive[1], progressive[0])["auc"] if progressive is not None else None,
-        progressive_samples=int(progressive[0].shape[0]) if progressive is not None else 0,
+        **_progressive(progressive),
         **recovered,
     )
 
 
-def _task_metrics(config: Config, labels: np.ndarray, preds: np.ndarray) -> list[TaskMetrics] | None:
-    """Each task's eval AUC, log loss and oracle (None with one task: the summary's top-level fields say it)."""
+def _progressive(window: list[WindowMetrics] | None) -> dict:
+    """The summary's progressive-validation fields: the first task's at the top, every task's in `tasks`."""
+    if not window or not window[0].samples:
+        return {"progressive_auc": None, "progressive_samples": 0}
+    first = window[0]
+    known = first.auc == first.auc
+    return _window_fields(first) | {"progressive_auc_bound": first.auc_bound if known else None,
+                                    "progressive_samples": first.samples}
+
+
+def _task_metrics(config: Config, labels: np.ndarray, preds: np.ndarray,
+                  window: list[WindowMetrics] | None = None) -> list[TaskMetrics] | None:
+    """Each task's eval AUC, log loss and oracle, and its progressive validation (None with one task: the
+    summary's top-level fields say it)."""
     if config.num_tasks == 1:
         return None
     oracles = find_task_oracles(config)
-    return [TaskMetrics(name=name, **binary_metrics(labels[:, t], preds[:, t]), oracle_auc=oracles.get(name))
+    return [TaskMetrics(name=name, **binary_metrics(labels[:, t], preds[:, t]), oracle_auc=oracles.get(name),
+                        **_window_fields(window[t] if window else None))
             for t, name in enumerate(config.data.labels)]
+
+
+def _window_fields(metrics: WindowMetrics | None) -> dict:
+    if metrics is None or not metrics.samples:
+        return {}
+    return {"progressive_auc": metrics.auc if metrics.auc == metrics.auc else None,
+            "progressive_logloss": metrics.logloss}

@@ -27,7 +27,7 @@ from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
-from services.nn_worker.results import build_summary, gather_eval, reduce_stats
+from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
 from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Collaborators, Trainer, make_dense_optimizer
 
@@ -93,7 +93,7 @@ class NNWorkerServicer:
         if stats is None:
             return pb.TrainingStatus(phase=self.phase)
         return pb.TrainingStatus(done=self.phase == "done", step=stats.steps, samples=stats.samples,
-                                 loss=stats.last_loss, phase=self.phase, train_auc=stats.train_auc,
+                                 loss=stats.last_loss, phase=self.phase, train_auc=self.trainer.refresh_train_auc(),
                                  train_s=stats.trained_here_s,
                                  samples_per_sec=stats.samples / stats.wall_s if stats.wall_s else 0.0)
 
@@ -101,7 +101,8 @@ class NNWorkerServicer:
         values = {"inbox_batches": float(self.inbox.qsize())}
         if self.trainer:
             s = self.trainer.stats
-            values.update(steps_total=s.steps, samples_total=s.samples, loss=s.last_loss, train_auc=s.train_auc,
+            values.update(steps_total=s.steps, samples_total=s.samples, loss=s.last_loss,
+                          train_auc=self.trainer.refresh_train_auc(),
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
                           skipped_batches_total=s.skipped_batches,
@@ -184,7 +185,7 @@ async def _serve(config: Config, replica: int) -> None:
         servicer.phase = "eval"
         preds, labels, end_eval = await trainer.evaluate()
         all_preds, all_labels = await loop.run_in_executor(compute, gather_eval, preds, labels, world_size)
-        window = await loop.run_in_executor(compute, gather_eval, *trainer.progressive.arrays(), world_size)
+        window = await loop.run_in_executor(compute, reduce_window, trainer.progressive)
         totals = await loop.run_in_executor(compute, reduce_stats, trainer)
         if replica == 0:
             summary = build_summary(config, totals, all_labels, all_preds, started=started,

@@ -49,9 +49,6 @@ if TYPE_CHECKING:
     from services.nn_worker.publish import Publisher
 
 
-PROGRESSIVE_AUC_EVERY = 5  # steps between AUCs of a batch's predictions taken before its update
-
-
 @dataclass
 class TrainStats:
     steps: int = 0
@@ -129,7 +126,9 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
-        self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size))
+        self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size),
+                                             config.num_tasks)
+        self._auc_at = -1  # the window's `seen` when train_auc was last computed
         self.membership = collaborators.membership
         self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
         self._trained_through = -1  # the last training batch this rank trained
@@ -318,11 +317,11 @@ class Trainer:
             counts["issued"] += 1
             self.in_flight = counts["issued"] - counts["acked"]
 
-        async def push(ref: int, step: StepOutput, lost: bool, seq: int) -> None:
+        async def push(ref: int, step: StepOutput, lost: bool, seq: int, labels: np.ndarray) -> None:
             try:
                 if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
                     await ready(step.event)
-                    self._record_loss(step.loss())
+                    self._record(step, labels, lost)
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
                     await self._push(ref, step.grads())
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
@@ -356,9 +355,9 @@ class Trainer:
                 self._trained_through = batch.seq
                 self._unacked.add(batch.seq)
                 self._confirm()
-                if step.event is None:  # its loss is on the host already (see push for the GPU's)
-                    self._record_loss(step.loss())
-                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.seq))
+                if step.event is None:  # its loss and logits are on the host already (see push for the GPU's)
+                    self._record(step, batch.labels, lost)
+                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.seq, batch.labels))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -452,20 +451,14 @@ class Trainer:
         with self._autocast():
             logits = self._logits(self.sync.module(dense, embeddings))
         loss = self._loss(logits, labels) * weight
-        # Every step's predictions, made before the step trains on them, go into the progressive window (the first
-        # task's); its AUC at the end of every PROGRESSIVE_AUC_EVERY-th step, not the first: the first AUC imports
-        # scikit-learn, which would otherwise hold up the first step (docs/architecture.md#start-up).
-        if weight:
-            first = logits.detach().float().cpu().numpy().reshape(len(labels), -1)[:, 0]
-            self.progressive.add(1 / (1 + np.exp(-first)), np.asarray(batch.labels).reshape(len(labels), -1)[:, 0])
-            if self.stats.steps % PROGRESSIVE_AUC_EVERY == PROGRESSIVE_AUC_EVERY - 1:
-                self.stats.train_auc = self.progressive.auc()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        host, event = self.feed.to_host({"loss": loss.detach(), **{
+        # The logits go to the host with the gradients, not before the backward: the progressive window takes
+        # them when they are there (`_record`), so nothing here waits for the forward.
+        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **{
             dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()}})
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
         return StepOutput(host, event)
@@ -485,10 +478,25 @@ class Trainer:
         """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
 
-    def _record_loss(self, loss: float) -> None:
+    def _record(self, step: "StepOutput", labels: np.ndarray, lost: bool) -> None:
+        """Event loop, once a step's outputs are on the host: its loss, and (unless the batch was lost) its
+        predictions, made before the step trained on them, into the progressive window: O(batch)."""
+        loss = step.loss()
         self.stats.last_loss = loss
         self.stats.loss_sum += loss
         self.stats.loss_count += 1
+        if not lost:
+            self.progressive.add(step.host["logits"].numpy(), labels)
+
+    def refresh_train_auc(self) -> float:
+        """The progressive window's AUC (the first task's) as `stats.train_auc`: O(buckets), so computed when
+        asked (status, metrics), and only when the window changed."""
+        if self.progressive.seen != self._auc_at:
+            self._auc_at = self.progressive.seen
+            auc = self.progressive.metrics(0).auc
+            if auc == auc:  # a window of one class keeps the last AUC (and a replacement its predecessor's)
+                self.stats.train_auc = auc
+        return self.stats.train_auc
 
     # -- evaluation --------------------------------------------------------------------------
     async def evaluate(self) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -522,14 +530,14 @@ class StepOutput:
     """A training step's loss and embedding gradients on the host, valid once `event` has completed (None: at
     once; on a GPU the copy is still under way when the compute thread returns)."""
 
-    host: dict  # "loss" -> 0-d tensor; width -> gradient rows (n, width)
+    host: dict  # "loss" -> 0-d tensor, "logits" -> (B,) or (B, tasks); width -> gradient rows (n, width)
     event: "torch.cuda.Event | None"
 
     def loss(self) -> float:
         return float(self.host["loss"])
 
     def grads(self) -> dict[int, np.ndarray]:
-        return {key: t.numpy() for key, t in self.host.items() if key != "loss"}
+        return {key: t.numpy() for key, t in self.host.items() if isinstance(key, int)}
 
 
 def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
