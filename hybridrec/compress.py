@@ -34,6 +34,13 @@ class ValueCodec:
         half, norms = scaled_fp16(values.reshape(-1, vector_dim), self.kappa)
         return {name: half.reshape(values.shape), name + ".norm": norms}
 
+    def pack_tensors(self, name: str, values, vector_dim: int) -> dict:
+        """`pack` of a torch tensor, on its device: the tensors to send, as torch tensors."""
+        if not self.fp16:
+            return {name: values.float()}
+        half, norms = scaled_fp16_tensors(values.float().reshape(-1, vector_dim), self.kappa)
+        return {name: half.reshape(values.shape), name + ".norm": norms}
+
     def unpack(self, tensors: dict[str, np.ndarray], name: str, vector_dim: int, *,
                keep_fp16: bool = False) -> "np.ndarray | Fp16Rows":
         """float32 values from a frame's tensors (a writable array); with `keep_fp16`, fp16 values stay as they
@@ -69,19 +76,24 @@ class Fp16Rows(NamedTuple):
 
 
 def scaled_fp16(vectors: np.ndarray, kappa: float) -> tuple[np.ndarray, np.ndarray]:
-    """(fp16 vectors of norm kappa, float32 norms); zero vectors stay zero.
+    """(fp16 vectors of norm kappa, float32 norms) of numpy vectors; zero vectors stay zero.
 
-    torch does the arithmetic: its fp32<->fp16 casts use the CPU's F16C
-    instructions, about 15x faster here than numpy's. Inputs and outputs are
-    numpy arrays shared with torch without copies.
+    torch does the arithmetic (`scaled_fp16_tensors`): its fp32<->fp16 casts use the CPU's F16C
+    instructions, about 15x faster here than numpy's. Inputs and outputs are numpy arrays shared with torch
+    without copies.
     """
     torch = import_torch()
-    x = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    half, norms = scaled_fp16_tensors(torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)), kappa)
+    return half.numpy(), norms.numpy()
+
+
+def scaled_fp16_tensors(x, kappa: float):
+    """`scaled_fp16` of a float torch tensor (n, width), on its device: the NN worker quantises its gradients
+    where they are (a GPU copies half the bytes back)."""
+    torch = import_torch()
     norms = torch.linalg.vector_norm(x, dim=1)
     scale = torch.where(norms > 0, kappa / norms, torch.ones_like(norms))
-    half = torch.empty(x.shape, dtype=torch.float16)
-    half.copy_(x * scale[:, None])
-    return half.numpy(), norms.numpy()
+    return (x * scale[:, None]).to(torch.float16), norms
 
 
 def unscale_fp16(half: np.ndarray, norms: np.ndarray, kappa: float) -> np.ndarray:

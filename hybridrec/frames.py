@@ -322,16 +322,26 @@ class Embeddings:
         bounds = bags.bounds
         if int(bounds[-1]) != pos.shape[0]:
             raise FrameError(f"bag lengths add up to {int(bounds[-1])} but {pos.shape[0]} positions came")
-        for f in range(num):
-            p = pos[bounds[f]:bounds[f + 1]]
-            if p.size and int(p.max()) >= counts[f]:
-                raise FrameError(f"feature {f}: position {int(p.max())} outside its {int(counts[f])} rows")
+        _check_positions(pos, bounds, counts)
         widths_arr = np.asarray(widths)
         rows = {}
         for dim in sorted(set(widths)):
             expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
             rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected, keep_fp16=keep_fp16)
         return cls(bags, counts, rows)
+
+
+def _check_positions(pos: np.ndarray, bounds: np.ndarray, counts: np.ndarray) -> None:
+    """Every feature's positions within its own rows: one `maximum.reduceat` over the features with elements
+    (a receiver indexes rows with them unchecked)."""
+    filled = np.flatnonzero(bounds[1:] > bounds[:-1])
+    if not filled.size:
+        return
+    highest = np.maximum.reduceat(pos, bounds[filled])
+    bad = np.flatnonzero(highest >= counts[filled])
+    if bad.size:
+        f = int(filled[bad[0]])
+        raise FrameError(f"feature {f}: position {int(highest[bad[0]])} outside its {int(counts[f])} rows")
 
 
 @dataclass
@@ -345,7 +355,22 @@ class Gradients:
         tensors: dict[str, np.ndarray] = {}
         for dim, grad in self.grads.items():
             tensors.update(values.pack(f"grad.{dim}", grad, dim))
-        return codec.encode(tensors, {"batch_ref": self.batch_ref})
+        return self.encode_packed(self.batch_ref, tensors)
+
+    @staticmethod
+    def pack_tensors(values: ValueCodec, grads: dict) -> dict:
+        """The frame's tensors of torch gradients (width -> (rows, width)), packed where they are
+        (`ValueCodec.pack_tensors`): the NN worker quantises on its device and copies the result to the host."""
+        out = {}
+        for dim, grad in grads.items():
+            out.update(values.pack_tensors(f"grad.{dim}", grad, dim))
+        return out
+
+    @staticmethod
+    def encode_packed(batch_ref: int, tensors: dict[str, np.ndarray]) -> bytes:
+        """The frame of gradients packed already (`ValueCodec.pack_tensors` on the NN worker's device: `grad.{d}`
+        and, as fp16, `grad.{d}.norm`)."""
+        return codec.encode(tensors, {"batch_ref": batch_ref})
 
     @staticmethod
     def batch_ref_of(buf: bytes) -> int:

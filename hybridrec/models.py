@@ -20,10 +20,11 @@ import importlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-from hybridrec.pooling import SeqEmbedding
+from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,15 @@ def mlp(sizes: list[int], *, last_activation: bool = True) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def side_by_side(embeddings: dict, names: list[str]) -> torch.Tensor:
+    """(batch, sum of widths): the named features' vectors side by side, in that order. Free where the pooler
+    made them one block (`hybridrec.pooling.PooledEmbeddings`), a concatenation otherwise (a plain dict, a
+    sequence's mean)."""
+    if isinstance(embeddings, PooledEmbeddings):
+        return embeddings.side_by_side(names, vector)
+    return torch.cat([vector(embeddings[n]) for n in names], dim=1)
+
+
 def vector(embedding: torch.Tensor | SeqEmbedding) -> torch.Tensor:
     """A feature's (batch, dim) vector: pooled as it came, or a sequence's mean over its elements."""
     if isinstance(embedding, SeqEmbedding):
@@ -97,8 +107,15 @@ class DNN(nn.Module):
         self.net = mlp([width, *hidden, num_tasks], last_activation=False)
 
     def forward(self, dense: torch.Tensor, embeddings: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = torch.cat([dense, *(vector(embeddings[n]) for n in self.names)], dim=1)
-        return self.net(x).squeeze(-1)
+        # The first layer over [dense, embeddings] as two products with its weight's two column blocks: the
+        # pooled embeddings come as one block (`side_by_side`), so nothing is concatenated, forward or back.
+        first, *rest = self.net
+        n = dense.shape[1]
+        x = F.linear(side_by_side(embeddings, self.names), first.weight[:, n:]) + \
+            F.linear(dense, first.weight[:, :n], first.bias)
+        for layer in rest:
+            x = layer(x)
+        return x.squeeze(-1)
 
 
 class DLRM(nn.Module):

@@ -42,43 +42,77 @@ class SeqEmbedding(NamedTuple):
 
 @dataclass
 class BatchEmbeddings:
-    """One batch's embeddings as received: rows per width plus the bag structure to pool them."""
+    """One batch's embeddings as received: rows per width plus the bag structure to pool them, kept as the
+    frame carried it (no per-element index is built on the host: `pool` reads these arrays directly).
+
+    Element e of feature f reads row `base[f] + pos[e]` of its width's `rows`; feature f's elements are
+    `pos[start[f]:start[f + 1]]`, its bags one per sample in order, `lengths[f, s]` long."""
 
     batch_size: int
-    rows: dict[int, np.ndarray]  # width -> (unique rows of its features, width) float32 (or `Fp16Rows`)
-    index: dict[int, np.ndarray]  # width -> int64 row of every bag element, pooled features of that width in order
-    offsets: dict[int, np.ndarray]  # width -> int64 start of every (pooled feature, sample) bag
-    weights: dict[int, np.ndarray | None]  # width -> per-element weights (mean / sqrt-n pooling) or None
-    sequences: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    rows: dict[int, "np.ndarray | Fp16Rows | torch.Tensor"]  # width -> (unique rows of its features, width)
+    pos: "np.ndarray | torch.Tensor"  # (elements,) uint16 (a frame) or int64 (serving): row within the feature
+    lengths: "np.ndarray | torch.Tensor"  # (features, batch) bag lengths
+    start: np.ndarray  # int64 (features + 1,): each feature's first element in `pos` (host, always)
+    base: np.ndarray  # int64 (features,): each feature's first row within its width's rows (host, always)
+    sequences: dict[int, tuple] = field(default_factory=dict)
     """feature index -> (int64 (batch, max_len) row of each element, -1 past the length; lengths)."""
 
 
+class PooledEmbeddings(dict):
+    """What the model gets: feature name -> pooled (batch, width) tensor or `SeqEmbedding`, in config order.
+
+    The pooled features of one width come out of one kernel as a block (batch, features, width), sample-major;
+    each feature's tensor is a view of it. `side_by_side` hands a model the block itself where the names it
+    asks for are the block's, so concatenating the embeddings (the usual first layer) costs no copy."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.blocks: list[tuple[tuple[str, ...], torch.Tensor]] = []
+
+    def side_by_side(self, names: list[str], vector) -> torch.Tensor:
+        """(batch, sum of widths) of the named features in that order; `vector(embedding)` turns an entry
+        that is not a block's (a sequence, a lone feature) into its (batch, width) vector."""
+        firsts = {block_names[0]: (block_names, block) for block_names, block in self.blocks}
+        parts, i = [], 0
+        while i < len(names):
+            block_names, block = firsts.get(names[i], ((), None))
+            if block is not None and tuple(names[i:i + len(block_names)]) == block_names:
+                parts.append(block.reshape(block.shape[0], -1))
+                i += len(block_names)
+            else:
+                parts.append(vector(self[names[i]]))
+                i += 1
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class Pooler:
-    def __init__(self, features: list[FeatureConfig], values: ValueCodec, *, keep_fp16: bool = False):
+    def __init__(self, features: list[FeatureConfig], values: ValueCodec, *, keep_fp16: bool = True):
         """`keep_fp16`: `decode` leaves fp16 rows as they came (`Fp16Rows`) and `pool` scales them back on its
-        device: a GPU worker copies half the bytes and does the arithmetic on the GPU."""
+        device (a GPU copies half the bytes; on a CPU the compute thread does it, not the event loop)."""
         self.features, self.values, self.keep_fp16 = features, values, keep_fp16
         self.dims = sorted({f.dim for f in features})
         self.members = {d: [i for i, f in enumerate(features) if f.dim == d] for d in self.dims}
         self.pooled = {d: [i for i in m if not features[i].sequence] for d, m in self.members.items()}
+        self._pooled_arrays = {d: np.array(p, np.int64) for d, p in self.pooled.items()}
         self.names = [f.name for f in features]
         self.widths = [f.dim for f in features]
-        self.weighted = any(f.pooling not in (Pooling.SUM, Pooling.NONE) for f in features)
-        # (first, last + 1) of a width's pooled features when they are neighbours in config order, else None
-        self.spans = {d: (p[0], p[-1] + 1) if p and p == list(range(p[0], p[-1] + 1)) else None
-                      for d, p in self.pooled.items()}
+        # a bag of n elements is divided by n to this power: 0 sum (and sequences), 1 mean, 0.5 sqrt-n
+        self.powers = np.array([_POWERS.get(f.pooling, 0.0) for f in features], np.float32)
+        self.weighted = bool(self.powers.any())
+        # each feature's position within its width (the order of the width's rows)
+        self._within = np.array([self.members[f.dim].index(i) for i, f in enumerate(features)], np.int64)
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
-        """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs."""
+        """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs: O(features) numpy
+        calls over the frame's own arrays, no copy of them."""
         frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
-        lengths = frame.bags.lengths.astype(np.int64)
-        # A position counts within its feature's rows; the rows of a width hold its features one after another.
+        counts = frame.counts.astype(np.int64)
         base = np.zeros(len(self.features), np.int64)
-        for members in self.members.values():
-            counts = frame.counts[members].astype(np.int64)
-            base[members] = np.cumsum(counts) - counts
-        index = frame.bags.values.astype(np.int64) + np.repeat(base, np.diff(frame.bags.bounds))
-        return self._plan(KeyedBags(index, lengths), frame.rows)
+        for members in self.members.values():  # a feature's rows follow those of the earlier features of its width
+            base[members] = np.cumsum(counts[members]) - counts[members]
+        return BatchEmbeddings(batch_size, frame.rows, frame.bags.values, frame.bags.lengths,
+                               frame.bags.bounds, base, self._sequences(frame.bags.values, frame.bags.lengths,
+                                                                         frame.bags.bounds, base))
 
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """`from_bags` of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per
@@ -99,60 +133,47 @@ class Pooler:
         if keyed.num_features != len(self.features):
             raise ValueError(f"{keyed.num_features} bags for {len(self.features)} features")
         uniq: dict[int, np.ndarray] = {}
+        bounds = keyed.bounds
         if len(self.members) == 1:  # one width: every value indexes that width's unique IDs
             dim = self.dims[0]
             uniq[dim], index = np.unique(keyed.values, return_inverse=True)
             index = index.reshape(-1).astype(np.int64, copy=False)
         else:
-            bounds = keyed.bounds
             index = np.empty(keyed.values.shape[0], np.int64)
             for dim, members in self.members.items():
                 at = np.concatenate([np.arange(bounds[f], bounds[f + 1]) for f in members])
                 uniq[dim], inverse = np.unique(keyed.values[at], return_inverse=True)
                 index[at] = inverse.reshape(-1)
-        return uniq, self._plan(KeyedBags(index, keyed.lengths), {})
+        base = np.zeros(len(self.features), np.int64)  # every position is a row of its width already
+        lengths = np.ascontiguousarray(keyed.lengths, dtype=np.int64)
+        return uniq, BatchEmbeddings(len(keyed), {}, index, lengths, np.asarray(bounds, np.int64), base,
+                                     self._sequences(index, lengths, bounds, base))
 
-    def _plan(self, index: KeyedBags, rows: dict) -> BatchEmbeddings:
-        """The bag structure of a batch whose every value is the row (within its width's `rows`) it reads:
-        what training decodes and serving looks up come to the same plan, pooled by the same `pool`."""
-        out = BatchEmbeddings(len(index), rows, {}, {}, {})
-        bounds = index.bounds
-        for dim, members in self.members.items():
-            pooled = self.pooled[dim]
-            span = self.spans[dim]
-            if span is not None:  # the width's pooled features are neighbours: one slice
-                out.index[dim] = index.values[bounds[span[0]]:bounds[span[1]]]
-            else:
-                out.index[dim] = np.concatenate([index.values[bounds[f]:bounds[f + 1]] for f in pooled]
-                                                or [np.zeros(0, np.int64)])
-            bag_lengths = index.lengths[pooled].reshape(-1)
-            out.offsets[dim] = np.cumsum(bag_lengths) - bag_lengths
-            out.weights[dim] = (np.concatenate([_bag_weights(index.lengths[f], self.features[f].pooling)
-                                                for f in pooled] or [np.zeros(0, np.float32)]).astype(np.float32)
-                                if self.weighted else None)
-            for f in members:
-                if self.features[f].sequence:
-                    out.sequences[f] = _padded(index.values[bounds[f]:bounds[f + 1]], index.lengths[f],
-                                               self.features[f])
-        return out
+    def _sequences(self, pos: np.ndarray, lengths: np.ndarray, bounds: np.ndarray,
+                   base: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Each sequence feature's elements as (batch, max_len) rows of its width, -1 past each length."""
+        return {f: _padded(pos[bounds[f]:bounds[f + 1]].astype(np.int64) + base[f], lengths[f], self.features[f])
+                for f, feature in enumerate(self.features) if feature.sequence}
 
     def empty(self, batch_size: int) -> BatchEmbeddings:
         """Embeddings of a batch whose every bag is empty (pooled zeros): the stand-in for a lost batch."""
+        features = len(self.features)
         return BatchEmbeddings(
             batch_size,
             rows={d: np.zeros((0, d), np.float32) for d in self.dims},
-            index={d: np.zeros(0, np.int64) for d in self.dims},
-            offsets={d: np.zeros(len(m) * batch_size, np.int64) for d, m in self.pooled.items()},
-            weights={d: (np.zeros(0, np.float32) if self.weighted else None) for d in self.dims},
+            pos=np.zeros(0, np.uint16), lengths=np.zeros((features, batch_size), np.uint16),
+            start=np.zeros(features + 1, np.int64), base=np.zeros(features, np.int64),
             sequences={i: (np.full((batch_size, f.max_len), -1, np.int64), np.zeros(batch_size, np.int64))
                        for i, f in enumerate(self.features) if f.sequence},
         )
 
     def pool(self, emb: BatchEmbeddings, device: torch.device, *, grad: bool):
-        """(leaf tensor of rows per width, pooled embedding or `SeqEmbedding` per feature name). `emb`'s arrays
-        may already be tensors on `device` (the NN worker stages them there ahead: services.nn_worker.feed)."""
+        """(leaf tensor of rows per width, `PooledEmbeddings`). `emb`'s arrays may already be tensors on
+        `device` (the NN worker stages them there ahead: services.nn_worker.feed). On the CPU the bags are
+        pooled by compiled kernels straight from the frame's arrays (`hybridrec.bag_kernels`); on other
+        devices by `embedding_bag`, its index and offsets built there from the same arrays."""
         leaves: dict[int, torch.Tensor] = {}
-        pooled: dict[str, torch.Tensor | SeqEmbedding] = {}
+        pooled = PooledEmbeddings()
         for dim, members in self.members.items():
             leaf = as_tensor(emb.rows[dim], device)
             if grad:
@@ -160,60 +181,118 @@ class Pooler:
             leaves[dim] = leaf
             bagged = self.pooled[dim]
             if bagged:
-                weights = emb.weights[dim]
-                bags = bag_sum(leaf, as_tensor(emb.index[dim], device), as_tensor(emb.offsets[dim], device),
-                               None if weights is None else as_tensor(weights, device))
-                for f, bag in zip(bagged, bags.view(len(bagged), emb.batch_size, dim).unbind(0)):
-                    pooled[self.names[f]] = bag
+                block = self._pool_width(leaf, emb, dim)
+                names = tuple(self.names[f] for f in bagged)
+                pooled.blocks.append((names, block))
+                for j, name in enumerate(names):
+                    pooled[name] = block[:, j]
             sequences = [f for f in members if f in emb.sequences]
             if sequences:  # index -1 (past a sample's length) reads the zero row appended last
                 padded = torch.cat([leaf, leaf.new_zeros(1, dim)])
                 for f in sequences:
                     index, lengths = (as_tensor(a, device) for a in emb.sequences[f])
                     pooled[self.names[f]] = SeqEmbedding(padded[index], lengths)
-        return leaves, {name: pooled[name] for name in self.names}
+        out = PooledEmbeddings({name: pooled[name] for name in self.names})
+        out.blocks = pooled.blocks
+        return leaves, out
+
+    def _pool_width(self, leaf: torch.Tensor, emb: BatchEmbeddings, dim: int) -> torch.Tensor:
+        """(batch, pooled features of width `dim`, dim): every bag of the width's pooled features."""
+        feats = self._pooled_arrays[dim]
+        if leaf.device.type == "cpu" and leaf.dtype == torch.float32 and not isinstance(emb.pos, torch.Tensor):
+            if leaf.requires_grad:
+                return _KernelPool.apply(leaf, _Bags.of(emb, feats, self.powers))
+            return _kernel_forward(leaf, _Bags.of(emb, feats, self.powers))
+        return self._device_pool(leaf, emb, feats)
+
+    def _device_pool(self, leaf: torch.Tensor, emb: BatchEmbeddings, feats: np.ndarray) -> torch.Tensor:
+        """`embedding_bag` over the width's bags, index and offsets built on the leaf's device from the frame's
+        positions and lengths (sizes from the host's `start`, so nothing waits for the device)."""
+        device = leaf.device
+        pos, lengths = as_tensor(emb.pos, device), as_tensor(emb.lengths, device)
+        spans = [(int(emb.start[f]), int(emb.start[f + 1])) for f in feats]
+        elements = [b - a for a, b in spans]
+        total = sum(elements)
+        if feats.size == int(feats[-1] - feats[0]) + 1:  # neighbours in config order: one slice
+            positions = pos[spans[0][0]:spans[-1][1]]
+        else:
+            positions = torch.cat([pos[a:b] for a, b in spans])
+        base = torch.as_tensor(emb.base[feats], device=device)
+        index = _as_long(positions) + torch.repeat_interleave(
+            base, torch.as_tensor(elements, device=device), output_size=total)
+        bag_lengths = _as_long(lengths[torch.as_tensor(feats, device=device)].reshape(-1))
+        offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
+        weights = None
+        if self.powers[feats].any():
+            powers = torch.as_tensor(self.powers[feats], device=device).repeat_interleave(emb.batch_size)
+            per_bag = bag_lengths.clamp(min=1).to(leaf.dtype).pow(-powers)
+            weights = torch.repeat_interleave(per_bag, bag_lengths, output_size=total)
+        bags = F.embedding_bag(index, leaf, offsets, mode="sum", per_sample_weights=weights)
+        return bags.view(feats.size, emb.batch_size, leaf.shape[1]).transpose(0, 1)
+
+
+_POWERS = {Pooling.SUM: 0.0, Pooling.MEAN: 1.0, Pooling.SQRTN: 0.5}
+
+
+class _Bags(NamedTuple):
+    """The host arrays one width's kernels read (`hybridrec.bag_kernels`)."""
+
+    pos: np.ndarray
+    lengths: np.ndarray
+    start: np.ndarray
+    base: np.ndarray
+    feats: np.ndarray
+    powers: np.ndarray
+    batch_size: int
+
+    @classmethod
+    def of(cls, emb: BatchEmbeddings, feats: np.ndarray, powers: np.ndarray) -> "_Bags":
+        return cls(emb.pos, emb.lengths, emb.start, emb.base, feats, powers, emb.batch_size)
+
+
+def _kernel_forward(leaf: torch.Tensor, bags: _Bags) -> torch.Tensor:
+    from hybridrec.bag_kernels import pool_forward  # numba: loaded by the first pooling, not at import
+
+    out = np.empty((bags.batch_size, bags.feats.size, leaf.shape[1]), np.float32)
+    pool_forward(leaf.detach().numpy(), bags.pos, bags.lengths, bags.start, bags.base, bags.feats, bags.powers, out)
+    return torch.from_numpy(out)
+
+
+class _KernelPool(torch.autograd.Function):
+    """Pooling by `bag_kernels.pool_forward`, whose backward adds each bag's gradient into its rows in one
+    compiled pass (`pool_backward`): one gradient per unique row, what goes back to the PS."""
+
+    @staticmethod
+    def forward(ctx, rows, bags: _Bags):
+        ctx.bags, ctx.num_rows = bags, rows.shape[0]
+        return _kernel_forward(rows, bags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from hybridrec.bag_kernels import pool_backward
+
+        bags = ctx.bags
+        out = np.zeros((ctx.num_rows, grad.shape[2]), np.float32)
+        pool_backward(np.ascontiguousarray(grad.numpy(), dtype=np.float32), bags.pos, bags.lengths, bags.start,
+                      bags.base, bags.feats, bags.powers, out)
+        return torch.from_numpy(out), None
 
 
 def as_tensor(value: "np.ndarray | Fp16Rows | torch.Tensor", device: torch.device) -> torch.Tensor:
-    """A host array (fp16 rows scaled back there) as a tensor on `device`; a tensor passes as it is."""
+    """A host array (or a staged tensor) as a tensor on `device`; fp16 rows are scaled back there."""
+    if isinstance(value, Fp16Rows):
+        return unscale(as_tensor(value.half, device), as_tensor(value.norms, device), value.kappa)
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, Fp16Rows):
-        return unscale(torch.from_numpy(value.half).to(device), torch.from_numpy(value.norms).to(device),
-                       value.kappa)
     return torch.from_numpy(value).to(device)
 
 
-class _BagSum(torch.autograd.Function):
-    """`F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)` whose backward adds
-    each bag's gradient into its rows in one compiled pass (`hybridrec.bag_kernels`), not autograd's
-    sort-based CPU backward (about 20x slower at a Criteo batch)."""
-
-    @staticmethod
-    def forward(ctx, rows, index, offsets, weights):
-        ctx.save_for_backward(index, offsets, weights)
-        ctx.num_rows = rows.shape[0]
-        return F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)
-
-    @staticmethod
-    def backward(ctx, grad_bags):
-        from hybridrec.bag_kernels import bag_grad_rows  # numba: loaded by the first training step
-
-        index, offsets, weights = ctx.saved_tensors
-        out = np.zeros((ctx.num_rows, grad_bags.shape[1]), np.float32)
-        bag_grad_rows(np.ascontiguousarray(grad_bags.numpy(), dtype=np.float32), index.numpy(), offsets.numpy(),
-                      weights.numpy() if weights is not None else np.zeros(0, np.float32), out)
-        return torch.from_numpy(out), None, None, None
-
-
-def bag_sum(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
-            weights: torch.Tensor | None) -> torch.Tensor:
-    """Sum pooling of the bags `offsets` delimits in `index` (rows of `rows`), optionally weighted per element.
-    float32 rows on CPU that need a gradient take `_BagSum`; anything else (GPU, no gradient) autograd's
-    embedding_bag."""
-    if rows.requires_grad and rows.device.type == "cpu" and rows.dtype == torch.float32:
-        return _BagSum.apply(rows, index, offsets, weights)
-    return F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)
+def _as_long(value: torch.Tensor) -> torch.Tensor:
+    """int64 of positions or lengths as the frame carried them (uint16: read as int16 and masked, which every
+    device supports)."""
+    if value.dtype == torch.uint16:
+        return value.view(torch.int16).long() & 0xFFFF
+    return value.long()
 
 
 def _padded(rows: np.ndarray, lengths: np.ndarray, feature: FeatureConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -227,14 +306,3 @@ def _padded(rows: np.ndarray, lengths: np.ndarray, feature: FeatureConfig) -> tu
     sample = np.repeat(np.arange(lengths.shape[0]), lengths)
     index[sample, np.arange(rows.shape[0]) - np.repeat(starts, lengths)] = rows
     return index, lengths
-
-
-def _bag_weights(lengths: np.ndarray, pooling: Pooling) -> np.ndarray:
-    n = lengths.astype(np.float32)
-    if pooling == Pooling.SUM:
-        per_bag = np.ones_like(n)
-    elif pooling == Pooling.MEAN:
-        per_bag = 1.0 / np.maximum(n, 1)
-    else:
-        per_bag = 1.0 / np.sqrt(np.maximum(n, 1))
-    return np.repeat(per_bag, lengths.astype(np.int64))

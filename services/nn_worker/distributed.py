@@ -154,7 +154,7 @@ class DenseSync:
         self.env, self.training = env, training
         self.mode = training.mode
         broadcast_parameters(model, source)
-        if self.mode in (Mode.HYBRID, Mode.SYNC):
+        if self.mode in (Mode.HYBRID, Mode.SYNC) and env.world_size > 1:  # one rank: nothing to AllReduce
             self.module: nn.Module = DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
         else:

@@ -1,21 +1,21 @@
 """On the NN worker: a batch's host arrays to the rank's device, and its embedding gradients back.
 
-On the CPU both directions are free (tensors share the numpy arrays' memory).
-On a GPU, with `training.overlap_copies` (the default), nothing in a step
-makes the host wait for the device:
+On the CPU both directions are free (tensors share the numpy arrays' memory; fp16 rows are scaled back by
+the pooler on the compute thread). On a GPU the host only moves bytes:
 
-* `stage` copies a batch's dense values, labels and embedding arrays from
-  pinned host memory (torch's caching host allocator keeps it) on a side
-  stream, `non_blocking`, so the copy runs while the GPU still computes the
-  previous step; fp16 rows cross as fp16 and are scaled back on the GPU
-  (`hybridrec.compress.Fp16Rows`, half the bytes). The compute stream then
-  waits for the copy on the GPU (`wait_stream`), not the host.
-* `to_host` copies the gradients (and the loss) into pinned memory on the
-  compute stream and records an event; the gradient push awaits that event
-  (`ready`) on the event loop, so the compute thread goes on to the next step.
+* `stage` packs the batch — dense values, labels, the frame's fp16 rows and their norms, positions and bag
+  lengths (uint16, as they came), a sequence's padded index — into one pinned buffer (torch's caching host
+  allocator keeps it) and copies it to the device in one `non_blocking` copy, on a side stream with
+  `training.overlap_copies` (the default), so the copy runs while the GPU still computes the previous step;
+  the compute stream then waits for it on the GPU (`wait_stream`), not the host. Every array is a view of
+  the device buffer; the rows are scaled back, and the pooler's index and offsets built, by kernels on the
+  device (`hybridrec.pooling`).
+* `to_host` copies the step's outputs (κ-scaled fp16 gradients and their norms, quantised on the device by
+  `hybridrec.compress.scaled_fp16_tensors`; the loss; the logits) into pinned memory on the compute stream
+  and records an event; the gradient push awaits that event (`ready`) on the event loop, so the compute
+  thread goes on to the next step.
 
-Without overlap (`training.overlap_copies: false`, the benchmark's baseline),
-copies are synchronous `.to(device)` / `.cpu()` calls, as before.
+Without overlap (`training.overlap_copies: false`, the benchmark's baseline), the copies are synchronous.
 """
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from hybridrec.compress import Fp16Rows, unscale
+from hybridrec.compress import Fp16Rows
 from hybridrec.pooling import BatchEmbeddings
 
 EVENT_POLL_S = 0.0002
 """How often the event loop looks whether a step's gradients have reached the host (a step takes milliseconds)."""
+ALIGN = 64
+"""Byte alignment of each array in the staging buffer (any dtype's view of the device buffer is aligned)."""
 
 
 class DeviceFeed:
@@ -38,52 +40,25 @@ class DeviceFeed:
         self.cuda = device.type == "cuda"
         self.overlap = overlap and self.cuda
         self.stream = torch.cuda.Stream(device) if self.overlap else None
-        self._copied: list[torch.Tensor] = []
 
     # -- host to device ----------------------------------------------------------------------------
     def stage(self, dense: np.ndarray, labels: np.ndarray | None,
               emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor | None, BatchEmbeddings]:
         """Compute thread: the batch on the device (`emb` with tensors in place of its arrays; no labels when
-        None: evaluation needs none there); the compute stream is ordered after the copies."""
+        None: evaluation needs none there); the compute stream is ordered after the copy."""
         if not self.cuda:
             return (torch.from_numpy(np.asarray(dense)), None if labels is None else torch.from_numpy(labels),
                     emb)
-        if self.overlap:
-            with torch.cuda.stream(self.stream):
-                staged = self._stage(dense, labels, emb)
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
-            for tensor in self._copied:  # the allocator must not reuse them before the compute stream is done
-                tensor.record_stream(current)
-            self._copied.clear()
-            return staged
-        return self._stage(dense, labels, emb)
-
-    def _stage(self, dense, labels, emb: BatchEmbeddings):
-        return self._copy(dense), None if labels is None else self._copy(labels), dataclasses.replace(
-            emb, rows={d: self._rows(r) for d, r in emb.rows.items()},
-            index={d: self._copy(a) for d, a in emb.index.items()},
-            offsets={d: self._copy(a) for d, a in emb.offsets.items()},
-            weights={d: None if a is None else self._copy(a) for d, a in emb.weights.items()},
-            sequences={f: (self._copy(i), self._copy(n)) for f, (i, n) in emb.sequences.items()})
-
-    def _rows(self, rows: np.ndarray | Fp16Rows) -> torch.Tensor:
-        if isinstance(rows, Fp16Rows):  # scaled back on the device (on the side stream, with the copy)
-            out = unscale(self._copy(rows.half), self._copy(rows.norms), rows.kappa)
-            if self.overlap:
-                self._copied.append(out)  # made on the side stream too: see record_stream in stage
-            return out
-        return self._copy(rows)
-
-    def _copy(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(array))
+        arrays = _arrays(dense, labels, emb)
+        pinned, offsets = _pack(arrays)
         if not self.overlap:
-            return host.to(self.device)
-        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        pinned.copy_(host)
-        out = pinned.to(self.device, non_blocking=True)
-        self._copied.append(out)
-        return out
+            return _unpack(pinned.to(self.device), offsets, arrays, emb)
+        with torch.cuda.stream(self.stream):
+            buffer = pinned.to(self.device, non_blocking=True)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        buffer.record_stream(current)  # the allocator must not reuse it before the compute stream is done
+        return _unpack(buffer, offsets, arrays, emb)
 
     # -- device to host ----------------------------------------------------------------------------
     def to_host(self, tensors: dict) -> tuple[dict, "torch.cuda.Event | None"]:
@@ -101,6 +76,52 @@ class DeviceFeed:
         event = torch.cuda.Event()
         event.record()
         return out, event
+
+
+def _arrays(dense: np.ndarray, labels: np.ndarray | None, emb: BatchEmbeddings) -> dict[str, np.ndarray]:
+    """Every host array of a batch that the device needs, by name."""
+    out = {"dense": dense, "pos": emb.pos, "bag_lengths": emb.lengths}
+    if labels is not None:
+        out["labels"] = labels
+    for dim, rows in emb.rows.items():
+        if isinstance(rows, Fp16Rows):
+            out[f"half.{dim}"], out[f"norms.{dim}"] = rows.half, rows.norms
+        else:
+            out[f"f32.{dim}"] = rows
+    for f, (index, lengths) in emb.sequences.items():
+        out[f"seq.{f}"], out[f"seqlen.{f}"] = index, lengths
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _pack(arrays: dict[str, np.ndarray], *, pin: bool = True) -> tuple[torch.Tensor, dict[str, int]]:
+    """One pinned byte buffer holding every array at an aligned offset: the batch's single host→device copy."""
+    offsets, size = {}, 0
+    for name, array in arrays.items():
+        offsets[name] = size
+        size += -(-array.nbytes // ALIGN) * ALIGN
+    pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pin)
+    host = pinned.numpy()
+    for name, array in arrays.items():
+        host[offsets[name]:offsets[name] + array.nbytes] = array.reshape(-1).view(np.uint8)
+    return pinned, offsets
+
+
+def _unpack(buffer: torch.Tensor, offsets: dict[str, int], arrays: dict[str, np.ndarray],
+            emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor | None, BatchEmbeddings]:
+    """The arrays as views of the device buffer, back in the batch's shape."""
+    def view(name: str) -> torch.Tensor:
+        array = arrays[name]
+        dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
+        part = buffer[offsets[name]:offsets[name] + array.nbytes]
+        return part.view(dtype).view(array.shape)
+
+    rows = {}
+    for dim, host_rows in emb.rows.items():
+        rows[dim] = (Fp16Rows(view(f"half.{dim}"), view(f"norms.{dim}"), host_rows.kappa)
+                     if isinstance(host_rows, Fp16Rows) else view(f"f32.{dim}"))
+    staged = dataclasses.replace(emb, rows=rows, pos=view("pos"), lengths=view("bag_lengths"),
+                                 sequences={f: (view(f"seq.{f}"), view(f"seqlen.{f}")) for f in emb.sequences})
+    return view("dense"), view("labels") if "labels" in arrays else None, staged
 
 
 async def ready(event: "torch.cuda.Event | None") -> None:

@@ -116,7 +116,7 @@ class Trainer:
         self.log = log.get()
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
-        self.pooler = Pooler(config.features, self.values, keep_fp16=env.device.type == "cuda")
+        self.pooler = Pooler(config.features, self.values)
         self.feed = DeviceFeed(env.device, overlap=self.training.overlap_copies)
         self.model = model.to(env.device)
         self.sync: DenseSync | None = None
@@ -229,10 +229,10 @@ class Trainer:
         self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
                          replaced=list(plan.joined_fresh))
 
-    async def _push(self, ref: int, grads: dict[int, np.ndarray]) -> None:
-        """Send a batch's embedding gradients and note which life of each PS shard acknowledged them
+    async def _push(self, ref: int, frame: bytes) -> None:
+        """Send a batch's `Gradients` frame and note which life of each PS shard acknowledged it
         (`TrainStats.ps_acks`)."""
-        applied = await self.push(ref, Gradients(ref, grads).encode(self.values))
+        applied = await self.push(ref, frame)
         self.stats.ps_acks.update(applied.lives)
 
     async def on_compute(self, fn, *args):
@@ -323,7 +323,7 @@ class Trainer:
                     await ready(step.event)
                     self._record(step, labels, lost)
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self._push(ref, step.grads())
+                    await self._push(ref, Gradients.encode_packed(ref, step.packed()))
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -411,7 +411,7 @@ class Trainer:
         try:
             emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
             grads = await self.on_compute(self._embedding_gradients, batch, emb)
-            await self._push(batch.batch_ref, grads)
+            await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
         except BatchLost:
@@ -456,12 +456,14 @@ class Trainer:
         self.optimizer.step()
         self.stats.steps += 1
         self.sync.after_step(self.stats.steps)
-        # The logits go to the host with the gradients, not before the backward: the progressive window takes
-        # them when they are there (`_record`), so nothing here waits for the forward.
-        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **{
-            dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()}})
+        # The gradients are quantised where they are (on a GPU: half the bytes come back), and the logits go to
+        # the host with them, not before the backward: the progressive window takes them when they are there
+        # (`_record`), so nothing here waits for the device.
+        packed = Gradients.pack_tensors(self.values, {
+            dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()})
+        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **packed})
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
-        return StepOutput(host, event)
+        return StepOutput(host, event, tuple(packed))
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""
@@ -530,14 +532,16 @@ class StepOutput:
     """A training step's loss and embedding gradients on the host, valid once `event` has completed (None: at
     once; on a GPU the copy is still under way when the compute thread returns)."""
 
-    host: dict  # "loss" -> 0-d tensor, "logits" -> (B,) or (B, tasks); width -> gradient rows (n, width)
+    host: dict  # "loss" -> 0-d tensor, "logits" -> (B,) or (B, tasks), and the gradients' packed tensors
     event: "torch.cuda.Event | None"
+    grad_keys: tuple[str, ...] = ()  # which of `host` are the `Gradients` frame's tensors
 
     def loss(self) -> float:
         return float(self.host["loss"])
 
-    def grads(self) -> dict[int, np.ndarray]:
-        return {key: t.numpy() for key, t in self.host.items() if isinstance(key, int)}
+    def packed(self) -> dict[str, np.ndarray]:
+        """The `Gradients` frame's tensors, packed on the device (`ValueCodec.pack_tensors`)."""
+        return {key: self.host[key].numpy() for key in self.grad_keys}
 
 
 def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
