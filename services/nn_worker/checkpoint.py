@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,8 @@ from hybridrec.checkpoints import JobManifest
 from hybridrec.config import Config, ConfigError, Mode, dump_config
 from hybridrec.proto import pb
 from services.nn_worker.distributed import barrier, control_group
+from services.nn_worker.stats import TrainStats
 
-if TYPE_CHECKING:
-    from services.nn_worker.trainer import TrainStats
 
 PS_TIMEOUT_S = 600.0
 AGREE_EVERY = 10

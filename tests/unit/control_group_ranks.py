@@ -32,7 +32,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         from services.nn_worker.handover import hand_over
         from services.nn_worker.membership import Fingerprint, Membership
         from services.nn_worker.results import gather_eval, reduce_stats
-        from services.nn_worker.trainer import TrainStats
+        from services.nn_worker.stats import TrainStats
 
         torch.set_num_threads(1)
         Membership(rank=rank, world_size=WORLD, rendezvous=f"127.0.0.1:{port}", backend="cuda:gloo",
