@@ -223,8 +223,10 @@ class TrainingConfig(_Model):
     """NN workers on GPUs: copy each batch to the GPU from pinned memory on a side stream while the previous
     step computes, and its gradients back without making the host wait (off: synchronous copies, the
     baseline of benchmarks/gpu.py). No effect on CPUs."""
-    torch_threads: Annotated[int, Field(ge=1)] = 1
-    """Intra-op threads per NN worker."""
+    torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
+    """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the
+    rank has a GPU; on CPUs, about half the host shared by the ranks), or by an NN worker started alone from
+    the cores it may run on (hybridrec/app/layout.py)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Dense forward/backward in fp32, or under bf16 autocast (GPUs, and CPUs with AVX512-BF16 or AMX:
     about 2x faster matmuls). Parameters, optimizer state, embeddings and the loss stay fp32."""
@@ -440,8 +442,17 @@ class TLSConfig(_Model):
     """Name to verify in server certificates instead of the dialled host (e.g. one cert for all services)."""
 
 
+AUTO = "auto"
+"""A replica list or thread count that `hybridrec run` sizes to the host (hybridrec/app/layout.py)."""
+SIZED_BY_HOST = ("dataloader", "embedding_workers", "ps", "nn_workers")
+"""The replica lists that may be `auto`."""
+
+
 class ClusterConfig(_Model):
-    """Where every replica listens. `hybridrec run` fills these in with free loopback ports."""
+    """Where every replica listens. `hybridrec run` fills these in with free loopback ports. `ps`,
+    `embedding_workers`, `dataloader` and `nn_workers` may each be `auto`: `hybridrec run` then runs as many
+    as fit the host's cores and GPUs (hybridrec/app/layout.py, printed at start); a service started alone
+    (`hybridrec serve`) needs the addresses listed."""
 
     ps: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
     """HOST:PORT of every embedding PS shard (shard i is the i-th)."""
@@ -485,12 +496,23 @@ class ClusterConfig(_Model):
     and is being replaced (its restart included). A replacement with another config, world size or model is
     refused meanwhile; after this long the group stops, naming the missing ranks and the refusals."""
 
+    @field_validator(*SIZED_BY_HOST, mode="before")
+    @classmethod
+    def _auto(cls, value):
+        return [AUTO] if value == AUTO else value
+
+    def sized_by_host(self) -> list[str]:
+        """The replica lists given as `auto` (still to be sized: `hybridrec.app.layout.fit`)."""
+        return [key for key in SIZED_BY_HOST if getattr(self, key) == [AUTO]]
+
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
         for key in ("ps", "embedding_workers", "nn_workers", "dataloader"):
             addresses = getattr(self, key)
             if not addresses:
                 raise ValueError(f"cluster.{key} needs at least one address")
+            if addresses == [AUTO]:
+                continue
             for address in addresses:
                 _split_address(address, f"cluster.{key}")
         if len(self.dataloader) != 1:
@@ -658,7 +680,7 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _check_replicas(self) -> "Config":
-        if self.ps.replicas > 1 and len(self.cluster.ps) < self.ps.replicas:
+        if self.ps.replicas > 1 and self.cluster.ps != [AUTO] and len(self.cluster.ps) < self.ps.replicas:
             raise ValueError(f"ps.replicas: {self.ps.replicas} copies of each shard need at least "
                              f"{self.ps.replicas} PS processes (cluster.ps lists {len(self.cluster.ps)}): a shard's "
                              f"backup lives on another PS")

@@ -20,7 +20,7 @@ import prometheus_client
 from grpc_health.v1 import health_pb2
 
 from hybridrec import log, rpc
-from hybridrec.config import Config, split_address
+from hybridrec.config import Config, ConfigError, split_address
 from hybridrec.metrics import register_stats
 
 LIVENESS = "liveness"
@@ -109,6 +109,10 @@ class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
     def __init__(self, service: str, config: Config, replica: int):
+        if config.cluster.sized_by_host():
+            raise ConfigError(f"cluster.{config.cluster.sized_by_host()[0]}: auto is sized by `hybridrec run` "
+                              f"from its host; a service started alone (hybridrec serve) needs the addresses "
+                              f"listed")
         key = SERVICES[service].cluster_key
         addresses = getattr(config.cluster, key)
         if not 0 <= replica < len(addresses):

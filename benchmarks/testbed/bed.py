@@ -26,6 +26,7 @@ from benchmarks.testbed.net import Network, NetError, bridge_ns, host_ns, leftov
 from benchmarks.testbed.spec import SpecError, TestbedSpec, format_rate
 from hybridrec.config import Config, dump_config, from_dict
 from hybridrec.app.launcher import LaunchError, LocalCluster, ServiceProcess
+from hybridrec.app.layout import Host, fit
 from hybridrec.service import SERVICE_KINDS
 from hybridrec.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
 
@@ -56,6 +57,8 @@ def resolve(config: Config, spec: TestbedSpec, prefix: str,
             run_dir: Path) -> tuple[dict[str, Config], list[ServiceProcess]]:
     """Each host's config (every replica's host:port; bind_host = that host's address, written to
     run_dir/config-HOST.yaml when the services start) and the processes, each run in its host's namespace."""
+    if config.cluster.sized_by_host():  # `auto` replica lists: as `hybridrec run` sizes them on this machine
+        config, _ = fit(config, Host.here())
     replicas = {k.name: len(getattr(config.cluster, k.cluster_key)) for k in SERVICE_KINDS}
     where = spec.assign(replicas)
     tree = config.model_dump(mode="json")

@@ -52,6 +52,14 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
         _fail(str(exc))
 
 
+def _fit(config: Config):
+    """The config with its `auto` replica lists and thread count sized to this host, and the layout chosen
+    (hybridrec/app/layout.py)."""
+    from hybridrec.app.layout import Host, fit
+
+    return fit(config, Host.here())
+
+
 def preflight(config: Config, *, model: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
     schema, file sizes and checksums), the feature columns and, unless `model` is False, the model
@@ -106,6 +114,7 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
 
     config = _load(config_path, overrides)
     try:
+        config, layout = _fit(config)
         preflight(config, model=False)
     except ConfigError as exc:
         _fail(str(exc))
@@ -119,6 +128,9 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     from hybridrec.app.progress import Progress
 
     log.setup(service="launcher")
+    log.get().info("layout", layout=layout.line())
+    for note in layout.notes:
+        log.get().warning("layout_adjusted", note=note)
     progress = Progress(config)
     try:
         # The model check imports torch (seconds of CPU): `hybridrec check --only model` forked from the
@@ -340,6 +352,9 @@ def check(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML c
     if only not in (None, "data", "model"):
         _fail(f"--only is 'data' or 'model', not {only!r}")
     try:
+        config, layout = _fit(config)
+        if only is None:
+            typer.echo(f"layout on this host: {layout.line()}")
         if only == "model":
             check_model(config)
         else:
@@ -622,7 +637,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
     try:
         if config_path is not None:
-            result = planner.plan_config(_load(config_path, None))
+            config, layout = _fit(_load(config_path, None))
+            result = planner.plan_config(config) | {"layout": layout.line()}
         else:
             if sum(x is not None and x != [] for x in (ids, params, table)) != 1:
                 _fail("give one of --ids, --params or --table (or --config)")
@@ -646,6 +662,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
                        f"{planner.human(store['per_shard_bytes']):>14} per shard")
     typer.echo(f"per shard: {planner.human(result['per_shard_bytes'])}   "
                f"total: {planner.human(result['total_bytes'])}")
+    if "layout" in result:
+        typer.echo(f"layout on this host: {result['layout']}")
 
 
 def _table(spec: str, planner):

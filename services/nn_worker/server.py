@@ -8,6 +8,7 @@ which is how the launcher, Compose and a Kubernetes Job see completion.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ import grpc
 import torch
 
 from hybridrec import checkpoints, log
-from hybridrec.config import Config, Mode
+from hybridrec.config import AUTO, Config, Mode
 from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, Received, decode_nn_batch
 from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
@@ -119,6 +120,13 @@ class NNWorkerServicer:
         return pb.ServiceStats(service="nn_worker", replica=self.replica, values=self.stats())
 
 
+def torch_threads(config: Config) -> int:
+    """`training.torch_threads`; `auto` here (an NN worker started alone: `hybridrec run` sizes it to the host)
+    is the cores this process may run on less one for its event loop."""
+    threads = config.training.torch_threads
+    return max(1, len(os.sched_getaffinity(0)) - 1) if threads == AUTO else threads
+
+
 async def serve(config: Config, replica: int) -> None:
     """Run rank `replica` to the end; exits EXIT_PEER_LOST when it stops only because a peer went away and the
     group could not be re-formed around it (e.g. a collective outside a training step failed), so a supervisor
@@ -137,7 +145,7 @@ async def _serve(config: Config, replica: int) -> None:
     host = ServiceHost("nn_worker", config, replica)
     checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
-    torch.set_num_threads(config.training.torch_threads)
+    torch.set_num_threads(torch_threads(config))
     torch.manual_seed(config.training.seed)
     inbox: asyncio.Queue = asyncio.Queue(maxsize=config.training.prefetch + 2)
     servicer = NNWorkerServicer(config, replica, inbox)
