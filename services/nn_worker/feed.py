@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -28,8 +29,6 @@ import torch
 from hybridrec.compress import Fp16Rows
 from hybridrec.pooling import BatchEmbeddings
 
-EVENT_POLL_S = 0.0002
-"""How often the event loop looks whether a step's gradients have reached the host (a step takes milliseconds)."""
 ALIGN = 64
 """Byte alignment of each array in the staging buffer (any dtype's view of the device buffer is aligned)."""
 
@@ -46,8 +45,8 @@ class DeviceFeed:
               emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor | None, BatchEmbeddings]:
         """Compute thread: the batch on the device (`emb` with tensors in place of its arrays; no labels when
         None: evaluation needs none there); the compute stream is ordered after the copy."""
-        if not self.cuda:
-            return (torch.from_numpy(np.asarray(dense)), None if labels is None else torch.from_numpy(labels),
+        if not self.cuda:  # writable copies of the frame's read-only views (a few hundred kB)
+            return (torch.from_numpy(np.array(dense)), None if labels is None else torch.from_numpy(np.array(labels)),
                     emb)
         arrays = _arrays(dense, labels, emb)
         pinned, offsets = _pack(arrays)
@@ -73,7 +72,7 @@ class DeviceFeed:
             pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             pinned.copy_(tensor.detach(), non_blocking=True)
             out[key] = pinned
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # its waiter sleeps until the copy is done, it does not spin
         event.record()
         return out, event
 
@@ -124,7 +123,16 @@ def _unpack(buffer: torch.Tensor, offsets: dict[str, int], arrays: dict[str, np.
     return view("dense"), view("labels") if "labels" in arrays else None, staged
 
 
+_waiter: ThreadPoolExecutor | None = None
+
+
 async def ready(event: "torch.cuda.Event | None") -> None:
-    """Event loop: wait until a `to_host` copy is complete, without blocking the loop or the compute thread."""
-    while event is not None and not event.query():
-        await asyncio.sleep(EVENT_POLL_S)
+    """Event loop: wait until a `to_host` copy is complete, without blocking the loop or the compute thread:
+    a thread of its own sleeps in the event's synchronisation and wakes the loop once (polling the event from
+    the loop every few hundred microseconds cost the loop's thread a wake-up each time)."""
+    global _waiter
+    if event is None or event.query():
+        return
+    if _waiter is None:
+        _waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-wait")
+    await asyncio.get_running_loop().run_in_executor(_waiter, event.synchronize)

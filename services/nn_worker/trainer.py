@@ -384,7 +384,7 @@ class Trainer:
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
         parameters are frozen meanwhile, so no gradient reaches them (nor DDP's hooks on them)."""
-        dense, labels, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
@@ -408,7 +408,7 @@ class Trainer:
         """Compute thread: one step. On a GPU it returns once the step is queued (its gradients and loss
         reach the host behind `StepOutput.event`), so the next batch's copy overlaps this step's kernels."""
         cpu_started = time.thread_time()
-        dense, labels, staged = self.feed.stage(np.array(batch.dense), np.array(batch.labels), emb)
+        dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         with self._autocast():
             logits = self._logits(self.sync.module(dense, embeddings))
@@ -482,7 +482,7 @@ class Trainer:
 
     @torch.no_grad()
     def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
-        dense, _, staged = self.feed.stage(np.array(batch.dense), None, emb)
+        dense, _, staged = self.feed.stage(batch.dense, None, emb)
         _, embeddings = self.pooler.pool(staged, self.env.device, grad=False)
         with self._autocast():
             logits = self._logits(self.model(dense, embeddings))
