@@ -45,9 +45,8 @@ class DeviceFeed:
               emb: BatchEmbeddings) -> tuple[torch.Tensor, torch.Tensor | None, BatchEmbeddings]:
         """Compute thread: the batch on the device (`emb` with tensors in place of its arrays; no labels when
         None: evaluation needs none there); the compute stream is ordered after the copy."""
-        if not self.cuda:  # writable copies of the frame's read-only views (a few hundred kB)
-            return (torch.from_numpy(np.array(dense)), None if labels is None else torch.from_numpy(np.array(labels)),
-                    emb)
+        if not self.cuda:
+            return _writable(dense), None if labels is None else _writable(labels), emb
         arrays = _arrays(dense, labels, emb)
         pinned, offsets = _pack(arrays)
         if not self.overlap:
@@ -75,6 +74,11 @@ class DeviceFeed:
         event = torch.cuda.Event(blocking=True)  # its waiter sleeps until the copy is done, it does not spin
         event.record()
         return out, event
+
+
+def _writable(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of `array`, copied only when it is a read-only view of a received frame (a few hundred kB)."""
+    return torch.from_numpy(array if array.flags.writeable else np.array(array))
 
 
 def _arrays(dense: np.ndarray, labels: np.ndarray | None, emb: BatchEmbeddings) -> dict[str, np.ndarray]:
