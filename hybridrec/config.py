@@ -199,7 +199,9 @@ class CompressionConfig(_Model):
     kappa: Annotated[float, Field(gt=0, le=60000)] = 1024.0
     """Norm each vector is scaled to before the fp16 cast."""
     lz4_ids: bool = True
-    """lz4-compress ID position buffers."""
+    """lz4-compress the ID position buffers the data loader sends (SparseBatch). The embedding worker's replies
+    to the NN workers carry them raw: decompressing cost the NN worker's event loop 0.28 ms a step (4,096
+    samples of the README example) for 12% fewer bytes, and that loop bounds a GPU's throughput."""
 
 
 class TrainingConfig(_Model):

@@ -81,7 +81,6 @@ class EmbeddingWorker:
         self.ps_call = ps_call
         self.log = log.get(__name__)
         self.values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
-        self.lz4 = config.training.compression.lz4_ids
         self.dims = sorted({f.dim for f in self.features})
         # Features of each width, in config order: the order of their rows in an Embeddings frame.
         self.members = {dim: [i for i, f in enumerate(self.features) if f.dim == dim] for dim in self.dims}
@@ -181,7 +180,7 @@ class EmbeddingWorker:
             bags=sparse.bags,
             counts=np.array([u.shape[0] for u in sparse.uniq], np.int32),
             rows={dim: rows[dim] if batch.gidx[dim] is None else rows[dim][batch.gidx[dim]] for dim in self.dims},
-        ).encode(self.values, lz4=self.lz4)
+        ).encode(self.values, lz4=False)  # raw: see CompressionConfig.lz4_ids
         if train:
             batch.looked_up = True
         else:
