@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
-from hybridrec.app.launcher import free_port  # noqa: E402
+from hybridrec.app.ports import free_port  # noqa: E402
 from hybridrec.config import StreamConfig  # noqa: E402
 from hybridrec.log import timestamp_of  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from hybridrec import rpc  # noqa: E402
 from hybridrec.compress import ValueCodec  # noqa: E402
 from hybridrec.frames import PSLookup, PSUpdate  # noqa: E402
-from hybridrec.app.launcher import free_port  # noqa: E402
+from hybridrec.app.ports import free_port  # noqa: E402
 
 DIM = 16
 

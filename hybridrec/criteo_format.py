@@ -10,12 +10,17 @@ One sample per line, tab-separated: a 0/1 label, NUM_DENSE integer columns
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hybridrec.config import FeatureConfig
+
+class Feature(Protocol):
+    """What `feature_columns` reads of a configured feature (`hybridrec.config.FeatureConfig`, which imports
+    this module for the column names: the protocol keeps the two in one direction)."""
+
+    name: str
+    group: int
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -25,7 +30,7 @@ DENSE_COLUMNS = tuple(f"I{i + 1}" for i in range(NUM_DENSE))
 SPARSE_COLUMNS = tuple(f"C{i + 1}" for i in range(NUM_SPARSE))
 
 
-def feature_columns(features: Sequence[FeatureConfig]) -> tuple[np.ndarray, list[int]]:
+def feature_columns(features: Sequence[Feature]) -> tuple[np.ndarray, list[int]]:
     """Criteo column index of each configured feature (named C1..C26), and the group of every column.
 
     Columns no feature reads keep their index as group. Raises ValueError naming the feature.

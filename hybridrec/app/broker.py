@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from hybridrec import log
+from hybridrec.app.ports import free_port
 from hybridrec.config import Config, ConfigError, StreamConfig
 
 START_TIMEOUT_S = 20.0
@@ -24,8 +25,6 @@ class LocalBroker:
 
     def start(self, stream: StreamConfig) -> str:
         """Start nats-server and create `stream.stream` holding `stream.subject`; returns its URL."""
-        from hybridrec.app.launcher import free_port
-
         binary = shutil.which("nats-server")
         if binary is None:
             raise ConfigError("data.stream.url: unset, so hybridrec run starts a local nats-server, and none is "

@@ -12,10 +12,8 @@ import enum
 import functools
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,8 +27,10 @@ from hybridrec import log, rpc
 from hybridrec.config import Config, ConfigError, dump_config, from_dict
 from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
+from hybridrec.app.ports import free_port
 from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
-from hybridrec.app.report import Recorder, write_report
+from hybridrec.app.report import write_report
+from hybridrec.app.report_series import Recorder
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
 
@@ -117,48 +117,6 @@ class ServiceProcess:
     def where(self) -> str:
         """The process as a failure names it: `nn_worker-1`, on the testbed `nn_worker-1 on host trainer`."""
         return self.name if self.host is None else f"{self.name} on host {self.host}"
-
-
-LISTEN_PORTS = (10000, 65536)
-"""Where `free_port` looks: outside this machine's ephemeral range (Linux's default is 32768-60999, so
-10000-32767 and 61000-65535), so that no outgoing connection (a gRPC channel, a store client retrying while its
-peer restarts) can be given a port a service is about to listen on, which a port chosen by bind(0) cannot
-promise: a GPU machine whose ephemeral range started lower lost a run's rendezvous port that way."""
-
-_handed_out: set[int] = set()  # a port is handed out once per process: the services bind theirs later
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now and no earlier call handed out, outside the ephemeral range when
-    this machine leaves room for one."""
-    low, high = LISTEN_PORTS
-    eph_low, eph_high = _ephemeral_range()
-    candidates = [*range(low, min(high, eph_low)), *range(max(low, eph_high + 1), high)]
-    for port in random.sample(candidates, min(200, len(candidates))):
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def resolve(config: Config, run_dir: Path) -> Config:

@@ -11,15 +11,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrec.app.report_series import num as _num
 from hybridrec.summary import ServiceInfo, describe_store_loss
 
 if TYPE_CHECKING:
-    from hybridrec.app.report import Recorder
+    from hybridrec.app.report_series import Recorder
 
 PLOTS = ("loss_auc", "throughput", "staleness", "resources")
 TITLES = {"loss_auc": "Loss and progressive AUC, per NN worker", "throughput": "Training throughput, all NN workers",
           "staleness": "Staleness at lookup", "resources": "CPU and memory per service"}
-SERIES_VERSION = 2
 DASH = "–"
 
 # Phase boundaries, seconds since launch; a phase runs from the previous boundary (t = 0 first) to its own.
@@ -29,16 +29,6 @@ PHASE_COLORS = {"start-up": "#9e9e9e", "training": "#4caf50", "evaluation": "#ff
 
 
 # -- formatting for people -----------------------------------------------------------------------
-def _num(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(v) or math.isinf(v) else v
-
-
 def fmt_int(value: Any, unit: str = "") -> str:
     """1000000 -> '1,000,000' (with ' unit' when given); missing -> '–'."""
     v = _num(value)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from hybridrec.app.report_page import PHASE_COLORS, PLOTS, _get, _num, fmt_rate, fmt_sig, phase_spans
 
 if TYPE_CHECKING:
-    from hybridrec.app.report import Recorder
+    from hybridrec.app.report_series import Recorder
 
 
 def _shade(ax, phases: dict, *, label: bool, names: bool = False) -> None:

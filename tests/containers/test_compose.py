@@ -25,7 +25,7 @@ import uuid
 import pytest
 import yaml
 
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from tests.containers.cluster import REPO
 from tests.containers.conftest import AUC_THRESHOLD, IMAGE, SYNTH_ROWS
 

@@ -12,7 +12,7 @@ import yaml
 
 from hybridrec import rpc
 from hybridrec.frames import PSLookup
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 
 

@@ -22,7 +22,7 @@ import yaml
 from hybridrec import rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.frames import BatchRef, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults

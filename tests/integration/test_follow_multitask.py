@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from hybridrec.config import load_config
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from hybridrec.app.synth_parquet import synthesize_multitask
 from hybridrec.versions import list_versions, load_version
 from services.inference.follow import build_dense, inference_model

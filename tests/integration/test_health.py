@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hybridrec import rpc
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from hybridrec.service import LIVENESS
 from tests.conftest import HYBRIDREC, REPO
 

@@ -116,7 +116,7 @@ def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
     import yaml
 
     from hybridrec import rpc
-    from hybridrec.app.launcher import free_port
+    from hybridrec.app.ports import free_port
 
     shm = Path(tempfile.mkdtemp(prefix="hybridrec-plan-", dir="/dev/shm"))
     address = f"127.0.0.1:{free_port()}"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hybridrec import rpc
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from hybridrec.compress import ValueCodec
 from hybridrec.frames import PSLookup, PSUpdate, ShardPull, ShardRows, update_id
 from hybridrec.proto import pb

@@ -15,7 +15,7 @@ from hybridrec import rpc
 from hybridrec.bundle import open_bundle
 from hybridrec.compress import ValueCodec
 from hybridrec.frames import PSLookup, PSRows, PSUpdate
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from hybridrec.proto import pb
 from hybridrec.sharding import shard_of
 from tests.conftest import HYBRIDREC, REPO

@@ -11,7 +11,7 @@ import pytest
 
 from hybridrec import rpc
 from hybridrec.config import load_config
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from hybridrec.app.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 from tests.integration.test_export_e2e import _cli, predict

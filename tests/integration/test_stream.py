@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from hybridrec.app.broker import spawn_nats_server
-from hybridrec.app.launcher import free_port, rank_step
+from hybridrec.app.launcher import rank_step
+from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

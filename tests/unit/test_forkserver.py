@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from tests.conftest import REPO
 
 LAUNCHER = [sys.executable, str(REPO / "tests" / "unit" / "forkserver_launcher.py")]

@@ -176,3 +176,58 @@ def test_no_metric_text_is_parsed_outside_metrics_code():
     parsers = [p.relative_to(REPO).as_posix() for p in _code_files()
                if "text_string_to_metric_families" in p.read_text() or "parser.text_fd_to" in p.read_text()]
     assert parsers == [], parsers
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Our module -> our modules it imports (imports inside functions and under TYPE_CHECKING included)."""
+    modules = dict((module, path) for path, module in _our_modules())
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = {name for _, name in _imported_modules(tree, module, path.name == "__init__.py")}
+        graph[module] = {name for name in names if name in modules and name != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index, low, on_stack, stack, groups, counter = {}, {}, set(), [], [], [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Each module imports in one direction: a circle (the CLI and the fork server's parent, the report and its
+    page, the trainer and the checkpointer once) means neither can be read, tested or replaced alone. A
+    package's __init__ is left out (it may gather its modules)."""
+    graph = {m: {d for d in deps if not _is_package(d)} for m, deps in _import_graph().items() if not _is_package(m)}
+    assert _cycles(graph) == []
+
+
+def _is_package(module: str) -> bool:
+    return (REPO / Path(*module.split(".")) / "__init__.py").exists()

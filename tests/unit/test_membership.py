@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from hybridrec.app.launcher import free_port
+from hybridrec.app.ports import free_port
 from services.nn_worker.membership import Fingerprint, is_group_failure
 from tests.unit.membership_ranks import handover_rank, refusal_rank
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridrec.app.report import Recorder, rerender, write_report
+from hybridrec.app.report import rerender, write_report
+from hybridrec.app.report_series import Recorder
 from hybridrec.app.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
 from hybridrec.summary import Phases, RunSummary, ServiceInfo, Staleness
 
