@@ -450,7 +450,12 @@ class ClusterConfig(_Model):
     nn_workers: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
     """HOST:PORT of every NN worker (rank i is the i-th)."""
     dataloader: list[str] = Field(default_factory=lambda: ["127.0.0.1:0"])
-    """HOST:PORT of the data loader (exactly one)."""
+    """HOST:PORT of every data loader (loader l is the l-th). Each reads its own split of `data.train` and
+    `data.eval` (services/dataloader/splits.py: plain TSV by byte ranges, gzip files whole, Parquet by row
+    groups, prepared data by rows; with `data.stream`, partition l of the subject), and the NN workers take
+    their batches from the loaders in turn. A layout the data cannot give every loader a share of (fewer gzip
+    files, Parquet row groups or prepared rows than loaders) is refused at start; a checkpoint resumes only
+    with the number of loaders that wrote it."""
     rendezvous: str = "127.0.0.1:0"
     """torch.distributed MASTER_ADDR:MASTER_PORT (rank 0's host)."""
     metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 0
@@ -493,8 +498,6 @@ class ClusterConfig(_Model):
                 raise ValueError(f"cluster.{key} needs at least one address")
             for address in addresses:
                 _split_address(address, f"cluster.{key}")
-        if len(self.dataloader) != 1:
-            raise ValueError("cluster.dataloader: exactly one data loader is supported")
         if len(self.embedding_workers) > 255:
             raise ValueError("cluster.embedding_workers: at most 255 embedding workers")
         _split_address(self.rendezvous, "cluster.rendezvous")
