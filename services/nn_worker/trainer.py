@@ -411,6 +411,8 @@ class Trainer:
                 step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
                 self.loader_steps[batch.loader] += 1
+                self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, rows=int(batch.labels.shape[0]),
+                               position=list(batch.position), lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
                 self._trained_through[batch.loader] = batch.seq
                 self._unacked[batch.loader].add(batch.seq)
                 self._confirm(batch.loader)
