@@ -260,18 +260,21 @@ class StreamConfig(_Model):
     url: str | None = None
     """nats://HOST:PORT of the broker. None: `hybridrec run` starts a local nats-server (-js) for the run."""
     subject: str = "hybridrec.events"
-    """The subject the events are published on."""
+    """The subject the events are published on. With several data loaders (`cluster.dataloader`) it is
+    partitioned, one partition per loader: loader l reads `<subject>.<l>` (`hybridrec data replay --partitions
+    L`; the stream holds `<subject>.*`)."""
     stream: str = "HYBRIDREC_EVENTS"
     """The JetStream stream holding `subject` (`hybridrec data replay` creates it; training refuses a stream
     that does not exist or does not hold the subject)."""
     durable: str = "hybridrec-trainer"
     """The durable consumer: a new job with the same name goes on after the last message its predecessor had
-    acknowledged (every sample in it trained)."""
+    acknowledged (every sample in it trained). With several data loaders, loader l's is `<durable>-<l>`."""
     until_event: Annotated[int, Field(ge=0)] | None = None
     """End training with the message that holds event id `until_event - 1` (all of it), or before the first
     message past it (`hybridrec data replay` numbers a file's lines from 0, so the line count trains the whole
     file). None: at `for_s`, or when stopped. An event id, not a count: a restarted loader ends where the
-    first would have."""
+    first would have. With several data loaders it is the job's end on every partition: a partition also ends
+    at the replay's end marker past it (services/dataloader/stream.py)."""
     for_s: Annotated[float, Field(gt=0)] | None = None
     """End training after this many seconds of reading the stream (None: at `max_events`, or when stopped)."""
     linger_s: Annotated[float, Field(gt=0)] = 0.5

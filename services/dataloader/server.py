@@ -88,7 +88,8 @@ class Dispatcher:
 
     async def wait_trained(self) -> bool:
         """Wait until every rank has finished training (its status says evaluation or done), then count every
-        training batch trained (`on_trained`); False when a rank did not answer for `cluster.retry_s`.
+        training batch trained (`on_trained`); False when a rank did not answer for `cluster.retry_s` (or, when
+        longer, `cluster.rejoin_timeout_s`: a replacement may be joining).
 
         Meanwhile a rank that no longer holds the end this loader sent it (a replacement of a lost NN worker,
         which another loader's batches keep training) is sent every frame it has not confirmed again: the
@@ -97,8 +98,10 @@ class Dispatcher:
         statuses = [rpc.control_method(ch, "NNWorker", "Status") for ch in self.nn_channels]
         loop = asyncio.get_running_loop()
 
+        patience = max(self.retry_s, self.config.cluster.rejoin_timeout_s)
+
         async def left_training(rank: int) -> bool:
-            deadline = loop.time() + self.retry_s
+            deadline = loop.time() + patience
             while True:
                 try:
                     if (await statuses[rank](pb.Empty(), timeout=self.timeout)).phase in ("eval", "done"):
@@ -108,7 +111,7 @@ class Dispatcher:
                                                                             timeout=self.timeout))
                         if self.ended not in held.ended:
                             await self._deliver_again(rank)
-                    deadline = loop.time() + self.retry_s
+                    deadline = loop.time() + patience
                 except grpc.aio.AioRpcError:
                     if loop.time() > deadline:
                         return False  # not acknowledged: a later job reads those messages again, nothing is skipped
