@@ -319,9 +319,10 @@ def _three_loader_config(tmp_path: Path, small_data: Path, train: list[str], str
 
 
 def _run_killing_a_loader(config: Path, run_dir: Path, *, at_step: int, loader: int = 1,
-                          while_running=lambda: None) -> dict:
+                          while_running=lambda: None, service: str = "dataloader", also=lambda: True) -> dict:
     """`hybridrec run` with each NN worker's trace of the batches it trained (`batch_trained`, a debug line),
-    data loader `loader` SIGKILLed once rank 0 is at `at_step` (the launcher replaces it alone)."""
+    data loader `loader` (or replica `loader` of `service`) SIGKILLed once rank 0 is at `at_step` and `also()`
+    holds (the launcher replaces it alone)."""
     import os
 
     summary = run_dir / "summary-out.json"
@@ -329,9 +330,9 @@ def _run_killing_a_loader(config: Path, run_dir: Path, *, at_step: int, loader: 
                                          str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "HYBRIDREC_LOG_LEVEL": "DEBUG"})
     while_running()
-    pattern = f"serve dataloader --config {run_dir / 'config.yaml'} --replica {loader}"
+    pattern = f"serve {service} --config {run_dir / 'config.yaml'} --replica {loader}"
     deadline = time.monotonic() + 300
-    while (step := rank_step(run_dir)) is None or step < at_step:
+    while (step := rank_step(run_dir)) is None or step < at_step or not also():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
         time.sleep(0.02)
     (target,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
@@ -374,15 +375,16 @@ def _assert_each_sample_trained_once(run_dir: Path, bounds: list[tuple[int, int]
 
 
 def _split_lines(config_path: Path, count_lines) -> list[tuple[int, int]]:
-    """Per data loader, the `line` at its split's start and end (one training file or shard)."""
+    """Per data loader, the `line` at its split's start and end (of the one training file or shard it has a
+    part of; `count_lines(file, offset)`)."""
     from hybridrec.config import load_config
     from services.dataloader.sources import split
 
     config = load_config(config_path, [])
     out = []
     for loader in range(len(config.cluster.dataloader)):
-        (part,) = split(config, "data.train", loader)
-        out.append((count_lines(part.start), count_lines(part.stop)))
+        ((file, part),) = [(f, p) for f, p in enumerate(split(config, "data.train", loader)) if p is not None]
+        out.append((count_lines(file, part.start), count_lines(file, part.stop)))
     return out
 
 
@@ -406,7 +408,7 @@ def test_one_of_three_loaders_killed_mid_run_on_tsv_trains_every_sample_once(sma
     assert result["samples"] == 60_000 and result["data"]["eval"]["rows"] == 20_000, result["data"]
     data = (small_data / "train.tsv").read_bytes()
     _assert_each_sample_trained_once(run_dir, _split_lines(
-        run_dir / "config.yaml", lambda offset: 1 + data.count(b"\n", 0, len(data) if offset is None else offset)))
+        run_dir / "config.yaml", lambda _, offset: 1 + data.count(b"\n", 0, len(data) if offset is None else offset)))
     assert result["auc"] > 0.6
 
 
@@ -421,7 +423,35 @@ def test_one_of_three_loaders_killed_mid_run_on_prepared_data_trains_every_sampl
     _check_loader_replaced(result, run_dir)
     assert result["samples"] == 60_000, result["data"]
     _assert_each_sample_trained_once(run_dir, _split_lines(run_dir / "config.yaml",
-                                                           lambda row: (60_000 if row is None else row) + 1))
+                                                           lambda _, row: (60_000 if row is None else row) + 1))
+
+
+def test_an_nn_worker_replaced_after_a_loader_finished_gets_that_loaders_frames_again(small_data, tmp_path):
+    """Three gzip files of 40,000, 15,000 and 5,000 lines, one per loader: loader 2 sends all it has (its end of
+    training and its eval data) early, and waits. NN worker 1 SIGKILLed after that: its replacement takes the
+    steps per loader from its peer, and loader 2 sends it again what it had not confirmed, its end included,
+    without which the replacement would wait for loader 2 for ever. Every sample is trained once."""
+    import gzip
+
+    lines = (small_data / "train.tsv").read_bytes().splitlines(keepends=True)
+    files = []
+    for name, (a, b) in zip("abc", [(0, 40_000), (40_000, 55_000), (55_000, 60_000)]):
+        files.append(tmp_path / f"{name}.tsv.gz")
+        with gzip.open(files[-1], "wb") as f:
+            f.write(b"".join(lines[a:b]))
+    config = _three_loader_config(tmp_path, small_data, [str(f) for f in files])
+    run_dir = tmp_path / "run"
+    finished = run_dir / "logs" / "dataloader-2.log"
+    result = _run_killing_a_loader(config, run_dir, at_step=25, loader=1, service="nn_worker",
+                                   also=lambda: finished.is_file() and '"eval_data_sent"' in finished.read_text())
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarts == {**{k: 0 for k in restarts}, ("nn_worker", 1): 1}, restarts
+    assert '"group_reformed"' in (run_dir / "logs" / "nn_worker-0.log").read_text()
+    again = _events(finished, "frames_sent_again")
+    assert again and again[0]["rank"] == 1 and again[0]["ended"] == "eval", again
+    assert result["samples"] == 60_000 and result["eval_samples"] == 20_000, result
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    _assert_each_sample_trained_once(run_dir, [(1, 40_001), (1, 15_001), (1, 5_001)])
 
 
 def test_one_of_three_loaders_killed_mid_stream_trains_every_event_once(small_data, tmp_path):
