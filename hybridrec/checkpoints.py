@@ -9,9 +9,9 @@
 
 The names are spelled here only: the NN worker, the PS and export use these constants.
 
-The manifest records the step, the training counters and the data position
-right after the last batch the step consumed, so every part of the job resumes
-from the same point.
+The manifest records the step, the training counters and, per data loader,
+the data position right after the last batch of its stream the step consumed,
+so every part of the job resumes from the same point.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybridrec.config import ConfigError
 from hybridrec.files import write_json_atomic
 
 FORMAT_VERSION = 1
@@ -38,15 +39,43 @@ class JobManifest:
     step: int
     """Steps every NN worker had taken."""
     seq: int
-    """Training batches consumed by all ranks together; the data loader resumes with this batch index."""
+    """Training batches consumed by all ranks together (of every data loader's stream; with one loader, the
+    index it resumes with)."""
     position: list[int]
-    """Data position after batch seq - 1: (epoch, file, byte offset, line)."""
+    """Data loader 0's position after its batch `loaders[0][0]` - 1: (epoch, file, byte offset, line)."""
     samples: int = 0
     train_wall_s: float = 0.0
     num_nn_workers: int = 1
     num_ps: int = 1
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    loaders: list = field(default_factory=list)
+    """Per data loader (cluster.dataloader), [seq, position]: the batches of its stream consumed by all ranks
+    together (it resumes with this index) and its position after them. Empty in a manifest of a hybridrec
+    that had one data loader: then `seq` and `position` are that loader's."""
+
+    def streams(self) -> list[tuple[int, list[int]]]:
+        """(seq, position) of every data loader's stream, in loader order."""
+        if not self.loaders:
+            return [(self.seq, list(self.position))]
+        return [(int(seq), [int(v) for v in position]) for seq, position in self.loaders]
+
+    @classmethod
+    def of_streams(cls, streams: list[tuple[int, list[int]]], **fields) -> "JobManifest":
+        """A manifest of every loader's (seq, position); `seq` sums them, `position` is loader 0's."""
+        return cls(seq=sum(seq for seq, _ in streams), position=list(streams[0][1]),
+                   loaders=[[seq, list(position)] for seq, position in streams], **fields)
+
+
+def check_loaders(path: Path, manifest: JobManifest, loaders: int) -> None:
+    """A checkpoint resumes only with the number of data loaders that wrote it (each resumes its own split and
+    stream); else ConfigError naming cluster.dataloader."""
+    written = len(manifest.streams())
+    if written != loaders:
+        raise ConfigError(f"cluster.dataloader: checkpoint {path} was written by a job with {written} data "
+                          f"loader{'s' if written != 1 else ''}, this one has {loaders}: each loader resumes "
+                          f"its own split of the data; list {written} loaders, or start over in another "
+                          f"checkpoint.dir")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -120,6 +149,9 @@ def read_manifest(path: Path) -> JobManifest:
         raise ValueError(f"checkpoint {path}: format_version {manifest.format_version}, expected {FORMAT_VERSION}")
     if len(manifest.position) != 4 or manifest.step < 0 or manifest.seq < 0:
         raise ValueError(f"checkpoint {path}: manifest fields out of range")
+    if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
+               and isinstance(entry[1], list) and len(entry[1]) == 4 for entry in manifest.loaders):
+        raise ValueError(f"checkpoint {path}: loaders must be [seq, position] pairs, got {manifest.loaders!r}")
     return manifest
 
 

@@ -264,18 +264,21 @@ class StreamConfig(_Model):
     url: str | None = None
     """nats://HOST:PORT of the broker. None: `hybridrec run` starts a local nats-server (-js) for the run."""
     subject: str = "hybridrec.events"
-    """The subject the events are published on."""
+    """The subject the events are published on. With several data loaders (`cluster.dataloader`) it is
+    partitioned, one partition per loader: loader l reads `<subject>.<l>` (`hybridrec data replay --partitions
+    L`; the stream holds `<subject>.*`)."""
     stream: str = "HYBRIDREC_EVENTS"
     """The JetStream stream holding `subject` (`hybridrec data replay` creates it; training refuses a stream
     that does not exist or does not hold the subject)."""
     durable: str = "hybridrec-trainer"
     """The durable consumer: a new job with the same name goes on after the last message its predecessor had
-    acknowledged (every sample in it trained)."""
+    acknowledged (every sample in it trained). With several data loaders, loader l's is `<durable>-<l>`."""
     until_event: Annotated[int, Field(ge=0)] | None = None
     """End training with the message that holds event id `until_event - 1` (all of it), or before the first
     message past it (`hybridrec data replay` numbers a file's lines from 0, so the line count trains the whole
     file). None: at `for_s`, or when stopped. An event id, not a count: a restarted loader ends where the
-    first would have."""
+    first would have. With several data loaders it is the job's end on every partition: a partition also ends
+    at the replay's end marker past it (services/dataloader/stream.py)."""
     for_s: Annotated[float, Field(gt=0)] | None = None
     """End training after this many seconds of reading the stream (None: at `max_events`, or when stopped)."""
     linger_s: Annotated[float, Field(gt=0)] = 0.5
@@ -463,7 +466,12 @@ class ClusterConfig(_Model):
     nn_workers: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
     """HOST:PORT of every NN worker (rank i is the i-th)."""
     dataloader: list[str] = Field(default_factory=lambda: ["127.0.0.1:0"])
-    """HOST:PORT of the data loader (exactly one)."""
+    """HOST:PORT of every data loader (loader l is the l-th). Each reads its own split of `data.train` and
+    `data.eval` (services/dataloader/splits.py: plain TSV by byte ranges, gzip files whole, Parquet by row
+    groups, prepared data by rows; with `data.stream`, partition l of the subject), and the NN workers take
+    their batches from the loaders in turn. A layout the data cannot give every loader a share of (fewer gzip
+    files, Parquet row groups or prepared rows than loaders) is refused at start; a checkpoint resumes only
+    with the number of loaders that wrote it."""
     rendezvous: str = "127.0.0.1:0"
     """torch.distributed MASTER_ADDR:MASTER_PORT (rank 0's host)."""
     metrics_port: Annotated[int, Field(ge=0, lt=65536)] = 0
@@ -517,8 +525,6 @@ class ClusterConfig(_Model):
                 continue
             for address in addresses:
                 _split_address(address, f"cluster.{key}")
-        if len(self.dataloader) != 1:
-            raise ValueError("cluster.dataloader: exactly one data loader is supported")
         if len(self.embedding_workers) > 255:
             raise ValueError("cluster.embedding_workers: at most 255 embedding workers")
         _split_address(self.rendezvous, "cluster.rendezvous")

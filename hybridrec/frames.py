@@ -225,41 +225,62 @@ class DenseBatch:
     labels: np.ndarray  # float32 (B,), or (B, tasks) with several label columns
     phase: str = "train"
     seq: int = 0
-    """Index of the batch in the job's training stream (all ranks together)."""
+    """Index of the batch in its data loader's training stream (all ranks together)."""
     position: tuple[int, ...] = ()
     """Where the data loader resumes reading after this batch (epoch, file, byte offset, line)."""
     rows_before: int = 0
     """Samples of this phase the data loader sent this batch's rank before it (since the loader started): a
     replacement NN worker takes over its predecessor's sample count from it."""
+    loader: int = 0
+    """The data loader that sent it (its index in cluster.dataloader): `seq` counts that loader's stream."""
 
     def encode(self) -> bytes:
         return codec.encode({"dense": self.dense, "labels": self.labels},
                             {"batch_ref": self.batch_ref, "phase": self.phase, "seq": self.seq,
-                             "position": list(self.position), "rows_before": int(self.rows_before)})
+                             "position": list(self.position), "rows_before": int(self.rows_before),
+                             "loader": int(self.loader)})
+
+
+_END_FIELDS = ("end_of", "loader", "end_seq", "rows_sent")
 
 
 @dataclass
 class EndOfPhase:
-    """The data loader sent its last batch of a phase; `meta` carries its reader counters."""
+    """A data loader sent its last batch of a phase; `meta` carries its reader counters."""
 
     phase: str
     meta: dict[str, Any] = field(default_factory=dict)
+    loader: int = 0
+    """The data loader whose phase ended."""
+    end_seq: int = -1
+    """The index after the last batch of the loader's stream of this phase (-1: not said): a rank that gets the
+    end before it has taken every batch of its share is behind the loader."""
+    rows_sent: int = 0
+    """Samples of this phase the loader sent this rank in all (as `DenseBatch.rows_before`)."""
 
     def encode(self) -> bytes:
-        return codec.encode(meta={"end_of": self.phase, **self.meta})
+        return codec.encode(meta={"end_of": self.phase, "loader": int(self.loader), "end_seq": int(self.end_seq),
+                                  "rows_sent": int(self.rows_sent), **self.meta})
 
 
-def decode_nn_batch(buf: bytes, num_dense: int, num_tasks: int = 1) -> DenseBatch | EndOfPhase:
-    """What the data loader sent an NN worker: a dense batch, or the end of a phase. Labels are (B,) with one
-    task, (B, num_tasks) with several."""
+def decode_nn_batch(buf: bytes, num_dense: int, num_tasks: int = 1, loaders: int = 1) -> DenseBatch | EndOfPhase:
+    """What a data loader sent an NN worker: a dense batch, or the end of a phase. Labels are (B,) with one
+    task, (B, num_tasks) with several; `loaders`: how many data loaders there are (cluster.dataloader)."""
     frame = codec.decode(buf)
+    loader = frame.meta_int("loader", default=0)
+    if not 0 <= loader < loaders:
+        raise FrameError(f"loader {loader} is not one of the {loaders} data loaders")
     end_of = frame.meta.get("end_of")
     if end_of is not None:
         if end_of not in PHASES:
             raise FrameError(f"end_of must be one of {PHASES}, got {end_of!r}")
         if frame.tensors:
             raise FrameError("an end-of-phase frame carries no tensors")
-        return EndOfPhase(end_of, {k: v for k, v in frame.meta.items() if k != "end_of"})
+        end_seq, rows_sent = frame.meta_int("end_seq", default=-1), frame.meta_int("rows_sent", default=0)
+        if end_seq < -1 or rows_sent < 0:
+            raise FrameError(f"end_seq {end_seq} and rows_sent {rows_sent} must be >= -1 and >= 0")
+        return EndOfPhase(end_of, {k: v for k, v in frame.meta.items() if k not in _END_FIELDS}, loader=loader,
+                          end_seq=end_seq, rows_sent=rows_sent)
     dense = frame.get("dense", np.float32, 2)
     labels = frame.get("labels", np.float32, 1 if num_tasks == 1 else 2)
     if labels.ndim == 2 and labels.shape[1] != num_tasks:
@@ -276,7 +297,8 @@ def decode_nn_batch(buf: bytes, num_dense: int, num_tasks: int = 1) -> DenseBatc
     if rows_before < 0:
         raise FrameError(f"rows_before must be non-negative, got {rows_before}")
     return DenseBatch(batch_ref=frame.meta_int("batch_ref"), dense=dense, labels=labels, phase=_phase(frame),
-                      seq=frame.meta_int("seq", default=0), position=tuple(position), rows_before=rows_before)
+                      seq=frame.meta_int("seq", default=0), position=tuple(position), rows_before=rows_before,
+                      loader=loader)
 
 
 # -- embedding worker <-> NN worker -----------------------------------------------------------
@@ -437,7 +459,8 @@ class Consumed:
 
 @dataclass
 class Received:
-    """An NN worker's answer to a restarted data loader: how far this rank holds each phase's stream.
+    """An NN worker's answer to a (re)started data loader: how far this rank holds that loader's stream of each
+    phase. The loader's request is the same frame, empty but for `loader`.
 
     `through[phase]` is the last stream index the rank holds — received into its inbox or already trained by
     the group — or -1; the rank got every earlier batch of its share. `marks` are (stream index, position
@@ -448,13 +471,24 @@ class Received:
     through: dict[str, int] = field(default_factory=lambda: {phase: -1 for phase in PHASES})
     ended: frozenset[str] = frozenset()
     marks: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
+    loader: int = 0
+    """The data loader whose stream this is about (its index in cluster.dataloader)."""
 
     def encode(self) -> bytes:
         seqs = np.array([m[0] for m in self.marks], np.int64)
         positions = np.array([m[1] for m in self.marks], np.int64).reshape(len(self.marks), POSITION_FIELDS)
         rows = np.array([m[2] for m in self.marks], np.int64)
         return codec.encode({"mark_seq": seqs, "mark_position": positions, "mark_rows": rows},
-                            {"through": {k: int(v) for k, v in self.through.items()}, "ended": sorted(self.ended)})
+                            {"through": {k: int(v) for k, v in self.through.items()}, "ended": sorted(self.ended),
+                             "loader": int(self.loader)})
+
+    @staticmethod
+    def loader_of(buf: bytes, loaders: int) -> int:
+        """The data loader a `Received` request names; FrameError when it is not one of `loaders`."""
+        loader = codec.decode(buf).meta_int("loader", default=0)
+        if not 0 <= loader < loaders:
+            raise FrameError(f"loader {loader} is not one of the {loaders} data loaders")
+        return loader
 
     @classmethod
     def decode(cls, buf: bytes) -> "Received":
@@ -473,7 +507,7 @@ class Received:
         if (seqs < 0).any() or (rows < 0).any() or (positions < 0).any():
             raise FrameError("marks must be non-negative")
         marks = [(int(s), tuple(int(v) for v in p), int(r)) for s, p, r in zip(seqs, positions, rows)]
-        return cls(dict(through), frozenset(ended), marks)
+        return cls(dict(through), frozenset(ended), marks, _count(frame, "loader", default=0))
 
 
 # -- embedding worker <-> PS shard -----------------------------------------------------------

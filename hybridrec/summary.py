@@ -19,7 +19,8 @@ from hybridrec.files import write_json_atomic
 
 
 STREAM_FILE = "stream.json"
-"""In the run's output directory: the data loader's account of a stream it trained on (`StreamSummary`)."""
+"""In the run's output directory: the data loader's account of a stream it trained on (`StreamSummary`); with
+several data loaders, each writes `stream-<partition>.json` of the partition it consumes."""
 
 
 class Lag(BaseModel):
@@ -42,15 +43,38 @@ class StreamSummary(BaseModel):
     """The last stream sequence acknowledged: every sample of every message up to it was trained."""
     training_lag_s: Lag | None = None
     """From each message's event time to the moment the data loader learnt its samples were trained (a
-    batch's confirmation comes with the rank's next batch, so this errs long by up to a batch interval)."""
+    batch's confirmation comes with the rank's next batch, so this errs long by up to a batch interval). With
+    several partitions: each percentile is the largest of the partitions' (a bound, not a merged percentile)."""
+    partition: int | None = None
+    """With several data loaders: the partition of the subject (`<subject>.<partition>`) this account is of."""
+    partitions: list["StreamSummary"] | None = None
+    """With several data loaders: each partition's own account; then `events` sums them, `first_seq` is the
+    smallest and `acknowledged_through` the largest stream sequence of theirs (each consumer acknowledges
+    the messages of its own partition only)."""
 
     def write(self, output_dir: str | Path) -> None:
-        write_json_atomic(Path(output_dir) / STREAM_FILE, self.model_dump(mode="json"))
+        name = STREAM_FILE if self.partition is None else f"stream-{self.partition}.json"
+        unset = {key for key in ("partition", "partitions") if getattr(self, key) is None}
+        write_json_atomic(Path(output_dir) / name, self.model_dump(mode="json", exclude=unset))
 
     @classmethod
     def read(cls, output_dir: str | Path) -> "StreamSummary | None":
+        """The account in `output_dir`: stream.json, or every partition's merged."""
         path = Path(output_dir) / STREAM_FILE
-        return cls.model_validate_json(path.read_text()) if path.is_file() else None
+        if path.is_file():
+            return cls.model_validate_json(path.read_text())
+        parts = sorted((cls.model_validate_json(p.read_text()) for p in Path(output_dir).glob("stream-*.json")),
+                       key=lambda part: part.partition or 0)
+        return cls.merge(parts) if parts else None
+
+    @classmethod
+    def merge(cls, parts: list["StreamSummary"]) -> "StreamSummary":
+        lags = [part.training_lag_s for part in parts if part.training_lag_s is not None]
+        lag = Lag(p50=max(g.p50 for g in lags), p99=max(g.p99 for g in lags), max=max(g.max for g in lags)) \
+            if lags else None
+        return cls(events=sum(part.events for part in parts), first_seq=min(part.first_seq for part in parts),
+                   acknowledged_through=max(part.acknowledged_through for part in parts), training_lag_s=lag,
+                   partitions=parts)
 
 
 class Staleness(BaseModel):

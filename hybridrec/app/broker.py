@@ -23,8 +23,9 @@ class LocalBroker:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
-    def start(self, stream: StreamConfig) -> str:
-        """Start nats-server and create `stream.stream` holding `stream.subject`; returns its URL."""
+    def start(self, stream: StreamConfig, partitions: int = 1) -> str:
+        """Start nats-server and create `stream.stream` holding `stream.subject` (its `partitions` partitions);
+        returns its URL."""
         binary = shutil.which("nats-server")
         if binary is None:
             raise ConfigError("data.stream.url: unset, so hybridrec run starts a local nats-server, and none is "
@@ -38,9 +39,10 @@ class LocalBroker:
         except RuntimeError:
             raise ConfigError(f"data.stream.url: the local nats-server did not start; see {log_path}") from None
         self.url = f"nats://127.0.0.1:{port}"
-        asyncio.run(create_stream(self.url, stream))
+        asyncio.run(create_stream(self.url, stream, partitions))
         log.get().warning("local_broker", url=self.url, stream=stream.stream, subject=stream.subject,
-                          feed=f"hybridrec data replay FILE --to {self.url}/{stream.subject}")
+                          feed=f"hybridrec data replay FILE --to {self.url}/{stream.subject}"
+                               + (f" --partitions {partitions}" if partitions > 1 else ""))
         return self.url
 
     def stop(self) -> None:
@@ -72,13 +74,16 @@ def spawn_nats_server(binary: str, port: int, store: Path, log_path: Path) -> su
             time.sleep(0.05)
 
 
-async def create_stream(url: str, stream: StreamConfig) -> None:
-    """Create `stream.stream` holding `stream.subject` on the broker at `url`."""
+async def create_stream(url: str, stream: StreamConfig, partitions: int = 1) -> None:
+    """Create `stream.stream` holding `stream.subject` (with several partitions, `<subject>.*`: one per data
+    loader) on the broker at `url`."""
     import nats
+
+    from hybridrec.app.replay import stream_subjects
 
     nc = await nats.connect(url, connect_timeout=5)
     try:
-        await nc.jetstream().add_stream(name=stream.stream, subjects=[stream.subject])
+        await nc.jetstream().add_stream(name=stream.stream, subjects=stream_subjects(stream.subject, partitions))
     finally:
         await nc.close()
 

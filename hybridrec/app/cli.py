@@ -54,16 +54,31 @@ def _load(path: Path, overrides: Optional[list[str]]) -> Config:
 
 def _fit(config: Config):
     """The config with its `auto` replica lists and thread count sized to this host, and the layout chosen
-    (hybridrec/app/layout.py)."""
+    (hybridrec/app/layout.py); an `auto` loader count is lowered until the training data splits into that
+    many parts (gzip files, Parquet row groups and prepared rows go to one loader each)."""
     from hybridrec.app.layout import Host, fit
 
-    return fit(config, Host.here())
+    from services.dataloader import sources
+
+    host = Host.here()
+    fitted, layout = fit(config, host)
+    loaders = layout.dataloader
+    while "dataloader" in config.cluster.sized_by_host() and loaders > 1:
+        try:
+            sources.check_splits(fitted)
+            break
+        except ConfigError:
+            loaders -= 1
+            fitted, layout = fit(config, host, max_loaders=loaders)
+    return fitted, layout
 
 
 def preflight(config: Config, *, model: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
-    schema, file sizes and checksums), the feature columns and, unless `model` is False, the model
-    (`check_model`)."""
+    schema, file sizes and checksums), the feature columns, that every data loader gets a split of the
+    training data and that a checkpoint to resume from was written with as many loaders, and, unless `model`
+    is False, the model (`check_model`)."""
+    from hybridrec import checkpoints
     from hybridrec.criteo_format import feature_columns
 
     from services.dataloader import sources
@@ -78,6 +93,9 @@ def preflight(config: Config, *, model: bool = True) -> None:
             raw.append(path)
     try:
         sources.check_prepared(config)
+        sources.check_splits(config)
+        if (found := checkpoints.resume_from(config.checkpoint)) is not None:
+            checkpoints.check_loaders(*found, len(config.cluster.dataloader))
         if config.data.format == "parquet":
             from services.dataloader import parquet
 
@@ -433,7 +451,10 @@ def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help=
                                            "when missing; data.stream.stream)."),
                 rows_per_message: int = typer.Option(100, "--rows-per-message", min=1, max=65535),
                 first_event: int = typer.Option(0, "--first-event", min=0, help="Id of the first line."),
-                limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Publish this many lines.")):
+                limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Publish this many lines."),
+                partitions: int = typer.Option(1, "--partitions", min=1, max=1024, help="Message m to subject "
+                                               "SUBJECT.<m mod P>, then an end marker to each (P > 1: one per data "
+                                               "loader of the job, cluster.dataloader); 1: SUBJECT itself.")):
     """Publish data files as a timed event stream on NATS JetStream (for data.stream)."""
     import asyncio
 
@@ -449,13 +470,15 @@ def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help=
             _fail(f"{path}: no such file")
     try:
         result = asyncio.run(replay(files, url=url, subject=subject, stream=stream, rate=rate,
-                                    rows_per_message=rows_per_message, first_event=first_event, limit=limit))
+                                    rows_per_message=rows_per_message, first_event=first_event, limit=limit,
+                                    partitions=partitions))
     except ValueError as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - a broker that is not there: nats-py raises several kinds
         _fail(f"--to {to}: {type(exc).__name__}: {exc}")
     typer.echo(f"published {result.events:,} events ({result.first_event}..{result.first_event + result.events - 1}) "
-               f"in {result.messages:,} messages to {subject} in {result.seconds:.1f} s "
+               f"in {result.messages:,} messages to {subject}{f' (.0 to .{partitions - 1})' if partitions > 1 else ''} "
+               f"in {result.seconds:.1f} s "
                f"({result.events / max(result.seconds, 1e-9):,.0f} events/s); stream {stream} ends at "
                f"{result.last_seq}")
 

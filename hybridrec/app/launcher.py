@@ -501,7 +501,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
         from hybridrec.app.broker import LocalBroker, with_url
 
         broker = LocalBroker(run_dir)
-        config = with_url(config, broker.start(config.data.stream))
+        config = with_url(config, broker.start(config.data.stream, partitions=len(config.cluster.dataloader)))
     cluster = LocalCluster.on_loopback(config, run_dir, forkserver)
     check = None
     next_sample = time.monotonic()

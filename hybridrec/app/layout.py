@@ -9,7 +9,8 @@ rules, in order:
 * **Cores for the dense side**: a rank with a GPU needs two (its event loop and its compute thread); a rank
   on the CPU its compute thread's intra-op threads plus one. `torch_threads: auto` gives a GPU rank one
   thread and the CPU ranks together about half the host.
-* **The rest** go to the sparse side, split as it costs: per 1M training samples of the README example the
+* **The rest** go to the sparse side, split as it costs (data loaders no more than the training data can be
+  split into, and one for a stream): per 1M training samples of the README example the
   PS shards took 0.42 of the sparse side's CPU, the embedding workers 0.31 and the data loader 0.27
   (docs/benchmarks.md, "Where the CPU goes"). At least 2 PS shards, 1 embedding worker and 1 data loader:
   on the 2-vCPU development machine the README example's own layout.
@@ -29,8 +30,6 @@ SPARSE_SHARES = {"ps": 0.42, "embedding_workers": 0.31, "dataloader": 0.27}
 """Each sparse-side service's share of the sparse side's CPU per training sample (README example)."""
 MINIMUM = {"ps": 2, "embedding_workers": 1, "dataloader": 1}
 MAX_EMBEDDING_WORKERS = 255
-MAX_DATALOADERS = 1
-"""One data loader per job for now (`cluster.dataloader`)."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,10 @@ class Layout:
                 f"{self.host.cores} cores and {self.host.gpus} GPU(s) ({chosen})")
 
 
-def fit(config: Config, host: Host) -> tuple[Config, Layout]:
-    """`config` with every `auto` replica list and thread count sized to `host`, and what was chosen."""
+def fit(config: Config, host: Host, *, max_loaders: int | None = None) -> tuple[Config, Layout]:
+    """`config` with every `auto` replica list and thread count sized to `host`, and what was chosen; an `auto`
+    loader count stays within `max_loaders` (what the data can be split into: `hybridrec run` finds it) and
+    is 1 for a stream (its partitions are the published stream's, `hybridrec data replay --partitions`)."""
     cluster, training = config.cluster, config.training
     auto = set(cluster.sized_by_host())
     fitted: list[str] = []
@@ -107,9 +108,12 @@ def fit(config: Config, host: Host) -> tuple[Config, Layout]:
     for key, share in SPARSE_SHARES.items():
         if key in auto:
             counts[key] = max(MINIMUM[key], int(spare * share))
-            fitted.append(f"cluster.{key}={counts[key]}")
+    if config.data.stream is not None:
+        max_loaders = 1
+    if max_loaders is not None and "dataloader" in auto:
+        counts["dataloader"] = min(counts["dataloader"], max(1, max_loaders))
     counts["embedding_workers"] = min(counts["embedding_workers"], MAX_EMBEDDING_WORKERS)
-    counts["dataloader"] = min(counts["dataloader"], MAX_DATALOADERS)
+    fitted += [f"cluster.{key}={counts[key]}" for key in SPARSE_SHARES if key in auto]
     tree = config.model_dump(mode="json")
     for key in (*SPARSE_SHARES, "nn_workers"):
         if key in auto:

@@ -7,6 +7,10 @@ clock: when it is published) in its headers (hybridrec/event_stream.py). Message
 `rate` events a second (0: as fast as the broker takes them); publishing is pipelined (JetStream's
 asynchronous publish, every acknowledgement awaited before the end). The stream is created when it is not
 there, holding the subject; a stream that exists must hold it.
+
+With `partitions` P > 1 (one per data loader of the job: `cluster.dataloader`), message m goes to subject
+`<subject>.<m mod P>` (the stream holds `<subject>.*`), and after the last message every partition gets an
+end marker: a message without lines whose event id is the replay's end (hybridrec/event_stream.py).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from hybridrec.event_stream import headers
+from hybridrec.event_stream import headers, partition_of, partition_subject, subject_matches
 
 
 @dataclass
@@ -53,30 +57,43 @@ def _messages(files: list[Path], rows_per_message: int, limit: int | None) -> It
         yield batch
 
 
+def stream_subjects(subject: str, partitions: int) -> list[str]:
+    """The subjects a stream holds for `partitions` partitions of `subject`."""
+    return [subject] if partitions == 1 else [f"{subject}.*"]
+
+
 async def replay(files: list[Path], *, url: str, subject: str, stream: str, rate: float, rows_per_message: int,
-                 first_event: int = 0, limit: int | None = None) -> ReplayResult:
+                 first_event: int = 0, limit: int | None = None, partitions: int = 1) -> ReplayResult:
     import nats
     from nats.js.errors import NotFoundError
 
+    subjects = [partition_subject(subject, partition_of(p, partitions)) for p in range(partitions)]
     nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10)
     try:
         js = nc.jetstream()
         try:
             info = await js.stream_info(stream)
-            if subject not in (info.config.subjects or []):
-                raise ValueError(f"stream {stream!r} on {url} does not hold subject {subject!r} (its subjects: "
-                                 f"{', '.join(info.config.subjects or [])}); name another --stream")
+            held = info.config.subjects or []
+            missing = [s for s in subjects
+                       if not (s in held if partitions == 1 else any(subject_matches(h, s) for h in held))]
+            if missing:
+                raise ValueError(f"stream {stream!r} on {url} does not hold subject {missing[0]!r} (its subjects: "
+                                 f"{', '.join(held)}); name another --stream")
         except NotFoundError:
-            await js.add_stream(name=stream, subjects=[subject])
+            await js.add_stream(name=stream, subjects=stream_subjects(subject, partitions))
         started, event, messages = time.monotonic(), first_event, 0
         for lines in _messages(files, rows_per_message, limit):
             if rate > 0:
                 delay = started + (event - first_event) / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            await js.publish_async(subject, b"".join(lines), headers=headers(event, time.time()), wait_stall=30)
+            await js.publish_async(subjects[messages % partitions], b"".join(lines),
+                                   headers=headers(event, time.time()), wait_stall=30)
             event += len(lines)
             messages += 1
+        if partitions > 1:  # each partition learns where the replay ends (the id after its last event)
+            for target in subjects:
+                await js.publish_async(target, b"", headers=headers(event, time.time()), wait_stall=30)
         await js.publish_async_completed()
         seconds = time.monotonic() - started
         last = (await js.stream_info(stream)).state.last_seq

@@ -19,6 +19,7 @@ import numpy as np
 
 from hybridrec.frames import SparseBatch
 from hybridrec.jagged import KeyedBags
+from services.dataloader.splits import Split, whole
 from services.dataloader.tsv import BadLinePolicy, CriteoChunk, read_criteo
 
 
@@ -78,10 +79,15 @@ class ReadCounters:
 
 
 def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int], chunk_rows: int,
-              bad_lines: BadLinePolicy | str, counters: ReadCounters) -> Iterator[Rows]:
-    """Chunks of every file in order, restricted to the configured feature columns."""
-    for path in paths:
-        for chunk in read_criteo(path, groups=groups, chunk_rows=chunk_rows, bad_lines=bad_lines):
+              bad_lines: BadLinePolicy | str, counters: ReadCounters, split: Split | None = None) -> Iterator[Rows]:
+    """Chunks of every file in order (of this loader's `split`: splits.py), restricted to the configured
+    feature columns."""
+    for path, part in zip(paths, split or whole(len(paths))):
+        if part is None:
+            continue
+        chunks = read_criteo(path, groups=groups, chunk_rows=chunk_rows, bad_lines=bad_lines,
+                             start_offset=part.start, start_line=None if part.start else 1, end_offset=part.stop)
+        for chunk in chunks:
             counters.bad_lines += chunk.num_bad_lines
             counters.rows += len(chunk)
             if len(chunk):
@@ -90,20 +96,26 @@ def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int
 
 def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, columns: np.ndarray,
                        groups: Sequence[int], bad_lines: BadLinePolicy | str, counters: ReadCounters,
-                       start: Position = Position()) -> Iterator[tuple[Rows, Position]]:
-    """Training batches from `start` on, each with the position right after it.
+                       start: Position = Position(), split: Split | None = None) -> Iterator[tuple[Rows, Position]]:
+    """Training batches from `start` on (of this loader's `split` of the files: splits.py), each with the
+    position right after it.
 
     One reader chunk is one batch (a file's last batch may be smaller), so every
     batch ends at a byte offset the reader can resume from exactly: a restarted
     job neither re-reads nor skips a sample.
     """
+    parts = split or whole(len(paths))
     for epoch in range(start.epoch, epochs):
-        for index, path in enumerate(paths):
-            if (epoch, index) < (start.epoch, start.file):
+        for index, (path, part) in enumerate(zip(paths, parts)):
+            if (epoch, index) < (start.epoch, start.file) or part is None:
                 continue
-            resume = (epoch, index) == (start.epoch, start.file)
+            resume = (epoch, index) == (start.epoch, start.file) and start.offset >= part.start
+            offset = start.offset if resume else part.start
+            if part.stop is not None and offset >= part.stop:
+                continue
             chunks = read_criteo(path, groups=groups, chunk_rows=batch_size, bad_lines=bad_lines,
-                                 start_offset=start.offset if resume else 0, start_line=start.line if resume else 1)
+                                 start_offset=offset, start_line=start.line if resume else None if offset else 1,
+                                 end_offset=part.stop)
             for chunk in chunks:
                 counters.bad_lines += chunk.num_bad_lines
                 counters.rows += len(chunk)

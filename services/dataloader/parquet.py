@@ -38,6 +38,7 @@ from hybridrec.criteo_kernels import hash_ints, hash_strings
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import BadLinePolicy, Position, ReadCounters, Rows
+from services.dataloader.splits import WHOLE, Part, Split, whole
 
 if TYPE_CHECKING:
     from hybridrec.config import Config
@@ -105,31 +106,45 @@ def _keyed_columns(spec: ParquetSpec) -> list[tuple[str, str]]:
             + [(f"{f.key}.column", f.column) for f in spec.features])
 
 
+def _open(path: str) -> pq.ParquetFile:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(2, f"Parquet data file not found: {path}", path)
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ParquetFormatError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def row_groups(path: str | os.PathLike) -> list[int]:
+    """The rows of each row group of the file (its footer only): what the data loaders' splits cut."""
+    metadata = _open(os.fspath(path)).metadata
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+
 def read_parquet(path: str | os.PathLike, spec: ParquetSpec, *, chunk_rows: int,
-                 bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP, start_row: int = 0) -> Iterator[ParquetChunk]:
-    """Chunks of `chunk_rows` good rows from file row `start_row` on (the last may be shorter).
+                 bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP, start_row: int = 0,
+                 groups: Part = WHOLE) -> Iterator[ParquetChunk]:
+    """Chunks of `chunk_rows` good rows from file row `start_row` on (the last may be shorter), of the row
+    groups [groups.start, groups.stop) only (a data loader's part of the file: splits.py).
 
     The file is opened (a missing or unreadable file raised) when called, not on the first `next()`.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(2, f"Parquet data file not found: {path}", path)
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise ParquetFormatError(f"{path}: not a readable Parquet file ({exc})") from None
+    parquet = _open(path)
     check_columns(path, spec)
-    return _read(parquet, path, spec, chunk_rows, BadLinePolicy(bad_lines), start_row)
+    return _read(parquet, path, spec, chunk_rows, BadLinePolicy(bad_lines), start_row, groups)
 
 
 def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int, policy: BadLinePolicy,
-          start_row: int) -> Iterator[ParquetChunk]:
+          start_row: int, groups: Part) -> Iterator[ParquetChunk]:
     pending: list[Rows] = []
     held, bad, truncated = 0, 0, 0
     row0 = 0
-    for group in range(parquet.metadata.num_row_groups):
+    count = parquet.metadata.num_row_groups
+    stop = count if groups.stop is None else min(groups.stop, count)
+    for group in range(stop):
         num = parquet.metadata.row_group(group).num_rows
-        if row0 + num <= start_row:
+        if group < groups.start or row0 + num <= start_row:
             row0 += num
             continue
         table = parquet.read_row_group(group, columns=spec.columns)
@@ -254,25 +269,29 @@ def _ids(array: pa.Array, group_hi: np.uint64, key: str) -> tuple[np.ndarray, np
 
 def iter_train_batches(paths: Sequence[str], spec: ParquetSpec, *, epochs: int, batch_size: int,
                        bad_lines: BadLinePolicy | str, counters: ReadCounters,
-                       start: Position = Position()) -> Iterator[tuple[Rows, Position]]:
-    """Training batches from `start` on, each with the position after it (`offset`: the file row; `line`:
-    that row, 1-based): as `batching.iter_train_batches` for TSV."""
+                       start: Position = Position(), split: Split | None = None) -> Iterator[tuple[Rows, Position]]:
+    """Training batches from `start` on (of this loader's `split`: row groups per file), each with the position
+    after it (`offset`: the file row; `line`: that row, 1-based): as `batching.iter_train_batches` for TSV."""
+    parts = split or whole(len(paths))
     for epoch in range(start.epoch, epochs):
-        for index, path in enumerate(paths):
-            if (epoch, index) < (start.epoch, start.file):
+        for index, (path, part) in enumerate(zip(paths, parts)):
+            if (epoch, index) < (start.epoch, start.file) or part is None:
                 continue
             first = start.offset if (epoch, index) == (start.epoch, start.file) else 0
-            for chunk in read_parquet(path, spec, chunk_rows=batch_size, bad_lines=bad_lines, start_row=first):
+            for chunk in read_parquet(path, spec, chunk_rows=batch_size, bad_lines=bad_lines, start_row=first,
+                                      groups=part):
                 _count(counters, chunk)
                 if len(chunk):
                     yield chunk.rows, Position(epoch, index, chunk.end_row, chunk.end_row + 1)
 
 
 def iter_rows(paths: Sequence[str], spec: ParquetSpec, *, chunk_rows: int, bad_lines: BadLinePolicy | str,
-              counters: ReadCounters) -> Iterator[Rows]:
-    """Chunks of every file in order (the eval stream)."""
-    for path in paths:
-        for chunk in read_parquet(path, spec, chunk_rows=chunk_rows, bad_lines=bad_lines):
+              counters: ReadCounters, split: Split | None = None) -> Iterator[Rows]:
+    """Chunks of every file in order (of this loader's `split`), the eval stream."""
+    for path, part in zip(paths, split or whole(len(paths))):
+        if part is None:
+            continue
+        for chunk in read_parquet(path, spec, chunk_rows=chunk_rows, bad_lines=bad_lines, groups=part):
             _count(counters, chunk)
             if len(chunk):
                 yield chunk.rows

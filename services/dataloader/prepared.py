@@ -55,6 +55,7 @@ from hybridrec.config import Config, ConfigError, FeatureKind
 from hybridrec.criteo_format import DENSE_COLUMNS
 from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import Position, ReadCounters, Rows
+from services.dataloader.splits import Split, whole
 
 FORMAT = "hybridrec-prepared"
 FORMAT_VERSION = 1
@@ -388,44 +389,60 @@ def _count_shard(counters: ReadCounters, shard: _Shard) -> None:
     counters.truncated_rows += shard.entry.truncated_rows
 
 
+def shard_rows(directories: Sequence[str]) -> list[int]:
+    """The rows of every shard of the listed directories, in order, from their manifests alone (what the
+    data loaders' splits cut: splits.row_split)."""
+    return [shard.rows for directory in directories for shard in read_manifest(directory).shards]
+
+
 def iter_train_batches(directories: Sequence[str], config: Config, *, counters: ReadCounters,
-                       start: Position = Position()) -> Iterator[tuple[Rows, Position]]:
-    """Training batches from `start` on, each with the position after it (epoch, shard, row, row + 1): the
-    batches of `batching.iter_train_batches` / `parquet.iter_train_batches` over the source files."""
+                       start: Position = Position(), split: Split | None = None) -> Iterator[tuple[Rows, Position]]:
+    """Training batches from `start` on (of this loader's `split`: a row range per shard), each with the
+    position after it (epoch, shard, row, row + 1): the batches of `batching.iter_train_batches` /
+    `parquet.iter_train_batches` over the source files."""
     shards = _shards(directories, config)
     if start != Position() and (start.file >= len(shards) or start.offset > shards[start.file].entry.rows):
         raise PreparedDataError(f"resume position {start.as_list()} is outside the prepared data ({len(shards)} "
                                 f"shards of {[s.entry.rows for s in shards]} rows): it was taken on other data")
-    return _train(shards, config.training.epochs, config.training.batch_size, counters, start)
+    return _train(shards, config.training.epochs, config.training.batch_size, counters, start,
+                  split or whole(len(shards)))
 
 
 def _train(shards: list[_Shard], epochs: int, batch_size: int, counters: ReadCounters,
-           start: Position) -> Iterator[tuple[Rows, Position]]:
+           start: Position, split: Split) -> Iterator[tuple[Rows, Position]]:
     for epoch in range(start.epoch, epochs):
-        for index, shard in enumerate(shards):
-            if (epoch, index) < (start.epoch, start.file):
+        for index, (shard, part) in enumerate(zip(shards, split)):
+            if (epoch, index) < (start.epoch, start.file) or part is None:
                 continue
             rows = shard.load()
-            first = start.offset if (epoch, index) == (start.epoch, start.file) else 0
-            for begin in range(first, len(rows), batch_size):
-                end = min(begin + batch_size, len(rows))
+            stop = len(rows) if part.stop is None else part.stop
+            first = max(start.offset, part.start) if (epoch, index) == (start.epoch, start.file) else part.start
+            for begin in range(first, stop, batch_size):
+                end = min(begin + batch_size, stop)
                 counters.rows += end - begin
                 yield rows.slice(begin, end), Position(epoch, index, end, end + 1)
-            _count_shard(counters, shard)
+            if stop == len(rows):  # the loader that reads the shard's end counts its source's bad lines
+                _count_shard(counters, shard)
 
 
-def iter_rows(directories: Sequence[str], config: Config, *, counters: ReadCounters) -> Iterator[Rows]:
-    """Every shard's rows in order, in chunks of `data.chunk_rows` (the eval stream)."""
+def iter_rows(directories: Sequence[str], config: Config, *, counters: ReadCounters,
+              split: Split | None = None) -> Iterator[Rows]:
+    """Every shard's rows in order (of this loader's `split`), in chunks of `data.chunk_rows` (the eval
+    stream)."""
     shards = _shards(directories, config)
     chunk_rows = config.data.chunk_rows
-    return _chunks(shards, chunk_rows, counters)
+    return _chunks(shards, chunk_rows, counters, split or whole(len(shards)))
 
 
-def _chunks(shards: list[_Shard], chunk_rows: int, counters: ReadCounters) -> Iterator[Rows]:
-    for shard in shards:
+def _chunks(shards: list[_Shard], chunk_rows: int, counters: ReadCounters, split: Split) -> Iterator[Rows]:
+    for shard, part in zip(shards, split):
+        if part is None:
+            continue
         rows = shard.load()
-        for begin in range(0, len(rows), chunk_rows):
-            end = min(begin + chunk_rows, len(rows))
+        stop = len(rows) if part.stop is None else part.stop
+        for begin in range(part.start, stop, chunk_rows):
+            end = min(begin + chunk_rows, stop)
             counters.rows += end - begin
             yield rows.slice(begin, end)
-        _count_shard(counters, shard)
+        if stop == len(rows):
+            _count_shard(counters, shard)

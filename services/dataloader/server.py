@@ -2,6 +2,13 @@
 
 These are steps 1–2 of docs/architecture.md#one-training-batch.
 
+With several data loaders (`cluster.dataloader`), replica l reads its own
+split of the data (splits.py; with `data.stream`, partition l of the subject)
+and is a stream of its own end to end: its batches are numbered 0, 1, ... and
+dealt evenly to the ranks, its checkpoint entry, restart plan and
+acknowledgements are its own. The NN workers take their batches from the
+loaders in an order every rank follows (services/nn_worker/inbox.py).
+
 Parsing and batch preparation (per-feature dedup) run on a helper thread so the
 event loop keeps serving RPCs. For each batch the ID half goes to an embedding
 worker (round robin) which answers a batch_ref; the dense half then goes with
@@ -21,7 +28,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from hybridrec import rpc
+from hybridrec import log, rpc
 from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received
 from hybridrec.config import Config, ConfigError
 from hybridrec.proto import pb
@@ -31,7 +38,7 @@ from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
 from services.dataloader import stream
-from services.dataloader.sources import check_prepared, eval_rows as read_eval_rows, train_batches
+from services.dataloader.sources import check_prepared, check_splits, eval_rows as read_eval_rows, train_batches
 from services.dataloader.stream import EventSource, NatsSource, StreamAccount
 from hybridrec.criteo_format import feature_columns
 
@@ -58,10 +65,10 @@ class DataLoaderServicer:
 
 
 class Dispatcher:
-    """Sends prepared batches to embedding workers and NN workers."""
+    """Sends data loader `loader`'s prepared batches to embedding workers and NN workers."""
 
-    def __init__(self, config: Config, servicer: DataLoaderServicer):
-        self.config, self.servicer = config, servicer
+    def __init__(self, config: Config, servicer: DataLoaderServicer, loader: int = 0):
+        self.config, self.servicer, self.loader = config, servicer, loader
         self.timeout = config.cluster.rpc_timeout_s
         self.retry_s = config.cluster.retry_s
         self.ew_channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
@@ -77,23 +84,54 @@ class Dispatcher:
         """Called with the positions after training batches newly known trained, in order, each with every
         earlier one (a stream acknowledges its messages through the last, and counts their lag)."""
         self._untrained: deque[tuple[int, Position]] = deque()  # training batches read, not yet known trained
+        self.ended: str | None = None  # the last phase whose end this loader has delivered to every rank
 
-    async def wait_trained(self) -> None:
+    async def wait_trained(self) -> bool:
         """Wait until every rank has finished training (its status says evaluation or done), then count every
-        training batch trained (`on_trained`)."""
+        training batch trained (`on_trained`); False when a rank did not answer for `cluster.retry_s` (or, when
+        longer, `cluster.rejoin_timeout_s`: a replacement may be joining).
+
+        Meanwhile a rank that no longer holds the end this loader sent it (a replacement of a lost NN worker,
+        which another loader's batches keep training) is sent every frame it has not confirmed again: the
+        batches its predecessor still owed and the end of the phase, without which it would wait for this
+        loader for ever."""
         statuses = [rpc.control_method(ch, "NNWorker", "Status") for ch in self.nn_channels]
-        deadline = asyncio.get_running_loop().time() + self.retry_s
-        for status in statuses:
+        loop = asyncio.get_running_loop()
+
+        patience = max(self.retry_s, self.config.cluster.rejoin_timeout_s)
+
+        async def left_training(rank: int) -> bool:
+            deadline = loop.time() + patience
             while True:
                 try:
-                    if (await status(pb.Empty(), timeout=self.timeout)).phase in ("eval", "done"):
-                        break
+                    if (await statuses[rank](pb.Empty(), timeout=self.timeout)).phase in ("eval", "done"):
+                        return True
+                    if self.ended is not None:
+                        held = Received.decode(await self.nn_received[rank](Received(loader=self.loader).encode(),
+                                                                            timeout=self.timeout))
+                        if self.ended not in held.ended:
+                            await self._deliver_again(rank)
+                    deadline = loop.time() + patience
                 except grpc.aio.AioRpcError:
-                    pass
-                if asyncio.get_running_loop().time() > deadline:
-                    return  # not acknowledged: a later job reads those messages again, nothing is skipped
-                await asyncio.sleep(0.1)
+                    if loop.time() > deadline:
+                        return False  # not acknowledged: a later job reads those messages again, nothing is skipped
+                await asyncio.sleep(0.2)
+
+        if not all(await asyncio.gather(*(left_training(rank) for rank in range(len(self.windows))))):
+            return False
         self.note_trained(through=[END] * len(self.windows))
+        return True
+
+    async def _deliver_again(self, rank: int) -> None:
+        """Send rank `rank` (a replacement) every frame of its window it has not confirmed."""
+        window = self.windows[rank]
+        window.resent += window.delivered
+        window.delivered = 0
+        put = self.nn_put[rank]
+        log.get().warning("frames_sent_again", rank=rank, frames=len(window.frames), ended=self.ended,
+                          why="the rank no longer holds them (a replacement)")
+        await deliver(window, lambda frame: put(frame, timeout=None), retry_s=self.retry_s)
+        self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
 
     async def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -108,7 +146,8 @@ class Dispatcher:
     async def received(self) -> list[Received]:
         """Every rank's answer to `Received`, in rank order (waiting out ranks that are still joining)."""
         async def ask(rank: int) -> Received:
-            reply = await rpc.retry(lambda: self.nn_received[rank](Received().encode(), timeout=self.timeout),
+            request = Received(loader=self.loader).encode()
+            reply = await rpc.retry(lambda: self.nn_received[rank](request, timeout=self.timeout),
                                     deadline_s=self.retry_s)
             return Received.decode(reply)
 
@@ -142,19 +181,22 @@ class Dispatcher:
                 ref = BatchRef.decode(reply).batch_ref
                 dense = DenseBatch(ref, rows.dense, rows.labels, phase, seq=seq,
                                    position=tuple(position.as_list()) if position else (),
-                                   rows_before=rank_rows[rank])
+                                   rows_before=rank_rows[rank], loader=self.loader)
                 rank_rows[rank] += len(rows)
                 await self._put(queues[rank], senders, (phase, dense.seq, dense.encode()))
                 sent += 1
                 self.servicer.counters[f"{phase}_batches_total"] += 1
                 self.servicer.counters["rows_sent_total"] += len(rows)
-            for q in queues:
-                await self._put(q, senders, (phase, END, EndOfPhase(phase, end_meta()).encode()))
+            end_seq = seq if phase == "train" else -1  # dealt evenly: every rank's share ends there
+            for rank, q in enumerate(queues):
+                end = EndOfPhase(phase, end_meta(), loader=self.loader, end_seq=end_seq, rows_sent=rank_rows[rank])
+                await self._put(q, senders, (phase, END, end.encode()))
                 await self._put(q, senders, _DONE)
             await asyncio.gather(*senders)
         finally:
             for task in senders:
                 task.cancel()
+        self.ended = phase
         return sent
 
     @staticmethod
@@ -189,13 +231,28 @@ class Dispatcher:
             self.on_trained(trained)
 
 
-def checkpoint_point(config: Config) -> tuple[Position, int]:
-    """(position, next batch index) of the newest checkpoint, or the start of the data."""
+def checkpoint_point(config: Config, loader: int = 0) -> tuple[Position, int]:
+    """(position, next batch index) of data loader `loader`'s stream at the newest checkpoint, or the start of
+    the data; ConfigError naming cluster.dataloader for a checkpoint of another number of loaders."""
     found = checkpoints.resume_from(config.checkpoint)
     if found is None:
         return Position(), 0
-    _, manifest = found
-    return Position(*manifest.position), manifest.seq
+    path, manifest = found
+    checkpoints.check_loaders(path, manifest, len(config.cluster.dataloader))
+    seq, position = manifest.streams()[loader]
+    return Position(*position), seq
+
+
+def max_batches(config: Config, loader: int) -> int | None:
+    """With `training.max_steps`, the training batches loader `loader` sends in all: the ranks take one batch
+    a step from each loader in turn (services/nn_worker/inbox.py), so loader l's share of S steps is the number
+    of steps s < S with s mod L = l, times the ranks (fewer steps in all when a loader runs out of data first);
+    None: no limit."""
+    steps = config.training.max_steps
+    if steps is None:
+        return None
+    loaders = len(config.cluster.dataloader)
+    return max(0, steps - loader + loaders - 1) // loaders * len(config.cluster.nn_workers)
 
 
 async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
@@ -203,7 +260,7 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
     """Read and send the training stream from `resume` on (with `data.stream`, from `stream_parts`: the source
     and its account); returns the number of batches sent."""
     training, num_ranks = config.training, len(config.cluster.nn_workers)
-    first_seq = resume.train.first_seq
+    first_seq, loader = resume.train.first_seq, dispatcher.loader
     if stream_parts is not None:
         source, account = stream_parts
         await asyncio.get_running_loop().run_in_executor(dispatcher.executor, source.start, resume.position)
@@ -213,10 +270,10 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
                                             batch_size=training.batch_size, columns=columns, groups=groups,
                                             bad_lines=config.data.bad_lines, counters=counts)
     else:
-        batches = train_batches(config, counts, resume.position)
+        batches = train_batches(config, counts, resume.position, loader)
     items = deal_evenly(batches, num_ranks, counts)
-    if training.max_steps is not None:
-        items = itertools.islice(items, max(0, training.max_steps * num_ranks - first_seq))
+    if (limit := max_batches(config, loader)) is not None:
+        items = itertools.islice(items, max(0, limit - first_seq))
 
     def end_meta() -> dict:  # a restarted loader's counters start at its first batch
         return {**vars(counts), **({"first_seq": first_seq} if first_seq else {})}
@@ -225,7 +282,12 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
 
 
 async def serve(config: Config, replica: int) -> None:
+    loaders = len(config.cluster.dataloader)
+    if not 0 <= replica < loaders:
+        raise ConfigError(f"--replica {replica}: cluster.dataloader lists {loaders} data loader"
+                          f"{'s' if loaders != 1 else ''} (0..{loaders - 1})")
     check_prepared(config)  # bad prepared data stops the loader at once, naming the file (not once workers are up)
+    check_splits(config)  # as does a layout that leaves a loader no training data, naming cluster.dataloader
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
@@ -233,7 +295,7 @@ async def serve(config: Config, replica: int) -> None:
     num_ranks = len(config.cluster.nn_workers)
     await host.start()
     await host.set_serving(True)
-    dispatcher = Dispatcher(config, servicer)
+    dispatcher = Dispatcher(config, servicer, replica)
 
     async def main() -> None:
         await rpc.wait_until_serving(config.cluster.embedding_workers + config.cluster.nn_workers,
@@ -241,7 +303,7 @@ async def serve(config: Config, replica: int) -> None:
         started = time.monotonic()
         train_counts, eval_counts = ReadCounters(), ReadCounters()
         servicer.reads = [train_counts, eval_counts]
-        resume = plan(await dispatcher.received(), checkpoint_point(config))
+        resume = plan(await dispatcher.received(), checkpoint_point(config, replica))
         if resume.source != "start" or resume.train.skip_through or resume.train_done:
             host.log.warning("resuming", source=resume.source, seq=resume.train.first_seq,
                              position=resume.position.as_list(), train_done=resume.train_done,
@@ -251,22 +313,27 @@ async def serve(config: Config, replica: int) -> None:
                                     (source, account) if source is not None else None)
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
             if source is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
-                await dispatcher.wait_trained()  # every rank is there to ask (it waits for the eval data)
+                if await dispatcher.wait_trained():  # every rank is there to ask (it waits for the eval data)
+                    if account.end_marker is not None:  # the partition's end marker: passed, once all is trained
+                        source.ack_through(account.end_marker)
                 await asyncio.get_running_loop().run_in_executor(None, source.finish, config.cluster.retry_s)
                 account.write_summary()
                 host.log.info("stream_trained", **account.summary().model_dump())
-        eval_rows = read_eval_rows(config, eval_counts)
+        eval_rows = read_eval_rows(config, eval_counts, replica)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
+        if loaders > 1 and source is None:  # the other loaders' batches may keep the ranks training a while: a
+            await dispatcher.wait_trained()   # replacement of a rank lost meanwhile still gets this loader's share
 
     source = account = None
     if config.data.stream is not None:
         if config.data.stream.url is None:
             raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
                               "hybridrec serve dataloader needs nats://HOST:PORT)")
-        source = NatsSource(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s)
-        account = StreamAccount(source, output_dir=config.output.dir)
+        source = NatsSource(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
+                            partition=stream.partition(replica, loaders))
+        account = StreamAccount(source, output_dir=config.output.dir, partition=stream.partition(replica, loaders))
 
         def end_stream() -> None:  # SIGUSR1: training ends with what was read (hybridrec run's first Ctrl-C)
             host.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")

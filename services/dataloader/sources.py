@@ -4,17 +4,20 @@ TSV goes through the Criteo reader, Parquet through `parquet.py`, directories
 written by `hybridrec data prepare` through `prepared.py` (memory-mapped, no
 parsing); what comes out is the same `Rows` type, so batching, dealing and
 the frames are one path for all three. A list of files is all raw files or
-all prepared directories: one stream has one kind of `Position`.
+all prepared directories: one stream has one kind of `Position`. With several
+data loaders each reads its own split of the files (`split`, splits.py).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from hybridrec.config import Config, ConfigError
 from hybridrec.criteo_format import feature_columns
-from services.dataloader import batching, prepared
+from services.dataloader import batching, prepared, splits, tsv
 from services.dataloader.batching import Position, ReadCounters, Rows
+from services.dataloader.splits import Split
 
 
 def is_prepared(paths: Sequence[str], key: str) -> bool:
@@ -38,35 +41,84 @@ def check_prepared(config: Config) -> None:
                 prepared.open_dataset(Path(path), config)
 
 
-def train_batches(config: Config, counters: ReadCounters, start: Position = Position()
+def split(config: Config, key: str, loader: int) -> Split | None:
+    """Data loader `loader`'s part of the files under `key` (data.train or data.eval; prepared data: of their
+    shards), one of len(cluster.dataloader) nearly equal parts (splits.py); None (everything) with one loader."""
+    paths: list[str] = getattr(config.data, key.removeprefix("data."))
+    loaders = len(config.cluster.dataloader)
+    if loaders == 1:
+        return None
+    if is_prepared(paths, key):
+        return splits.row_split(prepared.shard_rows(paths), loader, loaders)
+    if config.data.format == "parquet":
+        from services.dataloader import parquet  # pyarrow: imported where Parquet is read (see eval_rows)
+
+        return splits.group_split([parquet.row_groups(path) for path in paths], loader, loaders)
+    gzipped = [tsv.is_gzip(path) for path in paths]
+    return splits.tsv_split(paths, gzipped, [os.path.getsize(path) for path in paths], loader, loaders)
+
+
+def check_splits(config: Config) -> None:
+    """Before a run: every data loader gets some of the training data; else ConfigError naming
+    cluster.dataloader (a gzip file, a Parquet row group, a prepared row is read by one loader only).
+    Evaluation data may leave a loader without any: it ends the phase at once."""
+    paths, loaders = config.data.train, len(config.cluster.dataloader)
+    if loaders == 1 or not paths:
+        return
+    if is_prepared(paths, "data.train"):
+        rows = sum(prepared.shard_rows(paths))
+        splits.refuse_empty([split(config, "data.train", l) for l in range(loaders)], "data.train",
+                            f"{rows} prepared row{'s' if rows != 1 else ''}",
+                            "list fewer data loaders, or prepare more data")
+        return
+    if config.data.format == "parquet":
+        from services.dataloader import parquet
+
+        groups = sum(len(parquet.row_groups(path)) for path in paths)
+        splits.refuse_empty([split(config, "data.train", l) for l in range(loaders)], "data.train",
+                            f"{groups} Parquet row group{'s' if groups != 1 else ''} (each read by one loader)",
+                            "list at most as many data loaders as row groups, or write smaller row groups")
+        return
+    gzipped = [tsv.is_gzip(path) for path in paths]
+    if all(gzipped):  # plain files are cut at any line, so every loader gets a part of them
+        splits.refuse_empty([split(config, "data.train", l) for l in range(loaders)], "data.train",
+                            f"{len(paths)} gzip file{'s' if len(paths) != 1 else ''} (each read whole by one "
+                            f"loader)", "list at most as many data loaders as gzip files, split the data into "
+                            "more files, or decompress it (plain TSV is cut into byte ranges)")
+
+
+def train_batches(config: Config, counters: ReadCounters, start: Position = Position(), loader: int = 0
                   ) -> Iterator[tuple[Rows, Position]]:
-    """Training batches of `training.batch_size` rows (a file's last may be smaller) from `start` on."""
+    """Training batches of `training.batch_size` rows (a file's last may be smaller) from `start` on, of data
+    loader `loader`'s split of the files."""
     data, training = config.data, config.training
+    part = split(config, "data.train", loader)
     if is_prepared(data.train, "data.train"):
-        return prepared.iter_train_batches(data.train, config, counters=counters, start=start)
+        return prepared.iter_train_batches(data.train, config, counters=counters, start=start, split=part)
     if data.format == "parquet":
         from services.dataloader import parquet  # pyarrow: imported where Parquet is read (see eval_rows)
 
         return parquet.iter_train_batches(data.train, parquet.ParquetSpec.from_config(config), epochs=training.epochs,
                                           batch_size=training.batch_size, bad_lines=data.bad_lines,
-                                          counters=counters, start=start)
+                                          counters=counters, start=start, split=part)
     columns, groups = feature_columns(config.features)
     return batching.iter_train_batches(data.train, epochs=training.epochs, batch_size=training.batch_size,
                                        columns=columns, groups=groups, bad_lines=data.bad_lines, counters=counters,
-                                       start=start)
+                                       start=start, split=part)
 
 
-def eval_rows(config: Config, counters: ReadCounters) -> Iterator[Rows]:
-    """Every eval file's rows in order, in chunks of `data.chunk_rows`."""
+def eval_rows(config: Config, counters: ReadCounters, loader: int = 0) -> Iterator[Rows]:
+    """Every eval file's rows in order (of data loader `loader`'s split), in chunks of `data.chunk_rows`."""
     data = config.data
+    part = split(config, "data.eval", loader)
     if is_prepared(data.eval, "data.eval"):
-        return prepared.iter_rows(data.eval, config, counters=counters)
+        return prepared.iter_rows(data.eval, config, counters=counters, split=part)
     if data.format == "parquet":
         from services.dataloader import parquet  # pyarrow starts a thread (jemalloc's) as it is imported: only
         # a loader reading Parquet imports it, never the fork server its process comes from
 
         return parquet.iter_rows(data.eval, parquet.ParquetSpec.from_config(config), chunk_rows=data.chunk_rows,
-                                 bad_lines=data.bad_lines, counters=counters)
+                                 bad_lines=data.bad_lines, counters=counters, split=part)
     columns, groups = feature_columns(config.features)
     return batching.iter_rows(data.eval, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
-                              bad_lines=data.bad_lines, counters=counters)
+                              bad_lines=data.bad_lines, counters=counters, split=part)

@@ -19,6 +19,16 @@ stopped. Training ends after the message holding event `data.stream.until_event`
 first message past it), after `for_s` seconds, or on SIGUSR1 (`hybridrec run`'s first Ctrl-C): then with
 what was read, evaluated and checkpointed as at any end.
 
+With several data loaders the subject is partitioned (hybridrec/event_stream.py: `hybridrec data replay
+--partitions L`): loader l consumes `<subject>.<l>` through a durable consumer of its own (`<durable>-<l>`; one
+subject filter per consumer, as nats-server 2.9 allows), and all of the above holds per partition: its
+positions, acknowledgements, restart and account (`stream-<l>.json`). `until_event` stays one event id for the
+job: a partition ends at its first message whose first event is at or past it, or that holds event
+`until_event - 1` — or at the replay's end marker (a message without lines, whose event id is the replay's
+end), which is how a partition whose last data message ends before `until_event` learns that no more will
+come to it. A marker that ends a partition is acknowledged once every batch before it is trained; one that
+does not (an earlier replay's) is passed over.
+
 nats-py is asyncio; the loader's reader runs on a thread of its own (the event loop serves RPCs), so the
 consumer runs on another thread with its own event loop, and hands messages over through a bounded queue.
 """
@@ -36,7 +46,7 @@ import uvloop
 
 from hybridrec import log
 from hybridrec.config import ConfigError, StreamConfig
-from hybridrec.event_stream import read_headers
+from hybridrec.event_stream import partition_subject, read_headers, subject_matches
 from hybridrec.summary import Lag, StreamSummary
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.tsv import BadLinePolicy, parse_lines
@@ -61,11 +71,19 @@ class StreamError(RuntimeError):
     """The broker cannot be used as configured (unreachable past the retry budget, a stream that is gone)."""
 
 
+def partition(loader: int, loaders: int) -> int | None:
+    """The partition of the subject data loader `loader` consumes: its own index with several loaders, None
+    (the subject itself) with one."""
+    return loader if loaders > 1 else None
+
+
 class EventSource(Protocol):
     """Where a stream's events come from, as the batcher and the account use it. `NatsSource` is NATS
     JetStream's; another broker's (Kafka: a consumer group's committed offsets in place of acknowledgements)
     implements the same calls."""
 
+    subject: str
+    """The subject (partition) it reads, for messages."""
     first_seq: int
     """The first sequence (offset) this job read."""
     acknowledged: int
@@ -86,8 +104,10 @@ class NatsSource:
     """The durable pull consumer of `data.stream`, on a thread of its own: `start` it at a position, `get`
     messages in stream order, and `ack_through` a sequence once everything up to it has been trained."""
 
-    def __init__(self, config: StreamConfig, url: str, *, retry_s: float):
+    def __init__(self, config: StreamConfig, url: str, *, retry_s: float, partition: int | None = None):
         self.config, self.url, self.retry_s = config, url, retry_s
+        self.subject = partition_subject(config.subject, partition)
+        self.durable = config.durable if partition is None else f"{config.durable}-{partition}"
         self.messages: queue.Queue[Message | BaseException] = queue.Queue(QUEUE_MESSAGES)
         self._loop = uvloop.new_event_loop()  # as every service's own loop: a fraction of asyncio's cost a message
         self._thread = threading.Thread(target=self._loop.run_forever, name="stream", daemon=True)
@@ -210,9 +230,13 @@ class NatsSource:
             raise ConfigError(f"data.stream.stream: there is no stream {c.stream!r} on {self.url} (create it, e.g. "
                               f"with `hybridrec data replay`, or name the stream that holds "
                               f"{c.subject!r})") from None
-        if not any(_matches(pattern, c.subject) for pattern in info.config.subjects or []):
+        if not any(subject_matches(pattern, self.subject) for pattern in info.config.subjects or []):
+            partitioned = "" if self.subject == c.subject else (
+                " (with several data loaders, loader l reads partition <subject>.<l>: replay with --partitions "
+                "set to the number of loaders)")
             raise ConfigError(f"data.stream.subject: stream {c.stream!r} on {self.url} does not hold subject "
-                              f"{c.subject!r} (its subjects: {', '.join(info.config.subjects or [])})")
+                              f"{self.subject!r}{partitioned} (its subjects: "
+                              f"{', '.join(info.config.subjects or [])})")
         if position != Position():
             first = position.offset + 1
             if c.until_event is not None and position.line == 1 and position.offset > 0 and (
@@ -224,19 +248,19 @@ class NatsSource:
                 return first
         else:  # a job with nothing of its own: after what the durable consumer acknowledged last
             try:
-                first = (await self._js.consumer_info(c.stream, c.durable)).ack_floor.stream_seq + 1
+                first = (await self._js.consumer_info(c.stream, self.durable)).ack_floor.stream_seq + 1
             except NotFoundError:
                 first = 1
         try:
-            await self._js.delete_consumer(c.stream, c.durable)
+            await self._js.delete_consumer(c.stream, self.durable)
         except NotFoundError:
             pass
-        config = api.ConsumerConfig(durable_name=c.durable, ack_policy=api.AckPolicy.ALL,
+        config = api.ConsumerConfig(durable_name=self.durable, ack_policy=api.AckPolicy.ALL,
                                     deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first,
-                                    ack_wait=ACK_WAIT_S, filter_subject=c.subject, max_ack_pending=-1)
-        self._sub = await self._js.pull_subscribe(c.subject, durable=c.durable, stream=c.stream, config=config)
+                                    ack_wait=ACK_WAIT_S, filter_subject=self.subject, max_ack_pending=-1)
+        self._sub = await self._js.pull_subscribe(self.subject, durable=self.durable, stream=c.stream, config=config)
         self._acked = self._ack_asked = first - 1
-        self.log.info("stream_reading", url=self.url, stream=c.stream, subject=c.subject, durable=c.durable,
+        self.log.info("stream_reading", url=self.url, stream=c.stream, subject=self.subject, durable=self.durable,
                       first_seq=first, last_seq=info.state.last_seq)
         return first
 
@@ -307,8 +331,10 @@ class StreamAccount:
     """What the loader read from a stream and what of it is trained: each batch's events, acknowledgements
     through the source, the training lag, and `<output.dir>/stream.json` (`summary.StreamSummary`)."""
 
-    def __init__(self, source: EventSource, output_dir: str | None = None):
-        self.source, self.output_dir = source, output_dir
+    def __init__(self, source: EventSource, output_dir: str | None = None, partition: int | None = None):
+        self.source, self.output_dir, self.partition = source, output_dir, partition
+        self.end_marker: int | None = None
+        """The stream sequence of the end marker that ended this partition (acknowledged once all is trained)."""
         self.log = log.get()
         self.stopping = threading.Event()
         """Set to end training with what was read (the loader's SIGUSR1: `hybridrec run`'s first Ctrl-C)."""
@@ -352,10 +378,11 @@ class StreamAccount:
             pick = lambda q: float(seconds[min(np.searchsorted(weight, q), len(seconds) - 1)])  # noqa: E731
             lag = Lag(p50=pick(0.5), p99=pick(0.99), max=float(seconds[-1]))
         return StreamSummary(events=events, first_seq=self.source.first_seq, acknowledged_through=self.source.acknowledged,
-                             training_lag_s=lag)
+                             training_lag_s=lag, partition=self.partition)
 
     def write_summary(self) -> None:
-        """`<output.dir>/stream.json` (at most once a second while training, and at its end)."""
+        """`<output.dir>/stream.json` (`stream-<partition>.json`) (at most once a second while training, and at
+        its end)."""
         self._written = time.time()
         if self.output_dir:
             try:
@@ -369,17 +396,6 @@ async def _ack(msg, seq: int, logger) -> None:
         await msg.ack()
     except Exception as exc:  # noqa: BLE001 - the next acknowledgement covers this one ("all up to")
         logger.warning("stream_ack_failed", seq=seq, error=f"{type(exc).__name__}: {exc}")
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` one token, `>` the rest."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def _message(msg, seq: int) -> Message:
@@ -415,8 +431,13 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
                 pending, held = [], 0
             continue
         if config.until_event is not None and msg.first_event >= config.until_event:
+            if not msg.data:  # a replay's end marker past the end: this partition has nothing more
+                account.end_marker = msg.seq
             break
-        chunk = parse_lines(msg.data, where=f"subject {config.subject}, message {msg.seq}", groups=groups,
+        if not msg.data:  # an end marker before the end (an earlier replay's): passed over
+            position = Position(0, 0, msg.seq, 1)
+            continue
+        chunk = parse_lines(msg.data, where=f"subject {source.subject}, message {msg.seq}", groups=groups,
                             bad_lines=bad_lines)
         counters.bad_lines += chunk.num_bad_lines
         counters.rows += len(chunk)

@@ -37,7 +37,7 @@ from hybridrec.criteo_kernels import _OK, _parse_lines, error_text
 __all__ = [
     "BadLinePolicy", "CriteoChunk", "CriteoFormatError", "DEFAULT_BLOCK_BYTES", "GROUP_SHIFT",
     "HASH_MASK", "MAX_GROUP", "MAX_LINE_BYTES", "NUM_DENSE", "NUM_FIELDS", "NUM_SPARSE",
-    "hash_token", "read_criteo",
+    "hash_token", "is_gzip", "read_criteo",
 ]
 
 MAX_GROUP = MAX_GROUPS - 1
@@ -98,8 +98,16 @@ class _GzipTruncated(Exception):
     """The compressed input ended inside a gzip member."""
 
 
-def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[bytes]:
-    """Yield the uncompressed stream from ``start_offset`` in large blocks.
+def is_gzip(path: str | os.PathLike) -> bool:
+    """Whether the reader decompresses `path`: gzip magic bytes, or a .gz name."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b" or path.endswith(".gz")
+
+
+def _iter_blocks(path: str, start_offset: int, block_bytes: int, end_offset: int | None = None) -> Iterator[bytes]:
+    """Yield the uncompressed stream from ``start_offset`` (up to ``end_offset``, plain files only) in large
+    blocks.
 
     gzip is decoded with zlib directly (not gzip.GzipFile) so that a
     truncated file still yields every byte that could be decoded before
@@ -110,9 +118,15 @@ def _iter_blocks(path: str, start_offset: int, block_bytes: int) -> Iterator[byt
         f.seek(0)
         if magic != b"\x1f\x8b" and not path.endswith(".gz"):
             f.seek(start_offset)
-            while block := f.read(block_bytes):
+            left = None if end_offset is None else max(0, end_offset - start_offset)
+            while (left is None or left > 0) and (block := f.read(block_bytes if left is None
+                                                                  else min(block_bytes, left))):
+                if left is not None:
+                    left -= len(block)
                 yield block
             return
+        if end_offset is not None:
+            raise ValueError(f"{path}: a gzip file is read whole (no end offset)")
         skip = start_offset
         dec = zlib.decompressobj(wbits=31)
         member_has_input = False
@@ -206,13 +220,17 @@ def read_criteo(
     start_offset: int = 0,
     start_line: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    end_offset: int | None = None,
 ) -> Iterator[CriteoChunk]:
     """Read a Criteo TSV (or .gz) file as CriteoChunks of ``chunk_rows`` rows.
 
     ``groups[i]`` is the feature group of column C(i+1) (default i).
     ``start_offset`` is an ``end_offset`` of an earlier chunk; ``start_line``
     is that chunk's ``end_line`` -- if left out the reader counts the lines
-    before ``start_offset`` (exact, but reads the prefix once).
+    before ``start_offset`` (exact, but reads the prefix once). ``end_offset``
+    (plain files only) ends the data there, as if the file ended: a line
+    start, so that the byte ranges of several data loaders (splits.py) hold
+    whole lines.
 
     A truncated gzip stream raises CriteoFormatError under ERROR; under SKIP
     the rows decoded before the damage are returned, the damaged tail counts
@@ -233,18 +251,20 @@ def read_criteo(
         raise ValueError(f"start_offset must be >= 0, got {start_offset}")
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    if end_offset is not None and (end_offset < start_offset or is_gzip(path_str)):
+        raise ValueError(f"end_offset {end_offset}: must be >= start_offset {start_offset}, in a plain file")
     if start_line is None:
         start_line = _count_lines_before(path_str, start_offset) if start_offset else 1
-    return _read(path_str, group_hi, chunk_rows, policy, start_offset, start_line, block_bytes)
+    return _read(path_str, group_hi, chunk_rows, policy, start_offset, start_line, block_bytes, end_offset)
 
 
 def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolicy,
-          start_offset: int, start_line: int, block_bytes: int) -> Iterator[CriteoChunk]:
+          start_offset: int, start_line: int, block_bytes: int, end_offset: int | None) -> Iterator[CriteoChunk]:
     stop_on_bad = policy is BadLinePolicy.ERROR
     stream_pos = start_offset  # uncompressed offset of data[0]
     line_no = start_line  # line number of data[0]'s line
     carry = b""
-    blocks = _iter_blocks(path, start_offset, block_bytes)
+    blocks = _iter_blocks(path, start_offset, block_bytes, end_offset)
     truncated = False
 
     def new_chunk():

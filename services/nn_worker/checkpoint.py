@@ -6,8 +6,9 @@ seconds have passed since the last one (the ranks agree on that every
 the same step), all ranks drain their gradient pushes
 and meet at a barrier, so the PS holds exactly the updates of every batch
 trained so far. Rank 0 then writes the dense model and optimizer, has every PS
-shard dump its rows at that step, and records the data position after the
-last consumed batch (gathered from the rank that trained it). The manifest is
+shard dump its rows at that step, and records, per data loader, the data
+position after the last consumed batch of its stream (gathered from the rank
+that trained it). The manifest is
 written last and the directory renamed into place, so a crash mid-checkpoint
 leaves the previous checkpoint as the newest complete one.
 
@@ -86,7 +87,9 @@ class Checkpointer:
         self.log = log.get()
         self.last_saved: int | None = None  # step of the newest checkpoint this group wrote
         self.restored_step: int | None = None  # step of the checkpoint this group resumed from
-        self.resumed_at: tuple[int, tuple[int, ...]] = (-1, (0, 0, 0, 0))  # (seq, position) of the restored one
+        self.loaders = len(config.cluster.dataloader)
+        self.resumed_at: list[tuple[int, tuple[int, ...]]] = [(-1, (0, 0, 0, 0))] * self.loaders
+        """Per data loader, (seq, position) of the last batch of its stream in the restored checkpoint."""
         self.final_path: Path | None = None
         self.final_s: float | None = None
 
@@ -105,7 +108,7 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         return bool(flag.item())
 
-    async def finish(self, trainer: CheckpointedTrainer, step: int, seq: int, position: tuple[int, ...]) -> None:
+    async def finish(self, trainer: CheckpointedTrainer, step: int, last: list[tuple[int, tuple[int, ...]]]) -> None:
         """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
 
         Not written again when a checkpoint of this step already holds the final
@@ -121,7 +124,7 @@ class Checkpointer:
             self.final_path = checkpoints.step_dir(self.root, step)
             return
         started = time.monotonic()
-        await self.save(trainer, step, seq, position, survive_peer_loss=False)
+        await self.save(trainer, step, last, survive_peer_loss=False)
         self.final_s = time.monotonic() - started
         self.final_path = checkpoints.step_dir(self.root, step)
         self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
@@ -139,9 +142,10 @@ class Checkpointer:
 
         await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
-    async def save(self, trainer: CheckpointedTrainer, step: int, seq: int, position: tuple[int, ...], *,
+    async def save(self, trainer: CheckpointedTrainer, step: int, last: list[tuple[int, tuple[int, ...]]], *,
                    survive_peer_loss: bool = True) -> None:
-        """Collective: every rank calls it at the same step, after draining its gradient pushes.
+        """Collective: every rank calls it at the same step, after draining its gradient pushes. `last`: per
+        data loader, the (seq, position) of the newest batch of its stream this rank trained.
 
         With `survive_peer_loss` (interval checkpoints), a peer lost during the checkpoint's collectives is
         replaced like one lost in a training step (`Trainer.collective`): the group re-forms, the replacement
@@ -151,13 +155,13 @@ class Checkpointer:
         started = time.monotonic()
         meet = ((lambda fn, *args: trainer.collective(fn, *args, after_regroup=False)) if survive_peer_loss
                 else trainer.on_compute)
-        gathered = await meet(self._gather_position, seq, position, trainer.stats.samples)
+        gathered = await meet(self._gather_position, last, trainer.stats.samples)
         if gathered is False:
             self.log.warning("checkpoint_skipped", step=step, reason="a peer was lost and replaced")
             return
-        last_seq, last_position, samples = gathered
+        newest, samples = gathered
         if self.rank == 0:
-            await self._write(trainer, step, last_seq, last_position, samples)
+            await self._write(trainer, step, newest, samples)
         if await meet(barrier) is False:  # rank 0 may not have finished it: not counted as this step's
             self.log.warning("checkpoint_unconfirmed", step=step, reason="a peer was lost and replaced")
             return
@@ -165,7 +169,7 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.last_cost_s = self.last_time - started
 
-    async def _write(self, trainer: CheckpointedTrainer, step: int, last_seq: int, last_position: tuple[int, ...],
+    async def _write(self, trainer: CheckpointedTrainer, step: int, newest: list[tuple[int, tuple[int, ...]]],
                      samples: int) -> None:
         """Rank 0: the dense state, every PS shard's rows and the manifest, renamed into place last."""
         final = checkpoints.step_dir(self.root, step)
@@ -175,24 +179,30 @@ class Checkpointer:
         await trainer.on_compute(self._save_dense, tmp / checkpoints.DENSE, trainer.model, trainer.optimizer)
         dump_config(self.config, tmp / checkpoints.CONFIG)
         await self._ps("Checkpoint", tmp, step)
-        checkpoints.write_manifest(tmp, JobManifest(
-            step=step, seq=last_seq + 1, position=list(last_position), samples=samples,
-            train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size, num_ps=self.num_ps))
+        streams = [(seq + 1, list(position)) for seq, position in newest]
+        checkpoints.write_manifest(tmp, JobManifest.of_streams(
+            streams, step=step, samples=samples, train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size,
+            num_ps=self.num_ps))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         checkpoints.prune(self.root, self.keep)
-        self.log.info("checkpoint_written", step=step, directory=str(final), seq=last_seq + 1)
+        self.log.info("checkpoint_written", step=step, directory=str(final), seq=[seq for seq, _ in streams])
 
-    def _gather_position(self, seq: int, position: tuple[int, ...], samples: int) -> tuple[int, tuple[int, ...], int]:
-        """The (seq, position) of the latest batch any rank trained: where the data resumes; and the samples
-        the group trained, summed over the ranks (they differ: a file's last batch is short, and which rank
-        gets it depends on the stream, so rank 0's count times N is not the job's). `samples`: this rank's."""
-        mine = torch.tensor([seq, *(list(position) + [0, 0, 0, 0])[:4], samples],
-                            dtype=torch.int64)
+    def _gather_position(self, last: list[tuple[int, tuple[int, ...]]],
+                         samples: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+        """Per data loader, the (seq, position) of the latest batch of its stream any rank trained: where that
+        loader resumes; and the samples the group trained, summed over the ranks (they differ: a file's last
+        batch is short, and which rank gets it depends on the stream, so rank 0's count times N is not the
+        job's). `last` and `samples`: this rank's."""
+        mine = torch.tensor([v for seq, position in last for v in (seq, *(list(position) + [0, 0, 0, 0])[:4])]
+                            + [samples], dtype=torch.int64)
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine, group=control_group())
-        newest = max(parts, key=lambda t: int(t[0]))
-        return int(newest[0]), tuple(int(v) for v in newest[1:5]), int(sum(int(t[5]) for t in parts))
+        newest = []
+        for loader in range(len(last)):
+            best = max((t[5 * loader:5 * loader + 5] for t in parts), key=lambda t: int(t[0]))
+            newest.append((int(best[0]), tuple(int(v) for v in best[1:5])))
+        return newest, int(sum(int(t[-1]) for t in parts))
 
     @staticmethod
     def _save_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -209,13 +219,16 @@ class Checkpointer:
         if manifest.num_nn_workers != self.world_size:
             raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
                              f"has {self.world_size}")
+        checkpoints.check_loaders(path, manifest, self.loaders)
         await trainer.on_compute(load_dense, path / checkpoints.DENSE, trainer.model, trainer.optimizer)
         if self.rank == 0:
             await self._ps("LoadCheckpoint", path, manifest.step)
         await trainer.on_compute(barrier)
         trainer.restore_counters(manifest)
-        self.restored_step, self.resumed_at = manifest.step, (manifest.seq - 1, tuple(manifest.position))
-        self.log.info("checkpoint_restored", step=manifest.step, directory=str(path), seq=manifest.seq)
+        self.restored_step = manifest.step
+        self.resumed_at = [(seq - 1, tuple(position)) for seq, position in manifest.streams()]
+        self.log.info("checkpoint_restored", step=manifest.step, directory=str(path),
+                      seq=[seq for seq, _ in manifest.streams()])
         return manifest
 
 
@@ -253,5 +266,6 @@ def check_resumable(config: Config, model: torch.nn.Module, make_optimizer) -> N
     found = checkpoints.resume_from(config.checkpoint)
     if found is None:
         return
+    checkpoints.check_loaders(found[0], found[1], len(config.cluster.dataloader))
     scratch = copy.deepcopy(model)
     load_dense(found[0] / checkpoints.DENSE, scratch, make_optimizer(scratch, config))

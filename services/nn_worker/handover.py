@@ -33,7 +33,7 @@ STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "trai
 class Handed:
     """What the source's description said, as the receiving rank applies it."""
 
-    stats: dict[str, float]
+    stats: dict[str, Any]  # numbers, and lists of them (the trainer's steps per data loader)
     wall_s: float
 
 
@@ -62,7 +62,7 @@ def _tensors_in_order(layout: dict[str, Any]) -> list[tuple[str, str]]:
             for key in sorted(layout["state"][index]) if layout["state"][index][key][0] == "tensor"]
 
 
-def hand_over(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: dict[str, float],
+def hand_over(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: dict[str, Any],
               wall_s: float, source: int) -> Handed:
     """Make every rank's model and optimizer equal to `source`'s; returns the source's counters."""
     mine = dist.get_rank() == source
@@ -84,4 +84,5 @@ def hand_over(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: d
         state[int(index)][key] = tensor
     if not mine:
         optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
-    return Handed({k: float(v) for k, v in description["stats"].items()}, float(description["wall_s"]))
+    return Handed({k: v if isinstance(v, list) else float(v) for k, v in description["stats"].items()},
+                  float(description["wall_s"]))

@@ -47,7 +47,8 @@ from services.nn_worker.distributed import close_groups, open_groups
 
 POLL_S = 0.05
 CONFIG_SECTIONS = ("features", "model", "optimizer", "training", "data")
-"""What every rank must agree on (the cluster section differs per replica only in where it binds)."""
+"""What every rank must agree on (the cluster section differs per replica only in where it binds), with the
+number of data loaders counted under data."""
 
 
 class MembershipError(RuntimeError):
@@ -65,6 +66,8 @@ class Fingerprint:
     @classmethod
     def of(cls, config: Config, model: torch.nn.Module) -> "Fingerprint":
         tree = config.model_dump(mode="json")
+        # The data's part of it includes how many data loaders feed the group (a rank has a stream per loader).
+        tree["data"]["cluster.dataloader"] = len(config.cluster.dataloader)
         settings = json.dumps({k: tree[k] for k in CONFIG_SECTIONS}, sort_keys=True)
         shapes = json.dumps([[name, list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()])
         return cls(hashlib.sha256(settings.encode()).hexdigest()[:16], len(config.cluster.nn_workers),

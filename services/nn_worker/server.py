@@ -1,7 +1,7 @@
 """`hybridrec serve nn_worker`: rank r of the synchronous dense group.
 
-Receives dense batches from the data loader (a bounded inbox: back-pressure on
-the loader), trains through `Trainer`, evaluates, and — on rank 0 — writes the
+Receives dense batches from the data loaders (a bounded inbox per loader:
+back-pressure on that loader; inbox.py), trains through `Trainer`, evaluates, and — on rank 0 — writes the
 run's results to output.dir/summary.json. The process exits 0 when it is done,
 which is how the launcher, Compose and a Kubernetes Job see completion.
 """
@@ -26,6 +26,7 @@ from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
+from services.nn_worker.inbox import Inbox
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
@@ -43,51 +44,58 @@ survivor's state is the group's. (async and shadow average replicas on their own
 
 
 class NNWorkerServicer:
-    def __init__(self, config: Config, replica: int, inbox: asyncio.Queue):
+    def __init__(self, config: Config, replica: int, inbox: Inbox):
         self.config, self.replica, self.inbox = config, replica, inbox
         self.trainer: Trainer | None = None
         self.phase = "starting"
-        self.last_received = {phase: -1 for phase in PHASES}
-        self.ended: set[str] = set()
+        loaders = inbox.loaders
+        # Per data loader: its streams are numbered each on its own.
+        self.last_received = [{phase: -1 for phase in PHASES} for _ in range(loaders)]
+        self.ended: list[set[str]] = [set() for _ in range(loaders)]
         self.duplicates = 0
         self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
-        self.marks: deque[tuple[int, tuple[int, ...], int]] = deque(maxlen=MARKS_KEPT)
+        self.marks: list[deque[tuple[int, tuple[int, ...], int]]] = [deque(maxlen=MARKS_KEPT) for _ in range(loaders)]
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Queue a batch for the trainer; a re-sent one (the data loader replays what this rank has not yet
-        confirmed after any failed call) is dropped here. The reply says how far this rank has trained.
+        """Queue a batch for the trainer; a re-sent one (a data loader replays what this rank has not yet
+        confirmed after any failed call) is dropped here. The reply says how far this rank has trained that
+        loader's stream.
 
         A batch counts as received only once it is in the inbox: a call cut off while waiting for room (its
         loader died) leaves no trace, and a restarted loader sends that batch again."""
-        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks)
+        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks, self.inbox.loaders)
+        loader = item.loader
         if isinstance(item, DenseBatch):
-            fresh = item.seq > self.last_received[item.phase]
+            fresh = item.seq > self.last_received[loader][item.phase]
         else:
-            fresh = item.phase not in self.ended
+            fresh = item.phase not in self.ended[loader]
         if not fresh:
             self.duplicates += 1
-            return self._consumed().encode()
+            return self._consumed(loader).encode()
         await self.inbox.put(item)
         if isinstance(item, DenseBatch):
-            self.last_received[item.phase] = max(item.seq, self.last_received[item.phase])
+            self.last_received[loader][item.phase] = max(item.seq, self.last_received[loader][item.phase])
             if item.phase == "train" and len(item.position) == POSITION_FIELDS:
-                self.marks.append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
+                self.marks[loader].append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
         else:
-            self.ended.add(item.phase)
-        return self._consumed().encode()
+            self.ended[loader].add(item.phase)
+        return self._consumed(loader).encode()
 
-    def _consumed(self) -> Consumed:
-        return self.trainer.consumed if self.trainer else Consumed()
+    def _consumed(self, loader: int) -> Consumed:
+        return self.trainer.consumed[loader] if self.trainer else Consumed()
 
     async def Received(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """How far this rank holds each phase's stream, for a restarted data loader: what it received, or what
-        the group had trained when this process took over (a replacement, or a restored checkpoint)."""
+        """How far this rank holds each phase's stream of the data loader the request names, for a (re)started
+        loader: what it received, or what the group had trained when this process took over (a replacement, or
+        a restored checkpoint)."""
         if self.trainer is None:
             raise rpc.Unavailable("the NN worker is still joining its group")
-        trained = self.trainer.next_seq - self.trainer.env.world_size  # the group trained up to here
-        through = {"train": max(self.last_received["train"], trained), "eval": self.last_received["eval"]}
-        ended = set(self.ended) | ({"train"} if self.phase in ("eval", "done") else set())
-        return Received(through, frozenset(ended), list(self.marks)).encode()
+        loader = Received.loader_of(request, self.inbox.loaders)
+        trained = self.trainer.next_seq[loader] - self.trainer.env.world_size  # the group trained up to here
+        through = {"train": max(self.last_received[loader]["train"], trained),
+                   "eval": self.last_received[loader]["eval"]}
+        ended = set(self.ended[loader]) | ({"train"} if self.phase in ("eval", "done") else set())
+        return Received(through, frozenset(ended), list(self.marks[loader]), loader).encode()
 
     async def Status(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.TrainingStatus:
         stats = self.trainer.stats if self.trainer else None
@@ -147,7 +155,7 @@ async def _serve(config: Config, replica: int) -> None:
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(torch_threads(config))
     torch.manual_seed(config.training.seed)
-    inbox: asyncio.Queue = asyncio.Queue(maxsize=config.training.prefetch + 2)
+    inbox = Inbox(len(config.cluster.dataloader), maxsize=config.training.prefetch + 2)
     servicer = NNWorkerServicer(config, replica, inbox)
     host.add(servicer, servicer.stats)
 
@@ -173,8 +181,9 @@ async def _serve(config: Config, replica: int) -> None:
         membership=membership if config.training.mode in RECOVERABLE_MODES else None))
     plan = await trainer.setup(plan)
     if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
-        await checkpointer.restore(trainer)
-        trainer.resume_at(trainer.stats.steps)
+        manifest = await checkpointer.restore(trainer)
+        trainer.resume_at([0] * trainer.loaders if manifest is None
+                          else [seq // world_size for seq, _ in manifest.streams()])
     else:
         host.log.warning("replaced_a_lost_rank", step=plan.step, source=plan.source, generation=plan.generation)
     if publisher is not None:

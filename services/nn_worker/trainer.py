@@ -2,7 +2,8 @@
 
 Two coroutines share the event loop and one compute thread does the math:
 
-* the prefetcher takes dense batches as the data loader delivers them and starts
+* the prefetcher takes dense batches as the data loaders deliver them (from
+  several loaders in the one order every rank follows: inbox.py) and starts
   the embedding lookup of each on its embedding worker, up to `prefetch` batches
   ahead of compute — but only while the staleness bound allows: a lookup starts
   only when at most `staleness` earlier batches have unapplied updates
@@ -39,6 +40,7 @@ from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.distributed import DenseSync, DistEnv, barrier
 from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
+from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost
@@ -71,7 +73,7 @@ class Collaborators:
 
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
-                 inbox: asyncio.Queue, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators()):
+                 inbox: Inbox, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators()):
         self.config, self.env = config, env
         self.training = config.training
         self.lookup, self.push, self.inbox = lookup, push, inbox
@@ -92,12 +94,17 @@ class Trainer:
                                              config.num_tasks)
         self._auc_at = -1  # the window's `seen` when train_auc was last computed
         self.membership = collaborators.membership
-        self.consumed = Consumed("train", -1)  # what PutBatch replies: the data loader forgets up to here
-        self._trained_through = -1  # the last training batch this rank trained
-        self._unacked: set[int] = set()  # stream indices of trained batches whose update is not acknowledged
+        # Per data loader (cluster.dataloader), whose streams are numbered each on its own:
+        self.loaders = len(config.cluster.dataloader)
+        self.consumed = [Consumed("train", -1)] * self.loaders  # what PutBatch replies: the loader forgets up to here
+        self._trained_through = [-1] * self.loaders  # the last training batch of each stream this rank trained
+        self._unacked: list[set[int]] = [set() for _ in range(self.loaders)]  # trained, update not acknowledged
+        self.next_seq = [env.rank] * self.loaders  # this rank's next training batch of each (r gets r, r+N, ...)
+        self.loader_steps = [0] * self.loaders  # steps the group trained on each loader's batches (every rank alike)
+        self._ended: dict[str, dict[int, EndOfPhase]] = {"train": {}, "eval": {}}  # each phase's ends taken
+        self._uncounted: set[int] = set()  # a replacement: loaders whose batches its predecessor trained are not
+        # yet in its sample count (each added from its next batch's `rows_before`, or its end's `rows_sent`)
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
-        self.next_seq = env.rank  # stream index of this rank's next training batch (rank r gets r, r+N, ...)
-        self.count_from_stream = False
         self.num_tasks = config.num_tasks
         weights = self.training.task_weights or [1.0] * self.num_tasks
         self.task_weights = torch.tensor(weights, dtype=torch.float32, device=env.device)
@@ -122,11 +129,17 @@ class Trainer:
                 self.log.warning("group_failed", step=self.stats.steps, error=failure_line(exc))
                 plan = await self.on_compute(self.membership.join, None)
 
-    def resume_at(self, step: int) -> None:
-        """The group's state is at `step`: this rank's next training batch is the stream's step*N + rank."""
-        self.next_seq = step * self.env.world_size + self.env.rank
-        self._trained_through = self.next_seq - 1
-        self._confirm()
+    def resume_at(self, loader_steps: list[int]) -> None:
+        """The group's state is `loader_steps[l]` steps on loader l's batches, for each l: this rank's next
+        training batch of that loader's stream is loader_steps[l]*N + rank."""
+        if len(loader_steps) != self.loaders:
+            raise ValueError(f"the group's state has {len(loader_steps)} data loaders' streams, this job "
+                             f"{self.loaders} (cluster.dataloader)")
+        self.loader_steps = list(loader_steps)
+        self.next_seq = [steps * self.env.world_size + self.env.rank for steps in loader_steps]
+        self._trained_through = [seq - 1 for seq in self.next_seq]
+        for loader in range(self.loaders):
+            self._confirm(loader)
 
     def restore_counters(self, manifest: JobManifest) -> None:
         """Take the counters of the checkpoint the group was just restored from (`Checkpointer.restore`, which
@@ -143,14 +156,18 @@ class Trainer:
         """Compute thread, right after a (re)formation with a source: everyone takes its state, then DDP is
         rebuilt on the new group."""
         stats = self.stats
-        handed = hand_over(self.model, self.optimizer, {k: getattr(stats, k) for k in STATS_FIELDS}, stats.wall_s,
-                           plan.source)
+        handed = hand_over(self.model, self.optimizer, {**{k: getattr(stats, k) for k in STATS_FIELDS},
+                                                        "loader_steps": self.loader_steps}, stats.wall_s, plan.source)
         if self.env.rank in plan.joined_fresh:  # a replacement takes over its predecessor's share and place
+            loader_steps = [int(n) for n in handed.stats.pop("loader_steps")]
             for key, value in handed.stats.items():
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
-            self.resume_at(stats.steps)
-            self.count_from_stream = True  # the source's sample count is not its predecessor's: see train()
+            self.resume_at(loader_steps)
+            # The source's sample count is not its predecessor's: this rank's share is counted from the streams
+            # (rank 0 holds the restored job total: checkpoint.py), loader by loader as their frames come.
+            stats.samples = stats.restored_samples if self.env.rank == 0 else 0
+            self._uncounted = set(range(self.loaders))
         self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
 
     _SKIP = object()
@@ -216,18 +233,12 @@ class Trainer:
 
         async def prefetcher() -> None:
             try:
-                while not isinstance(item := await self.inbox.get(), EndOfPhase):
-                    if item.phase != phase:
-                        raise RuntimeError(f"got a {item.phase} batch while expecting {phase} batches")
-                    if phase == "train" and not self._in_sequence(item):
-                        continue
+                while (item := await self._take(phase)) is not None:
                     if before_lookup is not None:
                         await before_lookup()
                     await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
-                if item.phase != phase:
-                    raise RuntimeError(f"expected {phase} batches, got the end of {item.phase}")
                 if end is not None:
-                    end.update(item.meta)
+                    end.update(merge_ends(self._ended[phase]))
                 await ready.put(None)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 await ready.put(exc)
@@ -242,27 +253,72 @@ class Trainer:
             if not fetch.done():
                 fetch.cancel()
 
-    def _confirm(self) -> None:
-        """What PutBatch replies: the data loader forgets a batch once it is trained *and* its embedding update
+    async def _take(self, phase: str) -> DenseBatch | None:
+        """The phase's next batch, None once every data loader's end of it is taken (`_ended`).
+
+        Training: from the loader `inbox.next_loader` names (the order every rank follows), after dropping what
+        the group trained already (`_in_sequence`); evaluation: from whichever loader has one first."""
+        ended = self._ended[phase]
+        while True:
+            if phase == "train":
+                loader = next_loader(self.next_seq, set(ended))
+                if loader is None:
+                    return None
+                item = await self.inbox.get(loader)
+            else:
+                live = [loader for loader in range(self.loaders) if loader not in ended]
+                if not live:
+                    return None
+                item = await self.inbox.get_any(live)
+            if item.phase != phase:
+                what = "batch" if isinstance(item, DenseBatch) else "end"
+                raise RuntimeError(f"got a {item.phase} {what} from data loader {item.loader} while expecting "
+                                   f"{phase} batches")
+            if isinstance(item, EndOfPhase):
+                if phase == "train":
+                    self._check_end(item)
+                    if item.loader in self._uncounted:  # a replacement: its predecessor trained all of them
+                        self._uncounted.discard(item.loader)
+                        self.stats.samples += item.rows_sent
+                ended[item.loader] = item
+                continue
+            if phase == "train" and not self._in_sequence(item):
+                continue
+            return item
+
+    def _check_end(self, end: EndOfPhase) -> None:
+        """A loader's end of training comes after every batch of this rank's share, or the rank is behind it."""
+        expected = self.next_seq[end.loader] - self.env.rank
+        if end.end_seq >= 0 and end.end_seq != expected:
+            raise RuntimeError(
+                f"NN worker rank {self.env.rank} got the end of data loader {end.loader}'s training stream at "
+                f"batch {end.end_seq} while at batch {self.next_seq[end.loader]} of it: the data loader is "
+                f"{'ahead of' if end.end_seq > expected else 'behind'} the group's state (every NN worker was lost "
+                f"and the group went back to a checkpoint) — restart the data loaders with the group")
+
+    def _confirm(self, loader: int) -> None:
+        """What PutBatch replies to `loader`: it forgets a batch once it is trained *and* its embedding update
         is acknowledged, so a replacement of this rank is sent again what its predecessor still owed."""
-        through = min(self._unacked) - self.env.world_size if self._unacked else self._trained_through
-        self.consumed = Consumed("train", through)
+        unacked = self._unacked[loader]
+        through = min(unacked) - self.env.world_size if unacked else self._trained_through[loader]
+        self.consumed[loader] = Consumed("train", through)
 
     def _in_sequence(self, batch: DenseBatch) -> bool:
         """False for a re-sent batch the group trained already (its update is settled in the background, see
         `_settle`); raises on a gap in the stream."""
-        if batch.seq < self.next_seq:
+        loader = batch.loader
+        if batch.seq < self.next_seq[loader]:
             self.stats.replayed_dropped += 1
             task = asyncio.ensure_future(self._settle(batch))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
             return False
-        if batch.seq > self.next_seq:
+        if batch.seq > self.next_seq[loader]:
             raise RuntimeError(
-                f"NN worker rank {self.env.rank} expected training batch {self.next_seq} of the stream and got "
-                f"{batch.seq}: the data loader is ahead of the group's state (every NN worker was lost and the "
-                f"group went back to a checkpoint) — restart the data loader with the group")
-        self.next_seq += self.env.world_size
+                f"NN worker rank {self.env.rank} expected training batch {self.next_seq[loader]} of data loader "
+                f"{loader}'s stream and got {batch.seq}: the data loader is ahead of the group's state (every NN "
+                f"worker was lost and the group went back to a checkpoint) — restart the data loaders with the group")
+        self.next_seq[loader] += self.env.world_size
         return True
 
     async def train(self) -> dict:
@@ -279,7 +335,7 @@ class Trainer:
             counts["issued"] += 1
             self.in_flight = counts["issued"] - counts["acked"]
 
-        async def push(ref: int, step: StepOutput, lost: bool, seq: int, labels: np.ndarray) -> None:
+        async def push(ref: int, step: StepOutput, lost: bool, loader: int, seq: int, labels: np.ndarray) -> None:
             try:
                 if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
                     await ready(step.event)
@@ -290,18 +346,20 @@ class Trainer:
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
             finally:
-                self._unacked.discard(seq)
-                self._confirm()
+                self._unacked[loader].discard(seq)
+                self._confirm(loader)
                 counts["acked"] += 1
                 self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
 
         pushes: set[asyncio.Task] = set()
         checkpointer = self.checkpointer
-        last = checkpointer.resumed_at if checkpointer is not None else (-1, (0, 0, 0, 0))
+        # Per loader, the (seq, position) of its newest batch trained: where its stream resumes.
+        last = list(checkpointer.resumed_at) if checkpointer is not None else []
+        last += [(-1, (0, 0, 0, 0))] * (self.loaders - len(last))
         async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
             async for batch, pending in batches:
-                last = (batch.seq, tuple(batch.position))
+                last[batch.loader] = (batch.seq, tuple(batch.position))
                 waited = time.perf_counter()
                 emb, lost = await self._receive(pending, batch)
                 if self.stats.started is None:
@@ -314,12 +372,16 @@ class Trainer:
                 computed = time.perf_counter()
                 step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
-                self._trained_through = batch.seq
-                self._unacked.add(batch.seq)
-                self._confirm()
+                self.loader_steps[batch.loader] += 1
+                self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, rows=int(batch.labels.shape[0]),
+                               position=list(batch.position), lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
+                self._trained_through[batch.loader] = batch.seq
+                self._unacked[batch.loader].add(batch.seq)
+                self._confirm(batch.loader)
                 if step.event is None:  # its loss and logits are on the host already (see push for the GPU's)
                     self._record(step, batch.labels, lost)
-                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.seq, batch.labels))
+                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.loader, batch.seq,
+                                                  batch.labels))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -327,15 +389,14 @@ class Trainer:
                     await task
                     await self.collective(barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
-                if self.count_from_stream:  # a replacement: its predecessor trained what came before this batch
-                    base = self.stats.restored_samples if self.env.rank == 0 else 0  # rank 0 holds the restored
-                    self.stats.samples = base + batch.rows_before                      # job total (checkpoint.py)
-                    self.count_from_stream = False
+                if batch.loader in self._uncounted:  # a replacement: its predecessor trained what came before
+                    self._uncounted.discard(batch.loader)  # this batch of its loader
+                    self.stats.samples += batch.rows_before
                 self.stats.samples += batch.labels.shape[0]
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
-                    await checkpointer.save(self, self.stats.steps, batch.seq, batch.position)
+                    await checkpointer.save(self, self.stats.steps, last)
                 if self.publisher is not None:
                     await self.publisher.maybe_publish(self.stats.steps)
         if pushes or self._replays:
@@ -343,7 +404,7 @@ class Trainer:
         await self.on_compute(self.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
-            await checkpointer.finish(self, self.stats.steps, *last)
+            await checkpointer.finish(self, self.stats.steps, last)
         if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
             await self.publisher.finish(self.stats.steps)
         return end
@@ -475,7 +536,7 @@ class Trainer:
                     continue
                 preds.append(await self.on_compute(self._predict, batch, emb))
                 labels.append(np.array(batch.labels))
-                self.consumed = Consumed("eval", batch.seq)
+                self.consumed[batch.loader] = Consumed("eval", batch.seq)
         empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)
         cat = lambda xs: np.concatenate(xs) if xs else empty  # noqa: E731
         return cat(preds), cat(labels), end

@@ -296,3 +296,227 @@ def test_a_ps_host_lost_with_a_replica_copies_the_shard_back_and_loses_nothing(f
     assert result["lost_updates"] == 0 and result["skipped_batches"] == 0, result
     assert result["samples"] == undisturbed["samples"]
     assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
+
+
+# -- one of three data loaders killed ------------------------------------------------------------------------
+
+LOADERS = ["127.0.0.1:0"] * 3
+SMALL_BATCH = 500  # 60,000 rows: 40 batches a loader, 20 steps of each per rank: room for a kill mid-stream
+
+
+def _three_loader_config(tmp_path: Path, small_data: Path, train: list[str], stream: dict | None = None) -> Path:
+    """The small test job with three data loaders, trained on `train` (or, with `stream`, on data.stream)."""
+    from tests.conftest import write_config
+
+    path = write_config(tmp_path / "config.yaml", small_data, training={"batch_size": SMALL_BATCH},
+                        cluster={"dataloader": LOADERS})
+    tree = yaml.safe_load(path.read_text())
+    tree["data"]["train"] = train
+    if stream is not None:
+        tree["data"]["stream"] = stream
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _run_killing_a_loader(config: Path, run_dir: Path, *, at_step: int, loader: int = 1,
+                          while_running=lambda: None, service: str = "dataloader", also=lambda: True) -> dict:
+    """`hybridrec run` with each NN worker's trace of the batches it trained (`batch_trained`, a debug line),
+    data loader `loader` (or replica `loader` of `service`) SIGKILLed once rank 0 is at `at_step` and `also()`
+    holds (the launcher replaces it alone)."""
+    import os
+
+    summary = run_dir / "summary-out.json"
+    proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
+                                         str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "HYBRIDREC_LOG_LEVEL": "DEBUG"})
+    while_running()
+    pattern = f"serve {service} --config {run_dir / 'config.yaml'} --replica {loader}"
+    deadline = time.monotonic() + 300
+    while (step := rank_step(run_dir)) is None or step < at_step or not also():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+        time.sleep(0.02)
+    (target,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
+    target.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(summary.read_text())
+
+
+def _trained(run_dir: Path) -> dict[tuple[int, int], tuple[int, tuple[int, ...]]]:
+    """(loader, seq) -> (rows, position after it) of every batch an NN worker trained; each batch once."""
+    out: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+    for log in sorted((run_dir / "logs").glob("nn_worker-*.log")):
+        for entry in _events(log, "batch_trained"):
+            key = (entry["loader"], entry["seq"])
+            assert key not in out, f"batch {key} trained twice"
+            assert not entry["lost"], entry
+            out[key] = (entry["rows"], tuple(entry["position"]))
+    return out
+
+
+def _assert_each_sample_trained_once(run_dir: Path, bounds: list[tuple[int, int]]) -> None:
+    """Every loader's stream was trained in order, once, and its batches hold every line of the loader's split
+    exactly once. `bounds`: per loader, the `line` of the positions at its split's start and end (a TSV line
+    number; prepared data: the row + 1). A batch holds the lines between the position before it and its own
+    (the final round is one piece of data split among the ranks: its batches share one position)."""
+    trained = _trained(run_dir)
+    for loader, (start, end) in enumerate(bounds):
+        batches = sorted((seq, rows, position) for (l, seq), (rows, position) in trained.items() if l == loader)
+        assert [seq for seq, _, _ in batches] == list(range(len(batches))), (loader, [s for s, _, _ in batches])
+        line, i = start, 0
+        while i < len(batches):
+            position, rows = batches[i][2], 0
+            while i < len(batches) and batches[i][2] == position:
+                rows += batches[i][1]
+                i += 1
+            assert rows == position[3] - line, (loader, position, rows, line)
+            line = position[3]
+        assert line == end, (loader, line, end)
+
+
+def _split_lines(config_path: Path, count_lines) -> list[tuple[int, int]]:
+    """Per data loader, the `line` at its split's start and end (of the one training file or shard it has a
+    part of; `count_lines(file, offset)`)."""
+    from hybridrec.config import load_config
+    from services.dataloader.sources import split
+
+    config = load_config(config_path, [])
+    out = []
+    for loader in range(len(config.cluster.dataloader)):
+        ((file, part),) = [(f, p) for f, p in enumerate(split(config, "data.train", loader)) if p is not None]
+        out.append((count_lines(file, part.start), count_lines(file, part.stop)))
+    return out
+
+
+def _check_loader_replaced(result: dict, run_dir: Path, loader: int = 1) -> None:
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarts == {**{k: 0 for k in restarts}, ("dataloader", loader): 1}, restarts  # it alone
+    resumed = [json.loads(line) for line in (run_dir / "logs" / f"dataloader-{loader}.log").read_text().splitlines()
+               if '"resuming"' in line]
+    assert len(resumed) == 1 and resumed[0]["source"] == "ranks" and resumed[0]["seq"] > 0, resumed
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert result["data"]["train"]["loaders"][loader]["first_seq"] == resumed[0]["seq"]
+
+
+def test_one_of_three_loaders_killed_mid_run_on_tsv_trains_every_sample_once(small_data, tmp_path):
+    """Three loaders, each on its byte range of the one training file; loader 1 SIGKILLed mid-stream. It is
+    replaced alone, reads on from where the NN workers are, and every line of every split is trained once."""
+    config = _three_loader_config(tmp_path, small_data, [str(small_data / "train.tsv")])
+    run_dir = tmp_path / "run"
+    result = _run_killing_a_loader(config, run_dir, at_step=8)
+    _check_loader_replaced(result, run_dir)
+    assert result["samples"] == 60_000 and result["data"]["eval"]["rows"] == 20_000, result["data"]
+    data = (small_data / "train.tsv").read_bytes()
+    _assert_each_sample_trained_once(run_dir, _split_lines(
+        run_dir / "config.yaml", lambda _, offset: 1 + data.count(b"\n", 0, len(data) if offset is None else offset)))
+    assert result["auc"] > 0.6
+
+
+def test_one_of_three_loaders_killed_mid_run_on_prepared_data_trains_every_sample_once(small_data, tmp_path):
+    prepared = tmp_path / "train.prep"
+    out = subprocess.run(HYBRIDREC + ["data", "prepare", str(small_data / "train.tsv"), "--out", str(prepared)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    config = _three_loader_config(tmp_path, small_data, [str(prepared)])
+    run_dir = tmp_path / "run"
+    result = _run_killing_a_loader(config, run_dir, at_step=8)
+    _check_loader_replaced(result, run_dir)
+    assert result["samples"] == 60_000, result["data"]
+    _assert_each_sample_trained_once(run_dir, _split_lines(run_dir / "config.yaml",
+                                                           lambda _, row: (60_000 if row is None else row) + 1))
+
+
+def test_an_nn_worker_replaced_after_a_loader_finished_gets_that_loaders_frames_again(small_data, tmp_path):
+    """Three gzip files of 40,000, 15,000 and 5,000 lines, one per loader: loader 2 sends all it has (its end of
+    training and its eval data) early, and waits. NN worker 1 SIGKILLed after that: its replacement takes the
+    steps per loader from its peer, and loader 2 sends it again what it had not confirmed, its end included,
+    without which the replacement would wait for loader 2 for ever. Every sample is trained once."""
+    import gzip
+
+    lines = (small_data / "train.tsv").read_bytes().splitlines(keepends=True)
+    files = []
+    for name, (a, b) in zip("abc", [(0, 40_000), (40_000, 55_000), (55_000, 60_000)]):
+        files.append(tmp_path / f"{name}.tsv.gz")
+        with gzip.open(files[-1], "wb") as f:
+            f.write(b"".join(lines[a:b]))
+    config = _three_loader_config(tmp_path, small_data, [str(f) for f in files])
+    run_dir = tmp_path / "run"
+    finished = run_dir / "logs" / "dataloader-2.log"
+    result = _run_killing_a_loader(config, run_dir, at_step=25, loader=1, service="nn_worker",
+                                   also=lambda: finished.is_file() and '"eval_data_sent"' in finished.read_text())
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarts == {**{k: 0 for k in restarts}, ("nn_worker", 1): 1}, restarts
+    assert '"group_reformed"' in (run_dir / "logs" / "nn_worker-0.log").read_text()
+    again = _events(finished, "frames_sent_again")
+    assert again and again[0]["rank"] == 1 and again[0]["ended"] == "eval", again
+    assert result["samples"] == 60_000 and result["eval_samples"] == 20_000, result
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    _assert_each_sample_trained_once(run_dir, [(1, 40_001), (1, 15_001), (1, 5_001)])
+
+
+def test_one_of_three_loaders_killed_mid_stream_trains_every_event_once(small_data, tmp_path):
+    """The stream in three partitions (`hybridrec data replay --partitions 3`), one per loader, each through its
+    own durable consumer; loader 1 SIGKILLed in the middle of the replay. Every event is trained once and every
+    message of every partition (its end marker included) is acknowledged."""
+    import asyncio
+
+    from hybridrec.app.broker import create_stream
+    from hybridrec.config import StreamConfig
+    from tests.integration.test_stream import SUBJECT, Broker, _assert_each_event_once
+
+    broker = Broker(tmp_path)
+    try:
+        asyncio.run(create_stream(broker.url, StreamConfig(), partitions=3))
+        config = _three_loader_config(tmp_path, small_data, [], stream={"url": broker.url, "until_event": 60_000})
+        run_dir = tmp_path / "run"
+        replaying = []
+
+        def replay() -> None:  # from the moment every loader reads its partition: the kill comes mid-replay
+            logs = [run_dir / "logs" / f"dataloader-{loader}.log" for loader in range(3)]
+            deadline = time.monotonic() + 120
+            while not all(log.is_file() and '"stream_reading"' in log.read_text() for log in logs):
+                assert time.monotonic() < deadline, "the loaders did not start reading the stream"
+                time.sleep(0.05)
+            replaying.append(subprocess.Popen(HYBRIDREC + [
+                "data", "replay", str(small_data / "train.tsv"), "--to", f"{broker.url}/{SUBJECT}", "--rate", "10000",
+                "--limit", "60000", "--partitions", "3"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True))
+
+        result = _run_killing_a_loader(config, run_dir, at_step=8, while_running=replay)
+        out, err = replaying[0].communicate(timeout=300)
+        assert replaying[0].returncode == 0, err
+        assert "published 60,000 events (0..59999) in 600 messages" in out, out
+        _check_loader_replaced(result, run_dir)
+        assert result["samples"] == 60_000 and result["data"]["train"]["rows"] <= 60_000, result["data"]
+        _assert_each_event_once(run_dir, 60_000, loaders=3)
+        stream = result["stream"]  # the loaders' accounts, merged (a restarted loader's counts from its resumption)
+        assert [p["partition"] for p in stream["partitions"]] == [0, 1, 2], stream
+        assert [p["events"] for p in stream["partitions"]][::2] == [20_000, 20_000], stream
+        assert stream["events"] == sum(p["events"] for p in stream["partitions"]), stream
+        # 600 messages (partition p: p + 1, p + 4, ...), then each partition's end marker (601, 602, 603).
+        # Partitions 0 and 1 end at their markers, acknowledged; partition 2 ends with the message holding event
+        # 59,999 (sequence 600) without waiting for its marker, which a next job passes over.
+        for partition, expected in enumerate([(601, 0), (602, 0), (600, 1)]):
+            floor, pending, delivered = _partition_consumer(broker.url, partition)
+            assert (floor, pending) == expected, (partition, floor, pending, delivered)
+    finally:
+        broker.stop()
+
+
+def _partition_consumer(url: str, partition: int) -> tuple[int, int, tuple[int, int]]:
+    """A partition's consumer: (ack floor's stream sequence, messages not delivered or not acknowledged, (its
+    own sequence of the last acknowledged and of the last delivered message))."""
+    import asyncio
+
+    async def ask():
+        import nats
+
+        nc = await nats.connect(url)
+        try:
+            info = await nc.jetstream().consumer_info("HYBRIDREC_EVENTS", f"hybridrec-trainer-{partition}")
+            return (info.ack_floor.stream_seq, info.num_ack_pending + info.num_pending,
+                    (info.ack_floor.consumer_seq, info.delivered.consumer_seq))
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

@@ -138,12 +138,12 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     return json.loads(summary.read_text())
 
 
-def _events_read(run_dir: Path) -> list[tuple[int, int]]:
-    """The events of every training batch the data loader read, as (first id, count) runs: of a restarted
+def _events_read(run_dir: Path, loader: int = 0) -> list[tuple[int, int]]:
+    """The events of every training batch data loader `loader` read, as (first id, count) runs: of a restarted
     loader, what its predecessor read up to where it resumed, then its own (`stream_batch`, `resuming`)."""
     lives: list[tuple[list[int] | None, list[tuple[list[int], list[list[int]]]]]] = []
     resumed_at = None  # a restarted loader logs where it resumes, then starts reading
-    for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines():
+    for line in (run_dir / "logs" / f"dataloader-{loader}.log").read_text().splitlines():
         if not line.startswith("{"):
             continue
         entry = json.loads(line)
@@ -163,10 +163,10 @@ def _events_read(run_dir: Path) -> list[tuple[int, int]]:
     return runs
 
 
-def _assert_each_event_once(run_dir: Path, events: int) -> None:
-    """The batches read cover event ids 0..events-1, each exactly once."""
+def _assert_each_event_once(run_dir: Path, events: int, loaders: int = 1) -> None:
+    """The batches read (by every data loader) cover event ids 0..events-1, each exactly once."""
     seen = np.zeros(events, np.int64)
-    for first, n in _events_read(run_dir):
+    for first, n in (run for loader in range(loaders) for run in _events_read(run_dir, loader)):
         assert 0 <= first and first + n <= events, (first, n)
         seen[first:first + n] += 1
     assert seen.min() == seen.max() == 1, (np.flatnonzero(seen == 0)[:10], np.flatnonzero(seen > 1)[:10])

@@ -55,7 +55,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         checkpointer = Checkpointer(config, rank, WORLD)
         checkpointer.last_time -= 5.0 * (rank == 1)  # only rank 1's interval is up: the vote is a MAX
         result["time_up"] = checkpointer.time_up()
-        seq, position, samples = checkpointer._gather_position(40 + rank, (0, rank, 7, 8), stats.samples)
+        ((seq, position),), samples = checkpointer._gather_position([(40 + rank, (0, rank, 7, 8))], stats.samples)
         result["position"] = [seq, list(position), samples]
         barrier()
 

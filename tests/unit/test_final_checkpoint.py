@@ -54,16 +54,17 @@ def test_final_checkpoint_is_written_unless_one_of_the_last_step_holds_the_final
     checkpointer = Checkpointer(config, 0, 2)
     saved = []
 
-    async def save(trainer, step, seq, position, **_):
+    async def save(trainer, step, last, **_):
+        ((seq, position),) = last  # one data loader's stream
         saved.append((step, seq, position))
         checkpointer.last_saved = step
 
     checkpointer.save = save
     if interval and 10 % interval == 0:
-        asyncio.run(save(None, 10, 19, (0, 0, 5, 5)))
+        asyncio.run(save(None, 10, [(19, (0, 0, 5, 5))]))
         saved.clear()
     checkpointer.restored_step = restored
-    asyncio.run(checkpointer.finish(None, 10, 19, (0, 0, 5, 5)))
+    asyncio.run(checkpointer.finish(None, 10, [(19, (0, 0, 5, 5))]))
     assert saved == ([(10, 19, (0, 0, 5, 5))] if written else [])
     assert checkpointer.final_path == checkpoints.step_dir(tmp_path, 10)
     assert (checkpointer.final_s is not None) == written
@@ -75,5 +76,5 @@ def test_no_final_checkpoint_when_off_or_without_a_dir(tmp_path):
     for checkpoint in ({"dir": str(tmp_path), "final": False}, {}):
         config = from_dict({"data": {"train": ["t.tsv"]}, "checkpoint": checkpoint})
         checkpointer = Checkpointer(config, 0, 1)
-        asyncio.run(checkpointer.finish(None, 3, 5, (0, 0, 1, 1)))
+        asyncio.run(checkpointer.finish(None, 3, [(5, (0, 0, 1, 1))]))
         assert checkpointer.final_path is None and not list(tmp_path.iterdir())

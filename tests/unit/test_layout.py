@@ -27,8 +27,9 @@ def test_a_gpu_host_gets_a_rank_per_gpu_and_the_rest_of_its_cores_for_the_sparse
     config, layout = fit(_config(ps="auto", embedding_workers="auto", dataloader="auto", nn_workers="auto",
                                  torch_threads="auto"), Host(cores=16, gpus=1))
     assert layout.nn_workers == 1 and layout.torch_threads == 1
-    assert (layout.ps, layout.embedding_workers) == (5, 4)  # 14 cores: 0.42/0.31/0.27
-    assert layout.dataloader == 1  # one per job for now
+    assert (layout.ps, layout.embedding_workers, layout.dataloader) == (5, 4, 3)  # 14 cores: 0.42/0.31/0.27
+    _, capped = fit(_config(dataloader="auto", nn_workers="auto"), Host(cores=16, gpus=1), max_loaders=2)
+    assert capped.dataloader == 2
     assert len(config.cluster.ps) == 5 and len(config.cluster.nn_workers) == 1
 
 
@@ -46,6 +47,11 @@ def test_what_the_host_cannot_hold_is_refused_naming_the_key_or_adjusted_with_a_
         fit(_config(backend="nccl"), Host(cores=16, gpus=0))
     config, layout = fit(_config(nn_workers=["127.0.0.1:0"] * 2, torch_threads=8), Host(cores=4, gpus=0))
     assert config.training.torch_threads == 1 and "torch_threads 8 x 2 NN workers" in layout.notes[0]
+
+
+def test_a_stream_gets_one_loader_whatever_the_host():
+    config = from_dict({"data": {"stream": {"url": "nats://127.0.0.1:4222"}}, "cluster": {"dataloader": "auto"}})
+    assert fit(config, Host(cores=64, gpus=0))[1].dataloader == 1
 
 
 def test_a_service_started_alone_refuses_an_auto_list_naming_it():
