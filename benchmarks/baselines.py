@@ -74,6 +74,8 @@ class EmbeddingBagDNN(nn.Module):
         self.dnn = _dnn(dim, hidden)
 
     def forward(self, dense: torch.Tensor, idx: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        if dense.is_cuda:
+            return self.dnn(dense, self._pooled_on_device(idx, present))
         b = dense.shape[0]
         values, lengths = jagged(idx, present)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -84,6 +86,14 @@ class EmbeddingBagDNN(nn.Module):
             lo = bounds[f]
             pooled[name] = table(values[lo:bounds[f + 1]], offsets[f * b:(f + 1) * b] - lo)
         return self.dnn(dense, pooled)
+
+    def _pooled_on_device(self, idx: torch.Tensor, present: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The same sums without a host synchronisation (a GPU must not wait on the host every step): each
+        sample's ID in a bag of one, weighted 1 when present and 0 when absent, in place of the jagged values
+        and their offsets (which need the present count on the host)."""
+        weights = present.to(torch.float32)
+        return {name: table(idx[:, f:f + 1], per_sample_weights=weights[:, f:f + 1])
+                for f, (name, table) in enumerate(zip(FEATURES, self.tables))}
 
 
 def run_pytorch(train_paths, eval_paths, *, batch_size: int = 4096, epochs: int = 1,

@@ -89,3 +89,24 @@ def test_targets_are_recorded_for_the_fastest_nccl_run():
     assert got["hybrid_vs_pytorch_gpu"]["value"] == 4.8 and got["hybrid_vs_pytorch_gpu"]["met"] is True
     assert got["hybrid_minus_cpu_auc"]["value"] == pytest.approx(0.0015) and got["hybrid_minus_cpu_auc"]["met"]
     assert gpu.targets({"cpu": {"auc": 0.8}}) == {}
+
+
+def test_the_gpu_form_of_the_baseline_pools_as_the_jagged_form_without_a_host_sync():
+    """On a GPU the baseline pools each sample's ID as a bag of one weighted by its presence (no count of
+    present IDs read on the host); the sums and the gradients equal the jagged form's (run here on the CPU)."""
+    import torch
+
+    from benchmarks.baselines import EmbeddingBagDNN
+
+    torch.manual_seed(0)
+    model = EmbeddingBagDNN(50, 4, [8])
+    idx, present, dense = torch.randint(0, 50, (9, 26)), torch.rand(9, 26) > 0.3, torch.randn(9, 13)
+    jagged_out = model(dense, idx, present)
+    jagged_out.sum().backward()
+    jagged_grads = [t.weight.grad.to_dense().clone() for t in model.tables]
+    model.zero_grad(set_to_none=True)
+    device_out = model.dnn(dense, model._pooled_on_device(idx, present))
+    device_out.sum().backward()
+    torch.testing.assert_close(device_out, jagged_out)
+    for table, expected in zip(model.tables, jagged_grads):
+        torch.testing.assert_close(table.weight.grad.to_dense(), expected)
