@@ -109,10 +109,12 @@ class DNN(nn.Module):
     def forward(self, dense: torch.Tensor, embeddings: dict[str, torch.Tensor]) -> torch.Tensor:
         # The first layer over [dense, embeddings] as two products with its weight's two column blocks: the
         # pooled embeddings come as one block (`side_by_side`), so nothing is concatenated, forward or back.
+        # Each column block is copied contiguous first (a few kB): MKL's products with a strided weight took
+        # 1.8 + 2.6 ms forward and back against 1.4 + 1.1 at width 8 on the development machine's CPU.
         first, *rest = self.net
         n = dense.shape[1]
-        x = F.linear(side_by_side(embeddings, self.names), first.weight[:, n:]) + \
-            F.linear(dense, first.weight[:, :n], first.bias)
+        x = F.linear(side_by_side(embeddings, self.names), first.weight[:, n:].contiguous()) + \
+            F.linear(dense, first.weight[:, :n].contiguous(), first.bias)
         for layer in rest:
             x = layer(x)
         return x.squeeze(-1)
