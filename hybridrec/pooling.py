@@ -56,6 +56,8 @@ class BatchEmbeddings:
     base: np.ndarray  # int64 (features,): each feature's first row within its width's rows (host, always)
     sequences: dict[int, tuple] = field(default_factory=dict)
     """feature index -> (int64 (batch, max_len) row of each element, -1 past the length; lengths)."""
+    device_base: "torch.Tensor | None" = None
+    """`base` on the device, staged with the batch's other arrays (None: `pool` copies it there itself)."""
 
 
 class PooledEmbeddings(dict):
@@ -101,6 +103,7 @@ class Pooler:
         self.weighted = bool(self.powers.any())
         # each feature's position within its width (the order of the width's rows)
         self._within = np.array([self.members[f.dim].index(i) for i, f in enumerate(features)], np.int64)
+        self._device_consts: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs: O(features) numpy
@@ -203,32 +206,45 @@ class Pooler:
             if leaf.requires_grad:
                 return _KernelPool.apply(leaf, _Bags.of(emb, feats, self.powers))
             return _kernel_forward(leaf, _Bags.of(emb, feats, self.powers))
-        return self._device_pool(leaf, emb, feats)
+        return self._device_pool(leaf, emb, dim)
 
-    def _device_pool(self, leaf: torch.Tensor, emb: BatchEmbeddings, feats: np.ndarray) -> torch.Tensor:
+    def _device_pool(self, leaf: torch.Tensor, emb: BatchEmbeddings, dim: int) -> torch.Tensor:
         """`embedding_bag` over the width's bags, index and offsets built on the leaf's device from the frame's
-        positions and lengths (sizes from the host's `start`, so nothing waits for the device)."""
-        device = leaf.device
-        pos, lengths = as_tensor(emb.pos, device), as_tensor(emb.lengths, device)
+        positions and lengths. Sizes come from the host's `start` and every array is staged or cached there,
+        so nothing waits for the device; positions and lengths are widened to int64 before any indexing
+        (CUDA indexes no uint16 tensor)."""
+        device, feats = leaf.device, self._pooled_arrays[dim]
+        pos, lengths = _as_long(as_tensor(emb.pos, device)), _as_long(as_tensor(emb.lengths, device))
+        base = emb.device_base if emb.device_base is not None else torch.from_numpy(emb.base).to(device)
         spans = [(int(emb.start[f]), int(emb.start[f + 1])) for f in feats]
-        elements = [b - a for a, b in spans]
-        total = sum(elements)
-        if feats.size == int(feats[-1] - feats[0]) + 1:  # neighbours in config order: one slice
-            positions = pos[spans[0][0]:spans[-1][1]]
+        total = sum(b - a for a, b in spans)
+        first, last = int(feats[0]), int(feats[-1])
+        if feats.size == last - first + 1:  # neighbours in config order: slices
+            positions, bag_lengths, base = pos[spans[0][0]:spans[-1][1]], lengths[first:last + 1], base[first:last + 1]
         else:
+            index = self._on_device(device, dim)[0]
             positions = torch.cat([pos[a:b] for a, b in spans])
-        base = torch.as_tensor(emb.base[feats], device=device)
-        index = _as_long(positions) + torch.repeat_interleave(
-            base, torch.as_tensor(elements, device=device), output_size=total)
-        bag_lengths = _as_long(lengths[torch.as_tensor(feats, device=device)].reshape(-1))
+            bag_lengths, base = lengths.index_select(0, index), base.index_select(0, index)
+        index = positions + torch.repeat_interleave(base, bag_lengths.sum(1), output_size=total)
+        bag_lengths = bag_lengths.reshape(-1)
         offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
         weights = None
         if self.powers[feats].any():
-            powers = torch.as_tensor(self.powers[feats], device=device).repeat_interleave(emb.batch_size)
+            powers = self._on_device(device, dim)[1].repeat_interleave(emb.batch_size)
             per_bag = bag_lengths.clamp(min=1).to(leaf.dtype).pow(-powers)
             weights = torch.repeat_interleave(per_bag, bag_lengths, output_size=total)
         bags = F.embedding_bag(index, leaf, offsets, mode="sum", per_sample_weights=weights)
         return bags.view(feats.size, emb.batch_size, leaf.shape[1]).transpose(0, 1)
+
+    def _on_device(self, device: torch.device, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Width `dim`'s pooled feature indices and their pooling powers on `device`, copied there once (a copy
+        from pageable host memory per step would make the host wait for the device)."""
+        key = (device, dim)
+        if key not in self._device_consts:
+            feats = self._pooled_arrays[dim]
+            self._device_consts[key] = (torch.from_numpy(feats).to(device),
+                                        torch.from_numpy(self.powers[feats]).to(device))
+        return self._device_consts[key]
 
 
 _POWERS = {Pooling.SUM: 0.0, Pooling.MEAN: 1.0, Pooling.SQRTN: 0.5}

@@ -4,12 +4,12 @@ On the CPU both directions are free (tensors share the numpy arrays' memory; fp1
 the pooler on the compute thread). On a GPU the host only moves bytes:
 
 * `stage` packs the batch — dense values, labels, the frame's fp16 rows and their norms, positions and bag
-  lengths (uint16, as they came), a sequence's padded index — into one pinned buffer (torch's caching host
-  allocator keeps it) and copies it to the device in one `non_blocking` copy, on a side stream with
-  `training.overlap_copies` (the default), so the copy runs while the GPU still computes the previous step;
-  the compute stream then waits for it on the GPU (`wait_stream`), not the host. Every array is a view of
-  the device buffer; the rows are scaled back, and the pooler's index and offsets built, by kernels on the
-  device (`hybridrec.pooling`).
+  lengths (uint16, as they came), each feature's first row, a sequence's padded index — into one pinned
+  buffer (torch's caching host allocator keeps it) and copies it to the device in one `non_blocking` copy,
+  on a side stream with `training.overlap_copies` (the default), so the copy runs while the GPU still
+  computes the previous step; the compute stream then waits for it on the GPU (`wait_stream`), not the
+  host. Every array is a view of the device buffer; the rows are scaled back, and the pooler's index and
+  offsets built, by kernels on the device (`hybridrec.pooling`).
 * `to_host` copies the step's outputs (κ-scaled fp16 gradients and their norms, quantised on the device by
   `hybridrec.compress.scaled_fp16_tensors`; the loss; the logits) into pinned memory on the compute stream
   and records an event; the gradient push awaits that event (`ready`) on the event loop, so the compute
@@ -83,7 +83,7 @@ def _writable(array: np.ndarray) -> torch.Tensor:
 
 def _arrays(dense: np.ndarray, labels: np.ndarray | None, emb: BatchEmbeddings) -> dict[str, np.ndarray]:
     """Every host array of a batch that the device needs, by name."""
-    out = {"dense": dense, "pos": emb.pos, "bag_lengths": emb.lengths}
+    out = {"dense": dense, "pos": emb.pos, "bag_lengths": emb.lengths, "base": emb.base}
     if labels is not None:
         out["labels"] = labels
     for dim, rows in emb.rows.items():
@@ -123,6 +123,7 @@ def _unpack(buffer: torch.Tensor, offsets: dict[str, int], arrays: dict[str, np.
         rows[dim] = (Fp16Rows(view(f"half.{dim}"), view(f"norms.{dim}"), host_rows.kappa)
                      if isinstance(host_rows, Fp16Rows) else view(f"f32.{dim}"))
     staged = dataclasses.replace(emb, rows=rows, pos=view("pos"), lengths=view("bag_lengths"),
+                                 device_base=view("base"),
                                  sequences={f: (view(f"seq.{f}"), view(f"seqlen.{f}")) for f in emb.sequences})
     return view("dense"), view("labels") if "labels" in arrays else None, staged
 

@@ -164,6 +164,10 @@ class Trainer:
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
             self.resume_at(loader_steps)
+            # It confirms nothing yet: its predecessor may have trained batches whose embedding updates died with
+            # it (pushed, or not, before the kill). Confirming the group's state would let the loaders forget
+            # them unsent; instead they are sent again, and each is settled (`_settle`) and then confirmed.
+            self.consumed = [Consumed("train", -1)] * self.loaders
             # The source's sample count is not its predecessor's: this rank's share is counted from the streams
             # (rank 0 holds the restored job total: checkpoint.py), loader by loader as their frames come.
             stats.samples = stats.restored_samples if self.env.rank == 0 else 0
@@ -309,6 +313,11 @@ class Trainer:
         loader = batch.loader
         if batch.seq < self.next_seq[loader]:
             self.stats.replayed_dropped += 1
+            # Trained in a group step by this rank's predecessor, which may have died before its own
+            # `batch_trained` line: with HYBRIDREC_LOG_LEVEL=DEBUG an audit finds every batch in one of the two.
+            self.log.debug("batch_settled", loader=loader, seq=batch.seq, rows=int(batch.labels.shape[0]),
+                           position=list(batch.position))
+            self._unacked[loader].add(batch.seq)  # confirmed once its update is settled, not before
             task = asyncio.ensure_future(self._settle(batch))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
@@ -441,6 +450,10 @@ class Trainer:
             return  # applied before the predecessor died (or lost with its worker: counted there)
         except Exception as exc:  # noqa: BLE001 - it stays owed: the end-of-run count reports it as lost
             self.log.warning("update_replay_failed", batch_ref=batch.batch_ref, error=str(exc))
+        finally:
+            self._unacked[batch.loader].discard(batch.seq)
+            if self.consumed[batch.loader].phase == "train":
+                self._confirm(batch.loader)
 
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense

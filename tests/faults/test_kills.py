@@ -345,12 +345,16 @@ def _run_killing_a_loader(config: Path, run_dir: Path, *, at_step: int, loader: 
 def _trained(run_dir: Path) -> dict[tuple[int, int], tuple[int, tuple[int, ...]]]:
     """(loader, seq) -> (rows, position after it) of every batch an NN worker trained; each batch once."""
     out: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
-    for log in sorted((run_dir / "logs").glob("nn_worker-*.log")):
+    logs = sorted((run_dir / "logs").glob("nn_worker-*.log"))
+    for log in logs:
         for entry in _events(log, "batch_trained"):
             key = (entry["loader"], entry["seq"])
             assert key not in out, f"batch {key} trained twice"
             assert not entry["lost"], entry
             out[key] = (entry["rows"], tuple(entry["position"]))
+    for log in logs:  # trained by a rank killed before its batch_trained line: its replacement says so
+        for entry in _events(log, "batch_settled"):
+            out.setdefault((entry["loader"], entry["seq"]), (entry["rows"], tuple(entry["position"])))
     return out
 
 

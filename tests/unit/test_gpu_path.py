@@ -236,7 +236,7 @@ def test_the_feed_stages_a_batch_on_the_gpu_and_pools_it_as_the_cpu_does(overlap
     feed = DeviceFeed(device, overlap=overlap)
     kept = Pooler(features, values, keep_fp16=True).decode(raw, 9)
     dense, labels, staged = feed.stage(np.ones((9, 2), np.float32), np.zeros(9, np.float32), kept)
-    assert dense.device == device and all(t.device == device for t in staged.rows.values())
+    assert dense.device == device and all(rows.half.device == device for rows in staged.rows.values())
     leaves, got = Pooler(features, values).pool(staged, device, grad=True)
     _, expected = Pooler(features, values).pool(Pooler(features, values).decode(raw, 9), torch.device("cpu"),
                                                 grad=False)

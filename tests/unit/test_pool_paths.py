@@ -109,3 +109,37 @@ def test_the_staging_buffer_keeps_every_array_aligned_and_intact():
         assert np.array_equal(staged.rows[dim].half.numpy(), rows.half)
         assert np.array_equal(staged.rows[dim].norms.numpy(), rows.norms)
     assert dataclasses.fields(staged) == dataclasses.fields(emb)
+
+
+class _Uint16OnlyViewed(torch.overrides.TorchFunctionMode):
+    """Fails any torch call other than a view, a slice or an attribute read that is handed a uint16 tensor:
+    CUDA implements almost no operation for uint16 (indexing one raised `"index_cuda" not implemented for
+    'UInt16'` on a GPU), so the device path must widen positions and lengths before it computes with them."""
+
+    ALLOWED = {"view", "__get__", "__getitem__", "size", "dim", "numel", "data_ptr", "is_contiguous"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if name not in self.ALLOWED and any(t.dtype == torch.uint16 for t in tensors):
+            raise AssertionError(f"torch.{name} on a uint16 tensor: CUDA has no kernel for it")
+        if name == "__getitem__" and tensors[0].dtype == torch.uint16 and not isinstance(args[1], slice):
+            raise AssertionError(f"a uint16 tensor indexed by {type(args[1]).__name__}: CUDA has no kernel for it")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_device_path_only_views_and_slices_uint16_arrays(fp16):
+    values = ValueCodec(fp16=fp16)
+    features, raw = _batch(values, seed=2)
+    pooler = Pooler(features, values)
+    host = pooler.decode(raw, 11)
+    _, _, staged = _staged(host)
+    assert staged.pos.dtype == torch.uint16 and staged.lengths.dtype == torch.uint16  # as the frame carried them
+    expected = {n: vector(t) for n, t in pooler.pool(host, CPU, grad=False)[1].items()}
+    with _Uint16OnlyViewed():
+        leaves, pooled = pooler.pool(staged, CPU, grad=True)
+        sum(vector(t).sum() for t in pooled.values()).backward()
+    for name, tensor in pooled.items():
+        torch.testing.assert_close(vector(tensor).detach(), expected[name], rtol=1e-5, atol=1e-6)
+    assert all(leaf.grad is not None for leaf in leaves.values())
