@@ -91,16 +91,22 @@ def change_time(loader_log: Path, at_row: int) -> float:
     raise SystemExit(f"event {at_row} was never read (see {loader_log})")
 
 
-def level_before(times: np.ndarray, served: np.ndarray, changed_at: float, before_s: float) -> float:
+def level_before(times: np.ndarray, served: np.ndarray, changed_at: float, before_s: float) -> float | None:
     """The served level at the change: the mean of the answers of the `before_s` seconds before it (the last
-    answer before it when none came in that window)."""
+    answer before it when none came in that window; None when none came before it)."""
     before = served[(times >= changed_at - before_s) & (times < changed_at)]
-    return float(before.mean()) if len(before) else float(served[times < changed_at][-1])
+    if len(before):
+        return float(before.mean())
+    earlier = served[times < changed_at]
+    return float(earlier[-1]) if len(earlier) else None
 
 
 def follow(times: np.ndarray, served: np.ndarray, changed_at: float, target: float, before_s: float) -> dict:
     """How one served level (a series over `times`) followed the change towards `target`."""
     level = level_before(times, served, changed_at, before_s)
+    if level is None or not (times >= changed_at).any():  # no answer before the change, or none after it
+        return {"served_before": level, "target": round(target, 4), "served_at_end": None, "moved_at_end": None,
+                "halfway_after_s": None}
     moved = (served - level) / (target - level)  # 0 at the old level, 1 at the new one
     after = times >= changed_at
     below = np.flatnonzero(after & (moved < 0.5))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.modes import accounting  # noqa: E402
+from benchmarks.modes import accounting, thread_cpu_s_per_call  # noqa: E402
 from hybridrec.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
@@ -134,11 +134,7 @@ def model_ms_per_step(batch: int = 4096, steps: int = 30) -> float:
         torch.nn.functional.binary_cross_entropy_with_logits(model(dense, pooled), labels).backward()
         opt.step()
 
-    step()
-    started = time.thread_time()
-    for _ in range(steps):
-        step()
-    return 1000 * (time.thread_time() - started) / steps
+    return 1000 * thread_cpu_s_per_call(step, steps)
 
 
 def main() -> None:

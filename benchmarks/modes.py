@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -167,6 +168,16 @@ def accounting(resources: dict[str, list[dict]], t0: float, t1: float, samples: 
 _MLP_CACHE: dict[tuple, float] = {}
 
 
+def thread_cpu_s_per_call(fn: Callable[[], object], calls: int) -> float:
+    """This thread's CPU seconds per call of `fn`, after one call to warm it up (the thread's CPU clock: a busy
+    machine does not inflate it)."""
+    fn()
+    started = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - started) / calls
+
+
 def mlp_core_s_per_1m(hidden: tuple[int, ...] = (512, 256, 128), batch: int = 4096, steps: int = 20) -> float:
     """CPU seconds per 1M samples of the benchmark's MLP alone: forward, backward and Adam step on one thread
     (torch_threads is 1 per NN worker), timed with the thread's CPU clock so a busy machine does not inflate it."""
@@ -195,11 +206,7 @@ def mlp_core_s_per_1m(hidden: tuple[int, ...] = (512, 256, 128), batch: int = 40
             torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), labels).backward()
             opt.step()
 
-        step()
-        started = time.thread_time()
-        for _ in range(steps):
-            step()
-        _MLP_CACHE[key] = (time.thread_time() - started) / (steps * batch) * 1e6
+        _MLP_CACHE[key] = thread_cpu_s_per_call(step, steps) / batch * 1e6
     finally:
         torch.set_num_threads(threads)
     return _MLP_CACHE[key]

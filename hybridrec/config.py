@@ -258,8 +258,10 @@ class TrainingConfig(_Model):
 
 class StreamConfig(_Model):
     """Training events from a NATS JetStream stream instead of files (services/dataloader/stream.py): each
-    message holds one or more samples in the training data's row format (Criteo TSV lines), with an event id
-    and an event time in its headers (`hybridrec data replay` publishes a file that way)."""
+    message holds one or more samples, as Criteo TSV lines or as an Arrow record batch in the training data's
+    own columns (labels, dense columns, scalar and list features, read as from Parquet), with an event id and an
+    event time in its headers (`hybridrec data replay` publishes a TSV or Parquet file that way). With
+    `data.format: parquet` (features that are not Criteo columns) the messages must be Arrow batches."""
 
     url: str | None = None
     """nats://HOST:PORT of the broker. None: `hybridrec run` starts a local nats-server (-js) for the run."""
@@ -312,7 +314,8 @@ class DataConfig(_Model):
     """Training files (Criteo TSV, optionally .gz, or Parquet), or directories written by `hybridrec data
     prepare` (memory-mapped, nothing parsed; all entries one kind or the other). Empty with `stream`."""
     stream: StreamConfig | None = None
-    """Train on a NATS JetStream stream of events instead of `train` files (TSV rows)."""
+    """Train on a NATS JetStream stream of events instead of `train` files (TSV rows or Arrow record batches of
+    the configured columns)."""
     eval: list[str] = Field(default_factory=list)
     """Held-out files evaluated after training (or prepared directories, as `train`)."""
     oracle: str | None = None
@@ -337,8 +340,6 @@ class DataConfig(_Model):
             raise ValueError("data.train: list the training files, or set data.stream to train on a stream")
         if self.stream is not None and self.train:
             raise ValueError("data.train and data.stream: train on files or on a stream, not both")
-        if self.stream is not None and self.format != "tsv":
-            raise ValueError("data.stream: stream messages hold Criteo TSV rows; data.format must be tsv")
         return self
 
 
@@ -745,6 +746,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
+def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """`--set KEY=VALUE` items applied to a config tree in place (a value is YAML; see `_set_dotted`)."""
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    return tree
+
+
 def from_dict(tree: dict[str, Any], *, source: str = "config") -> Config:
     """Validate a config tree; errors name every bad key."""
     try:
@@ -783,9 +791,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
-    return from_dict(tree, source=str(path))
+    return from_dict(apply_overrides(tree, overrides), source=str(path))
 
 
 def dump_config(config: Config, path: str | Path) -> None:

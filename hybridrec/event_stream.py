@@ -1,8 +1,17 @@
 """The event stream's message format, shared by its writer (`hybridrec data replay`) and its reader (the data
 loader with `data.stream`, services/dataloader/stream.py).
 
-A message on the stream's subject holds one or more samples as lines in the training data's row format
-(Criteo TSV). Its headers name the id of its first event (the ids of its lines follow it) and its event
+A message on the stream's subject holds one or more samples, in one of two formats, named by its
+`Hybridrec-Format` header:
+
+* absent (or `tsv`): lines in the Criteo TSV row format, a sample each. The default: a TSV message is what it
+  was before the header existed, byte for byte;
+* `arrow`: an Arrow IPC stream (a schema, then one record batch) whose columns are the training data's own:
+  label columns, dense columns, scalar and list (multi-hot, sequence) ID columns, as a Parquet file holds them
+  (`hybridrec data replay FILE.parquet` publishes a file's rows that way). The data loader reads it with the
+  Parquet reader's own code (services/dataloader/columns.py), so a row trains as it would from the file.
+
+Its headers also name the id of its first event (the ids of its samples follow it, in order) and its event
 time. Event ids make every sample countable end to end: which ones were trained, and how often.
 
 Partitions (several data loaders, one per partition): message m of a replay goes to subject
@@ -17,10 +26,63 @@ EVENT_ID = "Hybridrec-Event-Id"
 """Message header: the id of the message's first event; its lines' ids follow it."""
 EVENT_TIME = "Hybridrec-Event-Time"
 """Message header: the message's event time, unix seconds (decimal)."""
+FORMAT = "Hybridrec-Format"
+"""Message header: the payload's format, `arrow`; absent for TSV (the default)."""
+TSV, ARROW = "tsv", "arrow"
+FORMATS = (TSV, ARROW)
 
 
-def headers(first_event: int, event_time: float) -> dict[str, str]:
-    return {EVENT_ID: str(first_event), EVENT_TIME: repr(event_time)}
+class EventFormatError(ValueError):
+    """A message whose payload is not in the format its header names (or names no format this reader knows)."""
+
+
+def headers(first_event: int, event_time: float, format: str = TSV) -> dict[str, str]:
+    """A message's headers; a TSV message has no format header (as before the header existed)."""
+    out = {EVENT_ID: str(first_event), EVENT_TIME: repr(event_time)}
+    if format != TSV:
+        out[FORMAT] = format
+    return out
+
+
+def read_format(headers: dict[str, str] | None) -> str:
+    """The message's format: TSV when it names none; EventFormatError for one this reader does not know."""
+    format = (headers or {}).get(FORMAT, TSV)
+    if format not in FORMATS:
+        raise EventFormatError(f"header {FORMAT}: {format!r} is not a format of the event stream "
+                               f"({', '.join(FORMATS)})")
+    return format
+
+
+def encode_arrow(batch) -> bytes:
+    """An Arrow record batch (pyarrow.RecordBatch or Table) as a message payload: an IPC stream of its schema
+    and one record batch."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        if isinstance(batch, pa.Table):
+            writer.write_table(batch)
+        else:
+            writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def decode_arrow(data: bytes):
+    """The pyarrow.Table of an `arrow` message's payload; EventFormatError when it is not an Arrow IPC stream."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise EventFormatError(f"not an Arrow IPC stream ({exc})") from None
+
+
+def events_in(format: str, data: bytes) -> int:
+    """How many events (samples, good or bad) a message's payload holds: its lines, or its record batch's rows.
+    EventFormatError for a payload that does not decode."""
+    if format == ARROW:
+        return decode_arrow(data).num_rows if data else 0
+    return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
 
 
 def read_headers(headers: dict[str, str] | None) -> tuple[int, float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: str | Path, data: Any, *, fsync: bool = False) -> None:
+def write_json_atomic(path: str | Path, data: Any, *, fsync: bool = False, indent: int | None = 2) -> None:
     """Write `data` as indented JSON to `path` through a temporary file and a rename.
 
     Readers (a dashboard polling services.json, a resuming job reading a
@@ -21,7 +21,7 @@ def write_json_atomic(path: str | Path, data: Any, *, fsync: bool = False) -> No
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
+        f.write(json.dumps(data, indent=indent, separators=None if indent else (",", ":")))  # C encoder: no indent
         if fsync:
             f.flush()
             os.fsync(f.fileno())

@@ -444,9 +444,13 @@ class Consumed:
 
     phase: str = "train"
     through: int = -1
+    incarnation: int = 0
+    """The answering NN worker process (random, drawn at its start; 0: not said): a loader whose earlier frames
+    went to another process of this rank sends its unconfirmed frames again."""
 
     def encode(self) -> bytes:
-        return codec.encode(meta={"consumed_phase": self.phase, "through": int(self.through)})
+        return codec.encode(meta={"consumed_phase": self.phase, "through": int(self.through),
+                                  "incarnation": int(self.incarnation)})
 
     @classmethod
     def decode(cls, buf: bytes) -> "Consumed":
@@ -454,7 +458,7 @@ class Consumed:
         phase = frame.meta.get("consumed_phase")
         if phase not in PHASES:
             raise FrameError(f"consumed_phase must be one of {PHASES}, got {phase!r}")
-        return cls(phase, frame.meta_int("through", default=-1))
+        return cls(phase, frame.meta_int("through", default=-1), _count(frame, "incarnation", default=0))
 
 
 @dataclass
@@ -473,6 +477,8 @@ class Received:
     marks: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
     loader: int = 0
     """The data loader whose stream this is about (its index in cluster.dataloader)."""
+    incarnation: int = 0
+    """The answering NN worker process, as in `Consumed`."""
 
     def encode(self) -> bytes:
         seqs = np.array([m[0] for m in self.marks], np.int64)
@@ -480,7 +486,7 @@ class Received:
         rows = np.array([m[2] for m in self.marks], np.int64)
         return codec.encode({"mark_seq": seqs, "mark_position": positions, "mark_rows": rows},
                             {"through": {k: int(v) for k, v in self.through.items()}, "ended": sorted(self.ended),
-                             "loader": int(self.loader)})
+                             "loader": int(self.loader), "incarnation": int(self.incarnation)})
 
     @staticmethod
     def loader_of(buf: bytes, loaders: int) -> int:
@@ -507,7 +513,8 @@ class Received:
         if (seqs < 0).any() or (rows < 0).any() or (positions < 0).any():
             raise FrameError("marks must be non-negative")
         marks = [(int(s), tuple(int(v) for v in p), int(r)) for s, p, r in zip(seqs, positions, rows)]
-        return cls(dict(through), frozenset(ended), marks, _count(frame, "loader", default=0))
+        return cls(dict(through), frozenset(ended), marks, _count(frame, "loader", default=0),
+                   _count(frame, "incarnation", default=0))
 
 
 # -- embedding worker <-> PS shard -----------------------------------------------------------

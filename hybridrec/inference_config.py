@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hybridrec.config import ConfigError, _describe, _set_dotted, parse_overrides, split_address
+from hybridrec.config import ConfigError, _describe, apply_overrides, split_address
 
 
 class _Model(BaseModel):
@@ -110,8 +110,7 @@ def load_inference_config(path: str | Path | None, *, values: dict[str, Any] | N
     for key, value in (values or {}).items():
         if value is not None:
             tree[key] = value
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
+    apply_overrides(tree, overrides)
     try:
         return InferenceConfig.model_validate(tree)
     except ValidationError as exc:

@@ -9,6 +9,7 @@ field names.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,33 @@ class Lag(BaseModel):
     max: float
 
 
+LAG_FLOOR_S = 1e-3
+LAG_RATIO = 1.02
+"""A lag histogram's buckets: bucket b holds lags in [LAG_FLOOR_S * LAG_RATIO**b, LAG_FLOOR_S * LAG_RATIO**(b+1))
+(bucket 0 also every lag below); a percentile read from it is within 1 % of the exact one. Sparse: [bucket,
+samples] pairs; a whole job's fits in a few hundred."""
+
+
+def lag_bucket(seconds: float) -> int:
+    return int(math.log(max(seconds, LAG_FLOOR_S) / LAG_FLOOR_S) / math.log(LAG_RATIO))
+
+
+def lag_of(histogram: dict[int, int], low: float, high: float) -> Lag | None:
+    """p50, p99 and max of a lag histogram (samples per bucket) whose smallest and largest lags are `low` and
+    `high`: each percentile is its bucket's geometric middle, kept within [low, high]."""
+    total = sum(histogram.values())
+    if not total:
+        return None
+    buckets = sorted(histogram)
+    cumulative = np.cumsum([histogram[b] for b in buckets]) / total
+
+    def pick(q: float) -> float:
+        b = buckets[min(int(np.searchsorted(cumulative, q)), len(buckets) - 1)]
+        return min(max(LAG_FLOOR_S * LAG_RATIO ** (b + 0.5), low), high)
+
+    return Lag(p50=pick(0.5), p99=pick(0.99), max=high)
+
+
 class StreamSummary(BaseModel):
     """What the data loader read from `data.stream` (services/dataloader/stream.py), written by it to
     `<output.dir>/stream.json` as training goes and merged into the summary at the end of `hybridrec run`."""
@@ -43,8 +71,22 @@ class StreamSummary(BaseModel):
     """The last stream sequence acknowledged: every sample of every message up to it was trained."""
     training_lag_s: Lag | None = None
     """From each message's event time to the moment the data loader learnt its samples were trained (a
-    batch's confirmation comes with the rank's next batch, so this errs long by up to a batch interval). With
-    several partitions: each percentile is the largest of the partitions' (a bound, not a merged percentile)."""
+    batch's confirmation comes with the rank's next batch, so this errs long by up to a batch interval), over
+    the whole job: a restarted loader goes on with its predecessor's account. Percentiles from
+    `lag_histogram`, within 1 %; with several partitions, of their histograms added up."""
+    lag_histogram: list[list[int]] | None = None
+    """Samples per lag bucket, [bucket, samples] pairs (`LAG_RATIO`): what `training_lag_s` is read from, and
+    what accounts of partitions and of a restarted loader's lives add up."""
+    lag_min_s: float | None = None
+    """The smallest lag (the largest is `training_lag_s.max`)."""
+    loader_restarts: int = 0
+    """How many times the data loader (of this partition) was started again during the job: each went on with
+    its predecessor's account."""
+    skipped_messages: int = 0
+    """Messages skipped whole, counted and acknowledged: a format, payload or schema the config cannot read
+    (`data.bad_lines: skip`)."""
+    skipped_events: int = 0
+    """The events those messages held (where their payload could be counted)."""
     partition: int | None = None
     """With several data loaders: the partition of the subject (`<subject>.<partition>`) this account is of."""
     partitions: list["StreamSummary"] | None = None
@@ -52,10 +94,17 @@ class StreamSummary(BaseModel):
     smallest and `acknowledged_through` the largest stream sequence of theirs (each consumer acknowledges
     the messages of its own partition only)."""
 
-    def write(self, output_dir: str | Path) -> None:
-        name = STREAM_FILE if self.partition is None else f"stream-{self.partition}.json"
+    def write(self, output_dir: str | Path, **state: Any) -> None:
+        """`stream.json` (`stream-<partition>.json`) in `output_dir`, with `state` beside the summary's keys: what
+        a restarted data loader needs to go on with the account (services/dataloader/stream.py), which `read`
+        leaves out."""
         unset = {key for key in ("partition", "partitions") if getattr(self, key) is None}
-        write_json_atomic(Path(output_dir) / name, self.model_dump(mode="json", exclude=unset))
+        write_json_atomic(self.path(output_dir, self.partition), {**self.model_dump(mode="json", exclude=unset),
+                                                                  **state}, indent=None)
+
+    @staticmethod
+    def path(output_dir: str | Path, partition: int | None) -> Path:
+        return Path(output_dir) / (STREAM_FILE if partition is None else f"stream-{partition}.json")
 
     @classmethod
     def read(cls, output_dir: str | Path) -> "StreamSummary | None":
@@ -70,9 +119,22 @@ class StreamSummary(BaseModel):
     @classmethod
     def merge(cls, parts: list["StreamSummary"]) -> "StreamSummary":
         lags = [part.training_lag_s for part in parts if part.training_lag_s is not None]
-        lag = Lag(p50=max(g.p50 for g in lags), p99=max(g.p99 for g in lags), max=max(g.max for g in lags)) \
-            if lags else None
+        histogram: dict[int, int] = {}
+        for part in parts:
+            for bucket, samples in part.lag_histogram or []:
+                histogram[bucket] = histogram.get(bucket, 0) + samples
+        lag = None
+        if lags and all(p.lag_histogram is not None for p in parts if p.training_lag_s is not None):
+            low = min(p.lag_min_s if p.lag_min_s is not None else p.training_lag_s.p50 for p in parts
+                      if p.training_lag_s is not None)
+            lag = lag_of(histogram, low, max(g.max for g in lags))
+        elif lags:  # accounts without histograms: each percentile the largest of the partitions' (a bound)
+            lag = Lag(p50=max(g.p50 for g in lags), p99=max(g.p99 for g in lags), max=max(g.max for g in lags))
         return cls(events=sum(part.events for part in parts), first_seq=min(part.first_seq for part in parts),
+                   lag_histogram=sorted([b, n] for b, n in histogram.items()) or None,
+                   loader_restarts=sum(part.loader_restarts for part in parts),
+                   skipped_messages=sum(part.skipped_messages for part in parts),
+                   skipped_events=sum(part.skipped_events for part in parts),
                    acknowledged_through=max(part.acknowledged_through for part in parts), training_lag_s=lag,
                    partitions=parts)
 

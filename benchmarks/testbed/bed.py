@@ -43,7 +43,8 @@ class TestbedError(RuntimeError):
 
 @dataclass
 class Fault:
-    """A network fault, `at_s` seconds after NN worker rank 0 reports serving (training starts then)."""
+    """A network fault, `at_s` seconds after NN worker rank 0's first training step (its `at_work`): on a
+    loaded machine the first step can come seconds after the rank reports serving."""
 
     at_s: float
     host: str
@@ -218,7 +219,7 @@ class Testbed:
                 self.sample_cpu()
                 if "ready" not in self.marks and self._rank0_event("process_group_ready"):
                     self.mark("ready")
-                if ready_at is None and self._rank0_event("serving"):
+                if ready_at is None and self._rank0_event("at_work"):  # its first training step
                     ready_at = now
                 if "train_done" not in self.marks and self._rank0_event("train_done"):
                     self.mark("train_done")

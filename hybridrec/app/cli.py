@@ -207,7 +207,11 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("rows admitted / rejected / expired", " / ".join(fmt_int(n) for n in totals)))
     if summary.stream is not None:  # trained on data.stream
         st, lag = summary.stream, summary.stream.training_lag_s
-        rows.insert(-2, ("stream: events / acknowledged through seq", f"{fmt_int(st.events)} / {st.acknowledged_through}"))
+        rows.insert(-2, ("stream: events / acknowledged through seq", f"{fmt_int(st.events)} / {st.acknowledged_through}"
+                         + (f" (over {st.loader_restarts + 1} data loader lives)" if st.loader_restarts else "")))
+        if st.skipped_messages:
+            rows.insert(-2, ("stream: messages skipped (their events)",
+                             f"{fmt_int(st.skipped_messages)} ({fmt_int(st.skipped_events)})"))
         if lag is not None:
             rows.insert(-2, ("training lag p50 / p99 / max", f"{fmt_duration(lag.p50)} / {fmt_duration(lag.p99)} / "
                                                              f"{fmt_duration(lag.max)}"))
@@ -403,26 +407,32 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                format: str = typer.Option("tsv", "--format",
                                           help="tsv: Criteo-format files; parquet: the multi-task data set (multi-hot "
                                                "and sequence features, two correlated tasks)."),
-               drift_at: Optional[int] = typer.Option(None, "--drift-at", min=0, help="Plant a drift (tsv): from "
-                                                      "this training row on, --drift-ids IDs of one slot change "
-                                                      "their effect; the eval file is drawn after it."),
-               drift_slot: Optional[int] = typer.Option(None, "--drift-slot", min=0, max=25, help="The drifted "
-                                                        "slot, 0-25 (C1 is 0; default: the fullest slot of 1,000 "
-                                                        "IDs or more outside the planted interactions)."),
-               drift_ids: int = typer.Option(8, "--drift-ids", min=1, help="How many IDs drift: the slot's 5th "
-                                             "most frequent and the next ones."),
+               drift_at: Optional[int] = typer.Option(None, "--drift-at", min=0, help="Plant a drift: from this training "
+                                                      "row on, --drift-ids IDs (tsv: of one slot; parquet: items) "
+                                                      "change their effect; the eval file is drawn after it."),
+               drift_slot: Optional[int] = typer.Option(None, "--drift-slot", min=0, max=25, help="tsv: the "
+                                                        "drifted slot, 0-25 (C1 is 0; default: the fullest slot of "
+                                                        "1,000 IDs or more outside the planted interactions)."),
+               drift_ids: int = typer.Option(8, "--drift-ids", min=1, help="How many IDs drift: the 5th most "
+                                             "frequent and the next ones."),
                drift_shift: float = typer.Option(1.5, "--drift-shift", help="What the drift adds to each drifted "
-                                                 "ID's effect, in logits.")):
+                                                 "ID's effect, in logits (parquet: to both tasks').")):
     """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
     started = time.monotonic()
-    if drift_at is not None and format != "tsv":
-        _fail("--drift-at: a drift is planted in the tsv data set only")
     if format == "parquet":
-        from hybridrec.app.synth_parquet import synthesize_multitask
+        from hybridrec.app.synth_parquet import Drift as ItemDrift, synthesize_multitask
 
-        result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed)
+        if drift_slot is not None:
+            _fail("--drift-slot: the parquet data set drifts items (item_id); a slot is for tsv")
+        drift = None if drift_at is None else ItemDrift(at_row=drift_at, ids=drift_ids, shift=drift_shift)
+        try:
+            result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed, drift=drift)
+        except ValueError as exc:
+            _fail(str(exc))
         oracles = ", ".join(f"{task} {auc:.4f}" for task, auc in result.oracle_auc.items())
         typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {oracles}")
+        if drift is not None:
+            _echo_drift(result.extra["drift"], drift_at, drift_shift)
         return
     if format != "tsv":
         _fail(f"--format: {format!r} is not tsv or parquet")
@@ -435,14 +445,18 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
         _fail(str(exc))
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
     if drift is not None:
-        planted = summary.extra["drift"]
-        typer.echo(f"drift from row {drift_at}: {planted['column']} IDs {', '.join(planted['ids'])} "
-                   f"(rows holding them: {planted['share_of_rows']:.1%}) add {drift_shift:+g} to their logit; "
-                   f"probe rows in {planted['probe_file']}")
+        _echo_drift(summary.extra["drift"], drift_at, drift_shift)
+
+
+def _echo_drift(planted: dict, at: int, shift: float) -> None:
+    typer.echo(f"drift from row {at}: {planted['column']} IDs {', '.join(planted['ids'])} "
+               f"(rows holding them: {planted['share_of_rows']:.1%}) add {shift:+g} to their logit; "
+               f"probe rows in {planted['probe_file']}")
 
 
 @data_app.command("replay")
-def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help="Criteo TSV (.gz) files, in order."),
+def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help="Criteo TSV (.gz) files, or Parquet "
+                                                   "files (published as Arrow record batches), in order."),
                 to: str = typer.Option(..., "--to", help="nats://HOST:PORT/SUBJECT (data.stream's broker and "
                                        "subject)."),
                 rate: float = typer.Option(10_000.0, "--rate", min=0, help="Events a second (0: as fast as the "
@@ -454,33 +468,49 @@ def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help=
                 limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Publish this many lines."),
                 partitions: int = typer.Option(1, "--partitions", min=1, max=1024, help="Message m to subject "
                                                "SUBJECT.<m mod P>, then an end marker to each (P > 1: one per data "
-                                               "loader of the job, cluster.dataloader); 1: SUBJECT itself.")):
+                                               "loader of the job, cluster.dataloader); 1: SUBJECT itself."),
+                config_path: Optional[Path] = typer.Option(None, "--config", help="Parquet: publish the columns "
+                                                           "this job reads (labels, dense columns, each feature's "
+                                                           "column); a file without one is refused, naming it."),
+                overrides: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE override of --config."),
+                columns: Optional[str] = typer.Option(None, "--columns", help="Parquet: publish these columns "
+                                                      "(comma-separated) instead; default: every column."),
+                retry_s: float = typer.Option(120.0, "--retry-s", min=0, help="How long a broker that does not "
+                                              "answer (restarting) is waited for.")):
     """Publish data files as a timed event stream on NATS JetStream (for data.stream)."""
     import asyncio
 
-    from hybridrec.app.replay import replay
+    from hybridrec.app.replay import ReplayInputError, check_files, replay
     from hybridrec.event_stream import split_target
 
     try:
         url, subject = split_target(to)
     except ValueError as exc:
         _fail(f"--to: {exc}")
-    for path in files:
-        if not path.is_file():
-            _fail(f"{path}: no such file")
+    if config_path is not None and columns:
+        _fail("--config and --columns: name the columns one way")
+    config = _load(config_path, overrides) if config_path is not None else None
+    try:  # every file, before anything is published
+        checked = check_files(files, config=config,
+                              columns=[c.strip() for c in columns.split(",") if c.strip()] if columns else None)
+    except ReplayInputError as exc:
+        _fail(str(exc))
     try:
-        result = asyncio.run(replay(files, url=url, subject=subject, stream=stream, rate=rate,
+        result = asyncio.run(replay(checked, url=url, subject=subject, stream=stream, rate=rate,
                                     rows_per_message=rows_per_message, first_event=first_event, limit=limit,
-                                    partitions=partitions))
+                                    partitions=partitions, retry_s=retry_s))
     except ValueError as exc:
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - a broker that is not there: nats-py raises several kinds
         _fail(f"--to {to}: {type(exc).__name__}: {exc}")
+    kind = "" if result.format == "tsv" else " (Arrow record batches)"
+    restarts = f"; {result.reconnects} reconnection{'s' if result.reconnects != 1 else ''}" if result.reconnects \
+        else ""
     typer.echo(f"published {result.events:,} events ({result.first_event}..{result.first_event + result.events - 1}) "
-               f"in {result.messages:,} messages to {subject}{f' (.0 to .{partitions - 1})' if partitions > 1 else ''} "
-               f"in {result.seconds:.1f} s "
+               f"in {result.messages:,} messages{kind} to {subject}"
+               f"{f' (.0 to .{partitions - 1})' if partitions > 1 else ''} in {result.seconds:.1f} s "
                f"({result.events / max(result.seconds, 1e-9):,.0f} events/s); stream {stream} ends at "
-               f"{result.last_seq}")
+               f"{result.last_seq}{restarts}")
 
 
 @data_app.command("to-parquet")
@@ -502,7 +532,7 @@ def _prepare_config(config_path: Optional[Path], overrides: Optional[list[str]],
     without one the default Criteo features, Parquet if every source ends in .parquet."""
     if config_path is not None:
         return _load(config_path, overrides)
-    from hybridrec.config import from_dict, parse_overrides, _set_dotted
+    from hybridrec.config import apply_overrides, from_dict
 
     parquet = [s.suffix == ".parquet" for s in sources]
     if any(parquet) and not all(parquet):
@@ -510,9 +540,7 @@ def _prepare_config(config_path: Optional[Path], overrides: Optional[list[str]],
     fmt = "parquet" if all(parquet) else "tsv"
     tree: dict = {"data": {"train": [str(s) for s in sources], "format": fmt}}
     try:
-        for key, value in parse_overrides(overrides or []):
-            _set_dotted(tree, key, value)
-        return from_dict(tree, source="--set")
+        return from_dict(apply_overrides(tree, overrides), source="--set")
     except ConfigError as exc:
         _fail(str(exc))
 

@@ -235,8 +235,13 @@ def _child(request: dict) -> None:
         os.dup2(log_fd, 2)
         os.close(log_fd)
         os.close(null_fd)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        # The dispositions an executed interpreter starts with. SIGPIPE ignored, as CPython sets it: a write to a
+        # closed socket is then an error the writer handles. Left at its default it killed a surviving NN worker
+        # whose Gloo peer was SIGKILLed mid-send (Gloo writes without MSG_NOSIGNAL): one lost rank became two.
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["hybridrec", *request["argv"]]

@@ -526,10 +526,12 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
                 time.sleep(0.1)
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
+                    asked = recorder.now()
                     statuses = cluster.statuses()
                     cluster.note_statuses(statuses)
                     cluster.note_serving()
-                    recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs])
+                    recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs],
+                                    asked=asked)
                     if check is None:  # until the model is known good, an NN worker's crash is its consequence,
                         cluster.echo_warnings()  # which the check's one message says
                     if progress is not None:

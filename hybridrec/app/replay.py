@@ -1,27 +1,60 @@
 """`hybridrec data replay`: publish data files as a timed event stream on NATS JetStream, for tests, demos and
 benchmarks of online training (`data.stream`).
 
-Lines are read in order and published `rows_per_message` at a time on the subject, each message with the id
-of its first event (the line's index over all the files, from `first_event`) and its event time (the replay
-clock: when it is published) in its headers (hybridrec/event_stream.py). Messages go out on schedule for
-`rate` events a second (0: as fast as the broker takes them); publishing is pipelined (JetStream's
-asynchronous publish, every acknowledgement awaited before the end). The stream is created when it is not
-there, holding the subject; a stream that exists must hold it.
+Two kinds of file, one kind per replay (hybridrec/event_stream.py has the message format):
+
+* Criteo TSV (`.gz` too): lines are read in order and published `rows_per_message` at a time as TSV messages;
+* Parquet: rows are read in order, one row group at a time, and published `rows_per_message` at a time as
+  Arrow record batches of the columns to publish: the configured ones (`--config`: labels, dense columns, each
+  feature's column), the ones named (`--columns`), or every column of the file.
+
+Every file is checked before anything is published: a file that is neither (a binary file that is not
+Parquet, text that is not Criteo TSV lines) is refused naming it, and so is a Parquet file without a column to
+publish, naming the column (and its config key). Each message has the id of its first event (the row's index
+over all the files, from `first_event`) and its event time (the replay clock: when it is published) in its
+headers. Messages go out on schedule for `rate` events a second (0: as fast as the broker takes them). The
+stream is created when it is not there, holding the subject; a stream that exists must hold it.
 
 With `partitions` P > 1 (one per data loader of the job: `cluster.dataloader`), message m goes to subject
 `<subject>.<m mod P>` (the stream holds `<subject>.*`), and after the last message every partition gets an
 end marker: a message without lines whose event id is the replay's end (hybridrec/event_stream.py).
+
+A broker that restarts mid-replay loses nothing and stores nothing twice (`Publisher`): publishing is
+pipelined (JetStream's asynchronous publish), the messages sent but not yet acknowledged are kept, and after a
+lost connection they are sent again, in order, over a new one; each carries a `Nats-Msg-Id` unique to the
+replay, so the broker keeps one copy of a message it had stored before it went down (its deduplication window,
+two minutes by default, is rebuilt from its store when it restarts).
 """
 from __future__ import annotations
 
 import asyncio
 import gzip
 import time
+import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from hybridrec.event_stream import headers, partition_of, partition_subject, subject_matches
+from hybridrec import log
+from hybridrec.event_stream import (ARROW, TSV, encode_arrow, headers, partition_of, partition_subject,
+                                    subject_matches)
+
+PARQUET_MAGIC = b"PAR1"
+CRITEO_FIELDS = 40
+"""A Criteo TSV training line: the label, 13 integer and 26 categorical fields."""
+SNIFF_BYTES = 1 << 16
+MSG_ID = "Nats-Msg-Id"
+"""JetStream's deduplication header: a message whose id the stream stored within its window is not stored again."""
+IN_FLIGHT = 512
+"""Messages sent and not yet acknowledged, at most."""
+ACK_TIMEOUT_S = 10.0
+"""A message not acknowledged within this long: the connection is taken for lost, and what is in flight is sent
+again over a new one."""
+
+
+class ReplayInputError(ValueError):
+    """A file the replay cannot publish; the message names it (and the missing column, for Parquet)."""
 
 
 @dataclass
@@ -32,9 +65,109 @@ class ReplayResult:
     first_event: int
     last_seq: int
     """The stream's last sequence when the replay ended."""
+    format: str = TSV
+    reconnects: int = 0
+    """Connections lost and made again (a broker that restarted) during the replay."""
 
 
-def _lines(files: list[Path], limit: int | None) -> Iterator[bytes]:
+@dataclass(frozen=True)
+class ReplayFiles:
+    """What `check_files` found: the files, their kind (tsv or arrow: Parquet rows), and for Parquet the
+    columns to publish (None: every column of the file)."""
+
+    files: tuple[Path, ...]
+    format: str
+    columns: tuple[str, ...] | None = None
+
+
+def check_files(files: list[Path], *, config=None, columns: list[str] | None = None) -> ReplayFiles:
+    """Check every file before anything is published: ReplayInputError naming a file that is missing, neither
+    Criteo TSV nor Parquet, of another kind than the first, or (Parquet) without a column to publish: of
+    `config` (labels, dense columns, each feature's column; the message names the config key) or of
+    `columns`."""
+    kinds = []
+    for path in files:
+        kinds.append(_kind(path))
+        if kinds[-1] != kinds[0]:
+            raise ReplayInputError(f"{path}: a {_NAMES[kinds[-1]]} file, but {files[0]} is {_NAMES[kinds[0]]}: "
+                                   f"replay one kind of file at a time")
+    kind = kinds[0]
+    if kind == TSV:
+        if columns:
+            raise ReplayInputError(f"--columns: {files[0]} is Criteo TSV, whose lines are published whole")
+        return ReplayFiles(tuple(files), TSV)
+    import pyarrow.parquet as pq
+
+    spec = None
+    if config is not None:
+        from services.dataloader.columns import ColumnSpec
+
+        spec = ColumnSpec.from_config(config)
+    publish = tuple(columns) if columns else tuple(spec.columns) if spec is not None else None
+    for path in files:
+        names = pq.read_schema(path).names
+        if spec is not None and (missing := spec.missing(names)) is not None:
+            key, column = missing
+            raise ReplayInputError(f"{path}: no column {column!r}, which the config reads ({key}); its columns: "
+                                   f"{', '.join(names)}")
+        for column in publish or ():
+            if column not in names:
+                raise ReplayInputError(f"{path}: no column {column!r} (--columns); its columns: {', '.join(names)}")
+    return ReplayFiles(tuple(files), ARROW, publish)
+
+
+_NAMES = {TSV: "Criteo TSV", ARROW: "Parquet"}
+
+
+def _kind(path: Path) -> str:
+    """TSV or ARROW (a Parquet file, published as Arrow record batches); ReplayInputError naming the file if it
+    is neither."""
+    if not path.is_file():
+        raise ReplayInputError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if head.startswith(PARQUET_MAGIC):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ReplayInputError(f"{path}: starts as Parquet but is not a readable Parquet file ({exc})") from None
+        return ARROW
+    if head.startswith(b"\x1f\x8b"):
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except (OSError, EOFError) as exc:
+            raise ReplayInputError(f"{path}: not a readable gzip file ({exc})") from None
+    why = _not_criteo(head)
+    if why is not None:
+        raise ReplayInputError(f"{path}: neither Criteo TSV lines nor a Parquet file ({why}); nothing was published")
+    return TSV
+
+
+def _not_criteo(head: bytes) -> str | None:
+    """Why the start of a file is not Criteo TSV training lines, or None."""
+    if not head:
+        return "it is empty"
+    if b"\0" in head:
+        return "it holds NUL bytes: a binary file"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not a character cut at the end of what was read
+            return f"byte {exc.start} is not UTF-8 text"
+        text = head[:exc.start].decode("utf-8")
+    first = text.split("\n", 1)[0].rstrip("\r")
+    fields = first.count("\t") + 1
+    if fields != CRITEO_FIELDS and ("\n" in text or len(head) < SNIFF_BYTES):
+        return f"its first line has {fields} tab-separated fields, not {CRITEO_FIELDS} (a label, 13 integer and " \
+               f"26 categorical)"
+    return None
+
+
+def _lines(files: tuple[Path, ...], limit: int | None) -> Iterator[bytes]:
     n = 0
     for path in files:
         opener = gzip.open if path.suffix == ".gz" else open
@@ -46,15 +179,42 @@ def _lines(files: list[Path], limit: int | None) -> Iterator[bytes]:
                 n += 1
 
 
-def _messages(files: list[Path], rows_per_message: int, limit: int | None) -> Iterator[list[bytes]]:
+def _tsv_messages(files: tuple[Path, ...], rows_per_message: int, limit: int | None) -> Iterator[tuple[bytes, int]]:
     batch: list[bytes] = []
     for line in _lines(files, limit):
         batch.append(line)
         if len(batch) == rows_per_message:
-            yield batch
+            yield b"".join(batch), len(batch)
             batch = []
     if batch:
-        yield batch
+        yield b"".join(batch), len(batch)
+
+
+def _arrow_messages(files: tuple[Path, ...], columns: tuple[str, ...] | None, rows_per_message: int,
+                    limit: int | None) -> Iterator[tuple[bytes, int]]:
+    """Record batches of `rows_per_message` rows (the last may be smaller), across row groups and files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    held: list = []
+    count, left = 0, limit
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=rows_per_message, columns=list(columns) if columns else None):
+            if left is not None:
+                if left <= 0:
+                    break
+                batch = batch.slice(0, left)
+                left -= batch.num_rows
+            held.append(batch)
+            count += batch.num_rows
+            while count >= rows_per_message:
+                table = pa.Table.from_batches(held)
+                yield encode_arrow(table.slice(0, rows_per_message)), rows_per_message
+                rest = table.slice(rows_per_message)
+                held, count = rest.to_batches() if rest.num_rows else [], rest.num_rows
+    if count:
+        yield encode_arrow(pa.Table.from_batches(held)), count
 
 
 def stream_subjects(subject: str, partitions: int) -> list[str]:
@@ -62,15 +222,115 @@ def stream_subjects(subject: str, partitions: int) -> list[str]:
     return [subject] if partitions == 1 else [f"{subject}.*"]
 
 
-async def replay(files: list[Path], *, url: str, subject: str, stream: str, rate: float, rows_per_message: int,
-                 first_event: int = 0, limit: int | None = None, partitions: int = 1) -> ReplayResult:
-    import nats
+class Publisher:
+    """In-order JetStream publishing that survives a broker restart: up to IN_FLIGHT messages sent and not yet
+    acknowledged, kept until they are; a lost connection (an error, or an acknowledgement overdue by
+    ACK_TIMEOUT_S) is made again, for up to `retry_s` seconds, and what was in flight sent again in order, under
+    the same `Nats-Msg-Id`s (the broker stores each once)."""
+
+    def __init__(self, url: str, *, retry_s: float):
+        self.url, self.retry_s = url, retry_s
+        self.reconnects = 0
+        self.nc = self.js = None
+        self._inflight: deque[list] = deque()  # [subject, payload, headers, ack future]
+        self.log = log.get()
+
+    async def connect(self) -> None:
+        import nats
+
+        deadline, delay = time.monotonic() + self.retry_s, 0.1
+        while True:
+            try:
+                self.nc = await nats.connect(self.url, connect_timeout=2, allow_reconnect=False,
+                                             error_cb=self._quiet, disconnected_cb=self._quiet_disconnect)
+                self.js = self.nc.jetstream()
+                return
+            except Exception as exc:  # noqa: BLE001 - refused, timed out: the broker is not (yet) there
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"no NATS broker answers at {self.url} ({type(exc).__name__}: {exc}) "
+                                          f"after {self.retry_s:.0f} s") from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    async def _quiet(self, exc: Exception) -> None:  # nats-py's default prints; a restart is handled here
+        pass
+
+    async def _quiet_disconnect(self) -> None:
+        pass
+
+    async def publish(self, subject: str, payload: bytes, message_headers: dict[str, str]) -> None:
+        while len(self._inflight) >= IN_FLIGHT:
+            await self._settle_oldest()
+        entry = [subject, payload, message_headers, None]
+        self._inflight.append(entry)
+        try:
+            entry[3] = await self.js.publish_async(subject, payload, headers=message_headers, wait_stall=ACK_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the connection is gone (a broker restarting)
+            await self._recover(exc)
+
+    async def flush(self) -> None:
+        """Wait until every message sent is acknowledged (sending again after a lost connection)."""
+        while self._inflight:
+            await self._settle_oldest()
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.close()
+
+    async def _settle_oldest(self) -> None:
+        import nats.js.errors
+
+        future = self._inflight[0][3]
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout=ACK_TIMEOUT_S)
+        except nats.js.errors.APIError as exc:
+            if exc.code != 503 and not isinstance(exc, nats.js.errors.NoStreamResponseError):
+                raise
+            await self._recover(exc)  # no responders: the broker's JetStream is still starting
+            return
+        except Exception as exc:  # noqa: BLE001 - overdue, or the connection closed: send again on a new one
+            await self._recover(exc)
+            return
+        self._inflight.popleft()
+
+    async def _recover(self, exc: BaseException) -> None:
+        """A new connection, and every message in flight sent again over it, in order."""
+        while True:
+            self.reconnects += 1
+            self.log.warning("replay_reconnecting", url=self.url, in_flight=len(self._inflight),
+                             error=f"{type(exc).__name__}: {exc}")
+            for entry in self._inflight:
+                if entry[3] is not None and not entry[3].done():
+                    entry[3].cancel()
+            try:
+                await self.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
+            await asyncio.sleep(0.2)
+            await self.connect()
+            try:
+                for entry in self._inflight:
+                    entry[3] = await self.js.publish_async(entry[0], entry[1], headers=entry[2],
+                                                           wait_stall=ACK_TIMEOUT_S)
+                return
+            except Exception as again:  # noqa: BLE001 - lost again while sending: once more
+                exc = again
+
+
+async def replay(files: list[Path] | ReplayFiles, *, url: str, subject: str, stream: str, rate: float,
+                 rows_per_message: int, first_event: int = 0, limit: int | None = None, partitions: int = 1,
+                 retry_s: float = 120.0) -> ReplayResult:
+    """Publish `files` (checked first: `check_files`; a list of paths is checked as TSV or Parquet with every
+    column). ConnectionError when no broker answers within `retry_s`."""
     from nats.js.errors import NotFoundError
 
+    checked = files if isinstance(files, ReplayFiles) else check_files(list(files))
     subjects = [partition_subject(subject, partition_of(p, partitions)) for p in range(partitions)]
-    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10)
+    publisher = Publisher(url, retry_s=retry_s)
+    await publisher.connect()
+    token = uuid.uuid4().hex[:16]
     try:
-        js = nc.jetstream()
+        js = publisher.js
         try:
             info = await js.stream_info(stream)
             held = info.config.subjects or []
@@ -81,22 +341,28 @@ async def replay(files: list[Path], *, url: str, subject: str, stream: str, rate
                                  f"{', '.join(held)}); name another --stream")
         except NotFoundError:
             await js.add_stream(name=stream, subjects=stream_subjects(subject, partitions))
+        messages_of = (_tsv_messages(checked.files, rows_per_message, limit) if checked.format == TSV
+                       else _arrow_messages(checked.files, checked.columns, rows_per_message, limit))
         started, event, messages = time.monotonic(), first_event, 0
-        for lines in _messages(files, rows_per_message, limit):
+        for payload, count in messages_of:
             if rate > 0:
                 delay = started + (event - first_event) / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            await js.publish_async(subjects[messages % partitions], b"".join(lines),
-                                   headers=headers(event, time.time()), wait_stall=30)
-            event += len(lines)
+            if len(payload) > publisher.nc.max_payload:
+                raise ValueError(f"message {messages} is {len(payload):,} bytes, more than the broker takes "
+                                 f"({publisher.nc.max_payload:,}): lower --rows-per-message")
+            await publisher.publish(subjects[messages % partitions], payload,
+                                    {**headers(event, time.time(), checked.format), MSG_ID: f"{token}-{messages}"})
+            event += count
             messages += 1
         if partitions > 1:  # each partition learns where the replay ends (the id after its last event)
-            for target in subjects:
-                await js.publish_async(target, b"", headers=headers(event, time.time()), wait_stall=30)
-        await js.publish_async_completed()
+            for p, target in enumerate(subjects):
+                await publisher.publish(target, b"", {**headers(event, time.time()), MSG_ID: f"{token}-end-{p}"})
+        await publisher.flush()
         seconds = time.monotonic() - started
-        last = (await js.stream_info(stream)).state.last_seq
+        last = (await publisher.js.stream_info(stream)).state.last_seq
     finally:
-        await nc.close()
-    return ReplayResult(event - first_event, messages, seconds, first_event, last)
+        await publisher.close()
+    return ReplayResult(event - first_event, messages, seconds, first_event, last, checked.format,
+                        publisher.reconnects)

@@ -38,8 +38,9 @@ class Recorder:
     """Unix time of the launch (t = 0), to place the NN workers' Unix times of the summary."""
     ranks: int = 1
     training: list[dict] = field(default_factory=list)
-    """One point per poll: t, phase (of the group), samples (all ranks; a rank that did not answer counts
-    with its last known value), step (largest), ranks (each rank's status as answered, or last known)."""
+    """One point per poll: t (when the poll asked), phase (of the group), samples (all ranks; a rank that did
+    not answer counts with its last known value), step (largest), answered (ranks that answered this poll),
+    ranks (each rank's status as answered, or last known)."""
     resources: dict[str, list[dict]] = field(default_factory=dict)
     phases: dict[str, float | None] = field(default_factory=dict)
     """first_step, end_of_training, end_of_eval, end: seconds since launch (None: not reached)."""
@@ -55,24 +56,32 @@ class Recorder:
     def now(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-    def sample(self, statuses: list, services: Iterable[tuple[str, int | None]] = ()) -> None:
-        """Record one poll: `statuses[r]` is rank r's TrainingStatus, or None when it did not answer."""
-        now = self.now()
+    def sample(self, statuses: list, services: Iterable[tuple[str, int | None]] = (),
+               asked: float | None = None) -> None:
+        """Record one poll: `statuses[r]` is rank r's TrainingStatus, or None when it did not answer.
+
+        `asked`: when the poll asked (`now()` before the calls; default now). Its point is stamped then,
+        not when the last answer came: on a loaded machine the answers can take a second, and a count
+        stamped late would place the training it saw after the moment it was trained. A rank's start, its
+        answer time less its seconds trained, is placed from now, after every answer: late rather than
+        early, so that the earliest estimate (`first_step`) is never before the true start."""
+        received = self.now()
+        now = received if asked is None else asked
         answered = 0
         for rank, status in enumerate(statuses):
             if status is None or status.phase not in ("train", "eval", "done"):
                 continue
             answered += 1
             point = self._last[rank] = _status_dict(rank, status)
-            self._place(rank, point, now)
+            self._place(rank, point, received)
         if answered:
             last = [self._last[r] for r in sorted(self._last)]
             phases = {p["phase"] for p in last}
             group = "train" if "train" in phases or len(last) < self.ranks else ("eval" if "eval" in phases
                                                                                   else "done")
             self.training.append({"t": now, "phase": group, "samples": sum(p["samples"] for p in last),
-                                  "step": max(p["step"] for p in last), "ranks": last})
-        self._sample_resources(now, services)
+                                  "step": max(p["step"] for p in last), "answered": answered, "ranks": last})
+        self._sample_resources(received, services)
 
     def _place(self, rank: int, point: dict, now: float) -> None:
         """Put rank's training window on the launcher's clock from its seconds trained."""
@@ -135,13 +144,16 @@ class Recorder:
         """(t, samples of all ranks) from the first training step to the end of training.
 
         Starts at (first_step, 0); ends at (end_of_training, all ranks' final count: the summary's, or
-        the Status of every rank seen after its training ended), else at the last poll during training."""
+        the Status of every rank seen after its training ended), else at the last poll during training.
+        Between them, the polls every rank answered: a rank's last known count in a poll it missed is
+        older than the poll, and would show a dip followed by a burst that never happened."""
         start, end = self.phases.get("first_step"), self.phases.get("end_of_training")
         if start is None:
             return []
         points = [(start, 0)]
         for p in self.training:
-            if p["t"] > start and (end is None or p["t"] < end) and p["phase"] == "train":
+            complete = p.get("answered", self.ranks) == self.ranks  # series.json before `answered`: as it was
+            if p["t"] > start and (end is None or p["t"] < end) and p["phase"] == "train" and complete:
                 points.append((p["t"], p["samples"]))
         if end is not None and self.end_samples is not None:
             points.append((end, self.end_samples))

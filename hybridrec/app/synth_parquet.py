@@ -35,8 +35,17 @@ effects (scaled) with click and has an item effect correlated with click's
 ID_TAPER_FREQ, as in `synth.py`, so that the oracle holds little signal no
 model can learn from rare IDs in one epoch.
 
+**A planted drift** (`Drift`, `hybridrec data synth --format parquet --drift-at ROW`): from a training row
+on, a few frequent items (the 5th most frequent and the next ones by default, each in 1-3 % of rows) add a
+shift to both tasks' logits, as when items suddenly become popular. An item's own effect is in no planted
+interaction (the sequence effect depends on its category, which does not change). The eval file is drawn
+after the drift, and `drift_probes.parquet` holds rows carrying each drifted item, and as many rows of as many
+control items (the next ones in frequency of other categories, unchanged), in the training data's columns: what the inference
+service's named inputs take (labels are placeholders, 0, so that `hybridrec predict` reads the file with the
+job's config). `oracle.json` records their true probabilities per task before and after the drift.
+
 Deterministic given the seed; rows are drawn in blocks with their own random
-streams.
+streams, and a drift changes the labels' probabilities only, not the rows.
 """
 from __future__ import annotations
 
@@ -66,6 +75,29 @@ CONV_ITEM_CORR = 0.6
 TARGET_CTR, TARGET_CVR = 0.2, 0.1
 TASKS = ("click", "conversion")
 GENERATOR_VERSION = "1"
+DRIFT_COLUMN = "item_id"
+PROBE_FILE = "drift_probes.parquet"
+PROBE_ROWS_PER_ID = 100
+
+
+@dataclass(frozen=True)
+class Drift:
+    """From training row `at_row` on, `ids` items (the most frequent from rank `first_rank` on: the 5th and
+    after, by default) add `shift` to both tasks' logits."""
+
+    at_row: int
+    ids: int = 8
+    first_rank: int = 4
+    shift: float = 1.5
+
+    def ranks(self) -> np.ndarray:
+        """The drifted items' ranks, or ValueError naming the setting that cannot hold."""
+        if self.at_row < 0 or self.ids <= 0 or self.first_rank < 0:
+            raise ValueError(f"drift: at_row and first_rank must be >= 0 and ids > 0, got {self}")
+        if self.first_rank + 2 * self.ids > NUM_ITEMS // 2:
+            raise ValueError(f"drift: first_rank + ids drifted + ids control = {self.first_rank + 2 * self.ids} "
+                             f"of {NUM_ITEMS} items: drift fewer (controls are later items of other categories)")
+        return np.arange(self.first_rank, self.first_rank + self.ids)
 
 
 @dataclass
@@ -144,11 +176,13 @@ def _draw_ids(cdf: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
     return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), cdf.shape[0] - 1)
 
 
-def _draw(m: _Planted, rng: np.random.Generator, n: int):
-    """(logits without bias (n, 2), columns) of n rows."""
+def _draw(m: _Planted, rng: np.random.Generator, n: int, items: np.ndarray | None = None):
+    """(logits without bias (n, 2), columns) of n rows (whose items are `items`, when given)."""
     user = _draw_ids(m.user_cdf, rng, n)
     user_null = rng.random(n) < 0.05
     item = _draw_ids(m.item_cdf, rng, n)
+    if items is not None:
+        item = np.asarray(items)
     cat = m.item_cat[item]
     num_tags = rng.integers(1, MAX_TAGS + 1, n)
     tags = _draw_ids(m.tag_cdf, rng, int(num_tags.sum()))
@@ -181,15 +215,22 @@ def _table(columns: dict, labels: np.ndarray):
     for j in range(NUM_DENSE):
         arrays[f"d{j}"] = pa.array(columns["dense"][:, j].astype(np.float32))
     arrays["user_id"] = pa.array(columns["user"].astype(np.int64), mask=columns["user_null"])
-    arrays["item_id"] = pa.array(np.char.add("it", np.char.mod("%05x", columns["item"])))
+    arrays["item_id"] = pa.array(_item_names(columns["item"]))
     arrays["item_cat"] = pa.array(columns["cat"].astype(np.int64))
     arrays["tags"] = lists(columns["num_tags"], columns["tags"])
     arrays["hist_cats"] = lists(columns["hist_len"], columns["hist"])
     return pa.table(arrays)
 
 
-def _write(path: Path, m: _Planted, seed: int, file_key: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Write `rows` rows; returns (labels (rows, 2), true probabilities (rows, 2))."""
+def _item_names(items: np.ndarray) -> np.ndarray:
+    """Items as the item_id column spells them."""
+    return np.char.add("it", np.char.mod("%05x", np.asarray(items)))
+
+
+def _write(path: Path, m: _Planted, seed: int, file_key: int, rows: int,
+           drift: tuple[int, np.ndarray, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Write `rows` rows; returns (labels (rows, 2), true probabilities (rows, 2)). `drift`: (first row it
+    applies to, drifted items, shift)."""
     import pyarrow.parquet as pq
 
     all_labels, all_p = [], []
@@ -199,6 +240,10 @@ def _write(path: Path, m: _Planted, seed: int, file_key: int, rows: int) -> tupl
             rng = _stream(seed, file_key, block)
             n = min(BLOCK_ROWS, rows - start)
             logits, columns = _draw(m, rng, n)
+            if drift is not None:
+                at_row, drifted, shift = drift
+                after = np.arange(start, start + n) >= at_row
+                logits += np.where(after & np.isin(columns["item"], drifted), shift, 0.0)[:, None]
             p = 1 / (1 + np.exp(-(logits + m.bias)))
             labels = (rng.random(p.shape) < p).astype(np.int8)
             table = _table(columns, labels)
@@ -213,10 +258,43 @@ def _write(path: Path, m: _Planted, seed: int, file_key: int, rows: int) -> tupl
     return np.concatenate(all_labels), np.concatenate(all_p)
 
 
+def _plant_drift(out: Path, m: _Planted, seed: int, drift: Drift, rows: int) -> dict:
+    """Write the drift's probe rows; returns what oracle.json records of it: per task, each probe item's mean
+    true probability over its rows, before the drift and after it."""
+    import pyarrow.parquet as pq
+
+    if drift.at_row >= rows:
+        raise ValueError(f"drift at row {drift.at_row}: the training file has only {rows} rows")
+    drifted = drift.ranks()
+    # The next items in frequency whose category no drifted item has: a model that moved a drifted item's
+    # category (shared by other items) would move these too, and they could not tell a drift learnt per item
+    # from one learnt per category.
+    later = np.arange(drifted[-1] + 1, NUM_ITEMS)
+    control = later[~np.isin(m.item_cat[later], m.item_cat[drifted])][:len(drifted)]
+    items = np.concatenate([drifted, control])
+    logits, columns = _draw(m, _stream(seed, 4), PROBE_ROWS_PER_ID * len(items), np.repeat(items, PROBE_ROWS_PER_ID))
+    pq.write_table(_table(columns, np.zeros((len(logits), 2), np.int8)), out / PROBE_FILE)
+    shifts = np.repeat(np.where(np.arange(len(items)) < len(drifted), drift.shift, 0.0), PROBE_ROWS_PER_ID)
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    per_id = lambda p: p.reshape(len(items), PROBE_ROWS_PER_ID, 2).mean(1)  # noqa: E731
+    before, after = per_id(sigmoid(logits + m.bias)), per_id(sigmoid(logits + m.bias + shifts[:, None]))
+    n = len(drifted)
+    rounded = lambda a: [round(float(x), 6) for x in a]  # noqa: E731
+    return {"at_row": drift.at_row, "column": DRIFT_COLUMN, "ranks": drifted.tolist(),
+            "ids": _item_names(drifted).tolist(), "shift": drift.shift,
+            "share_of_rows": round(float(np.diff(m.item_cdf, prepend=0.0)[drifted].sum()), 6),
+            "probe_file": PROBE_FILE, "probe_rows_per_id": PROBE_ROWS_PER_ID,
+            "probe_p_before": {task: rounded(before[:n, t]) for t, task in enumerate(TASKS)},
+            "probe_p_after": {task: rounded(after[:n, t]) for t, task in enumerate(TASKS)},
+            "control_ids": _item_names(control).tolist(),
+            "control_p": {task: rounded(before[n:, t]) for t, task in enumerate(TASKS)}}
+
+
 def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
-                         seed: int = 0) -> MultitaskSummary:
+                         seed: int = 0, drift: Drift | None = None) -> MultitaskSummary:
     """Write train.parquet, eval.parquet and oracle.json (per task under `tasks`; the top-level oracle_auc
-    is click's). `eval_rows` defaults to rows // 10, at least 10,000."""
+    is click's). `eval_rows` defaults to rows // 10, at least 10,000. With `drift`, also drift_probes.parquet;
+    the eval file is drawn after the drift."""
     from sklearn.metrics import log_loss, roc_auc_score
 
     if rows <= 0:
@@ -228,8 +306,10 @@ def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: in
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     planted = _build(seed)
-    train_labels, _ = _write(out / "train.parquet", planted, seed, 1, rows)
-    eval_labels, eval_p = _write(out / "eval.parquet", planted, seed, 2, eval_rows)
+    drifted = _plant_drift(out, planted, seed, drift, rows) if drift is not None else None
+    shift = (np.asarray(drifted["ranks"]), drift.shift) if drift is not None else None
+    train_labels, _ = _write(out / "train.parquet", planted, seed, 1, rows, (drift.at_row, *shift) if shift else None)
+    eval_labels, eval_p = _write(out / "eval.parquet", planted, seed, 2, eval_rows, (0, *shift) if shift else None)
     tasks = {name: {"oracle_auc": round(float(roc_auc_score(eval_labels[:, t], eval_p[:, t])), 6),
                     "oracle_logloss": round(float(log_loss(eval_labels[:, t], eval_p[:, t], labels=[0, 1])), 6),
                     "rate": round(float(train_labels[:, t].mean()), 6)} for t, name in enumerate(TASKS)}
@@ -238,7 +318,8 @@ def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: in
               "oracle_auc": tasks["click"]["oracle_auc"], "tasks": tasks,
               "label_correlation": round(float(np.corrcoef(train_labels.T)[0, 1]), 4),
               "sequence": {"match_p": MATCH_P, "scale": SEQ_SCALE, "decay": SEQ_DECAY, "stale": SEQ_STALE,
-                           "max_history": MAX_HISTORY}}
+                           "max_history": MAX_HISTORY},
+              **({"drift": drifted} if drifted is not None else {})}
     oracle_path = out / "oracle.json"
     oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")
     return MultitaskSummary(str(out), str(out / "train.parquet"), str(out / "eval.parquet"), str(oracle_path),

@@ -76,6 +76,7 @@ class ReadCounters:
     bad_lines: int = 0  # TSV: malformed lines; Parquet: rows with a null or non-0/1 label
     dropped_rows: int = 0
     truncated_rows: int = 0  # Parquet: rows with a list longer than its feature's max_len (most recent kept)
+    bad_messages: int = 0  # a stream: messages skipped whole (a format or schema the config cannot read)
 
 
 def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int], chunk_rows: int,

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from hybridrec import rpc
+from hybridrec import log, rpc
 from hybridrec.frames import PHASES, Consumed
 from hybridrec.service import at_work
 
@@ -34,6 +34,18 @@ class Window:
     delivered: int = 0  # how many of `frames` the rank's current process has received
     resent: int = 0  # frames sent again after a failed call
     through: dict[str, int] = field(default_factory=dict)  # per phase, the last stream index the rank confirmed
+    incarnation: int = 0  # the rank's process that received the `delivered` frames (its replies say; 0: unknown)
+
+    def another_process(self, incarnation: int) -> bool:
+        """Whether `incarnation` names another process of the rank than the one the `delivered` frames went to
+        (a replacement that did not receive them: no call failed while the rank was replaced)."""
+        return 0 not in (self.incarnation, incarnation) and incarnation != self.incarnation
+
+    def answered_by(self, incarnation: int) -> bool:
+        """Note the process that answered; `another_process` of it, before."""
+        other = self.another_process(incarnation)
+        self.incarnation = incarnation or self.incarnation
+        return other
 
     def confirmed(self, phase: str, seq: int) -> bool:
         """Whether the rank has confirmed batch `seq` of `phase`: through it, or into a later phase."""
@@ -59,9 +71,20 @@ class Window:
 PutBatch = Callable[[bytes], Awaitable[bytes]]
 
 
+class DeliveryGap(RuntimeError):
+    """The rank refused this loader's oldest unconfirmed frame as out of order: it expects a batch this loader
+    no longer holds (it is ahead of the rank's group, e.g. a group that went back to a checkpoint)."""
+
+
 async def deliver(window: Window, put: PutBatch, *, retry_s: float) -> None:
     """Send every frame of `window` the rank has not received, in order; after a failed call, start over from
-    the oldest unconfirmed one (rpc.retry waits out a restarting rank for up to `retry_s`)."""
+    the oldest unconfirmed one (rpc.retry waits out a restarting rank for up to `retry_s`).
+
+    A replacement of the rank that got none of the frames its predecessor held, because no call failed while
+    the rank was replaced, is sent the window again from the oldest as well: when its first reply names
+    another process (`Consumed.incarnation`), or when it refuses a frame as out of order (FAILED_PRECONDITION,
+    its share's next batch is one it never got). If it refuses even the oldest, the gap is real and
+    DeliveryGap says so."""
 
     async def attempt() -> None:
         try:
@@ -69,10 +92,20 @@ async def deliver(window: Window, put: PutBatch, *, retry_s: float) -> None:
                 reply = await put(window.frames[window.delivered][2])
                 window.delivered += 1
                 at_work("batch delivered")
-                window.confirm(Consumed.decode(reply))
-        except grpc.aio.AioRpcError:
+                consumed = Consumed.decode(reply)
+                if window.answered_by(consumed.incarnation) and window.delivered > 1:
+                    log.get().warning("frames_sent_again", frames=len(window.frames), incarnation=consumed.incarnation,
+                                      why="another process of the rank answered (a replacement)")
+                    window.resent += window.delivered - 1
+                    window.delivered = 0  # everything unconfirmed again (this frame too: dropped as a copy)
+                    continue
+                window.confirm(consumed)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and window.delivered == 0:
+                raise DeliveryGap(exc.details()) from None
             window.resent += window.delivered
             window.delivered = 0  # perhaps a replacement: it gets everything not yet confirmed
             raise
 
-    await rpc.retry(attempt, deadline_s=retry_s)
+    await rpc.retry(attempt, deadline_s=retry_s,
+                    retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION))

@@ -40,9 +40,11 @@ from services.dataloader.batching import Position, ReadCounters, Rows, deal_even
 from services.dataloader import stream
 from services.dataloader.sources import check_prepared, check_splits, eval_rows as read_eval_rows, train_batches
 from services.dataloader.stream import EventSource, NatsSource, StreamAccount
-from hybridrec.criteo_format import feature_columns
 
 _DONE = object()
+IDLE_PROBE_S = 2.0
+"""A rank's sender with nothing new to send asks the rank this often whether it still holds what it was sent
+(a replacement of a lost rank does not, and on a quiet stream no failed call would say so)."""
 
 
 class DataLoaderServicer:
@@ -207,13 +209,44 @@ class Dispatcher:
         await queue.put(item)
 
     async def _sender(self, rank: int, queue: asyncio.Queue) -> None:
-        """Deliver rank `rank`'s frames in order; what it has not confirmed is kept for a replacement."""
+        """Deliver rank `rank`'s frames in order; what it has not confirmed is kept for a replacement. While
+        there is nothing new to send, every `IDLE_PROBE_S` it checks that the rank still holds what it was
+        sent (`_probe`)."""
         window = self.windows[rank]
         put = self.nn_put[rank]
-        while (item := await queue.get()) is not _DONE:
-            window.add(*item)
-            await deliver(window, lambda frame: put(frame, timeout=None), retry_s=self.retry_s)
-            self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
+        get: asyncio.Future | None = None
+        try:
+            while True:
+                get = get or asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get}, timeout=IDLE_PROBE_S)  # no cancel on timeout: nothing lost
+                if not done:
+                    await self._probe(rank)
+                    continue
+                item, get = get.result(), None
+                if item is _DONE:
+                    return
+                window.add(*item)
+                await deliver(window, lambda frame: put(frame, timeout=None), retry_s=self.retry_s)
+                self.servicer.counters["frames_resent_total"] = sum(w.resent for w in self.windows)
+                self.note_trained()
+        finally:
+            if get is not None:
+                get.cancel()
+
+    async def _probe(self, rank: int) -> None:
+        """Send rank `rank` its unconfirmed frames again if another process of it answers than the one they went
+        to: a replacement of a lost rank, which would otherwise wait for them (or, for batches the group
+        trained, never settle their updates) until this loader's next batch."""
+        window = self.windows[rank]
+        if not window.delivered:
+            return
+        try:
+            held = Received.decode(await self.nn_received[rank](Received(loader=self.loader).encode(),
+                                                                timeout=self.timeout))
+        except grpc.aio.AioRpcError:
+            return  # still joining (or gone): the next probe asks again
+        if window.another_process(held.incarnation):
+            await self._deliver_again(rank)
             self.note_trained()
 
     def note_trained(self, through: list[int] | None = None) -> None:
@@ -263,12 +296,12 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
     first_seq, loader = resume.train.first_seq, dispatcher.loader
     if stream_parts is not None:
         source, account = stream_parts
+        account.inherit(resume.position)  # a restarted loader goes on with its predecessor's account and cuts
         await asyncio.get_running_loop().run_in_executor(dispatcher.executor, source.start, resume.position)
         dispatcher.on_trained = account.trained
-        columns, groups = feature_columns(config.features)
         batches = stream.iter_train_batches(source, account, config.data.stream, start=resume.position,
-                                            batch_size=training.batch_size, columns=columns, groups=groups,
-                                            bad_lines=config.data.bad_lines, counters=counts)
+                                            batch_size=training.batch_size,
+                                            reader=stream.MessageReader(config, source.subject), counters=counts)
     else:
         batches = train_batches(config, counts, resume.position, loader)
     items = deal_evenly(batches, num_ranks, counts)
@@ -314,11 +347,16 @@ async def serve(config: Config, replica: int) -> None:
             host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
             if source is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
                 if await dispatcher.wait_trained():  # every rank is there to ask (it waits for the eval data)
-                    if account.end_marker is not None:  # the partition's end marker: passed, once all is trained
-                        source.ack_through(account.end_marker)
+                    account.settle_held()  # a predecessor's batches the ranks held: trained with the rest
+                    # the partition's end marker, or a last message skipped as bad: passed, once all is trained
+                    source.ack_through(max(account.end_marker or 0, account.read_through))
                 await asyncio.get_running_loop().run_in_executor(None, source.finish, config.cluster.retry_s)
                 account.write_summary()
-                host.log.info("stream_trained", **account.summary().model_dump())
+                host.log.info("stream_trained", **account.summary().model_dump(exclude={"lag_histogram"}))
+        elif account is not None:  # every rank has the end of training: the predecessor's account, settled
+            account.inherit(resume.position)
+            account.settle_held()
+            account.write_summary()
         eval_rows = read_eval_rows(config, eval_counts, replica)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
@@ -333,7 +371,8 @@ async def serve(config: Config, replica: int) -> None:
                               "hybridrec serve dataloader needs nats://HOST:PORT)")
         source = NatsSource(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
                             partition=stream.partition(replica, loaders))
-        account = StreamAccount(source, output_dir=config.output.dir, partition=stream.partition(replica, loaders))
+        account = StreamAccount(source, output_dir=config.output.dir, partition=stream.partition(replica, loaders),
+                                job=config.checkpoint.job_id)
 
         def end_stream() -> None:  # SIGUSR1: training ends with what was read (hybridrec run's first Ctrl-C)
             host.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")

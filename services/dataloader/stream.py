@@ -1,7 +1,13 @@
 """On the data loader: training samples from a NATS JetStream stream (`data.stream`) instead of files.
 
-Each message holds one or more samples as Criteo TSV lines, with headers naming its first event's id and its
-event time (hybridrec/event_stream.py; `hybridrec data replay` publishes a file that way). The loader reads the stream through a durable pull consumer and turns it into the same training
+Each message holds one or more samples, as Criteo TSV lines or as an Arrow record batch in the training data's
+own columns (its `Hybridrec-Format` header says which), with headers naming its first event's id and its event
+time (hybridrec/event_stream.py; `hybridrec data replay` publishes a TSV or Parquet file that way). TSV lines
+are parsed by the TSV reader's kernel, Arrow batches converted by the Parquet reader's own code (columns.py):
+the same hashing, `max_len` and absent values as the files. A message the config cannot read (a format it does
+not know, a payload that does not decode, a configured column missing or of the wrong type) is counted,
+skipped and acknowledged, or with `data.bad_lines: error` stops the run naming the subject, the message and
+the column. The loader reads the stream through a durable pull consumer and turns it into the same training
 batches as a file, each with the position right after it, so resuming, checkpoints and the hand-over to a
 restarted loader work as they do for files (services/dataloader/resume.py):
 
@@ -35,9 +41,12 @@ consumer runs on another thread with its own event loop, and hands messages over
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
@@ -45,11 +54,13 @@ import numpy as np
 import uvloop
 
 from hybridrec import log
-from hybridrec.config import ConfigError, StreamConfig
-from hybridrec.event_stream import partition_subject, read_headers, subject_matches
-from hybridrec.summary import Lag, StreamSummary
+from hybridrec.config import Config, ConfigError, StreamConfig
+from hybridrec.criteo_format import feature_columns
+from hybridrec.event_stream import (ARROW, FORMAT, TSV, EventFormatError, decode_arrow, events_in, partition_subject,
+                                    read_format, read_headers, subject_matches)
+from hybridrec.summary import StreamSummary, lag_bucket, lag_of
 from services.dataloader.batching import Position, ReadCounters, Rows
-from services.dataloader.tsv import BadLinePolicy, parse_lines
+from services.dataloader.tsv import BadLinePolicy, CriteoFormatError, parse_lines
 
 ACK_WAIT_S = 3600.0
 """The consumer redelivers an unacknowledged message after this long: never, in practice, to a live loader
@@ -65,6 +76,8 @@ class Message:
     data: bytes
     first_event: int
     event_time: float
+    format: str = TSV
+    """The payload's format (hybridrec/event_stream.py): tsv or arrow, or whatever an unknown header named."""
 
 
 class StreamError(RuntimeError):
@@ -214,8 +227,12 @@ class NatsSource:
         except Exception:  # noqa: BLE001 - not found (the stream's limits dropped it): unknown
             return None
         first, _ = read_headers(msg.headers)
-        data = msg.data or b""
-        return None if first < 0 else first + data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+        if first < 0:
+            return None
+        try:
+            return first + events_in(read_format(msg.headers), msg.data or b"")
+        except EventFormatError:  # a bad message: its events cannot be counted
+            return None
 
     async def _start(self, position: Position) -> int:
         from nats.js import api
@@ -329,64 +346,176 @@ class NatsSource:
 
 class StreamAccount:
     """What the loader read from a stream and what of it is trained: each batch's events, acknowledgements
-    through the source, the training lag, and `<output.dir>/stream.json` (`summary.StreamSummary`)."""
+    through the source, the training lag, and `<output.dir>/stream.json` (`summary.StreamSummary`, with the
+    state a successor needs).
 
-    def __init__(self, source: EventSource, output_dir: str | None = None, partition: int | None = None):
-        self.source, self.output_dir, self.partition = source, output_dir, partition
+    **The whole job across loader restarts.** The file holds, beside the summary, every batch read and not yet
+    known trained (its position and its messages' event times and samples), written before the batch is sent
+    (`note_batch`), and the job's id. A restarted loader of the same job goes on with it (`inherit`): the events
+    counted, the lag histogram, the skipped messages; of the batches its predecessor had read and not seen
+    trained, those up to where it resumes are held by the ranks, so they count as trained at its first trained
+    batch (their lag measured then: it errs long by the restart for those already trained); those after it
+    are read again, and cut where the predecessor cut them (`cuts`), so that every batch a rank holds from the
+    predecessor is the very batch the new loader reads under the same index — a batch cut short by `linger_s`
+    while the stream paused included."""
+
+    def __init__(self, source: EventSource, output_dir: str | None = None, partition: int | None = None,
+                 job: str | None = None):
+        self.source, self.output_dir, self.partition, self.job = source, output_dir, partition, job
         self.end_marker: int | None = None
         """The stream sequence of the end marker that ended this partition (acknowledged once all is trained)."""
+        self.read_through = 0
+        """The last stream sequence the batcher consumed when training ended (acknowledged once all is trained:
+        a last message skipped as bad is in no batch)."""
         self.log = log.get()
         self.stopping = threading.Event()
         """Set to end training with what was read (the loader's SIGUSR1: `hybridrec run`'s first Ctrl-C)."""
         self._lock = threading.Lock()  # the batcher's thread notes batches, the loader's loop their training
         self._batches: dict[Position, list[tuple[float, int]]] = {}  # position -> (event time, samples) per message
-        self._lags: list[tuple[float, int]] = []  # (seconds from event time to trained, samples)
+        self._held: list[tuple[Position, list[tuple[float, int]]]] = []  # a predecessor's, held by the ranks
+        self._cuts: deque[Position] = deque()  # a predecessor's batch ends still to read again
+        self._histogram: dict[int, int] = {}  # lag bucket -> samples (summary.lag_bucket)
+        self._lag_range: list[float] = [math.inf, -math.inf]
         self._events = 0
+        self._skipped: dict[int, int | None] = {}  # stream seq of a message skipped whole -> its events (None: unknown)
+        self._first_seq: int | None = None  # the job's, when a predecessor read before this loader
+        self._acknowledged = 0  # the predecessor's
+        self._restarts = 0
         self._written = 0.0
 
+    # -- a predecessor's account -------------------------------------------------------------------------
+    def inherit(self, resume: Position) -> None:
+        """Go on with the account a predecessor of this job left in `output.dir`, this loader resuming after
+        `resume` (nothing when there is none, or it is another job's, or the job has no `checkpoint.job_id`, which
+        `hybridrec run` always sets: without one, an earlier job's file cannot be told from this job's)."""
+        if not self.output_dir or self.job is None:
+            return
+        try:
+            state = json.loads(StreamSummary.path(self.output_dir, self.partition).read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            self.log.warning("stream_account_unreadable", error=str(exc), why="the account starts afresh")
+            return
+        if state.get("job") != self.job:
+            return
+        read = sorted([Position(*p), [tuple(part) for part in parts]] for p, parts in state.get("pending", []))
+        cuts = sorted({p for p, _ in read} | {Position(*p) for p in state.get("cuts", [])})
+        with self._lock:
+            self._events = int(state.get("events", 0))
+            self._histogram = {int(b): int(n) for b, n in state.get("lag_histogram") or []}
+            if state.get("lag_min_s") is not None and state.get("training_lag_s"):
+                self._lag_range = [float(state["lag_min_s"]), float(state["training_lag_s"]["max"])]
+            self._skipped = {int(seq): n for seq, n in state.get("skipped", [])}
+            self._first_seq = int(state.get("first_seq", 0)) or None
+            self._acknowledged = int(state.get("acknowledged_through", 0))
+            self._restarts = int(state.get("loader_restarts", 0)) + 1
+            self._held = [(p, parts) for p, parts in read if p <= resume]
+            self._cuts = deque(p for p in cuts if p > resume)
+        self.log.info("stream_account_continued", events=self._events, held_batches=len(self._held),
+                      held_events=sum(n for _, parts in self._held for _, n in parts), cuts=len(self._cuts),
+                      restarts=self._restarts, resume=resume.as_list())
+        self.write_summary()
+
+    def next_cut(self, position: Position) -> Position | None:
+        """The next end of a predecessor's batch after `position` (passing those before it), or None."""
+        with self._lock:
+            while self._cuts and self._cuts[0] <= position:
+                self._cuts.popleft()
+            return self._cuts[0] if self._cuts else None
+
+    def cut_at(self, position: Position) -> bool:
+        """Whether a predecessor's batch ended at `position` (passing its ends before it)."""
+        with self._lock:
+            while self._cuts and self._cuts[0] < position:
+                self._cuts.popleft()
+            return bool(self._cuts) and self._cuts[0] == position
+
+    @property
+    def cutting(self) -> bool:
+        """A predecessor's batch ends are still to be read again."""
+        return bool(self._cuts)
+
+    def settle_held(self) -> None:
+        """Count the predecessor's batches the ranks held when this loader started as trained (they are, once
+        a later batch is)."""
+        if not self._held:
+            return
+        now = time.time()
+        with self._lock:
+            for _, parts in self._held:
+                self._count(parts, now)
+            self._held = []
+
+    # -- this loader's batches -----------------------------------------------------------------------------
     def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:
         """The batch ending at `position` holds `parts`: (event time, samples, first event id) of each message's
         share of it. Logged (`stream_batch`: [first id, samples, event time] per share): the events of every
-        batch read, in order, to account for them by id and to time them into a served version."""
+        batch read, in order, to account for them by id and to time them into a served version. Written to the
+        account's file before the batch is sent: a successor cuts its batches where this one did."""
         with self._lock:
             self._batches[position] = [(when, samples) for when, samples, _ in parts]
         self.log.info("stream_batch", position=position.as_list(),
                       events=[[first, n, when] for when, n, first in parts])
+        self.write_summary()
+
+    def skipped(self, msg: Message, events: int | None, reason: str) -> None:
+        """Message `msg` (holding `events` events, None: unknown) was skipped whole: the config cannot read it."""
+        with self._lock:
+            self._skipped[msg.seq] = events
+        self.log.warning("stream_message_skipped", seq=msg.seq, first_event=msg.first_event, events=events,
+                         reason=reason)
 
     def trained(self, positions: list[Position]) -> None:
         """The batches ending at `positions` have been trained, with every earlier one: acknowledge their
         messages, count their events and their training lag."""
+        self.settle_held()
         now = time.time()
         with self._lock:
-            for position in positions:
-                for when, samples in self._batches.pop(position, ()):
-                    self._events += samples
-                    if when == when:  # a message without an event time has no lag
-                        self._lags.append((now - when, samples))
-        self.source.ack_through(positions[-1].offset)
+            last = positions[-1]
+            for position in [p for p in self._batches if p <= last]:  # a final round's pieces share one position
+                self._count(self._batches.pop(position), now)
+        self.source.ack_through(last.offset)
         if now - self._written >= 1.0:
             self.write_summary()
 
+    def _count(self, parts: list[tuple[float, int]], now: float) -> None:
+        for when, samples in parts:
+            self._events += samples
+            if when == when:  # a message without an event time has no lag
+                lag = now - when
+                bucket = lag_bucket(lag)
+                self._histogram[bucket] = self._histogram.get(bucket, 0) + samples
+                self._lag_range = [min(self._lag_range[0], lag), max(self._lag_range[1], lag)]
+
     def summary(self) -> StreamSummary:
         with self._lock:
-            lags = np.array(self._lags, np.float64).reshape(-1, 2)
-            events = self._events
-        lag = None
-        if lags.shape[0]:
-            order = np.argsort(lags[:, 0])
-            seconds, weight = lags[order, 0], np.cumsum(lags[order, 1]) / lags[:, 1].sum()
-            pick = lambda q: float(seconds[min(np.searchsorted(weight, q), len(seconds) - 1)])  # noqa: E731
-            lag = Lag(p50=pick(0.5), p99=pick(0.99), max=float(seconds[-1]))
-        return StreamSummary(events=events, first_seq=self.source.first_seq, acknowledged_through=self.source.acknowledged,
-                             training_lag_s=lag, partition=self.partition)
+            return self._summary()
+
+    def _summary(self) -> StreamSummary:
+        skipped = list(self._skipped.values())
+        low, high = self._lag_range
+        return StreamSummary(
+            events=self._events, first_seq=min(x for x in (self.source.first_seq, self._first_seq, 1 << 62) if x),
+            acknowledged_through=max(self.source.acknowledged, self._acknowledged),
+            training_lag_s=lag_of(self._histogram, low, high),
+            lag_histogram=sorted([b, n] for b, n in self._histogram.items()) or None,
+            lag_min_s=low if self._histogram else None, loader_restarts=self._restarts,
+            skipped_messages=len(skipped), skipped_events=sum(n or 0 for n in skipped), partition=self.partition)
 
     def write_summary(self) -> None:
-        """`<output.dir>/stream.json` (`stream-<partition>.json`) (at most once a second while training, and at
-        its end)."""
+        """`<output.dir>/stream.json` (`stream-<partition>.json`): the summary and what a successor needs (at every
+        batch read, at most once a second as batches are trained, and at the end of training)."""
         self._written = time.time()
-        if self.output_dir:
+        if not self.output_dir:
+            return
+        with self._lock:  # one writer at a time: the batcher's thread and the loop's both write
             try:
-                self.summary().write(self.output_dir)
+                self._summary().write(self.output_dir, job=self.job,
+                                      pending=[[p.as_list(), parts] for p, parts in
+                                               [*self._held, *sorted(self._batches.items())]],
+                                      cuts=[p.as_list() for p in self._cuts],
+                                      skipped=sorted([seq, n] for seq, n in self._skipped.items()))
             except OSError as exc:
                 self.log.warning("stream_summary_not_written", error=str(exc))
 
@@ -400,20 +529,111 @@ async def _ack(msg, seq: int, logger) -> None:
 
 def _message(msg, seq: int) -> Message:
     first, when = read_headers(msg.headers)
-    return Message(seq, msg.data, first, when)
+    return Message(seq, msg.data, first, when, (msg.headers or {}).get(FORMAT, TSV))
+
+
+@dataclass
+class Parsed:
+    """A message's samples, as the batcher takes them."""
+
+    rows: Rows
+    """Its good samples."""
+    events: int
+    """Events (samples, good and bad) the message holds: its lines, or its record batch's rows."""
+    offsets: np.ndarray | None
+    """Each good sample's event offset in the message (Arrow: exact); None: in order (TSV: exact when no line
+    was bad)."""
+    bad: int
+    truncated: int
+
+
+class BadMessage(ValueError):
+    """A message the config cannot read: a format the loader does not know, a payload that does not decode, a
+    configured column missing or of the wrong type. Its text names the subject, the message and the column."""
+
+
+class MessageReader:
+    """Turns a message into `Parsed` by its format: TSV lines through the TSV reader's kernel (Criteo columns
+    only), an Arrow record batch through the Parquet reader's conversion (columns.py), for `config`'s features,
+    labels and dense columns. pyarrow is imported with the first Arrow message."""
+
+    def __init__(self, config: Config, subject: str):
+        self.config, self.subject = config, subject
+        self.policy = BadLinePolicy(config.data.bad_lines)
+        self._tsv: tuple[np.ndarray, list[int]] | str | None = None  # (columns, groups), or why TSV is unreadable
+        self._spec = None
+
+    def where(self, msg: Message) -> str:
+        return f"subject {self.subject}, message {msg.seq}"
+
+    def read(self, msg: Message) -> Parsed:
+        """BadMessage for a message it cannot read as configured (with `data.bad_lines: error`, also for a bad
+        line or row, which is skipped and counted otherwise)."""
+        where = self.where(msg)
+        if msg.format == ARROW:
+            return self._arrow(msg, where)
+        if msg.format != TSV:
+            raise BadMessage(f"{where}: header {FORMAT} is {msg.format!r}, not a format of the event stream "
+                             f"({TSV} or {ARROW})")
+        return self._lines(msg, where)
+
+    def _lines(self, msg: Message, where: str) -> Parsed:
+        if self._tsv is None:
+            try:
+                self._tsv = feature_columns(self.config.features)
+            except ValueError as exc:
+                self._tsv = (f"the config's features are not Criteo columns ({exc}); publish the training data's "
+                             f"columns as Arrow record batches (hybridrec data replay FILE.parquet)")
+        if isinstance(self._tsv, str):
+            raise BadMessage(f"{where}: a TSV message, but {self._tsv}")
+        columns, groups = self._tsv
+        try:
+            chunk = parse_lines(msg.data, where=where, groups=groups, bad_lines=self.policy)
+        except CriteoFormatError as exc:  # data.bad_lines: error
+            raise BadMessage(str(exc)) from None
+        return Parsed(Rows.of_chunk(chunk, columns), chunk.end_line - 1, None, chunk.num_bad_lines, 0)
+
+    def _arrow(self, msg: Message, where: str) -> Parsed:
+        from services.dataloader import columns  # pyarrow: imported where Arrow is read (see sources.eval_rows)
+
+        if self._spec is None:
+            self._spec = columns.ColumnSpec.from_config(self.config)
+        try:
+            table = decode_arrow(msg.data)
+            columns.check_names(table.column_names, self._spec, where)
+            rows, kept, bad, truncated = columns.convert(table, self._spec, where, 0, 0, self.policy)
+        except EventFormatError as exc:
+            raise BadMessage(f"{where}: {exc}") from None
+        except columns.ColumnFormatError as exc:
+            raise BadMessage(str(exc)) from None
+        return Parsed(rows, table.num_rows, kept, bad, truncated)
+
+
+def _runs(offsets: np.ndarray | None, start: int, stop: int) -> list[tuple[int, int]]:
+    """(first event offset, count) of the runs of consecutive events among good samples [start, stop) of a
+    message (`offsets` None: in order, one run)."""
+    if offsets is None:
+        return [(start, stop - start)]
+    part = offsets[start:stop]
+    if len(part) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(part) != 1) + 1
+    bounds = np.concatenate([[0], breaks, [len(part)]])
+    return [(int(part[a]), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def iter_train_batches(source: EventSource, account: StreamAccount, config: StreamConfig, *, start: Position,
-                       batch_size: int,
-                       columns: np.ndarray, groups: list[int], bad_lines: BadLinePolicy | str,
-                       counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+                       batch_size: int, reader: MessageReader, counters: ReadCounters
+                       ) -> Iterator[tuple[Rows, Position]]:
     """Training batches of `batch_size` samples (fewer when the stream pauses for `linger_s`), each with the
-    position after it, from `start` on, until `until_event` or `for_s`."""
+    position after it, from `start` on, until `until_event` or `for_s`. While the account has a predecessor's
+    batch ends after `start` (`StreamAccount.inherit`), batches end exactly there, and do not go out early when
+    the stream pauses: the ranks may hold those batches, read by the predecessor under the same indices."""
     skip = start.line - 1  # samples of the message at start.offset + 1 already trained
     if source.ended:  # a job started again after its last event
         return
     pending: list[Rows] = []
-    parts: list[tuple[float, int, int]] = []  # (event time, samples, first event id) per message in the batch
+    parts: list[tuple[float, int, int]] = []  # (event time, samples, first event id) per run of events in the batch
     held, position = 0, start
 
     def batch() -> tuple[Rows, Position]:
@@ -425,8 +645,8 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
     while (deadline is None or time.monotonic() < deadline) and not account.stopping.is_set():
         wait = config.linger_s if deadline is None else max(0.0, min(config.linger_s, deadline - time.monotonic()))
         msg = source.get(wait)
-        if msg is None:  # the stream paused: what is held goes out now
-            if held:
+        if msg is None:  # the stream paused: what is held goes out now (unless a predecessor cut it later)
+            if held and not account.cutting:
                 yield batch()
                 pending, held = [], 0
             continue
@@ -436,26 +656,54 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
             break
         if not msg.data:  # an end marker before the end (an earlier replay's): passed over
             position = Position(0, 0, msg.seq, 1)
+            if held and account.cutting and account.cut_at(position):
+                yield batch()
+                pending, held = [], 0
             continue
-        chunk = parse_lines(msg.data, where=f"subject {source.subject}, message {msg.seq}", groups=groups,
-                            bad_lines=bad_lines)
-        counters.bad_lines += chunk.num_bad_lines
-        counters.rows += len(chunk)
-        rows = Rows.of_chunk(chunk, columns)
+        try:
+            parsed = reader.read(msg)
+        except BadMessage as exc:
+            if reader.policy is BadLinePolicy.ERROR:
+                raise
+            counters.bad_messages += 1
+            try:
+                events = events_in(msg.format, msg.data) if msg.format in (TSV, ARROW) else None
+            except EventFormatError:
+                events = None
+            account.skipped(msg, events, str(exc))
+            position = Position(0, 0, msg.seq, 1)
+            if held and account.cutting and account.cut_at(position):
+                yield batch()
+                pending, held = [], 0
+            if config.until_event is not None and events is not None and msg.first_event + events >= config.until_event:
+                break  # it held event until_event - 1
+            continue
+        counters.bad_lines += parsed.bad
+        counters.rows += len(parsed.rows)
+        counters.truncated_rows += parsed.truncated
+        rows = parsed.rows
         done = 0
         if msg.seq == start.offset + 1 and skip:
             done, skip = min(skip, len(rows)), 0
         while done < len(rows):
-            take = min(batch_size - held, len(rows) - done)
+            end = len(rows)
+            if account.cutting and (cut := account.next_cut(position)) is not None and cut.offset == msg.seq - 1:
+                end = max(min(end, cut.line - 1), done + 1)  # the predecessor's batch ended inside this message
+            take = min(batch_size - held, end - done)
             pending.append(rows.slice(done, done + take))
-            parts.append((msg.event_time, take, msg.first_event + done))  # exact when no line of it was bad
+            parts += [(msg.event_time, n, msg.first_event + first) for first, n in _runs(parsed.offsets, done,
+                                                                                           done + take)]
             held, done = held + take, done + take
             position = Position(0, 0, msg.seq, 1) if done == len(rows) else Position(0, 0, msg.seq - 1, done + 1)
-            if held == batch_size:
+            if held == batch_size or (account.cutting and account.cut_at(position)):
                 yield batch()
                 pending, held = [], 0
         position = Position(0, 0, msg.seq, 1)  # a message without valid samples is passed too
-        if config.until_event is not None and msg.first_event + chunk.end_line - 1 >= config.until_event:
+        if held and account.cutting and account.cut_at(position):  # a predecessor's batch ended after it
+            yield batch()
+            pending, held = [], 0
+        if config.until_event is not None and msg.first_event + parsed.events >= config.until_event:
             break  # it held event until_event - 1: the last message trained
+    account.read_through = position.offset  # acknowledged once all is trained: a skipped last message too
     if held:
         yield batch()

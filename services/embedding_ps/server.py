@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from hybridrec.compress import ValueCodec
-from hybridrec.lazy_torch import import_torch_in_background
+from hybridrec.lazy_torch import import_torch_in_background, imported
 from hybridrec.config import Config
 from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
@@ -406,8 +406,9 @@ class EmbeddingPSServicer:
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_ps", config, replica)
     checkpoints.check_root(config.checkpoint.dir)
+    torch_import = None
     if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
-        import_torch_in_background(threads=1)
+        torch_import = import_torch_in_background(threads=1)
     warm_up(config)
     stores, applied, losses = open_shard(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
@@ -427,6 +428,7 @@ async def serve(config: Config, replica: int) -> None:
                                        losses=losses, primary=primary, backup=backup)
         host.add(servicer, servicer.stats)
         await host.start()
+        await imported(torch_import)
         await host.set_serving(True)
         if backup is not None:
             backup.catch_up()

@@ -5,7 +5,7 @@ import grpc
 import numpy as np
 
 from hybridrec import rpc
-from hybridrec.lazy_torch import import_torch_in_background
+from hybridrec.lazy_torch import import_torch_in_background, imported
 from hybridrec.config import Config
 from hybridrec.dedup import has_duplicates, unique_inverse
 from hybridrec.frames import Applied, BatchRef, Gradients
@@ -50,8 +50,9 @@ def warm_up() -> None:
 
 async def serve(config: Config, replica: int) -> None:
     host = ServiceHost("embedding_worker", config, replica)
+    torch_import = None
     if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
-        import_torch_in_background(threads=1)
+        torch_import = import_torch_in_background(threads=1)
     channels = [rpc.channel(address) for address in config.cluster.ps]
     methods = {(s, m): rpc.raw_method(ch, "EmbeddingPS", m) for s, ch in enumerate(channels)
                for m in ("Lookup", "Update")}
@@ -75,6 +76,7 @@ async def serve(config: Config, replica: int) -> None:
         await host.start()
         await rpc.wait_until_serving(config.cluster.ps, timeout_s=config.cluster.start_timeout_s,
                                      what="PS shards")
+        await imported(torch_import)
         await host.set_serving(True)
         await host.run_until_stopped()
     finally:

@@ -15,8 +15,12 @@ does not wait for it:
    every file with its size and sha256): a directory without it is incomplete;
 3. old versions are compacted (`hybridrec.versions.compact`).
 
-At most one publish is in flight: an interval that comes while one is still
-running is skipped and counted. A failed publish is logged and counted, its
+At most one publish is in flight: a step interval that comes while one is
+still running is skipped and counted; a time interval waits for it, and a
+version that took longer than `interval_s` to write starts the next interval
+when it is complete, so versions stay `interval_s` apart (a follower that polls
+more often serves each: two written back to back, the second 70 ms after the
+first, were merged into one swap). A failed publish is logged and counted, its
 directory removed, and the next version is a full snapshot; training goes on.
 The version is a snapshot of the PS as it is at that moment, not a
 synchronised cut: other ranks' updates may be in flight (as for any lookup in
@@ -102,9 +106,10 @@ class Publisher:
         if not self.due(step):
             return
         if self.task is not None and not self.task.done():
-            self.stats.skipped += 1
-            self.log.warning("publish_skipped", step=step, reason="the previous version is still being written")
-            return
+            if self.interval_steps and step % self.interval_steps == 0:
+                self.stats.skipped += 1
+                self.log.warning("publish_skipped", step=step, reason="the previous version is still being written")
+            return  # a time interval waits for it (its clock restarts when it is done: `_publish`)
         await self._start(step)
 
     async def _start(self, step: int) -> None:
@@ -136,6 +141,13 @@ class Publisher:
         return await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
     async def _publish(self, version: int, step: int, state: dict[str, Any], started: float) -> None:
+        try:
+            await self._write_version(version, step, state, started)
+        finally:
+            if self.interval_s and time.monotonic() - self.last_started >= self.interval_s:
+                self.last_started = time.monotonic()  # it overran its interval: the next one starts now
+
+    async def _write_version(self, version: int, step: int, state: dict[str, Any], started: float) -> None:
         path = version_dir(self.root, version)
         full = self.base is None or self.since_full + 1 >= self.full_every
         try:

@@ -8,7 +8,9 @@ which is how the launcher, Compose and a Kubernetes Job see completion.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import secrets
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +57,7 @@ class NNWorkerServicer:
         self.duplicates = 0
         self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
         self.marks: list[deque[tuple[int, tuple[int, ...], int]]] = [deque(maxlen=MARKS_KEPT) for _ in range(loaders)]
+        self.incarnation = secrets.randbits(62) | 1  # this process, in every reply to a loader (never 0)
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Queue a batch for the trainer; a re-sent one (a data loader replays what this rank has not yet
@@ -65,6 +68,8 @@ class NNWorkerServicer:
         loader died) leaves no trace, and a restarted loader sends that batch again."""
         item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks, self.inbox.loaders)
         loader = item.loader
+        if isinstance(item, DenseBatch) and item.phase == "train":
+            self._check_in_order(item)
         if isinstance(item, DenseBatch):
             fresh = item.seq > self.last_received[loader][item.phase]
         else:
@@ -81,8 +86,31 @@ class NNWorkerServicer:
             self.ended[loader].add(item.phase)
         return self._consumed(loader).encode()
 
+    def _check_in_order(self, item: DenseBatch) -> None:
+        """Refuse a training batch that comes before the ones this rank's share is missing.
+
+        A replacement of a lost rank owes the batches its predecessor had received but not trained. The
+        loader sends them again after a call that failed; but a loader that sent nothing while the rank was
+        replaced (a quiet stream) has no failed call, and its next new batch would arrive first.
+        FAILED_PRECONDITION makes it send its unconfirmed frames again, oldest first (`delivery.deliver`).
+        Before the trainer exists the rank cannot tell: UNAVAILABLE, which the loader waits out."""
+        if self.trainer is None:
+            raise rpc.Unavailable("the NN worker is still joining its group")
+        expected = self._held(item.loader) + self.trainer.env.world_size  # the next batch of its share
+        if item.seq > expected:
+            raise rpc.FailedPrecondition(
+                f"NN worker rank {self.replica} got training batch {item.seq} of data loader {item.loader}'s "
+                f"stream while it holds none from batch {expected}: send the unconfirmed batches again, oldest first")
+
+    def _held(self, loader: int) -> int:
+        """The last training batch of `loader`'s stream this rank holds: received into its inbox, or trained by
+        the group when this process took over (a replacement, or a restored checkpoint); it got every earlier
+        batch of its share."""
+        return max(self.last_received[loader]["train"], self.trainer.next_seq[loader] - self.trainer.env.world_size)
+
     def _consumed(self, loader: int) -> Consumed:
-        return self.trainer.consumed[loader] if self.trainer else Consumed()
+        consumed = self.trainer.consumed[loader] if self.trainer else Consumed()
+        return dataclasses.replace(consumed, incarnation=self.incarnation)
 
     async def Received(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """How far this rank holds each phase's stream of the data loader the request names, for a (re)started
@@ -91,11 +119,9 @@ class NNWorkerServicer:
         if self.trainer is None:
             raise rpc.Unavailable("the NN worker is still joining its group")
         loader = Received.loader_of(request, self.inbox.loaders)
-        trained = self.trainer.next_seq[loader] - self.trainer.env.world_size  # the group trained up to here
-        through = {"train": max(self.last_received[loader]["train"], trained),
-                   "eval": self.last_received[loader]["eval"]}
+        through = {"train": self._held(loader), "eval": self.last_received[loader]["eval"]}
         ended = set(self.ended[loader]) | ({"train"} if self.phase in ("eval", "done") else set())
-        return Received(through, frozenset(ended), list(self.marks[loader]), loader).encode()
+        return Received(through, frozenset(ended), list(self.marks[loader]), loader, self.incarnation).encode()
 
     async def Status(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.TrainingStatus:
         stats = self.trainer.stats if self.trainer else None

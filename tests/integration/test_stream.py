@@ -5,7 +5,9 @@ repeating an event. Needs the nats-server binary (Debian package nats-server).""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import re
 import shutil
 import signal
 import socket
@@ -66,11 +68,17 @@ def broker(nats_server) -> str:
 
 
 def _replay(url: str, path: Path, *, limit: int, first_event: int = 0) -> str:
-    out = subprocess.run(HYBRIDREC + ["data", "replay", str(path), "--to", f"{url}/{SUBJECT}", "--rate", "0",
-                                      "--limit", str(limit), "--first-event", str(first_event)],
+    out = subprocess.run(_replay_args(url, path, "--limit", str(limit), "--first-event", str(first_event)),
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def _replay_at(url: str, path: Path, *, limit: int, first_event: int, rate: int = 10_000) -> subprocess.Popen:
+    """`hybridrec data replay` at `rate` events/s (0: at once) in the background."""
+    return subprocess.Popen(_replay_args(url, path, "--limit", str(limit), "--first-event", str(first_event),
+                                         rate=rate),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _config(tmp_path: Path, data: Path, url: str | None, until: int | None, **stream) -> Path:
@@ -98,7 +106,9 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     """`hybridrec run`; with `kill`, that service's replica 0 SIGKILLed once rank 0 is at `at_step` (the
     launcher replaces it), or with kill="broker" the broker, started again with its store `down_s` later. With
     `replay` (url, file, events), the file is replayed at 10,000 events/s from the moment the data loader
-    reads the stream: the kill comes in the middle of the replay."""
+    reads the stream; with a kill, its first half at once, then the kill (the loader has nothing new to send:
+    a quiet stream), then its second half once training has caught up with the first: the kill comes in the
+    middle of the replay however slowly a loaded machine trains."""
     if replay is not None:
         from hybridrec.app.broker import create_stream
         from hybridrec.config import StreamConfig
@@ -108,16 +118,21 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     proc = subprocess.Popen(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--summary-json",
                                          str(summary)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    replaying = None
+    replaying, rest = None, None
     if replay is not None:
         url, path, limit = replay
+        first = limit // 2 if kill is not None else limit
+        if first < limit:
+            rest = run_dir.parent / f"{path.stem}-from-{first}{path.suffix}"
+            with path.open() as lines, rest.open("w") as out:
+                out.writelines(itertools.islice(lines, first, limit))
         log = run_dir / "logs" / "dataloader-0.log"
         while not (log.is_file() and '"stream_reading"' in log.read_text()):
             assert proc.poll() is None, "the run ended before it read the stream"
             time.sleep(0.05)
-        replaying = subprocess.Popen(HYBRIDREC + ["data", "replay", str(path), "--to", f"{url}/{SUBJECT}", "--rate",
-                                                  "10000", "--limit", str(limit)], cwd=REPO,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        replaying = _replay_at(url, path, limit=first, first_event=0, rate=0 if rest is not None else 10_000)
+        if rest is not None:
+            assert replaying.wait(timeout=300) == 0, replaying.stderr.read()[-3000:]
     if kill is not None:
         while (step := rank_step(run_dir)) is None or step < at_step:
             assert proc.poll() is None, "the run ended before the kill"
@@ -131,7 +146,21 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
             (target,) = [p for p in psutil.process_iter(["cmdline"]) if pattern in " ".join(p.info["cmdline"] or [])]
             target.send_signal(signal.SIGKILL)
     if replaying is not None:
-        assert replaying.poll() is None or kill is None, "the replay ended before the kill"
+        assert replaying.wait(timeout=300) == 0, replaying.stderr.read()[-3000:]
+    if rest is not None:
+        # Training goes on with the events read before the kill, without waiting for more: every full batch of
+        # them is trained (a replaced NN worker is sent its predecessor's batches with nothing new to send).
+        # Rank 1's step: a replacement of rank 0 joins only when rank 1 next needs its peer, and if the kill
+        # came after the last of these steps, that is after the next event.
+        tree = yaml.safe_load((run_dir / "config.yaml").read_text())
+        steps = first // (tree["training"]["batch_size"] * len(tree["cluster"]["nn_workers"]))
+        deadline = time.monotonic() + 120
+        while (step := rank_step(run_dir, 1)) is None or step < steps:
+            assert proc.poll() is None, "the run ended before the rest of the replay"
+            assert time.monotonic() < deadline, f"training stopped at step {step} of {steps} after the kill"
+            time.sleep(0.1)
+        # the events after the kill, numbered on
+        replaying = _replay_at(replay[0], rest, limit=replay[2] - first, first_event=first)
         assert replaying.wait(timeout=300) == 0, replaying.stderr.read()[-3000:]
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -223,6 +252,12 @@ def test_a_loader_killed_mid_replay_resumes_without_skipping_or_repeating(tmp_pa
     assert result["samples"] == 60_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
     _assert_each_event_once(run_dir, 60_000)
     assert _consumer(broker) == (600, 0, 600)
+    # The new loader went on with its predecessor's account: the summary covers the whole job.
+    stream = result["stream"]
+    assert stream["events"] == 60_000 and stream["loader_restarts"] == 1 and stream["first_seq"] == 1, stream
+    assert sum(n for _, n in stream["lag_histogram"]) == 60_000, stream
+    lag = stream["training_lag_s"]
+    assert 0 < lag["p50"] <= lag["p99"] <= lag["max"] < 600, lag
 
 
 def test_a_stream_that_is_not_there_stops_the_loader_naming_the_key(tmp_path, small_data, broker):
@@ -362,3 +397,171 @@ def test_a_finished_stream_job_started_again_ends_without_waiting_for_events(tmp
     assert log.read_text().count('"stream_batch"') == batches  # nothing read again
     assert log.read_text().count('"stream_already_read"') == 1
     assert _consumer(broker) == (200, 0, 200)  # the consumer as the job left it: a next job goes on after it
+
+
+# -- the training data's own columns: Arrow record batches ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multitask_data(tmp_path_factory) -> Path:
+    from hybridrec.app.synth_parquet import synthesize_multitask
+
+    out = tmp_path_factory.mktemp("multitask")
+    synthesize_multitask(out, rows=20_000, eval_rows=5_000, seed=6)
+    return out
+
+
+MULTITASK = REPO / "examples" / "multitask_parquet.yaml"
+
+
+def _multitask_config(tmp_path: Path, data: Path, url: str, until: int, **data_keys) -> Path:
+    """The multi-task example (MMoE, multi-hot tags, a sequence, two tasks) trained on the stream, evaluated on
+    its eval file."""
+    tree = yaml.safe_load(MULTITASK.read_text())
+    tree["data"].update({"train": [], "eval": [str(data / "eval.parquet")], "oracle": str(data / "oracle.json"),
+                         "stream": {"url": url, "until_event": until}, **data_keys})
+    tree["ps"]["capacity"] = 100_000
+    path = tmp_path / "multitask.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _replay_args(url: str, path: Path, *args: str, rate: int = 0) -> list[str]:
+    """`hybridrec data replay` of `path` to the test subject at `rate` events/s (0: at once), with `args`."""
+    return HYBRIDREC + ["data", "replay", str(path), "--to", f"{url}/{SUBJECT}", "--rate", str(rate), *args]
+
+
+def _published(url: str) -> list[tuple[int, int, str]]:
+    """(first event id, events, format) of every message of the stream, in stream order."""
+    from hybridrec.event_stream import FORMAT, events_in, read_format, read_headers
+
+    async def ask():
+        import nats
+
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            state = (await js.stream_info(STREAM)).state
+            out = []
+            for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+                msg = await js.get_msg(STREAM, seq)
+                first, _ = read_headers(msg.headers)
+                out.append((first, events_in(read_format(msg.headers), msg.data or b""),
+                            (msg.headers or {}).get(FORMAT, "tsv")))
+            return out
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def test_a_multitask_parquet_file_streams_as_arrow_batches_and_trains_once(tmp_path, multitask_data, broker):
+    """`hybridrec data replay FILE.parquet --config` publishes the configured columns as Arrow record batches;
+    the MMoE example trains from them as from the file: every event once, every message acknowledged, both
+    tasks evaluated. A message without a configured column (published between two good replays) is counted,
+    skipped and acknowledged."""
+    run = lambda *args: subprocess.run(_replay_args(broker, *args), cwd=REPO, capture_output=True, text=True,  # noqa: E731
+                                       timeout=120)
+    out = run(multitask_data / "train.parquet", "--config", str(MULTITASK), "--limit", "12000")
+    assert out.returncode == 0, out.stderr
+    assert "published 12,000 events (0..11999) in 120 messages (Arrow record batches)" in out.stdout, out.stdout
+    columns = "click,conversion,d0,d1,d2,d3,user_id,item_id,item_cat,hist_cats"  # no tags: unreadable
+    out = run(multitask_data / "train.parquet", "--columns", columns, "--limit", "100", "--first-event", "12000")
+    assert out.returncode == 0, out.stderr
+    out = run(multitask_data / "eval.parquet", "--config", str(MULTITASK), "--first-event", "12100")
+    assert out.returncode == 0 and "published 5,000 events (12100..17099)" in out.stdout, out.stdout
+    assert {fmt for _, _, fmt in _published(broker)} == {"arrow"}
+
+    result = _run(_multitask_config(tmp_path, multitask_data, broker, until=17_100), tmp_path / "run")
+    assert result["samples"] == 17_000 and result["data"]["train"]["bad_messages"] == 1, result["data"]
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    stream = result["stream"]
+    assert stream["events"] == 17_000 and stream["skipped_messages"] == 1 and stream["skipped_events"] == 100, stream
+    assert _consumer(broker) == (171, 0, 171)  # the skipped message acknowledged with the rest
+    read = _events_read(tmp_path / "run")
+    seen = np.zeros(17_100, np.int64)
+    for first, n in read:
+        seen[first:first + n] += 1
+    assert seen[:12_000].min() == seen[12_100:].min() == seen.max() == 1 and seen[12_000:12_100].max() == 0
+    assert [t["name"] for t in result["tasks"]] == ["click", "conversion"], result["tasks"]
+    assert all(t["auc"] > 0.55 for t in result["tasks"]), result["tasks"]
+    skipped = [json.loads(line) for line in (tmp_path / "run" / "logs" / "dataloader-0.log").read_text().splitlines()
+               if '"stream_message_skipped"' in line]
+    assert len(skipped) == 1 and skipped[0]["seq"] == 121 and skipped[0]["first_event"] == 12_000, skipped
+    assert "features.3 (tags).column: no column 'tags'" in skipped[0]["reason"], skipped
+
+
+def test_an_arrow_message_without_a_configured_column_with_bad_lines_error_stops_the_run_naming_it(
+        tmp_path, multitask_data, broker):
+    out = subprocess.run(_replay_args(broker, multitask_data / "train.parquet", "--columns",
+                                      "click,conversion,d0,d1,d2,d3,user_id,item_id,item_cat,hist_cats", "--limit",
+                                      "300"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    config = _multitask_config(tmp_path, multitask_data, broker, until=300, bad_lines="error")
+    proc = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(tmp_path / "run")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"subject {SUBJECT}, message 1: features.3 (tags).column: no column 'tags'" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_replay_refuses_a_file_it_cannot_publish_before_publishing_anything(tmp_path, multitask_data, broker):
+    """Binary data that is not Parquet, and a Parquet file without a column the job reads, exit 2 naming the
+    file (and the column): nothing is published, the stream is not even created."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    for args, message in [
+            ((binary,), f"{binary}: neither Criteo TSV lines nor a Parquet file (it holds NUL bytes"),
+            ((multitask_data / "eval.parquet", "--config", str(REPO / "examples" / "criteo_synth.yaml")),
+             f"{multitask_data / 'eval.parquet'}: no column 'label', which the config reads (data.labels (label))"),
+            ((multitask_data / "eval.parquet", "--columns", "click,clicks"),
+             f"{multitask_data / 'eval.parquet'}: no column 'clicks' (--columns)"),
+            ((multitask_data / "oracle.json",), f"{multitask_data / 'oracle.json'}: neither Criteo TSV lines")]:
+        out = subprocess.run(_replay_args(broker, *args), cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+    async def streams():
+        import nats
+
+        nc = await nats.connect(broker)
+        try:
+            return await nc.jetstream().streams_info()
+        finally:
+            await nc.close()
+
+    assert not asyncio.run(streams())
+
+
+def test_a_replay_goes_on_across_a_broker_restart_and_stores_every_event_once_in_order(tmp_path, multitask_data,
+                                                                                       nats_server):
+    """The broker SIGKILLed in the middle of a replay and started again with its store: the replay sends what
+    was in flight again over a new connection, and the broker, which had stored some of it, keeps one copy
+    (Nats-Msg-Id): every event once, in order."""
+    asyncio.run(_create(nats_server.url))
+    replaying = subprocess.Popen(HYBRIDREC + ["data", "replay", str(multitask_data / "train.parquet"), "--to",
+                                              f"{nats_server.url}/{SUBJECT}", "--rate", "4000",
+                                              "--rows-per-message", "50"], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_published(nats_server.url)) < 60:  # about 0.75 s of it stored
+        assert replaying.poll() is None and time.monotonic() < deadline, replaying.communicate()
+        time.sleep(0.05)
+    nats_server.kill()
+    time.sleep(1.5)
+    assert replaying.poll() is None, "the replay ended while the broker was down"
+    nats_server.start()
+    out, err = replaying.communicate(timeout=120)
+    assert replaying.returncode == 0, err
+    assert "published 20,000 events (0..19999) in 400 messages" in out, out
+    # At least the one outage (a broker still starting can answer 503 and cost another reconnection)
+    assert int(re.search(r"(\d+) reconnections?", out)[1]) >= 1, out
+    messages = _published(nats_server.url)
+    assert [first for first, _, _ in messages] == list(range(0, 20_000, 50)), messages[:5]
+    assert all(n == 50 for _, n, _ in messages)
+
+
+async def _create(url: str) -> None:
+    from hybridrec.app.broker import create_stream
+    from hybridrec.config import StreamConfig
+
+    await create_stream(url, StreamConfig())

@@ -70,9 +70,16 @@ def refusal_rank(rank: int, port: int, out_dir: str, config_tag: str, timeout_s:
         from services.nn_worker.membership import Fingerprint, MembershipError
 
         membership = _membership(rank, port, Fingerprint(config_tag, WORLD, "model"), timeout_s)
+        (out / f"rank{rank}-{config_tag}.ready").touch()  # imported: joins within a second from here
         try:
             plan = membership.join(step=None)
+            import torch.distributed as dist
+
+            # Both ranks are in the group before either leaves: a rank that exits at once could close its side
+            # while its peer still connects to it (and this says the group works)
+            dist.barrier()
             result = {"joined": plan.generation}
+            dist.destroy_process_group()
         except MembershipError as exc:
             result = {"error": str(exc)}
         (out / f"rank{rank}-{config_tag}.json").write_text(json.dumps(result))

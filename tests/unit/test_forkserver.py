@@ -154,6 +154,36 @@ def test_a_lost_fork_server_is_started_again_and_its_children_keep_running(tmp_p
         launcher.close()
 
 
+def _ignored_signals(pid: int) -> set[int]:
+    """The signals process `pid` ignores (/proc/PID/status SigIgn: bit n - 1 is signal n)."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigIgn:"))
+    mask = int(line.split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def test_a_forked_service_ignores_sigpipe_as_an_executed_interpreter_does(tmp_path):
+    """A write to a closed socket must be an error the writer handles, not the death of the writer: with SIGPIPE
+    at its default, a surviving NN worker died when its Gloo peer was SIGKILLed mid-send."""
+    executed = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert executed.stdout.readline() == b"up\n"  # past the interpreter's start-up
+        assert signal.SIGPIPE in _ignored_signals(executed.pid)  # what CPython sets there
+    finally:
+        executed.communicate(b"")
+    config, _ = ps_config(tmp_path)
+    launcher = Launcher(tmp_path)
+    try:
+        ps = launcher.spawn(["serve", "embedding_ps", "--config", str(config)], "ps")
+        until(lambda: '"serving"' in text(tmp_path / "ps.log"), "the PS to serve")
+        ignored = _ignored_signals(ps["pid"])
+        assert signal.SIGPIPE in ignored and signal.SIGTERM not in ignored and signal.SIGINT not in ignored
+        os.kill(ps["pid"], signal.SIGTERM)
+        assert launcher.ask({"wait": ps["pid"]}) == {"code": 0}
+    finally:
+        launcher.close()
+
+
 @pytest.mark.parametrize("only, message", [("model", "nowhere.module"), (None, "unused.tsv")])
 def test_check_names_what_is_wrong(tmp_path, only, message):
     """`hybridrec check` (what `hybridrec run` forks beside the start-up, --only model): exit 2, naming it."""

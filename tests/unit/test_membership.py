@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,20 +18,24 @@ from tests.unit.membership_ranks import handover_rank, refusal_rank
 _port = free_port  # below the ephemeral range: no outgoing connection can take it first
 
 
-def _run(procs: list, timeout: float = 120) -> None:
+def _errors(out: Path) -> dict[str, str]:
+    """The ranks' tracebacks (a rank that fails writes rank<N>.err, then exits 3)."""
+    return {e.name: e.read_text() for e in out.glob("*.err")}
+
+
+def _run(procs: list, out: Path, timeout: float = 120) -> None:
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout)
-        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    assert all(p.exitcode == 0 for p in procs), ([p.exitcode for p in procs], _errors(out))
 
 
 def test_a_fresh_rank_takes_model_optimizer_and_counters_from_the_source(tmp_path):
     ctx = mp.get_context("spawn")
     port = _port()
-    _run([ctx.Process(target=handover_rank, args=(r, port, str(tmp_path))) for r in range(2)])
-    errors = list(tmp_path.glob("*.err"))
-    assert not errors, errors[0].read_text()
+    _run([ctx.Process(target=handover_rank, args=(r, port, str(tmp_path))) for r in range(2)], tmp_path)
+    assert not _errors(tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["first"] == [1, None] and r1["first"] == [1, None]  # nobody had state: a cold start
     assert r0["second"] == [2, 0, [1]] == r1["second"]  # the next generation, rank 0 the source, rank 1 fresh
@@ -43,7 +48,8 @@ def test_a_fresh_rank_takes_model_optimizer_and_counters_from_the_source(tmp_pat
 def test_a_replacement_with_another_config_is_refused_and_the_group_waits_for_a_correct_one(tmp_path):
     ctx = mp.get_context("spawn")
     port = _port()
-    rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 60))
+    # Rank 0 waits out two spawns in a row (each imports torch): 300 s, which costs nothing when all goes well
+    rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 300))
     stranger = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "other", 60))
     rank0.start()
     stranger.start()
@@ -56,8 +62,8 @@ def test_a_replacement_with_another_config_is_refused_and_the_group_waits_for_a_
     correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
     correct.start()
     for p in (rank0, correct):
-        p.join(60)
-        assert p.exitcode == 0
+        p.join(300)
+    assert rank0.exitcode == 0 and correct.exitcode == 0, (rank0.exitcode, correct.exitcode, _errors(tmp_path))
     assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
     assert json.loads((tmp_path / "rank1-good.json").read_text()) == {"joined": 1}
 
@@ -67,7 +73,16 @@ def test_the_group_stops_naming_missing_ranks_and_refusals_after_the_timeout(tmp
     port = _port()
     rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 4))
     stranger = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "other", 30))
-    _run([rank0, stranger], timeout=60)
+    # The stranger first, and rank 0 once it has imported torch: on a loaded machine its imports alone could
+    # outlast rank 0's 4 s, and rank 0 would time out without having heard it (the stranger retries the store).
+    stranger.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "rank1-other.ready").exists():
+        assert stranger.is_alive() and time.monotonic() < deadline, _errors(tmp_path)
+        time.sleep(0.05)
+    _run([rank0], tmp_path, timeout=60)
+    stranger.join(60)
+    assert stranger.exitcode == 0, (stranger.exitcode, _errors(tmp_path))
     error = json.loads((tmp_path / "rank0-good.json").read_text())["error"]
     assert "rank(s) [1] did not join the group within cluster.rejoin_timeout_s=4s" in error
     assert "refused: rank 1: its config" in error

@@ -311,7 +311,10 @@ def test_ps_service_counts_per_table_ticks_per_update_and_sweeps(tmp_path):
                 await ps.Update(PSUpdate({4: a}, {4: np.ones((a.size, 4), np.float32)}, uid).encode(values), None)
             assert stores[4].clock == 5
             sweeper = asyncio.ensure_future(ps.sweep_expired(cfg.ps.lifecycle.sweep_interval_s))
-            await asyncio.sleep(0.3)
+            deadline = asyncio.get_running_loop().time() + 30
+            while ps.stats()["table2_expired_total"] < 5 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)  # a few sweeps (a loaded machine can stall one)
+            await asyncio.sleep(0.15)  # and a few more: they expire nothing else
             sweeper.cancel()
             stats = ps.stats()
             assert stats["table2_expired_total"] == 5 and stats["dim4_rows"] == 10  # b untouched since clock 0

@@ -506,25 +506,31 @@ def test_kernels_release_the_gil(open_store):
     store = open_store(config(capacity=1 << 20, num_stripes=1, dim=16))
     batch = np.arange(1 << 20, dtype=np.uint64)
     store.lookup(batch[:1000], train=True)  # compiled
-    ticks: list[float] = []
-    done = threading.Event()
 
-    def lookup() -> None:
-        started = time.perf_counter()
-        store.lookup(batch, train=True)
-        ticks.append(time.perf_counter() - started)
-        done.set()
+    def longest_gap() -> tuple[float, float, int]:
+        """(the lookup's seconds, the longest the main thread went without running, its beats)."""
+        ticks: list[float] = []
+        done = threading.Event()
 
-    worker = threading.Thread(target=lookup)
-    beats = []
-    worker.start()
-    while not done.is_set():
-        beats.append(time.perf_counter())
-    worker.join()
-    call = ticks[0]
-    assert call > 0.05, "lookup too fast to tell"
-    gaps = np.diff(beats)
-    assert len(beats) > 100 and gaps.max() < 0.5 * call, (call, gaps.max())
+        def lookup() -> None:
+            started = time.perf_counter()
+            store.lookup(batch, train=True)
+            ticks.append(time.perf_counter() - started)
+            done.set()
+
+        worker = threading.Thread(target=lookup)
+        beats = []
+        worker.start()
+        while not done.is_set():
+            beats.append(time.perf_counter())
+        worker.join()
+        return ticks[0], float(np.diff(beats).max()) if len(beats) > 1 else ticks[0], len(beats)
+
+    # The best of three: a held GIL stops the main thread for the whole call every time, where a loaded
+    # machine descheduling it for half a call is one time's bad luck.
+    tries = [longest_gap() for _ in range(3)]
+    assert all(call > 0.05 for call, _, _ in tries), ("lookup too fast to tell", tries)
+    assert any(beats > 100 and gap < 0.5 * call for call, gap, beats in tries), tries
 
 
 # ------------------------------------------------------------------ input validation

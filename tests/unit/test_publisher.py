@@ -133,3 +133,28 @@ def test_interval_s_triggers_by_time(tmp_path):
         return shards
 
     assert [c[0] for c in asyncio.run(go()).calls] == [1]
+
+
+def test_a_time_interval_waits_for_a_version_that_overran_it(tmp_path):
+    """interval_s: a version still being written when the interval comes is waited for (not counted as
+    skipped); one that took longer than the interval starts the next interval when it is complete, so two
+    versions are never written back to back (a follower polling every 0.2 s would merge them into one swap)."""
+    async def go():
+        publisher, shards = make(tmp_path, interval_s=0.2)
+        shards.gate = asyncio.Event()
+        await asyncio.sleep(0.25)
+        await publisher.maybe_publish(1)
+        await asyncio.sleep(0.3)
+        await publisher.maybe_publish(2)  # its interval has passed, the version is still being written
+        assert publisher.stats.skipped == 0 and len(shards.calls) == 1
+        shards.gate.set()
+        await publisher.task
+        await publisher.maybe_publish(3)  # complete now, but it overran: the next interval starts now
+        assert len(shards.calls) == 1
+        await asyncio.sleep(0.25)
+        await publisher.maybe_publish(4)
+        await publisher.task
+        return publisher, shards
+
+    publisher, shards = asyncio.run(go())
+    assert [c[0] for c in shards.calls] == [1, 2] and publisher.stats.published == 2

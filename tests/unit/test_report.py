@@ -62,6 +62,7 @@ def test_series_sum_every_rank_and_place_the_phases(monkeypatch):
         clock.t = t
         rec.sample(statuses)
     assert [p["samples"] for p in rec.training] == [0, 2100, 3100, 6100, 7000]
+    assert [p["answered"] for p in rec.training] == [2, 2, 1, 2, 2]
     assert rec.phases["first_step"] == pytest.approx(9.8)
     assert rec.phases["end_of_training"] == pytest.approx(13.5)
     assert rec.final_samples == {0: 3500, 1: 3500}
@@ -71,6 +72,8 @@ def test_series_sum_every_rank_and_place_the_phases(monkeypatch):
     rec.mark("end")
     intervals = rec.throughput()
     assert intervals[0]["t_start"] == pytest.approx(9.8) and intervals[-1]["t_end"] == pytest.approx(13.5)
+    # The poll rank 1 missed holds its count of a second before: no point of the curve (a dip, then a burst).
+    assert [i["t_end"] for i in intervals] == pytest.approx([11.0, 13.0, 13.5])
     assert sum(i["samples"] for i in intervals) == 7000
     assert [name for name, _, _ in phase_spans(rec.phases)] == ["start-up", "training", "evaluation", "shutdown"]
 
@@ -85,6 +88,15 @@ def test_series_sum_every_rank_and_place_the_phases(monkeypatch):
     assert sum(i["samples"] for i in rec.throughput()) == 7100
     again = Recorder.from_json(json.loads(json.dumps(rec.to_json())))
     assert again.throughput() == rec.throughput() and again.phases == rec.phases
+
+
+def test_a_poll_is_stamped_when_it_asked_not_when_the_answers_came(monkeypatch):
+    rec, clock = _recorder(monkeypatch, ranks=1)
+    clock.t = 12.3  # the answers took 1.3 s on a loaded machine
+    rec.sample([_status("train", 2000, 2.0)], asked=11.0)
+    assert rec.training[0]["t"] == 11.0
+    # Its start is placed from the last answer's arrival: late, never before the true start (9.0 to 10.3)
+    assert rec.phases["first_step"] == pytest.approx(10.3)
 
 
 def _summary(**overrides) -> RunSummary:

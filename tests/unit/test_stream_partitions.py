@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrec.config import StreamConfig, from_dict
-from hybridrec.criteo_format import feature_columns
 from hybridrec.event_stream import partition_of, partition_subject, subject_matches
 from services.dataloader.batching import Position, ReadCounters
-from services.dataloader.stream import Message, StreamAccount, iter_train_batches, partition
+from services.dataloader.stream import Message, MessageReader, StreamAccount, iter_train_batches, partition
 
 ROWS = 10  # a message's lines
 
@@ -31,11 +30,11 @@ def _lines(small_data: Path, n: int) -> list[bytes]:
 
 
 def _read(source: Source, until: int, *, start: Position = Position()):
-    columns, groups = feature_columns(from_dict({"data": {"train": ["t"]}}).features)
     account = StreamAccount(source, partition=1)
     config = StreamConfig(subject="s", until_event=until, linger_s=0.01)
-    batches = list(iter_train_batches(source, account, config, start=start, batch_size=25, columns=columns,
-                                      groups=groups, bad_lines="skip", counters=ReadCounters()))
+    reader = MessageReader(from_dict({"data": {"train": ["t"]}}), source.subject)
+    batches = list(iter_train_batches(source, account, config, start=start, batch_size=25, reader=reader,
+                                      counters=ReadCounters()))
     return batches, account
 
 

@@ -137,3 +137,39 @@ def test_a_drift_that_cannot_be_planted_names_why(tmp_path):
         synthesize(tmp_path, rows=1_000, eval_rows=1_000, drift=Drift(at_row=1_000))
     with pytest.raises(ValueError, match="slot 26"):
         synthesize(tmp_path, rows=1_000, eval_rows=1_000, drift=Drift(at_row=10, slot=26))
+
+
+def test_a_planted_drift_in_the_multitask_data_changes_its_items_labels_from_its_row_on(tmp_path):
+    """`synth --format parquet --drift-at ROW`: the rows are the undrifted file's; from ROW on, rows holding a
+    drifted item get both tasks' labels at the planted new rate; the probe file holds rows of each drifted and
+    control item in the training data's columns, and `oracle.json` their true rates per task, before and after."""
+    import pyarrow.parquet as pq
+
+    from hybridrec.app.synth_parquet import Drift as ItemDrift, synthesize_multitask
+
+    rows, at = 40_000, 20_000
+    synthesize_multitask(tmp_path / "plain", rows=rows, eval_rows=10_000, seed=2)
+    summary = synthesize_multitask(tmp_path / "drift", rows=rows, eval_rows=10_000, seed=2,
+                                   drift=ItemDrift(at_row=at, shift=2.0))
+    planted = summary.extra["drift"]
+    plain, drifted = (pq.read_table(tmp_path / d / "train.parquet") for d in ("plain", "drift"))
+    labels = ("click", "conversion")
+    assert plain.drop_columns(list(labels)).equals(drifted.drop_columns(list(labels)))  # the same rows
+    items = drifted.column("item_id").to_numpy(zero_copy_only=False)
+    hits = np.isin(items, planted["ids"])
+    for task in labels:
+        a, b = plain.column(task).to_numpy(), drifted.column(task).to_numpy()
+        changed = np.flatnonzero(a != b)
+        assert changed.min() >= at and hits[changed].all(), task  # only drifted items' rows from the drift on
+        assert b[at:][hits[at:]].mean() - b[:at][hits[:at]].mean() > 0.15, task
+        assert all(x > y for x, y in zip(planted["probe_p_after"][task], planted["probe_p_before"][task]))
+    probes = pq.read_table(tmp_path / "drift" / planted["probe_file"])
+    assert probes.schema.names == drifted.schema.names
+    per_id = planted["probe_rows_per_id"]
+    assert probes.column("item_id").to_pylist() == [i for i in planted["ids"] + planted["control_ids"]
+                                                    for _ in range(per_id)]
+    assert not set(planted["ids"]) & set(planted["control_ids"]) and planted["column"] == "item_id"
+    categories = dict(zip(probes.column("item_id").to_pylist(), probes.column("item_cat").to_pylist()))
+    assert not {categories[i] for i in planted["ids"]} & {categories[i] for i in planted["control_ids"]}
+    with pytest.raises(ValueError, match="only 40000 rows"):
+        synthesize_multitask(tmp_path / "x", rows=rows, drift=ItemDrift(at_row=rows))
