@@ -354,9 +354,7 @@ async def serve(config: Config, replica: int) -> None:
                 account.write_summary()
                 host.log.info("stream_trained", **account.summary().model_dump(exclude={"lag_histogram"}))
         elif account is not None:  # every rank has the end of training: the predecessor's account, settled
-            account.inherit(resume.position)
-            account.settle_held()
-            account.write_summary()
+            await asyncio.get_running_loop().run_in_executor(None, account.settle_finished, config.cluster.retry_s)
         eval_rows = read_eval_rows(config, eval_counts, replica)
         eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)

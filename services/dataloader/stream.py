@@ -110,6 +110,7 @@ class EventSource(Protocol):
     def get(self, timeout: float) -> Message | None: ...
     def ack_through(self, seq: int) -> None: ...
     def finish(self, timeout_s: float) -> bool: ...
+    def acknowledge_read(self, through: int, timeout_s: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -168,6 +169,21 @@ class NatsSource:
         message), waiting up to `timeout_s` for a broker that is restarting; False if it never answered (the
         next job then reads those messages again: nothing is skipped)."""
         return asyncio.run_coroutine_threadsafe(self._confirm_last_ack(timeout_s), self._loop).result()
+
+    def acknowledge_read(self, through: int, timeout_s: float) -> None:
+        """Acknowledge every message up to `through` that a predecessor read and the ranks trained but that was
+        left unacknowledged: read them again from the consumer's floor, acknowledge, and wait until the broker
+        holds it (`finish`)."""
+        first = self.start(Position())
+        if first > through:
+            return
+        deadline = time.monotonic() + timeout_s
+        while (msg := self.get(timeout=1.0)) is None or msg.seq < through:
+            if time.monotonic() > deadline:
+                raise StreamError(f"stream {self.config.stream!r}: message {through}, trained, was not delivered "
+                                  f"again within {timeout_s:.0f} s to be acknowledged")
+        self.ack_through(through)
+        self.finish(timeout_s)
 
     def close(self) -> None:
         if self._fetching is not None:
@@ -384,10 +400,11 @@ class StreamAccount:
         self._written = 0.0
 
     # -- a predecessor's account -------------------------------------------------------------------------
-    def inherit(self, resume: Position) -> None:
+    def inherit(self, resume: Position | None) -> None:
         """Go on with the account a predecessor of this job left in `output.dir`, this loader resuming after
-        `resume` (nothing when there is none, or it is another job's, or the job has no `checkpoint.job_id`, which
-        `hybridrec run` always sets: without one, an earlier job's file cannot be told from this job's)."""
+        `resume` (None: the ranks have trained every batch; nothing when there is no account, or it is another
+        job's, or the job has no `checkpoint.job_id`, which `hybridrec run` always sets: without one, an earlier
+        job's file cannot be told from this job's)."""
         if not self.output_dir or self.job is None:
             return
         try:
@@ -410,11 +427,11 @@ class StreamAccount:
             self._first_seq = int(state.get("first_seq", 0)) or None
             self._acknowledged = int(state.get("acknowledged_through", 0))
             self._restarts = int(state.get("loader_restarts", 0)) + 1
-            self._held = [(p, parts) for p, parts in read if p <= resume]
-            self._cuts = deque(p for p in cuts if p > resume)
+            self._held = [(p, parts) for p, parts in read if resume is None or p <= resume]
+            self._cuts = deque(p for p in cuts if resume is not None and p > resume)
         self.log.info("stream_account_continued", events=self._events, held_batches=len(self._held),
                       held_events=sum(n for _, parts in self._held for _, n in parts), cuts=len(self._cuts),
-                      restarts=self._restarts, resume=resume.as_list())
+                      restarts=self._restarts, resume=resume.as_list() if resume is not None else "all trained")
         self.write_summary()
 
     def next_cut(self, position: Position) -> Position | None:
@@ -436,16 +453,29 @@ class StreamAccount:
         """A predecessor's batch ends are still to be read again."""
         return bool(self._cuts)
 
-    def settle_held(self) -> None:
+    def settle_held(self) -> int:
         """Count the predecessor's batches the ranks held when this loader started as trained (they are, once
-        a later batch is)."""
+        a later batch is). Returns the stream sequence through which their messages are whole in them (0:
+        none held)."""
         if not self._held:
-            return
+            return 0
         now = time.time()
         with self._lock:
+            through = max(p.offset for p, _ in self._held)
             for _, parts in self._held:
                 self._count(parts, now)
             self._held = []
+        return through
+
+    def settle_finished(self, retry_s: float) -> None:
+        """The loader restarted after every rank had trained all it was sent: its predecessor's batches are
+        counted, and their messages acknowledged if it died before it could (else the next job of this consumer
+        would read them again)."""
+        self.inherit(None)
+        through = self.settle_held()
+        if through > self._acknowledged:
+            self.source.acknowledge_read(through, retry_s)
+        self.write_summary()
 
     # -- this loader's batches -----------------------------------------------------------------------------
     def note_batch(self, position: Position, parts: list[tuple[float, int, int]]) -> None:

@@ -79,6 +79,9 @@ async def serve(config: Config, replica: int) -> None:
         await imported(torch_import)
         await host.set_serving(True)
         await host.run_until_stopped()
+        unapplied = [ref for ref, batch in worker.buffer.items() if batch.looked_up]
+        if unapplied:  # the run's lost_updates: which batches, for an audit against the NN workers' logs
+            host.log.warning("unapplied_train_batches", count=len(unapplied), batch_refs=unapplied[:64])
     finally:
         for ch in channels:
             await ch.close()

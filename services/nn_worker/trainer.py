@@ -97,7 +97,7 @@ class Trainer:
         # Per data loader (cluster.dataloader), whose streams are numbered each on its own:
         self.loaders = len(config.cluster.dataloader)
         self.consumed = [Consumed("train", -1)] * self.loaders  # what PutBatch replies: the loader forgets up to here
-        self._trained_through = [-1] * self.loaders  # the last training batch of each stream this rank trained
+        self._trained_through = [-1] * self.loaders  # the last batch of each stream it trained or settled
         self._unacked: list[set[int]] = [set() for _ in range(self.loaders)]  # trained, update not acknowledged
         self.next_seq = [env.rank] * self.loaders  # this rank's next training batch of each (r gets r, r+N, ...)
         self.loader_steps = [0] * self.loaders  # steps the group trained on each loader's batches (every rank alike)
@@ -163,16 +163,25 @@ class Trainer:
             for key, value in handed.stats.items():
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
-            self.resume_at(loader_steps)
-            # It confirms nothing yet: its predecessor may have trained batches whose embedding updates died with
-            # it (pushed, or not, before the kill). Confirming the group's state would let the loaders forget
-            # them unsent; instead they are sent again, and each is settled (`_settle`) and then confirmed.
-            self.consumed = [Consumed("train", -1)] * self.loaders
-            # The source's sample count is not its predecessor's: this rank's share is counted from the streams
-            # (rank 0 holds the restored job total: checkpoint.py), loader by loader as their frames come.
-            stats.samples = stats.restored_samples if self.env.rank == 0 else 0
-            self._uncounted = set(range(self.loaders))
+            self.take_over(loader_steps)
         self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
+
+    def take_over(self, loader_steps: list[int]) -> None:
+        """A replacement of a lost rank: the group's state is `loader_steps` (`resume_at`), and its predecessor's
+        place in each loader's stream is taken without confirming or counting what it did not see.
+
+        It confirms only what it received: the predecessor may have trained batches whose embedding updates
+        died with it (pushed, or not, before the kill). Confirming the group's state would let the loaders
+        forget them unsent; instead they are sent again, oldest first, and each is confirmed once it is settled
+        (`_settle`). The source's sample count is not its predecessor's: this rank's share is counted from the
+        streams (rank 0 holds the restored job total: checkpoint.py), loader by loader as their frames are
+        taken (`_count_predecessor`)."""
+        self.resume_at(loader_steps)
+        self._trained_through = [-1] * self.loaders
+        for loader in range(self.loaders):
+            self._confirm(loader)
+        self.stats.samples = self.stats.restored_samples if self.env.rank == 0 else 0
+        self._uncounted = set(range(self.loaders))
 
     _SKIP = object()
 
@@ -281,14 +290,22 @@ class Trainer:
             if isinstance(item, EndOfPhase):
                 if phase == "train":
                     self._check_end(item)
-                    if item.loader in self._uncounted:  # a replacement: its predecessor trained all of them
-                        self._uncounted.discard(item.loader)
-                        self.stats.samples += item.rows_sent
+                    self._count_predecessor(item.loader, item.rows_sent)  # it trained all of them
                 ended[item.loader] = item
                 continue
-            if phase == "train" and not self._in_sequence(item):
-                continue
+            if phase == "train":
+                if not self._in_sequence(item):
+                    continue
+                self._count_predecessor(item.loader, item.rows_before)
             return item
+
+    def _count_predecessor(self, loader: int, rows: int) -> None:
+        """A replacement: count the `rows` of `loader`'s stream its predecessor's share held (the group trained
+        them) with the first batch or end it takes of that loader. Both are counted here, as they are taken, in
+        stream order: a loader's last batch and its end can be taken before that batch is trained."""
+        if loader in self._uncounted:
+            self._uncounted.discard(loader)
+            self.stats.samples += rows
 
     def _check_end(self, end: EndOfPhase) -> None:
         """A loader's end of training comes after every batch of this rank's share, or the rank is behind it."""
@@ -315,9 +332,10 @@ class Trainer:
             self.stats.replayed_dropped += 1
             # Trained in a group step by this rank's predecessor, which may have died before its own
             # `batch_trained` line: with HYBRIDREC_LOG_LEVEL=DEBUG an audit finds every batch in one of the two.
-            self.log.debug("batch_settled", loader=loader, seq=batch.seq, rows=int(batch.labels.shape[0]),
-                           position=list(batch.position))
+            self.log.debug("batch_settled", loader=loader, seq=batch.seq, batch_ref=batch.batch_ref,
+                           rows=int(batch.labels.shape[0]), position=list(batch.position))
             self._unacked[loader].add(batch.seq)  # confirmed once its update is settled, not before
+            self._trained_through[loader] = max(self._trained_through[loader], batch.seq)
             task = asyncio.ensure_future(self._settle(batch))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
@@ -382,8 +400,9 @@ class Trainer:
                 step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
                 self.stats.compute_s += time.perf_counter() - computed
                 self.loader_steps[batch.loader] += 1
-                self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, rows=int(batch.labels.shape[0]),
-                               position=list(batch.position), lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
+                self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
+                               rows=int(batch.labels.shape[0]), position=list(batch.position),
+                               lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
                 self._trained_through[batch.loader] = batch.seq
                 self._unacked[batch.loader].add(batch.seq)
                 self._confirm(batch.loader)
@@ -398,9 +417,6 @@ class Trainer:
                     await task
                     await self.collective(barrier, after_regroup=None)
                     self.stats.exposed_wait_s += time.perf_counter() - waited
-                if batch.loader in self._uncounted:  # a replacement: its predecessor trained what came before
-                    self._uncounted.discard(batch.loader)  # this batch of its loader
-                    self.stats.samples += batch.rows_before
                 self.stats.samples += batch.labels.shape[0]
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step

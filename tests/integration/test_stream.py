@@ -176,8 +176,8 @@ def _events_read(run_dir: Path, loader: int = 0) -> list[tuple[int, int]]:
         if not line.startswith("{"):
             continue
         entry = json.loads(line)
-        if entry["event"] == "resuming":
-            resumed_at = entry["position"]
+        if entry["event"] == "resuming":  # after training ended: the predecessor's batches were all trained
+            resumed_at = None if entry["train_done"] else entry["position"]
         elif entry["event"] == "stream_reading":
             lives.append((resumed_at, []))
             resumed_at = None
@@ -489,6 +489,25 @@ def test_a_multitask_parquet_file_streams_as_arrow_batches_and_trains_once(tmp_p
                if '"stream_message_skipped"' in line]
     assert len(skipped) == 1 and skipped[0]["seq"] == 121 and skipped[0]["first_event"] == 12_000, skipped
     assert "features.3 (tags).column: no column 'tags'" in skipped[0]["reason"], skipped
+
+
+def test_a_multitask_stream_trains_every_event_once_across_a_killed_loader(tmp_path, multitask_data, broker):
+    """The MMoE example from Arrow messages, its data loader SIGKILLed mid-run: the replacement resumes where the
+    ranks are, every event is trained once, and the job's stream account spans both lives of the loader."""
+    out = subprocess.run(_replay_args(broker, multitask_data / "train.parquet", "--config", str(MULTITASK)),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "published 20,000 events (0..19999) in 200 messages" in out.stdout, out
+    run_dir = tmp_path / "run"
+    result = _run(_multitask_config(tmp_path, multitask_data, broker, until=20_000), run_dir, kill="dataloader",
+                  at_step=3)
+    restarts = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert restarts[("dataloader", 0)] == 1, restarts
+    assert result["samples"] == 20_000 and result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    _assert_each_event_once(run_dir, 20_000)
+    stream = result["stream"]
+    assert stream["events"] == 20_000 and stream["loader_restarts"] == 1, stream
+    assert _consumer(broker) == (200, 0, 200)
+    assert [t["name"] for t in result["tasks"]] == ["click", "conversion"], result["tasks"]
 
 
 def test_an_arrow_message_without_a_configured_column_with_bad_lines_error_stops_the_run_naming_it(

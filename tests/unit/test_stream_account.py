@@ -76,3 +76,36 @@ def test_an_account_goes_on_across_lives_and_not_across_jobs(small_data, tmp_pat
     other = StreamAccount(Source([]), str(tmp_path), job="k")  # another job's file: a fresh account
     other.inherit(batches[1][1])
     assert other.summary().events == 0 and other.summary().loader_restarts == 0
+
+
+class _Refetching(Source):
+    """A Source whose messages can be read again from the consumer's floor (`acknowledge_read`)."""
+
+    def __init__(self, messages: list[Message]):
+        super().__init__(messages)
+        self.reread: list[tuple[int, float]] = []
+
+    def acknowledge_read(self, through: int, timeout_s: float) -> None:
+        self.reread.append((through, timeout_s))
+        self.ack_through(through)
+
+
+def test_a_loader_restarted_after_training_ended_counts_and_acknowledges_what_its_predecessor_read(small_data,
+                                                                                                   tmp_path):
+    """The predecessor read and sent every batch, the ranks trained them all, and it died before it
+    acknowledged them: the new loader (the ranks say training is done) counts every one of them and has their
+    messages acknowledged, so the next job of the consumer does not read them again."""
+    messages = _messages(small_data, 6)
+    first = StreamAccount(Source(messages), str(tmp_path), job="j")
+    batches = _batches(first.source.messages, first, until=60)
+    assert [n for n, _ in batches] == [25, 25, 10] and first.source.acknowledged == 0
+    second = StreamAccount(_Refetching([]), str(tmp_path), job="j")
+    second.settle_finished(retry_s=7.0)
+    assert second.source.reread == [(6, 7.0)]  # every message whole in a trained batch
+    summary = second.summary()
+    assert summary.events == 60 and summary.loader_restarts == 1 and summary.acknowledged_through == 6, summary
+    assert json.loads((tmp_path / "stream.json").read_text())["pending"] == []
+    # Acknowledged already by the predecessor: nothing is read again.
+    third = StreamAccount(_Refetching([]), str(tmp_path), job="j")
+    third.settle_finished(retry_s=7.0)
+    assert third.source.reread == [] and third.summary().events == 60
