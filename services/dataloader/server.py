@@ -194,12 +194,27 @@ class Dispatcher:
                 end = EndOfPhase(phase, end_meta(), loader=self.loader, end_seq=end_seq, rows_sent=rank_rows[rank])
                 await self._put(q, senders, (phase, END, end.encode()))
                 await self._put(q, senders, _DONE)
-            await asyncio.gather(*senders)
+            await self._all_delivered(senders)
         finally:
             for task in senders:
                 task.cancel()
         self.ended = phase
         return sent
+
+    async def _all_delivered(self, senders: list[asyncio.Task]) -> None:
+        """Wait for every rank's sender to deliver its share of the phase. Meanwhile a rank whose sender is done
+        is probed every `IDLE_PROBE_S` as an idle sender probes its own (`_probe`): if that rank is replaced
+        while another rank's frames still wait for room, the replacement must get its predecessor's
+        unconfirmed frames now. It cannot wait until the phase is over: its group waits for it in a collective,
+        so the other rank does not take those frames, and the phase would never end."""
+        pending = set(senders)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=IDLE_PROBE_S)
+            for task in done:
+                task.result()  # a sender's failure is the phase's
+            for rank, task in enumerate(senders):
+                if pending and task.done():
+                    await self._probe(rank)
 
     @staticmethod
     async def _put(queue: asyncio.Queue, senders: list[asyncio.Task], item) -> None:
