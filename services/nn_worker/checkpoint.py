@@ -51,6 +51,10 @@ AGREE_EVERY = 10
 """Steps between the ranks' agreements on whether the time interval is up."""
 MAX_OVERHEAD = 0.05
 """Time checkpoints take at most this share of training: the interval stretches with their duration."""
+UNCOUNTED = -1
+"""A rank's sample count in the position gather while it is not yet the job's: a replacement that has not
+taken a batch or end of every loader (`Trainer.take_over`). An interval checkpoint is then postponed to the next
+interval rather than written with too few samples."""
 
 
 class CheckpointedTrainer(Protocol):
@@ -61,6 +65,7 @@ class CheckpointedTrainer(Protocol):
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     stats: TrainStats  # read only: `samples` and `wall_s` go into the manifest
+    samples_counted: bool  # False while a replacement has not yet counted its predecessor's share of every loader
 
     async def on_compute(self, fn, *args) -> Any: ...
 
@@ -155,11 +160,16 @@ class Checkpointer:
         started = time.monotonic()
         meet = ((lambda fn, *args: trainer.collective(fn, *args, after_regroup=False)) if survive_peer_loss
                 else trainer.on_compute)
-        gathered = await meet(self._gather_position, last, trainer.stats.samples)
+        counted = trainer.samples_counted or not survive_peer_loss
+        gathered = await meet(self._gather_position, last, trainer.stats.samples if counted else UNCOUNTED)
         if gathered is False:
             self.log.warning("checkpoint_skipped", step=step, reason="a peer was lost and replaced")
             return
         newest, samples = gathered
+        if samples is None:  # every rank sees it: the gather is the same everywhere; the next interval's is tried
+            self.log.warning("checkpoint_postponed", step=step,
+                             reason="a replacement has not yet counted its predecessor's samples")
+            return
         if self.rank == 0:
             await self._write(trainer, step, newest, samples)
         if await meet(barrier) is False:  # rank 0 may not have finished it: not counted as this step's
@@ -189,11 +199,11 @@ class Checkpointer:
         self.log.info("checkpoint_written", step=step, directory=str(final), seq=[seq for seq, _ in streams])
 
     def _gather_position(self, last: list[tuple[int, tuple[int, ...]]],
-                         samples: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+                         samples: int) -> tuple[list[tuple[int, tuple[int, ...]]], int | None]:
         """Per data loader, the (seq, position) of the latest batch of its stream any rank trained: where that
         loader resumes; and the samples the group trained, summed over the ranks (they differ: a file's last
         batch is short, and which rank gets it depends on the stream, so rank 0's count times N is not the
-        job's). `last` and `samples`: this rank's."""
+        job's), or None when a rank's is `UNCOUNTED`. `last` and `samples`: this rank's."""
         mine = torch.tensor([v for seq, position in last for v in (seq, *(list(position) + [0, 0, 0, 0])[:4])]
                             + [samples], dtype=torch.int64)
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -202,7 +212,8 @@ class Checkpointer:
         for loader in range(len(last)):
             best = max((t[5 * loader:5 * loader + 5] for t in parts), key=lambda t: int(t[0]))
             newest.append((int(best[0]), tuple(int(v) for v in best[1:5])))
-        return newest, int(sum(int(t[-1]) for t in parts))
+        counts = [int(t[-1]) for t in parts]
+        return newest, (None if UNCOUNTED in counts else sum(counts))
 
     @staticmethod
     def _save_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

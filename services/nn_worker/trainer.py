@@ -299,6 +299,12 @@ class Trainer:
                 self._count_predecessor(item.loader, item.rows_before)
             return item
 
+    @property
+    def samples_counted(self) -> bool:
+        """Whether this rank's sample count is its share of the job's: False for a replacement until it has
+        counted its predecessor's share of every loader's stream (an interval checkpoint waits for it)."""
+        return not self._uncounted
+
     def _count_predecessor(self, loader: int, rows: int) -> None:
         """A replacement: count the `rows` of `loader`'s stream its predecessor's share held (the group trained
         them) with the first batch or end it takes of that loader. Both are counted here, as they are taken, in

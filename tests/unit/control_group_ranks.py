@@ -3,12 +3,14 @@ default backend, like NCCL, serves no CPU tensors (`cuda:gloo`: Gloo registered 
 
 Each rank forms the group through `Membership.join`, checks that the default group really refuses a CPU
 tensor, then runs every control collective of the NN worker in the order the service does — the time-checkpoint
-vote, the checkpoint's position gather and barrier, DenseSync's parameter broadcast and averaging of a CPU
+vote, the checkpoint's position gather and barrier (and its postponement while a replacement's count is
+incomplete), DenseSync's parameter broadcast and averaging of a CPU
 model, the hand-over to a fresh rank, the evaluation gather and the statistics reduction — and writes what
 each returned.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import traceback
@@ -57,6 +59,14 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         result["time_up"] = checkpointer.time_up()
         ((seq, position),), samples = checkpointer._gather_position([(40 + rank, (0, rank, 7, 8))], stats.samples)
         result["position"] = [seq, list(position), samples]
+
+        async def direct(fn, *args, after_regroup=None):
+            return fn(*args)
+
+        # rank 1 a replacement that has not yet counted its predecessor's share: neither rank writes
+        replacement = SimpleNamespace(stats=stats, samples_counted=rank == 0, collective=direct)
+        asyncio.run(checkpointer.save(replacement, 10, [(40 + rank, (0, rank, 7, 8))]))
+        result["postponed"] = [checkpointer.last_saved, (out / "ckpt").exists()]
         barrier()
 
         env = DistEnv(rank=rank, world_size=WORLD, backend="cuda:gloo", device=torch.device("cpu"))

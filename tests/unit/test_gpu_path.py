@@ -47,6 +47,7 @@ def test_checkpoint_vote_and_position_go_through_the_control_group(control_resul
     for result in control_results:
         assert result["time_up"] is True  # rank 1's interval was up
         assert result["position"] == [41, [0, 1, 7, 8], 3000]  # the newest rank's position; samples summed
+        assert result["postponed"] == [None, False]  # rank 1 had not counted its predecessor's share: not written
 
 
 def test_dense_sync_broadcasts_and_averages_cpu_parameters_through_the_control_group(control_results):

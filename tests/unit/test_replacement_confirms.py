@@ -64,7 +64,9 @@ def test_a_replacement_counts_its_predecessors_share_once_as_it_takes_a_loaders_
             return inbox_items.pop(0)
 
         trainer.inbox.get = get
+        assert not trainer.samples_counted  # an interval checkpoint now would be postponed (checkpoint.py)
         assert (await trainer._take("train")).seq == 14
+        assert trainer.samples_counted
         assert await trainer._take("train") is None  # the end: every loader ended
         assert trainer.stats.samples == 70  # the predecessor's 7 batches; batch 14's own 10 when it is trained
 
