@@ -35,7 +35,9 @@ ONLINE_ROWS = int(os.environ.get("HYBRIDREC_TEST_ONLINE_ROWS", "30000"))
 """Rows the online profile's test replays and trains (a multiple of the replay's 100 rows a message)."""
 ONLINE = {"nats", "replay", "inference-online"}
 SERVE = {"export", "inference"}
-TRAINING = {"ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "nn-worker-0", "nn-worker-1"}
+TRAINING = {"ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "dataloader-1", "nn-worker-0", "nn-worker-1"}
+LOADERS = 2
+"""The data loaders docker-compose.yml runs (cluster.dataloader of deploy/compose/config.yaml and online.yaml)."""
 ROWS = [  # raw Criteo rows (13 integer, 26 categorical columns, no label), as in docs/serving.md
     "1\t2\t\t4\t5\t6\t7\t8\t9\t10\t11\t12\t13\t68fd1e64\t80e26c9b\tfb936136\t7b4723c4\t25c83c98\t7e0ccccf\t"
     "de7995b8\t1f89b562\ta73ee510\ta8cd5504\tb2cb9c98\t37c9c164\t2824a5f6\t1adce6ef\t8ba8b39a\t891b62e7\te5ba7672\t"
@@ -181,6 +183,8 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
         assert proc.returncode == 0, f"{' '.join(compose)} run failed ({proc.returncode}):\n{output}"
         summary = json.loads(summary_path.read_text())
         assert summary["samples"] == SYNTH_ROWS, output
+        shares = [loader["rows"] for loader in summary["data"]["train"]["loaders"]]  # each loader read its share
+        assert len(shares) == LOADERS and sum(shares) == SYNTH_ROWS and min(shares) > 0, summary["data"]
         assert summary["auc"] >= AUC_THRESHOLD, f"AUC {summary['auc']:.4f} < {AUC_THRESHOLD}\n{output}"
         assert summary["oracle_auc"] is not None, f"no oracle_auc although synth wrote oracle.json\n{output}"
         wall = [line for line in proc.stderr.splitlines() if "compose run took" in line]
@@ -205,9 +209,10 @@ async def main():
     try:
         js = nc.jetstream()
         stream = await js.stream_info("HYBRIDREC_EVENTS")
-        consumer = await js.consumer_info("HYBRIDREC_EVENTS", "hybridrec-trainer")
+        consumers = [await js.consumer_info("HYBRIDREC_EVENTS", f"hybridrec-trainer-{l}") for l in range(LOADERS)]
         print(json.dumps({"messages": stream.state.messages, "last_seq": stream.state.last_seq,
-                          "ack_floor": consumer.ack_floor.stream_seq, "ack_pending": consumer.num_ack_pending}))
+                          "ack_floor": [c.ack_floor.stream_seq for c in consumers],
+                          "ack_pending": [c.num_ack_pending for c in consumers]}))
     finally:
         await nc.close()
 asyncio.run(main())
@@ -236,7 +241,7 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
     (until_event set to this test's rows): `up -d replay inference-online` (synth, a healthy nats holding the stream,
     the replay), then at once `up --exit-code-from nn-worker-0 nn-worker-0` trains the stream, as the replay fills
     it, to its end. Every replayed
-    event is trained once (summary samples, the loader's stream.json, the broker's consumer: all acknowledged,
+    event is trained once (summary samples, each loader's stream-<l>.json, the broker's consumers: all acknowledged,
     none pending), versions are published, and inference-online serves the last one to raw rows over REST."""
     compose = compose_command(flavor)
     assert ONLINE_ROWS % 100 == 0, "the replay sends 100 rows a message"
@@ -266,7 +271,8 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
         proc = subprocess.run([*online, "up", "--exit-code-from", "nn-worker-0", "nn-worker-0"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=COMPOSE_TIMEOUT_S)
         output = f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
-        assert proc.returncode == 0, f"online training failed ({proc.returncode}):\n{output}\n{logs('dataloader-0')}"
+        assert proc.returncode == 0, \
+            f"online training failed ({proc.returncode}):\n{output}\n{logs('dataloader-0', 'dataloader-1')}"
         trained_s = time.monotonic() - started - up_s
         replay = container_of(docker_client, project, "replay")
         assert replay.wait(timeout=60)["StatusCode"] == 0, logs("replay", "nats")
@@ -275,18 +281,25 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
         assert f"published {ONLINE_ROWS:,} events (0..{ONLINE_ROWS - 1}) in {messages} messages" in published, published
         rank0 = container_of(docker_client, project, "nn-worker-0")
         summary = json.loads(read_file(rank0, "/results/summary.json"))
-        account = json.loads(read_file(rank0, "/results/stream.json"))  # the data loader's, on the same volume
+        # each data loader's account of its partition, on the same volume
+        accounts = [json.loads(read_file(rank0, f"/results/stream-{loader}.json")) for loader in range(LOADERS)]
 
         # every replayed event trained exactly once, nothing skipped or lost
         assert summary["samples"] == ONLINE_ROWS and summary["data"]["train"]["rows"] == ONLINE_ROWS, summary["data"]
         assert summary["skipped_batches"] == 0 and summary["lost_updates"] == 0, summary
-        assert account["events"] == ONLINE_ROWS and account["first_seq"] == 1, account
-        assert account["acknowledged_through"] == messages, account
+        # message m went to partition m mod 2, then an end marker to each (stream seqs messages+1, messages+2)
+        assert sum(account["events"] for account in accounts) == ONLINE_ROWS, accounts
+        for loader, account in enumerate(accounts):
+            assert account["events"] == ONLINE_ROWS // LOADERS and account["first_seq"] == 1 + loader, account
+            assert account["acknowledged_through"] == messages + 1 + loader, account
         assert summary["auc"] > 0.6 and summary["oracle_auc"] is not None, summary  # eval file, after the stream
-        code, out = container_of(docker_client, project, "nats").exec_run(["python", "-c", _CONSUMER_SCRIPT])
+        code, out = container_of(docker_client, project, "nats").exec_run(
+            ["python", "-c", f"LOADERS = {LOADERS}\n{_CONSUMER_SCRIPT}"])
         assert code == 0, out.decode()
         broker = json.loads(out.decode().strip().splitlines()[-1])
-        assert broker == {"messages": messages, "last_seq": messages, "ack_floor": messages, "ack_pending": 0}, broker
+        assert broker == {"messages": messages + LOADERS, "last_seq": messages + LOADERS,
+                          "ack_floor": [messages + 1 + loader for loader in range(LOADERS)],
+                          "ack_pending": [0] * LOADERS}, broker
         # versions published into the volume inference-online follows
         publish = summary["publish"]
         assert publish and publish["published"] >= 1 and publish["failed"] == 0, publish
@@ -318,7 +331,7 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
         follower = container_of(docker_client, project, "inference-online")
         health = wait_healthy(follower)  # its healthcheck (REST readiness) turns healthy too
         assert health == "healthy", f"inference-online health {health}\n{logs('inference-online')}"
-        lag = account["training_lag_s"]
+        lag = accounts[0]["training_lag_s"]
         print(f"compose {flavor} online: `up -d replay inference-online` {up_s:.0f}s, {ONLINE_ROWS:,} events "
               f"trained once in {trained_s:.0f}s (start-up included; lag p50 {lag['p50']:.1f}s, max {lag['max']:.1f}s), "
               f"AUC {summary['auc']:.4f}, {publish['published']} versions, version {last} served: {output['data']}")

@@ -160,15 +160,31 @@ def test_rendezvous_is_rank_zero(base):
     assert 29500 in ports
 
 
-def test_dataloader_is_a_job_with_a_stable_name(base):
-    job = one(base, "Job", "dataloader")
+@pytest.mark.parametrize("variant", ["base", "online"])
+def test_the_data_loaders_are_an_indexed_job_of_the_listed_loaders(variant, request):
+    """cluster.dataloader lists L ≥ 2 loaders; the Job runs exactly L pods at once, pod l named dataloader-<l>
+    (an Indexed Job's hostname) at the listed address through the headless Service, with replica l."""
+    objects = request.getfixturevalue(variant)
+    job = one(objects, "Job", "dataloader")
     spec = pod_spec(job)
-    cluster = hybridrec_config(base)["cluster"]
-    assert cluster["dataloader"] == [f"{spec['hostname']}.{spec['subdomain']}:{GRPC_PORT}"]
+    listed = hybridrec_config(objects)["cluster"]["dataloader"]
+    assert len(listed) >= 2, "the Kubernetes cluster runs several data loaders"
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == len(listed)
+    assert "hostname" not in spec, "an Indexed Job names pod l dataloader-<l> itself"
+    assert listed == [f"{job['metadata']['name']}-{l}.{spec['subdomain']}:{GRPC_PORT}" for l in range(len(listed))]
+    assert one(objects, "Service", spec["subdomain"])["spec"]["clusterIP"] == "None"
     assert spec["restartPolicy"] in ("OnFailure", "Never")
-    container = spec["containers"][0]
-    assert container["args"][:2] == ["serve", "dataloader"]
-    assert any("hybridrec data synth" in " ".join(c.get("args", [])) for c in spec["initContainers"])
+    container = {c["name"]: c for c in spec["containers"]}["dataloader"]
+    assert container["args"][:2] == ["serve", "dataloader"] and "--replica" not in container["args"]
+    [replica] = [e for e in container["env"] if e["name"] == "HYBRIDREC_REPLICA"]
+    assert replica["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    [synth] = [c for c in spec["initContainers"] if "hybridrec data synth" in " ".join(c.get("args", []))]
+    assert '[ "$JOB_COMPLETION_INDEX" = 0 ]' in synth["args"][0], "one pod writes the data, the others wait"
+    if variant == "online":  # a partition per loader: the replay and the stream's subjects
+        [replay] = pod_spec(one(objects, "Job", "replay"))["containers"]
+        assert replay["args"][replay["args"].index("--partitions") + 1] == str(len(listed))
 
 
 def workloads(objects):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING = ("ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "nn-worker-0", "nn-worker-1")
+TRAINING = ("ps-0", "ps-1", "embedding-worker-0", "dataloader-0", "dataloader-1", "nn-worker-0", "nn-worker-1")
 CONFIG_MOUNT = "${HYBRIDREC_CONFIG:-./deploy/compose/config.yaml}:/etc/hybridrec/config.yaml:ro"
 
 
@@ -53,10 +53,29 @@ def test_rank0_sees_what_its_summary_reads_and_writes(compose, config):
         assert mounted(path, rank0), f"nn-worker-0 does not mount {key} ({path}): its summary would lack it"
 
 
-def test_the_data_loader_sees_the_data(compose, config):
-    loader = compose["services"]["dataloader-0"]
-    for path in config["data"]["train"] + config["data"]["eval"]:
-        assert mounted(path, loader), path
+def test_every_data_loader_sees_the_data(compose, config):
+    for loader in range(len(config["cluster"]["dataloader"])):
+        service = compose["services"][f"dataloader-{loader}"]
+        for path in config["data"]["train"] + config["data"]["eval"]:
+            assert mounted(path, service), path
+
+
+@pytest.mark.parametrize("job", ["config.yaml", "online.yaml"])
+def test_a_data_loader_service_per_listed_loader_in_replica_order(compose, job):
+    """cluster.dataloader lists L loaders (every service reads it: the NN workers keep an inbox per loader); the
+    compose file runs exactly those: dataloader-<l> at the listed address with --replica l, each started
+    before the NN workers, and no other loader."""
+    listed = yaml.safe_load((REPO / "deploy" / "compose" / job).read_text())["cluster"]["dataloader"]
+    services = sorted(name for name in compose["services"] if name.startswith("dataloader-"))
+    assert len(listed) >= 2, "the compose cluster runs several data loaders"
+    assert services == [f"dataloader-{loader}" for loader in range(len(listed))]
+    for loader, address in enumerate(listed):
+        service = compose["services"][f"dataloader-{loader}"]
+        assert address == f"{service['hostname']}:50051" and service["hostname"] == f"dataloader-{loader}"
+        command = service["command"]
+        assert command[:2] == ["serve", "dataloader"] and command[command.index("--replica") + 1] == str(loader)
+        for rank in ("nn-worker-0", "nn-worker-1"):
+            assert f"dataloader-{loader}" in compose["services"][rank]["depends_on"], rank
 
 
 def test_ps_shm_dir_is_a_volume(compose, config):
@@ -192,13 +211,16 @@ def test_the_online_job_reads_what_replay_publishes_on_the_nats_service(compose,
     assert "ports" not in nats, "the broker has no authentication: it must not be published"
     store = command[command.index("-sd") + 1]
     assert f"nats:{store}" in nats["volumes"] and "nats" in compose["volumes"], "the JetStream store is a volume"
-    assert nats["healthcheck"]["test"][:2] == ["CMD", "python"] and "add_stream" in nats["healthcheck"]["test"][-1]
+    check = nats["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "python"] and "create_stream(" in check[-1]
+    assert "len(c.cluster.dataloader)" in check[-1], "the stream holds a partition per data loader"
 
     replay = compose["services"]["replay"]
     args = replay["command"]
     assert args[:2] == ["data", "replay"]
     assert args[args.index("--to") + 1] == f"{stream['url']}/{stream['subject']}"
     assert "--rate" in args
+    assert args[args.index("--partitions") + 1] == str(len(online["cluster"]["dataloader"])), "one per loader"
     [published] = [a for a in args[2:] if a.startswith("/")]
     assert published == "/data/train.tsv" and mounted(published, replay)
     assert replay["depends_on"] == {"synth": {"condition": "service_completed_successfully"},
@@ -227,6 +249,8 @@ def test_the_online_job_writes_versions_inference_online_follows_and_the_stream_
         assert host.startswith("127.0.0.1:") and int(container_port) in {int(settings["http_port"]),
                                                                           int(settings["grpc_port"])}, port
     assert f"127.0.0.1:{settings['http_port']}/v2/health/ready" in follower["healthcheck"]["test"][-1]
-    # the data loader writes stream.json into output.dir, next to rank 0's summary
-    assert mounted(online["output"]["dir"], compose["services"]["dataloader-0"])
-    assert f"results:{online['output']['dir']}" in compose["services"]["dataloader-0"]["volumes"]
+    # each data loader writes stream-<l>.json into output.dir, next to rank 0's summary
+    for loader in range(len(online["cluster"]["dataloader"])):
+        service = compose["services"][f"dataloader-{loader}"]
+        assert mounted(online["output"]["dir"], service)
+        assert f"results:{online['output']['dir']}" in service["volumes"]

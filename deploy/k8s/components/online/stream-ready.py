@@ -1,6 +1,6 @@
 """Wait until the NATS broker of the job config's data.stream answers, and make sure its stream is there:
-created, holding data.stream.subject, when it is not (as `hybridrec data replay` creates it; an existing one
-is left as it is). The data loader refuses to start on a stream that does not exist, and the pod that
+created, holding data.stream.subject (a partition <subject>.<l> per data loader l of cluster.dataloader), when it
+is not (as `hybridrec data replay --partitions L` creates it; an existing one is left as it is). The data loader refuses to start on a stream that does not exist, and the pod that
 creates it first (the loader's or the replay's init container) cannot be known in advance."""
 import asyncio
 import sys
@@ -8,10 +8,12 @@ import time
 
 import nats
 
+from hybridrec.app.replay import stream_subjects
 from hybridrec.config import load_config
 
 WAIT_S = 600
-stream = load_config("/etc/hybridrec/config.yaml").data.stream
+config = load_config("/etc/hybridrec/config.yaml")
+stream, loaders = config.data.stream, len(config.cluster.dataloader)
 if stream is None or stream.url is None:
     sys.exit("the job config names no broker: data.stream.url is not set")
 
@@ -24,7 +26,7 @@ async def ensure() -> None:
     nc = await nats.connect(stream.url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=1,
                             reconnect_time_wait=1, error_cb=quiet)
     try:
-        await nc.jetstream().add_stream(name=stream.stream, subjects=[stream.subject])
+        await nc.jetstream().add_stream(name=stream.stream, subjects=stream_subjects(stream.subject, loaders))
     finally:
         await nc.close()
 
@@ -39,4 +41,4 @@ while True:
             sys.exit(f"{stream.url}: no NATS JetStream answered within {WAIT_S} s ({type(exc).__name__}: {exc})")
         print(f"waiting for {stream.url}: {type(exc).__name__}: {exc}", flush=True)
         time.sleep(5)
-print(f"stream {stream.stream} holding {stream.subject} is on {stream.url}", flush=True)
+print(f"stream {stream.stream} holding {stream_subjects(stream.subject, loaders)} is on {stream.url}", flush=True)
