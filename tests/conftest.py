@@ -20,6 +20,22 @@ HYBRIDREC = [sys.executable, "-m", "hybridrec"]
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(items):
+    """Work units for pytest-xdist (the README's `-n 2 --dist loadgroup`): each test file runs on one worker as
+    a whole, so a module's shared cluster starts once; every container test shares one worker (one Docker
+    engine, whose compose runs would otherwise fight over the same two cores), and so does every testbed test
+    (network namespaces). Without xdist the mark does nothing."""
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
+        if path.startswith("tests/containers/"):
+            group = "containers"
+        elif item.get_closest_marker("testbed") is not None:
+            group = "testbed"
+        else:
+            group = path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("synth")
