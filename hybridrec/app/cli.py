@@ -727,6 +727,9 @@ def _table(spec: str, planner):
 
 
 def main() -> None:
+    from hybridrec.app.numba_seed import seed
+
+    seed()  # in a container: the image's compiled kernels, before any is loaded
     try:
         app()
     except BrokenPipeError:

@@ -40,9 +40,10 @@ class Node:
 PS = [Node("ps-0", "embedding_ps", 0), Node("ps-1", "embedding_ps", 1)]
 EMBEDDING_WORKERS = [Node("embedding-worker-0", "embedding_worker", 0)]
 NN_WORKERS = [Node("nn-worker-0", "nn_worker", 0), Node("nn-worker-1", "nn_worker", 1)]
-DATALOADER = Node("dataloader-0", "dataloader", 0)
+DATALOADERS = [Node("dataloader-0", "dataloader", 0), Node("dataloader-1", "dataloader", 1)]
+"""The config's cluster.dataloader: each reads its share of the data."""
 SERVERS = PS + EMBEDDING_WORKERS + NN_WORKERS
-"""Everything but the data loader, which starts last and exits when the data is sent."""
+"""Everything but the data loaders, which start last and exit when their data is sent."""
 
 # Queries the NN worker's own Stats RPC from inside its container.
 _STATS_SCRIPT = """

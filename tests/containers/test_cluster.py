@@ -1,7 +1,7 @@
 """The whole hybridrec cluster as containers: health, training to an AUC, a PS killed mid-run.
 
-Each test cluster is 2 PS shards, 1 embedding worker, 2 NN workers and a data
-loader on a private Docker network, in the image users run, trained on the
+Each test cluster is 2 PS shards, 1 embedding worker, 2 NN workers and 2 data
+loaders on a private Docker network, in the image users run, trained on the
 synthetic set of the `synthetic_data` fixture (100k rows). AUC is read from
 the summary.json NN worker rank 0 writes into the results volume.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.containers.cluster import DATALOADER, NN_WORKERS, PS, SERVERS, Cluster
+from tests.containers.cluster import DATALOADERS, NN_WORKERS, PS, SERVERS, Cluster
 from tests.containers.conftest import AUC_THRESHOLD, SYNTH_ROWS
 
 START_TIMEOUT_S = 300
@@ -40,6 +40,11 @@ def start_servers(cluster: Cluster, run: Run, *, ps_restart: str = "no", nn_rest
     assert not not_serving, f"not SERVING after start: {not_serving}\n{cluster.all_logs()}"
 
 
+def start_loaders(cluster: Cluster) -> None:
+    for node in DATALOADERS:
+        cluster.start(node)
+
+
 def wait_for_steps(cluster: Cluster, steps: float) -> float:
     """Rank 0's step count (Stats RPC) once it reaches `steps`; fails if rank 0 stalls or exits first."""
     deadline = time.monotonic() + TRAIN_TIMEOUT_S
@@ -57,7 +62,7 @@ def finish(cluster: Cluster, run: Run, started: float) -> None:
     code = cluster.wait_exit("nn-worker-0", timeout_s=TRAIN_TIMEOUT_S)
     run.wall_s = time.monotonic() - started
     assert code is not None, f"training did not finish within {TRAIN_TIMEOUT_S} s\n{cluster.all_logs()}"
-    for node in NN_WORKERS + [DATALOADER]:
+    for node in NN_WORKERS + DATALOADERS:
         run.exit_codes[node.name] = cluster.wait_exit(node.name, timeout_s=60)
     try:
         run.summary = cluster.summary()
@@ -85,9 +90,10 @@ def trained(docker_client, image, synthetic_data, log_root):
     try:
         start_servers(cluster, run)
         started = time.monotonic()
-        cluster.start(DATALOADER)
-        # The loader is SERVING from its start until it has sent the eval set.
-        run.health[DATALOADER.name] = cluster.wait_serving(DATALOADER.name, timeout_s=START_TIMEOUT_S)
+        start_loaders(cluster)
+        # A loader is SERVING from its start until it has sent the eval set.
+        for node in DATALOADERS:
+            run.health[node.name] = cluster.wait_serving(node.name, timeout_s=START_TIMEOUT_S)
         finish(cluster, run, started)
         yield run
     finally:
@@ -95,7 +101,7 @@ def trained(docker_client, image, synthetic_data, log_root):
 
 
 def test_every_service_answers_the_grpc_health_check_with_serving(trained):
-    expected = [n.name for n in SERVERS + [DATALOADER]]
+    expected = [n.name for n in SERVERS + DATALOADERS]
     assert sorted(trained.health) == sorted(expected)
     assert all(answer == "SERVING" for answer in trained.health.values()), trained.health
 
@@ -118,7 +124,7 @@ def test_run_survives_sigkill_of_a_ps_process_mid_training(docker_client, image,
     try:
         start_servers(cluster, run, ps_restart="unless-stopped")
         started = time.monotonic()
-        cluster.start(DATALOADER)
+        start_loaders(cluster)
         # Kill once rank 0 has done some steps (Stats RPC), well before the end of training.
         steps_per_rank = epochs * SYNTH_ROWS // (1024 * len(NN_WORKERS))
         steps = wait_for_steps(cluster, steps_per_rank * 0.2)
@@ -158,7 +164,7 @@ def test_run_survives_docker_kill_of_an_nn_worker_container(docker_client, image
     try:
         start_servers(cluster, run, nn_restart="on-failure")
         started = time.monotonic()
-        cluster.start(DATALOADER)
+        start_loaders(cluster)
         steps_per_rank = epochs * SYNTH_ROWS // (1024 * len(NN_WORKERS))
         steps = wait_for_steps(cluster, steps_per_rank * 0.3)
         container = cluster.docker(victim)
