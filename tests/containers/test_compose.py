@@ -292,19 +292,24 @@ def test_compose_online_profile_trains_a_replayed_stream_once_and_serves_its_ver
         # every replayed event trained exactly once, nothing skipped or lost
         assert summary["samples"] == ONLINE_ROWS and summary["data"]["train"]["rows"] == ONLINE_ROWS, summary["data"]
         assert summary["skipped_batches"] == 0 and summary["lost_updates"] == 0, summary
-        # message m went to partition m mod 2, then an end marker to each (stream seqs messages+1, messages+2)
+        # message m (stream seq m + 1) went to partition m mod 2, then an end marker to each (seqs messages + 1
+        # and + 2). Partition 1 holds the last event: it ends at its last message (seq messages); partition 0 ends
+        # at its marker (seq messages + 1), which it acknowledges with the rest once all is trained
+        ends = [messages + 1, messages]
         assert sum(account["events"] for account in accounts) == ONLINE_ROWS, accounts
         for loader, account in enumerate(accounts):
-            assert account["events"] == ONLINE_ROWS // LOADERS and account["first_seq"] == 1 + loader, account
-            assert account["acknowledged_through"] == messages + 1 + loader, account
+            assert account["events"] == ONLINE_ROWS // LOADERS and account["first_seq"] == 1, account
+            assert account["acknowledged_through"] == ends[loader], account
         assert summary["auc"] > 0.6 and summary["oracle_auc"] is not None, summary  # eval file, after the stream
         code, out = container_of(docker_client, project, "nats").exec_run(
             ["python", "-c", f"LOADERS = {LOADERS}\n{_CONSUMER_SCRIPT}"])
         assert code == 0, out.decode()
         broker = json.loads(out.decode().strip().splitlines()[-1])
-        assert broker == {"messages": messages + LOADERS, "last_seq": messages + LOADERS,
-                          "ack_floor": [messages + 1 + loader for loader in range(LOADERS)],
-                          "ack_pending": [0] * LOADERS}, broker
+        # partition 1's marker may have been fetched with its last message and is then left unacknowledged (the
+        # partition had ended): a next job's consumer starts after the floor and passes over a marker before data
+        pending = broker.pop("ack_pending")
+        assert broker == {"messages": messages + LOADERS, "last_seq": messages + LOADERS, "ack_floor": ends}, broker
+        assert pending[0] == 0 and pending[1] in (0, 1), pending
         # versions published into the volume inference-online follows
         publish = summary["publish"]
         assert publish and publish["published"] >= 1 and publish["failed"] == 0, publish
