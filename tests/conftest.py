@@ -20,20 +20,28 @@ HYBRIDREC = [sys.executable, "-m", "hybridrec"]
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pytest_collection_modifyitems(items):
-    """Work units for pytest-xdist (the README's `-n 2 --dist loadgroup`): each test file runs on one worker as
-    a whole, so a module's shared cluster starts once; every container test shares one worker (one Docker
-    engine, whose compose runs would otherwise fight over the same two cores), and so does every testbed test
-    (network namespaces). Without xdist the mark does nothing."""
-    for item in items:
-        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
-        if path.startswith("tests/containers/"):
-            group = "containers"
-        elif item.get_closest_marker("testbed") is not None:
-            group = "testbed"
-        else:
-            group = path
-        item.add_marker(pytest.mark.xdist_group(group))
+def work_unit(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test (the README's `-n 2`): its file, so that a module's shared cluster
+    starts once; every container test shares one (one Docker engine, whose compose runs would otherwise fight
+    over the same two cores), and so does every testbed test (network namespaces and links)."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/containers/"):
+        return "containers"
+    if "testbed" in Path(path).name:
+        return "testbed"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole work units (`work_unit`) to each worker, in collection order: the containers first, the longest."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
