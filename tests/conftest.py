@@ -20,30 +20,6 @@ HYBRIDREC = [sys.executable, "-m", "hybridrec"]
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def work_unit(nodeid: str) -> str:
-    """The pytest-xdist work unit of a test (the README's `-n 2`): its file, so that a module's shared cluster
-    starts once; every container test shares one (one Docker engine, whose compose runs would otherwise fight
-    over the same two cores), and so does every testbed test (network namespaces and links)."""
-    path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/containers/"):
-        return "containers"
-    if "testbed" in Path(path).name:
-        return "testbed"
-    return path
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Whole work units (`work_unit`) to each worker, in collection order: the containers first, the longest."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class WorkUnitScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return WorkUnitScheduling(config, log)
-
-
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("synth")
