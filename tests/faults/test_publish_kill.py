@@ -40,7 +40,9 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
         victims = [p for p in psutil.process_iter(["cmdline"])
                    if f"serve embedding_ps --config {config_path} --replica 0" in " ".join(p.info["cmdline"] or [])]
         assert victims
-        killed_at = rank_step(run_dir)
+        # the newest complete version before the kill (each is renamed into place once whole); the one being
+        # published, if any, may still be finished with shard 0's part written before it died
+        complete_before = max((v.version for v in list_versions(run_dir / "versions")[0]), default=0)
         victims[0].send_signal(signal.SIGKILL)
         _, stderr = proc.communicate(timeout=600)
     finally:
@@ -54,9 +56,12 @@ def test_a_killed_ps_makes_the_next_version_full_and_versions_stay_exact(tmp_pat
     versions, other = list_versions(run_dir / "versions")
     assert not other
     fulls = [v for v in versions if v.full]
-    # The first version after the restart is full. Its step can equal the step the status showed when the
-    # shard was killed: that step's publish may start after the kill (seen in CI: killed at 40, full at 40).
-    assert fulls[0].version == 1 and fulls[1].manifest.step >= killed_at
+    # The first version the restarted shard publishes is full: the next after those complete at the kill, or the
+    # one after it when the version in flight had shard 0's part already. (Not a bound on the step the status
+    # showed at the kill: publishing runs beside training, and in a loaded CI run the status showed a step past
+    # 40 while version 4, step 40, was still reaching shard 0, which refused its delta: full at 40.)
+    assert fulls[0].version == 1 and complete_before + 1 <= fulls[1].version <= complete_before + 2, \
+        (complete_before, [(v.version, v.full, v.manifest.step) for v in versions])
     assert "publish_full_instead" in (run_dir / "logs" / "nn_worker-0.log").read_text()
     snapshot = Follower(run_dir / "versions").poll()
     assert snapshot.step == STEPS
