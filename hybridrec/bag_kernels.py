@@ -67,3 +67,17 @@ def pool_backward(grad, pos, lengths, start, base, feats, powers, out):
                 for c in range(width):
                     out[r, c] += w * grad[s, j, c]
             cursor[j] = e + n
+
+
+def warm_up() -> None:
+    """Load both kernels (numba's on-disk cache, or a compilation) for a frame's argument types: uint16
+    positions and lengths, int64 starts, bases and feature indices. The dense fork server calls it, so that
+    no NN worker pays numba's start-up (about a CPU-second each) at its first step."""
+    rows = np.zeros((2, 4), np.float32)
+    pos, lengths = np.zeros(2, np.uint16), np.ones((1, 2), np.uint16)
+    start, base, feats = np.array([0, 2], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    powers = np.zeros(1, np.float32)
+    pooled = np.empty((2, 1, 4), np.float32)
+    pool_forward(rows, pos, lengths, start, base, feats, powers, pooled)
+    pool_backward(pooled, pos, lengths, start, base, feats, powers, np.zeros_like(rows))
+

@@ -7,9 +7,10 @@ parent processes, started as `hybridrec run` starts, import what the services im
 per service on request; the child runs `hybridrec serve NAME ...` in-process, as the executed command
 would, with its own log file, environment and CPU set.
 
-Two parents, because torch is most of the import time and only the NN workers need it: the light parent
-(the data loader, the PS shards, the embedding workers) is ready in well under a second, the dense one
-(NN workers, the model check) imports torch meanwhile, on another core. The light parent compiles or loads
+Two parents, because the NN workers' imports are most of the import time: the light parent (the data loader,
+the PS shards, the embedding workers) imports numpy, numba, grpc and torch (the PS's and embedding worker's
+fp16 codec), the dense one (NN workers, the model check) torch with `torch._dynamo` (3 more CPU-seconds) and
+the NN worker's modules meanwhile, on another core. The light parent compiles or loads
 the PS kernels once, before it forks the first PS (two PS processes no longer each compile them).
 
 What a parent must not hold, because a fork copies only the calling thread and shares every descriptor:

@@ -33,8 +33,13 @@ while the first services start on the same cores)."""
 
 
 def preload_base() -> None:
-    """What the data loader, PS and embedding worker import, and the loader's and worker's kernels."""
+    """What the data loader, PS and embedding worker import, and the loader's and worker's kernels.
+
+    torch too: the PS shards and the embedding workers use it for fp16 values (`hybridrec.compress`), and
+    each of them imported it after the fork (1.8-2.4 s of CPU apiece, three processes in the smallest run,
+    on the cores the dense parent was importing torch on): imported once here, their children share it."""
     import numpy  # noqa: F401
+    import torch  # noqa: F401
     import grpc  # noqa: F401
     import grpc.aio  # noqa: F401
     import uvloop  # noqa: F401
@@ -50,12 +55,16 @@ def preload_base() -> None:
 
 def preload_dense() -> None:
     """What an NN worker and the model check import: torch (about 2 core-s, torch._dynamo included), the CLI
-    and the NN worker's modules."""
+    and the NN worker's modules, and the CPU pooling's numba kernels (each NN worker loaded them at its first
+    step: about a CPU-second apiece)."""
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by DDP and the optimizer whether or not anything is compiled)
 
+    from hybridrec import bag_kernels
     from hybridrec.app import cli  # noqa: F401
     from services.nn_worker import server as _nn  # noqa: F401
+
+    bag_kernels.warm_up()  # the CPU pooling's kernels (a GPU pools with torch's embedding_bag instead)
 
 
 def warm_up_ps(config_path: Path) -> None:

@@ -30,6 +30,7 @@ from hybridrec.evaluation import find_oracle
 from hybridrec.app.ports import free_port
 from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
 from hybridrec.app.report import write_report
+from hybridrec.app.report_plots import preload_plots
 from hybridrec.app.report_series import Recorder
 from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
@@ -532,6 +533,8 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
                     cluster.note_serving()
                     recorder.sample(statuses, [(p.name, p.popen.pid if p.popen else None) for p in cluster.procs],
                                     asked=asked)
+                    if "first_step" in recorder.phases:
+                        preload_plots()  # once training runs: the report's plotting library is imported by then
                     if check is None:  # until the model is known good, an NN worker's crash is its consequence,
                         cluster.echo_warnings()  # which the check's one message says
                     if progress is not None:

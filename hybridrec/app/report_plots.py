@@ -2,6 +2,8 @@
 axes. Drawn by `hybridrec.app.report.write_report` from the launcher's `Recorder`."""
 from __future__ import annotations
 
+import functools
+import threading
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -44,11 +46,28 @@ def _xlim(axes, series: Recorder) -> None:
         ax.set_xlim(0, right * 1.01)
 
 
-def _plot_all(series: Recorder, summary: dict, out: Path) -> dict[str, Path]:
+@functools.cache
+def preload_plots() -> threading.Thread:
+    """Import matplotlib on a daemon thread, once: the launcher starts it while training runs, so that the
+    report, written after every service stopped, does not begin with about a CPU-second of imports."""
+    thread = threading.Thread(target=_pyplot, name="import-matplotlib", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_all(series: Recorder, summary: dict, out: Path) -> dict[str, Path]:
+    import matplotlib.ticker
+
+    plt = _pyplot()
 
     paths = {name: out / f"{name}.png" for name in PLOTS}
     save = dict(dpi=100, bbox_inches="tight")

@@ -54,6 +54,7 @@ import numba
 import numpy as np
 
 from hybridrec.criteo_format import NUM_DENSE, NUM_SPARSE
+from hybridrec.evaluation import binary_metrics
 
 GENERATOR_VERSION = "2"
 BLOCK_ROWS = 1 << 15
@@ -424,8 +425,6 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
     drawn from the same planted model as the train file, with its own
     random streams (after the drift, with ``drift``: see `Drift`).
     """
-    from sklearn.metrics import log_loss, roc_auc_score
-
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     if eval_rows is None:
@@ -443,8 +442,8 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
     train_labels, train_p = _write_file(train_path, model, seed, 1, rows, gzip,
                                         (drift.at_row, *shifts) if shifts else None)
     eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip, (0, *shifts) if shifts else None)
-    oracle_auc = float(roc_auc_score(eval_labels, eval_p))
-    oracle_logloss = float(log_loss(eval_labels, eval_p, labels=[0, 1]))
+    oracle = binary_metrics(eval_labels, eval_p)
+    oracle_auc, oracle_logloss = oracle["auc"], oracle["logloss"]
     ctr = float(train_labels.mean())
     oracle = {
         "generator_version": GENERATOR_VERSION,
@@ -457,7 +456,7 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
         "eval_ctr": round(float(eval_labels.mean()), 6),
         "oracle_auc": round(oracle_auc, 6),
         "oracle_logloss": round(oracle_logloss, 6),
-        "oracle_auc_train": round(float(roc_auc_score(train_labels, train_p)), 6),
+        "oracle_auc_train": round(binary_metrics(train_labels, train_p)["auc"], 6),
         **model.describe(),
         **({"drift": planted} if planted is not None else {}),
     }

@@ -58,6 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridrec.evaluation import binary_metrics
+
 BLOCK_ROWS = 1 << 16
 """Rows per random stream and per row group."""
 NUM_USERS, NUM_ITEMS, NUM_CATEGORIES, NUM_TAGS = 20_000, 5_000, 100, 500
@@ -295,8 +297,6 @@ def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: in
     """Write train.parquet, eval.parquet and oracle.json (per task under `tasks`; the top-level oracle_auc
     is click's). `eval_rows` defaults to rows // 10, at least 10,000. With `drift`, also drift_probes.parquet;
     the eval file is drawn after the drift."""
-    from sklearn.metrics import log_loss, roc_auc_score
-
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     eval_rows = max(rows // 10, 10_000) if eval_rows is None else eval_rows
@@ -310,8 +310,8 @@ def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: in
     shift = (np.asarray(drifted["ranks"]), drift.shift) if drift is not None else None
     train_labels, _ = _write(out / "train.parquet", planted, seed, 1, rows, (drift.at_row, *shift) if shift else None)
     eval_labels, eval_p = _write(out / "eval.parquet", planted, seed, 2, eval_rows, (0, *shift) if shift else None)
-    tasks = {name: {"oracle_auc": round(float(roc_auc_score(eval_labels[:, t], eval_p[:, t])), 6),
-                    "oracle_logloss": round(float(log_loss(eval_labels[:, t], eval_p[:, t], labels=[0, 1])), 6),
+    oracle_of = [binary_metrics(eval_labels[:, t], eval_p[:, t]) for t in range(len(TASKS))]
+    tasks = {name: {"oracle_auc": round(oracle_of[t]["auc"], 6), "oracle_logloss": round(oracle_of[t]["logloss"], 6),
                     "rate": round(float(train_labels[:, t].mean()), 6)} for t, name in enumerate(TASKS)}
     oracle = {"generator_version": GENERATOR_VERSION, "format": "parquet", "seed": seed, "train_rows": rows,
               "eval_rows": eval_rows, "train_file": "train.parquet", "eval_file": "eval.parquet",

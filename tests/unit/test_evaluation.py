@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
 from hybridrec.config import from_dict
-from hybridrec.evaluation import binary_metrics, find_oracle
+from hybridrec.evaluation import EPS, binary_metrics, find_oracle
 
 
 def config(tmp_path, oracle=None):
@@ -57,3 +58,33 @@ def test_configured_but_unreadable_oracle_is_none_with_a_warning(tmp_path, conte
 def test_binary_metrics_one_class_has_no_auc():
     assert binary_metrics([1, 1], [0.2, 0.9])["auc"] is None
     assert binary_metrics([], [])["logloss"] is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_binary_metrics_equal_scikit_learns_ties_included(seed):
+    """The NN worker's eval metrics are computed with numpy; scikit-learn's are the reference. Scores on a
+    coarse grid make many ties (a tie between a positive and a negative counts 1/2), and some are clipped."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    rng = np.random.default_rng(seed)
+    n = 50_000
+    scores = rng.random(n)
+    labels = (rng.random(n) < scores * 0.4).astype(np.float32)
+    probs = np.round(scores, 2 if seed % 2 else 6)
+    probs[:100] = 0.0  # clipped to EPS, as binary_metrics does before both
+    got = binary_metrics(labels, probs)
+    clipped = np.clip(probs, EPS, 1 - EPS)
+    assert got["auc"] == pytest.approx(roc_auc_score(labels, clipped), rel=1e-12)
+    assert got["logloss"] == pytest.approx(log_loss(labels, clipped, labels=[0, 1]), rel=1e-9)
+
+
+def test_auc_of_a_perfect_an_inverted_and_a_constant_ranking():
+    labels = np.array([0, 0, 1, 1])
+    assert binary_metrics(labels, np.array([0.1, 0.2, 0.8, 0.9]))["auc"] == 1.0
+    assert binary_metrics(labels, np.array([0.9, 0.8, 0.2, 0.1]))["auc"] == 0.0
+    assert binary_metrics(labels, np.full(4, 0.5))["auc"] == 0.5
+
+
+def test_labels_other_than_0_and_1_are_refused():
+    with pytest.raises(ValueError, match="0 or 1"):
+        binary_metrics([0, 2], [0.1, 0.2])
