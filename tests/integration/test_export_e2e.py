@@ -1,7 +1,6 @@
 """Train, export, predict from the bundle alone: the bundle's predictions reproduce the run's eval AUC."""
 from __future__ import annotations
 
-import json
 import subprocess
 
 import numpy as np
@@ -14,8 +13,7 @@ from hybridrec.evaluation import binary_metrics
 from hybridrec.models import FeatureInfo, build_model
 from services.dataloader.batching import ReadCounters, iter_rows
 from hybridrec.criteo_format import feature_columns
-from hybridrec.app.synth import synthesize
-from tests.conftest import HYBRIDREC, REPO, write_config
+from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -49,25 +47,18 @@ def predict(bundle, eval_files, config) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(probs), np.concatenate(labels)
 
 
-def test_exported_bundle_reproduces_the_runs_eval_auc(tmp_path):
-    data = tmp_path / "data"
-    synthesize(data, rows=20_000, eval_rows=10_000, seed=11)
-    config_path = write_config(tmp_path / "c.yaml", data, training={"batch_size": 1024, "staleness": 2,
-                                                                    "prefetch": 2, "compression": {"fp16": False}})
-    run = tmp_path / "run"
-    _cli(["run", str(config_path), "--run-dir", str(run)])
-    summary = json.loads((run / "summary.json").read_text())
+def test_exported_bundle_reproduces_the_runs_eval_auc(tmp_path, exported_run):
+    summary, data, bundle = exported_run.summary, exported_run.data, exported_run.bundle
     assert summary["checkpoint"] and summary["checkpoint_s"] > 0
-    _cli(["export", str(run), "--out", str(tmp_path / "bundle")])
-    manifest, _ = open_bundle(tmp_path / "bundle")
+    manifest, _ = open_bundle(bundle)
     assert manifest.step == summary["steps"] and manifest.num_shards == 2
-    probs, labels = predict(tmp_path / "bundle", [str(data / "eval.tsv")], load_config(config_path))
+    probs, labels = predict(bundle, [str(data / "eval.tsv")], load_config(exported_run.config))
     assert labels.shape[0] == summary["eval_samples"] == 10_000
     auc = binary_metrics(labels, probs)["auc"]
     assert abs(auc - summary["auc"]) < 0.002, (auc, summary["auc"])
 
     # hybridrec predict on the TSV (CSV out): the same probabilities as the bundle read by hand.
-    _cli(["predict", str(tmp_path / "bundle"), str(data / "eval.tsv"), "--out", str(tmp_path / "p.csv")])
+    _cli(["predict", str(bundle), str(data / "eval.tsv"), "--out", str(tmp_path / "p.csv")])
     offline = np.loadtxt(tmp_path / "p.csv", delimiter=",", skiprows=1, dtype=np.float32)
     assert (tmp_path / "p.csv").read_text().splitlines()[0] == '"probability"'
     np.testing.assert_allclose(offline, probs, rtol=0, atol=1e-5)

@@ -7,7 +7,7 @@ pass, in this process, of the version the response names, through the service's 
 model over that version's merged table.
 
 The approach is test_publish.py's `test_the_inference_service_follows_a_training_run`; the requests are
-test_serve_named_features.py's.
+test_parquet_examples.py's.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from hybridrec.versions import list_versions, load_version
 from services.inference.follow import build_dense, inference_model
 from services.inference.inputs import InputDecoder, Tensor
 from tests.conftest import HYBRIDREC, REPO
-from tests.integration import test_serve_named_features as named
+from tests.integration import test_parquet_examples as named
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def multitask_data(tmp_path_factory):
 
 
 def _overrides(data, epochs: int) -> list[str]:
-    """test_serve_named_features' small run (one PS shard, one NN worker, fp32 pushes), 1,024 rows a step
+    """test_parquet_examples' small run (one PS shard, one NN worker, fp32 pushes), 1,024 rows a step
     (30 steps an epoch) and a version every 10 steps: ~25 versions, one every ~0.8 s unloaded."""
     return [f"data.train=[{data / 'train.parquet'}]", f"data.eval=[{data / 'eval.parquet'}]",
             f"data.oracle={data / 'oracle.json'}", "training.batch_size=1024", f"training.epochs={epochs}",
@@ -58,7 +58,7 @@ def _overrides(data, epochs: int) -> list[str]:
 
 
 def _eval_requests(data, config) -> list[list[Tensor]]:
-    """The eval rows as named-feature requests of REQUEST_ROWS rows (test_serve_named_features.requests), dense
+    """The eval rows as named-feature requests of REQUEST_ROWS rows (test_parquet_examples.requests), dense
     as one [batch, num_dense] matrix and, the same rows again, as one FP32 input per dense column."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(named, "REQUEST_ROWS", REQUEST_ROWS)

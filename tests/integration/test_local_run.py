@@ -105,12 +105,9 @@ def test_ctrl_c_stops_every_service(tmp_path, small_config):
                                          "--set", "training.epochs=20"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until training is under way
-        logs = run_dir / "logs" / "nn_worker-0.log"
-        if logs.exists() and "serving" in logs.read_text():
-            break
-        time.sleep(0.5)
-    time.sleep(2)
+    while not any('"at_work"' in p.read_text() for p in (run_dir / "logs").glob("nn_worker-*.log")):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]

@@ -5,8 +5,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,16 +35,6 @@ PRESENT = {
 }
 
 
-def _scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if m:
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
-    return values
-
-
 def _chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     assert path, "Debian's chromium is needed for the report test (apt-get install chromium; .ci/run does it)"
@@ -58,47 +46,27 @@ def _all_moved(first: dict, second: dict) -> bool:
                for key in second if key in first for metric in MOVING[key[0]])
 
 
-def test_metrics_move_and_report_renders(tmp_path, small_config):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(HYBRIDREC + ["run", str(small_config), "--run-dir", str(run_dir), "--summary-json",
-                                         str(tmp_path / "s.json"), "--set", "training.epochs=12",
-                                         "--set", "training.batch_size=1024"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        first = second = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            services = json.loads((run_dir / "services.json").read_text()) if (run_dir / "services.json").exists() else []
-            try:
-                scraped = {(s["name"], s["replica"]): _scrape(s["metrics"]) for s in services}
-            except OSError:
-                time.sleep(0.5)
-                continue
-            steps = [v.get("hybridrec_nn_worker_steps_total", 0) for (n, _), v in scraped.items() if n == "nn_worker"]
-            if len(scraped) == 6 and steps and min(steps) > 2:
-                if first is None:
-                    first = scraped
-                else:  # the latest scrape; done once every metric moved (a loaded machine may stall a while)
-                    second = scraped
-                    if _all_moved(first, second):
-                        break
-            time.sleep(0.5)
-        assert first and second, "never saw every service's metrics during training"
-        for (name, replica), values in second.items():
-            for metric in MOVING[name]:
-                assert values.get(metric, 0) > first[(name, replica)].get(metric, 0), (name, replica, metric)
-            for metric in PRESENT[name]:
-                assert metric in values, (name, metric)
-            if name == "embedding_ps":
-                assert values["hybridrec_embedding_ps_dim16_rows"] > 0, (name, replica)
-            rpc = "hybridrec_rpc_latency_seconds_count"
-            if name != "dataloader":
-                assert values.get(rpc, 0) > first[(name, replica)].get(rpc, 0), (name, rpc)
-    finally:
-        out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+def test_metrics_move_and_report_renders(tmp_path, watched_run):
+    """Every service's metrics, scraped while the shared run trained: each counter of MOVING grew between the
+    first scrape and a later one (a loaded machine may stall a while), every gauge of PRESENT is there."""
+    assert watched_run.returncode == 0, watched_run.stderr[-3000:]
+    scrapes = watched_run.scrapes
+    assert scrapes, "never saw every service's metrics during training"
+    first = scrapes[0]
+    second = next((later for later in scrapes[1:] if _all_moved(first, later)), scrapes[-1])
+    for (name, replica), values in second.items():
+        for metric in MOVING[name]:
+            assert values.get(metric, 0) > first[(name, replica)].get(metric, 0), (name, replica, metric)
+        for metric in PRESENT[name]:
+            assert metric in values, (name, metric)
+        if name == "embedding_ps":
+            assert values["hybridrec_embedding_ps_dim16_rows"] > 0, (name, replica)
+        rpc = "hybridrec_rpc_latency_seconds_count"
+        if name != "dataloader":
+            assert values.get(rpc, 0) > first[(name, replica)].get(rpc, 0), (name, rpc)
 
-    summary = json.loads((tmp_path / "s.json").read_text())
+    summary = watched_run.summary
+    run_dir = watched_run.run_dir
     assert all(s["metrics"] for s in summary["services"])
     report = Path(summary["report"])
     dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import shutil
 import subprocess
 import time
 
@@ -25,14 +26,21 @@ from tests.unit.test_export import make_checkpoint
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bundle(tmp_path):
-    run, _, _, _ = make_checkpoint(tmp_path)
-    out = tmp_path / "bundle"
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("readonly")
+    run, _, _, _ = make_checkpoint(tmp)
+    out = tmp / "bundle"
     result = subprocess.run(HYBRIDREC + ["export", str(run), "--out", str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return out
+
+
+@pytest.fixture
+def bundle(exported, tmp_path):
+    """A copy of the module's exported bundle for each test: one of them corrupts its copy."""
+    return shutil.copytree(exported, tmp_path / "bundle")
 
 
 def _start(bundle, replica, tmp_path):

@@ -2,29 +2,21 @@
 its phases match the NN workers' own clocks, and it renders cleanly in headless Chromium at 1280 px."""
 from __future__ import annotations
 
-import json
 import struct
-import subprocess
 
 import pytest
 
 from hybridrec.app.launcher import SAMPLE_EVERY_S
 from hybridrec.app.report_page import inspect_page, screenshot
-from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_data):
-    tmp = tmp_path_factory.mktemp("report")
-    config = write_config(tmp / "c.yaml", small_data)
-    run_dir = tmp / "run"
-    result = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(run_dir), "--set", "training.epochs=3",
-                                         "--set", "training.batch_size=1024"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, json.loads((run_dir / "summary.json").read_text()), json.loads((run_dir / "series.json").read_text())
+def run(watched_run):
+    """The shared watched run (tests/integration/conftest.py): the small config, 12 epochs of 1,024-row batches."""
+    assert watched_run.returncode == 0, watched_run.stderr[-3000:]
+    return watched_run.run_dir, watched_run.summary, watched_run.series
 
 
 def test_throughput_series_agrees_with_the_summary(run):

@@ -12,9 +12,8 @@ import pytest
 from hybridrec import rpc
 from hybridrec.config import load_config
 from hybridrec.app.ports import free_port
-from hybridrec.app.synth import synthesize
-from tests.conftest import HYBRIDREC, REPO, write_config
-from tests.integration.test_export_e2e import _cli, predict
+from tests.conftest import HYBRIDREC, REPO
+from tests.integration.test_export_e2e import predict
 from tests.integration.test_inference import MODEL, Server, _probs
 
 pytestmark = pytest.mark.integration
@@ -41,15 +40,12 @@ def _served(server: Server, rows: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving-e2e")
-    data = tmp / "data"
-    synthesize(data, rows=20_000, eval_rows=5_000, seed=17)
-    config_path = write_config(tmp / "c.yaml", data, training={"batch_size": 1024, "staleness": 2, "prefetch": 2})
-    _cli(["run", str(config_path), "--run-dir", str(tmp / "run")])
-    _cli(["export", str(tmp / "run"), "--out", str(tmp / "bundle")])
-    offline, _ = predict(tmp / "bundle", [str(data / "eval.tsv")], load_config(config_path))
-    return tmp, tmp / "bundle", _eval_rows(data / "eval.tsv"), offline
+def exported(exported_run, tmp_path_factory):
+    """The shared exported run (tests/integration/conftest.py), its eval rows as a client sends them, and the
+    bundle's own offline predictions of them."""
+    data = exported_run.data
+    offline, _ = predict(exported_run.bundle, [str(data / "eval.tsv")], load_config(exported_run.config))
+    return tmp_path_factory.mktemp("serving-e2e"), exported_run.bundle, _eval_rows(data / "eval.tsv"), offline
 
 
 def test_served_predictions_equal_offline_ones_from_the_in_process_table(exported):
@@ -59,7 +55,7 @@ def test_served_predictions_equal_offline_ones_from_the_in_process_table(exporte
         over_grpc, over_rest = _served(server, rows)
     finally:
         server.stop()
-    assert over_grpc.shape == over_rest.shape == offline.shape == (5_000,)
+    assert over_grpc.shape == over_rest.shape == offline.shape == (10_000,)
     assert np.abs(over_grpc - offline).max() <= ATOL and np.abs(over_rest - offline).max() <= ATOL
 
 

@@ -217,7 +217,8 @@ def _consumer(url: str) -> tuple[int, int, int]:
     return asyncio.run(ask())
 
 
-def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_path, small_data, broker):
+def test_a_replayed_file_is_trained_once_a_rerun_reads_nothing_and_a_second_job_goes_on_after_it(
+        tmp_path, small_data, broker):
     assert "published 60,000 events (0..59999) in 600 messages" in _replay(broker, small_data / "train.tsv",
                                                                          limit=60_000)
     result = _run(_config(tmp_path, small_data, broker, until=60_000), tmp_path / "run1")
@@ -230,6 +231,19 @@ def test_a_replayed_file_is_trained_once_and_a_second_job_goes_on_after_it(tmp_p
     lag = stream["training_lag_s"]
     assert 0 < lag["p50"] <= lag["p99"] <= lag["max"] < 600, lag
     assert result["progressive_samples"] == 60_000 and 0.5 < result["progressive_auc"] < 1, result
+
+    # The finished job started again in its run directory (a rerun, or a job restarted after it finished)
+    # resumes after its last event and ends: it does not wait for events past its end, reads nothing again,
+    # and leaves the consumer as it was.
+    log = tmp_path / "run1" / "logs" / "dataloader-0.log"
+    batches = log.read_text().count('"stream_batch"')
+    again = subprocess.run(HYBRIDREC + ["run", str(_config(tmp_path, small_data, broker, until=60_000)),
+                                        "--run-dir", str(tmp_path / "run1")],
+                           cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert log.read_text().count('"stream_batch"') == batches  # nothing read again
+    assert log.read_text().count('"stream_already_read"') == 1
+    assert _consumer(broker) == (600, 0, 600)
 
     # Twenty thousand more events, numbered on; a new job with the same durable consumer trains only those.
     _replay(broker, small_data / "eval.tsv", limit=20_000, first_event=60_000)
@@ -386,22 +400,6 @@ def test_a_broker_that_never_answers_is_retried_reported_and_named(tmp_path, sma
     retrying = [json.loads(line) for line in (run_dir / "logs" / "dataloader-0.log").read_text().splitlines()
                 if '"stream_unreachable"' in line]
     assert retrying and retrying[0]["url"] == url, retrying
-
-
-def test_a_finished_stream_job_started_again_ends_without_waiting_for_events(tmp_path, small_data, broker):
-    """A job that trained through `until_event`, started again in its run directory (a rerun, or a job restarted
-    after it finished), resumes after its last event and ends: it does not wait for events past its end."""
-    _replay(broker, small_data / "train.tsv", limit=20_000)
-    config = _config(tmp_path, small_data, broker, until=20_000)
-    assert _run(config, tmp_path / "run")["samples"] == 20_000
-    log = tmp_path / "run" / "logs" / "dataloader-0.log"
-    batches = log.read_text().count('"stream_batch"')
-    again = subprocess.run(HYBRIDREC + ["run", str(config), "--run-dir", str(tmp_path / "run")], cwd=REPO,
-                           capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert log.read_text().count('"stream_batch"') == batches  # nothing read again
-    assert log.read_text().count('"stream_already_read"') == 1
-    assert _consumer(broker) == (200, 0, 200)  # the consumer as the job left it: a next job goes on after it
 
 
 # -- the training data's own columns: Arrow record batches ---------------------------------------------------
