@@ -51,7 +51,9 @@ def seed() -> bool:
 def compile_all(scratch: Path) -> None:
     """Call every service's warm-up, compiling its kernels into `NUMBA_CACHE_DIR`: the data loader's parser and
     batch deduplication, the embedding worker's deduplication and gradient aggregation, the PS store's lookup,
-    update and sweep (on a scratch table under `scratch`), and the synthetic data writer's."""
+    update and sweep (on a scratch table under `scratch`), the NN worker's CPU pooling, and the synthetic data
+    writer's."""
+    from hybridrec import bag_kernels
     from hybridrec.app.synth import synthesize
     from hybridrec.config import Config
     from services.dataloader import tsv
@@ -60,6 +62,7 @@ def compile_all(scratch: Path) -> None:
 
     tsv.warm_up()
     warm_up_embedding_worker()
+    bag_kernels.warm_up()
     warm_up_ps(Config.model_validate({"data": {"train": ["unused.tsv"]}, "ps": {"shm_dir": str(scratch / "shm")}}))
     synthesize(scratch / "synth", rows=100, eval_rows=100, seed=1)
 
