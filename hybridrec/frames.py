@@ -479,6 +479,8 @@ class Received:
     """The data loader whose stream this is about (its index in cluster.dataloader)."""
     incarnation: int = 0
     """The answering NN worker process, as in `Consumed`."""
+    past_training: bool = False
+    """The rank has finished training (it is evaluating, or done): no loader's training frames can be owed."""
 
     def encode(self) -> bytes:
         seqs = np.array([m[0] for m in self.marks], np.int64)
@@ -486,7 +488,8 @@ class Received:
         rows = np.array([m[2] for m in self.marks], np.int64)
         return codec.encode({"mark_seq": seqs, "mark_position": positions, "mark_rows": rows},
                             {"through": {k: int(v) for k, v in self.through.items()}, "ended": sorted(self.ended),
-                             "loader": int(self.loader), "incarnation": int(self.incarnation)})
+                             "loader": int(self.loader), "incarnation": int(self.incarnation),
+                             "past_training": bool(self.past_training)})
 
     @staticmethod
     def loader_of(buf: bytes, loaders: int) -> int:
@@ -513,8 +516,11 @@ class Received:
         if (seqs < 0).any() or (rows < 0).any() or (positions < 0).any():
             raise FrameError("marks must be non-negative")
         marks = [(int(s), tuple(int(v) for v in p), int(r)) for s, p, r in zip(seqs, positions, rows)]
+        past_training = frame.meta.get("past_training", False)
+        if not isinstance(past_training, bool):
+            raise FrameError(f"past_training must be true or false, got {past_training!r}")
         return cls(dict(through), frozenset(ended), marks, _count(frame, "loader", default=0),
-                   _count(frame, "incarnation", default=0))
+                   _count(frame, "incarnation", default=0), past_training)
 
 
 # -- embedding worker <-> PS shard -----------------------------------------------------------

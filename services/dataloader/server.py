@@ -87,37 +87,38 @@ class Dispatcher:
         earlier one (a stream acknowledges its messages through the last, and counts their lag)."""
         self._untrained: deque[tuple[int, Position]] = deque()  # training batches read, not yet known trained
         self.ended: str | None = None  # the last phase whose end this loader has delivered to every rank
+        self.past_training: set[int] = set()  # ranks that said they had finished training (`Received`)
 
     async def wait_trained(self) -> bool:
-        """Wait until every rank has finished training (its status says evaluation or done), then count every
-        training batch trained (`on_trained`); False when a rank did not answer for `cluster.retry_s` (or, when
-        longer, `cluster.rejoin_timeout_s`: a replacement may be joining).
+        """Wait until every rank has finished training (it is evaluating, or done), then count every training
+        batch trained (`on_trained`); False when a rank did not answer for `cluster.retry_s` (or, when longer,
+        `cluster.rejoin_timeout_s`: a replacement may be joining).
 
         Meanwhile a rank that no longer holds the end this loader sent it (a replacement of a lost NN worker,
         which another loader's batches keep training) is sent every frame it has not confirmed again: the
         batches its predecessor still owed and the end of the phase, without which it would wait for this
-        loader for ever."""
-        statuses = [rpc.control_method(ch, "NNWorker", "Status") for ch in self.nn_channels]
-        loop = asyncio.get_running_loop()
+        loader for ever.
 
+        The question is `Received`, which names this loader: a rank that is done stays up until it has told
+        every loader that it is past training (`past_training`), so a loader polling here cannot miss the
+        moment between a rank's short evaluation and its exit, and wait for it in vain."""
+        loop = asyncio.get_running_loop()
         patience = max(self.retry_s, self.config.cluster.rejoin_timeout_s)
 
         async def left_training(rank: int) -> bool:
             deadline = loop.time() + patience
-            while True:
+            while rank not in self.past_training:
                 try:
-                    if (await statuses[rank](pb.Empty(), timeout=self.timeout)).phase in ("eval", "done"):
-                        return True
-                    if self.ended is not None:
-                        held = Received.decode(await self.nn_received[rank](Received(loader=self.loader).encode(),
-                                                                            timeout=self.timeout))
-                        if self.ended not in held.ended:
-                            await self._deliver_again(rank)
+                    held = await self._ask_received(rank)
+                    if not held.past_training and self.ended is not None and self.ended not in held.ended:
+                        await self._deliver_again(rank)
                     deadline = loop.time() + patience
                 except grpc.aio.AioRpcError:
                     if loop.time() > deadline:
                         return False  # not acknowledged: a later job reads those messages again, nothing is skipped
-                await asyncio.sleep(0.2)
+                if rank not in self.past_training:
+                    await asyncio.sleep(0.2)
+            return True
 
         if not all(await asyncio.gather(*(left_training(rank) for rank in range(len(self.windows))))):
             return False
@@ -148,12 +149,18 @@ class Dispatcher:
     async def received(self) -> list[Received]:
         """Every rank's answer to `Received`, in rank order (waiting out ranks that are still joining)."""
         async def ask(rank: int) -> Received:
-            request = Received(loader=self.loader).encode()
-            reply = await rpc.retry(lambda: self.nn_received[rank](request, timeout=self.timeout),
-                                    deadline_s=self.retry_s)
-            return Received.decode(reply)
+            return await rpc.retry(lambda: self._ask_received(rank), deadline_s=self.retry_s)
 
         return list(await asyncio.gather(*(ask(rank) for rank in range(len(self.nn_received)))))
+
+    async def _ask_received(self, rank: int) -> Received:
+        """Rank `rank`'s `Received` answer for this loader, noting a rank past training: once it has told every
+        loader so, a rank that is done exits, and would not answer a later question."""
+        held = Received.decode(await self.nn_received[rank](Received(loader=self.loader).encode(),
+                                                            timeout=self.timeout))
+        if held.past_training:
+            self.past_training.add(rank)
+        return held
 
     async def run_phase(self, phase: str, items: Iterator[tuple[int, Rows, Position | None]], end_meta,
                         resume: PhaseResume = PhaseResume()) -> int:
@@ -256,8 +263,7 @@ class Dispatcher:
         if not window.delivered:
             return
         try:
-            held = Received.decode(await self.nn_received[rank](Received(loader=self.loader).encode(),
-                                                                timeout=self.timeout))
+            held = await self._ask_received(rank)
         except grpc.aio.AioRpcError:
             return  # still joining (or gone): the next probe asks again
         if window.another_process(held.incarnation):
@@ -375,7 +381,8 @@ async def serve(config: Config, replica: int) -> None:
         n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
         host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
         if loaders > 1 and source is None:  # the other loaders' batches may keep the ranks training a while: a
-            await dispatcher.wait_trained()   # replacement of a rank lost meanwhile still gets this loader's share
+            if await dispatcher.wait_trained():  # replacement of a rank lost meanwhile still gets this loader's share
+                host.log.info("ranks_past_training", wall_s=round(time.monotonic() - started, 2))
 
     source = account = None
     if config.data.stream is not None:

@@ -58,6 +58,8 @@ class NNWorkerServicer:
         self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
         self.marks: list[deque[tuple[int, tuple[int, ...], int]]] = [deque(maxlen=MARKS_KEPT) for _ in range(loaders)]
         self.incarnation = secrets.randbits(62) | 1  # this process, in every reply to a loader (never 0)
+        self.told_past_training: set[int] = set()  # loaders this rank has answered that it finished training
+        self.all_told = asyncio.Event()
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Queue a batch for the trainer; a re-sent one (a data loader replays what this rank has not yet
@@ -120,8 +122,30 @@ class NNWorkerServicer:
             raise rpc.Unavailable("the NN worker is still joining its group")
         loader = Received.loader_of(request, self.inbox.loaders)
         through = {"train": self._held(loader), "eval": self.last_received[loader]["eval"]}
-        ended = set(self.ended[loader]) | ({"train"} if self.phase in ("eval", "done") else set())
-        return Received(through, frozenset(ended), list(self.marks[loader]), loader, self.incarnation).encode()
+        past_training = self.phase in ("eval", "done")
+        ended = set(self.ended[loader]) | ({"train"} if past_training else set())
+        reply = Received(through, frozenset(ended), list(self.marks[loader]), loader, self.incarnation,
+                         past_training).encode()
+        if past_training:
+            self.told_past_training.add(loader)
+            if len(self.told_past_training) == self.inbox.loaders:
+                self.all_told.set()
+        return reply
+
+    async def linger(self) -> None:
+        """Once done, stay up until every data loader has heard that this rank finished training (or
+        `cluster.retry_s` has passed). With several loaders each waits for that before it exits (it would
+        resend its share to a replacement of a rank lost meanwhile); a rank gone before a loader asked would
+        leave that loader waiting `cluster.rejoin_timeout_s` for a replacement that never comes."""
+        if self.inbox.loaders < 2 or self.config.data.stream is not None:
+            return  # a single loader, or a stream's (asked before its evaluation), waits for no rank's end
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self.all_told.wait(), timeout=self.config.cluster.retry_s)
+            log.get().info("loaders_told", loaders=self.inbox.loaders, waited_s=round(time.monotonic() - started, 3))
+        except asyncio.TimeoutError:
+            log.get().warning("loaders_not_told", told=sorted(self.told_past_training), loaders=self.inbox.loaders,
+                              waited_s=self.config.cluster.retry_s)
 
     async def Status(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.TrainingStatus:
         stats = self.trainer.stats if self.trainer else None
@@ -242,6 +266,7 @@ async def _serve(config: Config, replica: int) -> None:
             servicer.eval_metrics = summary.task_metrics()
         await loop.run_in_executor(compute, barrier)
         servicer.phase = "done"
+        await servicer.linger()
 
     try:
         await host.run_until_stopped(asyncio.ensure_future(main()))

@@ -456,6 +456,8 @@ def test_an_nn_worker_replaced_after_a_loader_finished_gets_that_loaders_frames_
     assert result["samples"] == 60_000 and result["eval_samples"] == 20_000, result
     assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
     _assert_each_sample_trained_once(run_dir, [(1, 40_001), (1, 15_001), (1, 5_001)])
+    for rank in (0, 1):  # each rank, done, stayed up until every loader had heard so (else loaders wait 300 s)
+        assert [e["loaders"] for e in _events(run_dir / "logs" / f"nn_worker-{rank}.log", "loaders_told")] == [3]
 
 
 def test_one_of_three_loaders_killed_mid_stream_trains_every_event_once(small_data, tmp_path):

@@ -49,7 +49,8 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
         "Applied": (Applied(12).encode(), Applied.decode),
         "Consumed": (Consumed("eval", 41).encode(), Consumed.decode),
         "Received": (Received({"train": 9, "eval": -1}, frozenset({"train"}), [(7, (0, 0, 4096, 12), 300),
-                                                                             (9, (1, 0, 0, 1), 400)]).encode(),
+                                                                             (9, (1, 0, 0, 1), 400)],
+                              past_training=True).encode(),
                      Received.decode),
         "PSLookup": (PSLookup({8: ids, 4: ids[:3]}, train=True).encode(), lambda b: PSLookup.decode(b, [4, 8])),
         "PSRows": (PSRows({8: np.ones((10, 8), np.float32)}).encode(VALUES),
@@ -86,7 +87,7 @@ def test_round_trips():
     assert cases["Consumed"][1](cases["Consumed"][0]) == Consumed("eval", 41)
     received = cases["Received"][1](cases["Received"][0])
     assert received.through == {"train": 9, "eval": -1} and received.ended == {"train"}
-    assert received.marks == [(7, (0, 0, 4096, 12), 300), (9, (1, 0, 0, 1), 400)]
+    assert received.marks == [(7, (0, 0, 4096, 12), 300), (9, (1, 0, 0, 1), 400)] and received.past_training
     assert Received.decode(Received().encode()) == Received()
     lookup = cases["PSLookup"][1](cases["PSLookup"][0])
     assert lookup.train and sorted(lookup.ids) == [4, 8] and lookup.ids[4].tolist() == [1, 2, 3]
