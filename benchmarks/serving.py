@@ -22,7 +22,15 @@ batch 512 >= 0.7x in-process rows/s; batching on >= 2x off at concurrency 16;
 empty-call CPU <= 1.2x the bare server's; batch-1 ModelInfer CPU <= 2x an
 empty call's.
 
+`--h2load` measures instead as a user's non-Python client would: h2load (C,
+benchmarks/h2load.py) on one HTTP/2 connection against the README model
+(batch 1, one TSV line in `rows`) and the multi-task example (MMoE over
+scalars, multi-hot tags and a 30-long sequence: batch 1 and 16 rows), each
+beside an empty ServerLive call in the same server: means, p50/p99, and the
+request rate with 16 batch-1 requests in flight against one at a time.
+
     python benchmarks/serving.py --out results/serving.json
+    python benchmarks/serving.py --h2load --out results/serving_h2load.json
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import struct
 import subprocess
 import sys
 import tempfile
@@ -351,6 +360,72 @@ def measure_model(bundle: Path, payloads: dict[int, bytes], singles: list[bytes]
     return result
 
 
+def _checked(address: str, payload: bytes) -> bytes:
+    """`payload` after one ModelInfer answered it without an error (h2load counts a gRPC error as a success)."""
+    channel = grpc.insecure_channel(address)
+    try:
+        channel.unary_unary(METHOD, request_serializer=None,
+                            response_deserializer=oip.ModelInferResponse.FromString)(payload, timeout=30)
+    finally:
+        channel.close()
+    return payload
+
+
+def h2load_model(server: "Server", payloads: dict[str, bytes], requests: int) -> dict:
+    """An empty call, each payload sequentially, and the first payload 16 in flight, all from h2load."""
+    from benchmarks import h2load
+
+    live = "/inference.GRPCInferenceService/ServerLive"
+    out = {"ServerLive": h2load.unary(server.address, live, b"", requests=requests)}
+    for name, payload in payloads.items():
+        out[name] = h2load.unary(server.address, METHOD, _checked(server.address, payload), requests=requests)
+    first = next(iter(payloads))
+    out[f"{first}_in_flight16"] = h2load.unary(server.address, METHOD, payloads[first], requests=requests * 2,
+                                               in_flight=16)
+    empty = out["ServerLive"]["mean_ms"]
+    out["ratios"] = {**{f"{name}_mean_vs_empty_call": out[name]["mean_ms"] / empty for name in payloads},
+                     "in_flight16_vs_sequential_rate": (out[f"{first}_in_flight16"]["requests_per_s"]
+                                                        / out[first]["requests_per_s"])}
+    return out
+
+
+def h2load_figures(tmp: Path, args) -> dict:
+    """Issue-43 figures: the README model at batch 1 (a TSV line) and the multi-task example at 1 and 16 rows."""
+    from tests.inference_util import criteo_lines, tokens_for
+
+    hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
+    tokens = tokens_for()
+    criteo = tmp / "criteo"
+    make_bundle(criteo, hidden=hidden, rows_per_feature=args.rows_per_feature, num_shards=2, tokens=tokens)
+    line = criteo_lines(tokens, 1)[0].encode()
+    rows = oip.ModelInferRequest(model_name=MODEL)
+    rows.inputs.add(name="rows", datatype="BYTES", shape=[1])
+    rows.raw_input_contents.append(struct.pack("<I", len(line)) + line)
+    mmoe = tmp / "mmoe"
+    make_config_bundle(mmoe, REPO / "examples/multitask_parquet.yaml", vocabulary=args.rows_per_feature)
+    result: dict = {}
+    for name, bundle, payloads in (
+            ("readme_dnn", criteo, {"batch1_rows": rows.SerializeToString()}),
+            ("multitask_mmoe", mmoe, {"batch1": named_request_bytes(din_inputs(1, args.rows_per_feature, seed=1)),
+                                      "batch16": named_request_bytes(din_inputs(16, args.rows_per_feature,
+                                                                                seed=16))})):
+        server = Server(bundle, tmp / f"{name}.log", f"torch_threads={args.torch_threads}")
+        try:
+            result[name] = h2load_model(server, payloads, args.requests)
+        finally:
+            server.stop()
+    readme, multi = result["readme_dnn"], result["multitask_mmoe"]
+    result["targets"] = {
+        "readme_batch1_mean<=1.5x_empty_call": readme["ratios"]["batch1_rows_mean_vs_empty_call"] <= 1.5,
+        "readme_batch1_mean_ms<=0.5": readme["batch1_rows"]["mean_ms"] <= 0.5,
+        "multitask_batch16_p99_ms<=2": multi["batch16"]["p99_ms"] <= 2.0,
+        "multitask_batch16_mean<=2x_empty_call": multi["ratios"]["batch16_mean_vs_empty_call"] <= 2.0,
+        "readme_in_flight16>=4x_sequential": readme["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
+        "multitask_in_flight16>=4x_sequential": multi["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
+    }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -361,6 +436,8 @@ def main() -> None:
                         help="Server and baseline (0: torch's default). 1 by default: on a small shared machine "
                              "torch's OpenMP threads spin against other processes (9x slower at 2 threads here).")
     parser.add_argument("--client-processes", type=int, default=4, help="Load-generator processes at concurrency 16.")
+    parser.add_argument("--h2load", action="store_true", help="Measure with h2load (a C client) instead.")
+    parser.add_argument("--requests", type=int, default=3000, help="--h2load: requests per measurement.")
     args = parser.parse_args()
     if args.bare_server is not None:
         return bare_server(args.bare_server)
@@ -373,6 +450,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     result: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                 "python": platform.python_version(), "torch": torch.__version__}}
+    if args.h2load:
+        result["h2load"] = h2load_figures(tmp, args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return
 
     # The floor: an empty call on a bare grpc.aio server, then on ours (same client, same run).
     bare = BareServer(tmp / "bare.log")

@@ -79,6 +79,10 @@ class InferenceConfig(_Model):
     """torch intra-op threads for the forward pass (0: torch's default)."""
     verify_bundle: bool = True
     """Check every bundle file's size and sha256 before serving it."""
+    compile_dense: bool = True
+    """Run the dense forward pass in ONNX Runtime (exported when a version is loaded, and checked against
+    the model: one that cannot be exported, or answers differently, runs in PyTorch with a warning).
+    false: always PyTorch, eagerly."""
 
     @model_validator(mode="after")
     def _check(self) -> "InferenceConfig":

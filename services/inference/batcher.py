@@ -7,7 +7,8 @@ the forward pass on a dedicated compute thread while the event loop keeps
 receiving requests; those form the next micro-batch (a small micro-batch runs
 on the loop's thread: the hand-over would cost more than its forward pass).
 
-Waiting: a request arriving at an idle server is answered at once. Only when
+Waiting: a request arriving at an idle server is answered at once, in its
+own task (no hand-over to the batching loop and back). Only when
 requests are arriving concurrently (the previous micro-batch merged several,
 or most recent requests arrived while another was in flight) does a
 micro-batch wait up to `max_delay_ms` for more, so sequential callers pay no
@@ -68,16 +69,43 @@ class Batcher:
         self.executor.shutdown(wait=False)
 
     async def infer(self, samples: Samples, version: int | None = None) -> Result:
-        pending = Pending(samples, version)
         self._overlap = 0.8 * self._overlap + 0.2 * (self.in_flight > 0)
         self.counters["requests_total"] += 1
         self.counters["rows_total"] += len(samples)
         self.in_flight += 1
         try:
-            await self.queue.put(pending)
+            if self._alone(samples):
+                await asyncio.sleep(0)  # requests that arrived with this one get as far as the queue first
+                if self._alone(samples):
+                    return await self._answer_alone(samples, version)
+            pending = Pending(samples, version)
+            self.queue.put_nowait(pending)
             return await pending.future
         finally:
             self.in_flight -= 1
+
+    def _alone(self, samples: Samples) -> bool:
+        """A request that the loop would take as a micro-batch of its own and run on the event loop's thread
+        (nothing queued or running, no company expected, small): answered in the caller's task, without the
+        hand-overs to the batching task and back. (Asked again after one turn of the event loop: requests that
+        arrived together are all queued by then, and merged by the loop.)"""
+        return (self.queue.empty() and not self._running.locked() and not self._waiting()
+                and len(samples) <= self.inline_max_rows)
+
+    async def _answer_alone(self, samples: Samples, version: int | None) -> Result:
+        async with self._running:
+            self._concurrent = False
+            model = self.source.current()
+            if version is not None and version != model.version:
+                self.counters["failed_requests_total"] += 1
+                raise NotFound(f"model version {version} is not loaded; serving version {model.version}")
+            self.counters["micro_batches_total"] += 1
+            try:
+                probs = await self._run(model, [samples])
+            except Exception:
+                self.counters["failed_requests_total"] += 1
+                raise
+            return Result(probs, model.version, len(samples))
 
     def _waiting(self) -> bool:
         """Whether a micro-batch should wait for company: requests are arriving concurrently (the last

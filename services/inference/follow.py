@@ -56,11 +56,12 @@ def build_dense(manifest: BundleManifest, state: dict[str, Any]) -> torch.nn.Mod
     return module
 
 
-def inference_model(snapshot: Snapshot, dense: torch.nn.Module) -> Any:
-    """make_model for the inference service: its LoadedModel over the version's merged table, in this process."""
+def inference_model(snapshot: Snapshot, dense: torch.nn.Module, *, compile: bool = True) -> Any:
+    """make_model for the inference service: its LoadedModel over the version's merged table, in this process
+    (`compile`: its dense forward in ONNX Runtime, services.inference.compiled)."""
     from services.inference.model import LocalTable, assemble
 
-    return assemble(snapshot.manifest, dense, LocalTable(snapshot.table))
+    return assemble(snapshot.manifest, dense, LocalTable(snapshot.table), compile=compile)
 
 
 def _default_make_model(snapshot: Snapshot, dense: torch.nn.Module) -> FollowedModel:

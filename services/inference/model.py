@@ -29,6 +29,7 @@ from hybridrec.frames import PSLookup, PSRows
 from hybridrec.models import build_model, feature_infos
 from hybridrec.pooling import Pooler
 from hybridrec.sharding import split_by_shard
+from services.inference.compiled import CompiledDense
 
 
 class Table(Protocol):
@@ -100,16 +101,20 @@ class LoadedModel:
     pooler: Pooler
     outputs: int
     """Logits per sample: 1 gives probability (batch,), more give (batch, outputs)."""
+    compiled: CompiledDense | None = None
+    """The dense forward in ONNX Runtime (the inference service's), or None: PyTorch, eagerly."""
 
     def forward(self, dense: np.ndarray, bags) -> np.ndarray:
         """float32 probabilities (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in)."""
         device = torch.device("cpu")
         with torch.inference_mode():
             _, pooled = self.pooler.pool(bags, device, grad=False)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
-                logits = self.model(torch.from_numpy(dense), pooled)
-            probs = torch.sigmoid(logits.float())
-        probs = probs.numpy()
+            if self.compiled is not None:
+                probs = self.compiled(dense, pooled)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
+                    logits = self.model(torch.from_numpy(dense), pooled)
+                probs = torch.sigmoid(logits.float()).numpy()
         if probs.ndim == 2 and probs.shape[1] == 1:
             probs = probs[:, 0]
         return probs
@@ -141,8 +146,10 @@ def build_dense(manifest: BundleManifest, state_dict: dict) -> torch.nn.Module:
     return model
 
 
-def load_model(path: str | Path, *, table: Table | None = None, check: bool = True) -> LoadedModel:
-    """A LoadedModel from bundle directory `path`; `table` replaces the bundle's own embedding tables."""
+def load_model(path: str | Path, *, table: Table | None = None, check: bool = True,
+               compile: bool = False) -> LoadedModel:
+    """A LoadedModel from bundle directory `path`; `table` replaces the bundle's own embedding tables;
+    `compile`: the dense forward in ONNX Runtime where it answers as the model does (`CompiledDense`)."""
     manifest, local = open_bundle(Path(path), check=check)
     if manifest.base_version is not None:
         raise BundleError(f"{Path(path) / 'manifest.json'}: a delta on version {manifest.base_version} (a live "
@@ -153,11 +160,13 @@ def load_model(path: str | Path, *, table: Table | None = None, check: bool = Tr
     elif isinstance(table, RemotePSTable) and len(table.addresses) != manifest.num_shards:
         raise ConfigError(f"ps: lists {len(table.addresses)} shard(s); the bundle {path} has "
                          f"{manifest.num_shards}: give one address per shard, in shard order")
-    return assemble(manifest, model, table)
+    return assemble(manifest, model, table, compile=compile)
 
 
-def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table) -> LoadedModel:
-    """A LoadedModel of a built dense module and a table (a bundle's, or a followed version's merged one)."""
+def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table, *,
+             compile: bool = False) -> LoadedModel:
+    """A LoadedModel of a built dense module and a table (a bundle's, or a followed version's merged one);
+    `compile` as in `load_model`."""
     pooler = Pooler(manifest.features, ValueCodec(fp16=False))
     # One zero sample tells how many logits the model answers per sample.
     bags = pooler.from_columns(np.zeros((1, len(manifest.features)), np.uint64),
@@ -166,4 +175,9 @@ def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table) -> 
     probe = LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, 1)
     out = probe.forward(np.zeros((1, manifest.num_dense), np.float32), bags)
     outputs = 1 if out.ndim == 1 else int(out.shape[1])
-    return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs)
+    compiled = None
+    if compile:
+        with torch.inference_mode():
+            pooled = pooler.pool(bags, torch.device("cpu"), grad=False)[1]
+        compiled = CompiledDense.build(model, pooled, manifest.num_dense, precision=manifest.precision)
+    return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs, compiled)

@@ -7,6 +7,7 @@ grpc.health.v1 status and /v2/health/ready turn ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import torch
 from aiohttp import web
@@ -53,13 +54,13 @@ async def serve(settings: InferenceConfig) -> None:
     try:
         if settings.follow is not None:  # live versions: the newest one, swapped in as they are published
             follow = FollowSource(settings.follow, poll_s=settings.follow_poll_s, check=settings.verify_bundle,
-                                  make_model=inference_model)
+                                  make_model=functools.partial(inference_model, compile=settings.compile_dense))
             host.add(None, stats=follow.stats)
             await loop.run_in_executor(None, follow.start, settings.follow_wait_s)
             source = follow
         else:
             source = StaticSource(await loop.run_in_executor(None, lambda: load_model(
-                settings.bundle, table=table, check=settings.verify_bundle)))
+                settings.bundle, table=table, check=settings.verify_bundle, compile=settings.compile_dense)))
     except BaseException:  # nothing to serve: close what is open, then report (exit 2 from the CLI)
         if follow is not None:
             await loop.run_in_executor(None, follow.stop)

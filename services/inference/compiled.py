@@ -1,0 +1,174 @@
+"""The dense forward pass compiled for serving: the model exported to ONNX and run by ONNX Runtime.
+
+At batch 1 the eager PyTorch forward of a small CTR model is almost all
+dispatch: a hundred-odd operator calls through Python and the dispatcher
+(the MMoE example: 4 experts, 2 gates and towers and a target attention) cost
+several hundred microseconds for a few hundred thousand multiply-adds. ONNX
+Runtime runs the same graph from C++, one thread, with its operators fused.
+
+What is exported is `_Flat`: the model behind a flat signature — the dense
+matrix, each width's pooled block (batch, features, width) and each
+sequence's (values, lengths) — with the sigmoid on top, so the service passes
+the pooler's arrays as they are. The batch dimension is dynamic. Each version
+is exported when it is loaded (tens of milliseconds, off the request path),
+and checked against the eager model on random inputs: a model the exporter
+cannot hold, or that answers differently, is served eagerly, with the reason
+logged — never a wrong answer. bf16 bundles stay eager (they are trained and
+evaluated under CPU autocast, which the export would not reproduce).
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridrec import log
+from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
+
+TOLERANCE = 1e-5
+"""Largest difference from the eager model allowed on the check inputs (probabilities)."""
+CHECK_ROWS = 3
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One entry of the flat signature: a width's block of pooled features, or a sequence feature."""
+
+    names: tuple[str, ...]
+    sequence: bool
+
+
+class _Flat(torch.nn.Module):
+    """The model over flat tensors: rebuilds the `PooledEmbeddings` it was trained with, then the sigmoid."""
+
+    def __init__(self, model: torch.nn.Module, slots: list[Slot]):
+        super().__init__()
+        self.model, self.slots = model, slots
+
+    def forward(self, dense: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        pooled, i = PooledEmbeddings(), 0
+        for slot in self.slots:
+            if slot.sequence:
+                pooled[slot.names[0]] = SeqEmbedding(tensors[i], tensors[i + 1])
+                i += 2
+            else:
+                block = tensors[i]
+                pooled.blocks.append((slot.names, block))
+                for j, name in enumerate(slot.names):
+                    pooled[name] = block[:, j]
+                i += 1
+        return torch.sigmoid(self.model(dense, pooled).float())
+
+
+def slots_of(pooled: PooledEmbeddings) -> list[Slot]:
+    """The flat signature of what the pooler gives: its blocks, then each other feature (a sequence, or a
+    pooled feature outside any block, as a block of one)."""
+    slots = [Slot(tuple(names), False) for names, _ in pooled.blocks]
+    in_blocks = {name for slot in slots for name in slot.names}
+    for name, value in pooled.items():
+        if name not in in_blocks:
+            slots.append(Slot((name,), isinstance(value, SeqEmbedding)))
+    return slots
+
+
+def flat_inputs(slots: list[Slot], pooled: PooledEmbeddings) -> list[torch.Tensor]:
+    blocks = {names: block for names, block in pooled.blocks}
+    out = []
+    for slot in slots:
+        if slot.sequence:
+            out += list(pooled[slot.names[0]])
+        else:
+            out.append(blocks[slot.names] if slot.names in blocks else pooled[slot.names[0]].unsqueeze(1))
+    return out
+
+
+class CompiledDense:
+    """One version's dense forward in ONNX Runtime: `__call__(dense, pooled)` gives float32 probabilities,
+    (batch, logits) as the model answers them."""
+
+    def __init__(self, session, slots: list[Slot], names: list[str]):
+        self.session, self.slots, self.names = session, slots, names
+
+    def __call__(self, dense: np.ndarray, pooled: PooledEmbeddings) -> np.ndarray:
+        feeds = {"dense": dense}
+        for name, tensor in zip(self.names, flat_inputs(self.slots, pooled)):
+            feeds[name] = tensor.numpy()
+        return self.session.run(None, feeds)[0]
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int,
+              *, precision: str = "fp32") -> "CompiledDense | None":
+        """`model` compiled, given what the pooler makes of a probe batch (`pooled`: its structure, not its
+        values); None, with the reason logged, when it cannot be (the service then runs it eagerly)."""
+        why = _cannot(precision)
+        if why is None:
+            try:
+                compiled = cls._export(model, slots_of(pooled), pooled, num_dense)
+                why = compiled._differs(model, pooled, num_dense)
+            except Exception as exc:  # noqa: BLE001 - any exporter or runtime refusal: the eager path serves
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if why is not None:
+            log.get().warning("dense_forward_eager", why=why)
+            return None
+        return compiled
+
+    @classmethod
+    def _export(cls, model: torch.nn.Module, slots: list[Slot], pooled: PooledEmbeddings,
+                num_dense: int) -> "CompiledDense":
+        import onnxruntime
+
+        example = _random_inputs(slots, pooled, num_dense, rows=2, seed=0)
+        names = [f"in{i}" for i in range(len(example) - 1)]
+        buf = io.BytesIO()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice, at every version
+            torch.onnx.export(_Flat(model, slots).eval(), tuple(example), buf, input_names=["dense", *names],
+                              output_names=["probability"], dynamo=False,
+                              dynamic_axes={name: {0: "batch"} for name in ["dense", *names, "probability"]})
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1  # one request's work: one thread
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        session = onnxruntime.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
+        return cls(session, slots, names)
+
+    def _differs(self, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int) -> str | None:
+        """Why this session cannot stand in for `model` (answers off by more than TOLERANCE), or None."""
+        dense, *tensors = _random_inputs(self.slots, pooled, num_dense, rows=CHECK_ROWS, seed=1)
+        with torch.inference_mode():
+            want = _Flat(model, self.slots)(dense, *tensors).numpy()
+        feeds = {"dense": dense.numpy(), **{n: t.numpy() for n, t in zip(self.names, tensors)}}
+        got = self.session.run(None, feeds)[0]
+        if got.shape != want.shape:
+            return f"the exported model answers shape {got.shape}, the model {want.shape}"
+        diff = float(np.abs(got - want).max())
+        return None if diff <= TOLERANCE else f"the exported model differs from the model by {diff:.2e}"
+
+
+def _cannot(precision: str) -> str | None:
+    if precision == "bf16":
+        return "a bf16 bundle is answered under CPU autocast, as it was evaluated"
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed"
+    return None
+
+
+def _random_inputs(slots: list[Slot], pooled: PooledEmbeddings, num_dense: int, *, rows: int,
+                   seed: int) -> list[torch.Tensor]:
+    """Inputs of the flat signature shaped like `pooled`'s but `rows` long, with random values (sequences
+    of random lengths, empty ones included)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randn(rows, num_dense, generator=gen)]
+    shaped = iter(flat_inputs(slots, pooled))
+    for slot in slots:
+        values = next(shaped)
+        out.append(torch.randn((rows, *values.shape[1:]), generator=gen) * 0.5)
+        if slot.sequence:
+            next(shaped)
+            out.append(torch.randint(0, values.shape[1] + 1, (rows,), generator=gen))
+    return out
