@@ -35,7 +35,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import FeatureConfig, ModelConfig
 from hybridrec.files import write_json_atomic
-from hybridrec.sharding import shard_of
 
 FORMAT = "hybridrec-bundle"
 FORMAT_VERSION = 1
@@ -333,15 +332,13 @@ class EmbeddingTable:
         self.shards = shards
 
     def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.uint64)
-        if len(self.shards) == 1:
-            return self.shards[0].lookup(dim, ids)
-        owner = shard_of(ids, len(self.shards))
+        """float32 (n, dim): each ID's row in the shard that owns it, zeros for IDs without one (one compiled
+        pass: `hybridrec.table_lookup`)."""
+        from hybridrec.table_lookup import lookup_into
+
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((ids.shape[0], dim), np.float32)
-        for shard, table in enumerate(self.shards):
-            mine = np.flatnonzero(owner == shard)
-            if mine.size:
-                out[mine] = table.lookup(dim, ids[mine])
+        lookup_into([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards], ids, out)
         return out
 
 

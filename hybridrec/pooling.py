@@ -199,6 +199,29 @@ class Pooler:
         out.blocks = pooled.blocks
         return leaves, out
 
+    def pool_host(self, emb: BatchEmbeddings) -> PooledEmbeddings:
+        """What `pool` makes of float32 host rows, as numpy arrays and without torch: each width's block of
+        pooled features (by the same compiled kernel) and each sequence as (values, lengths). The inference
+        service's compiled forward reads them as they are; at batch 1 torch's per-call overhead would be most
+        of the pooling's cost."""
+        from hybridrec.bag_kernels import pool_forward
+
+        pooled = PooledEmbeddings()
+        for dim, members in self.members.items():
+            rows = np.ascontiguousarray(emb.rows[dim], dtype=np.float32)
+            if self.pooled[dim]:
+                feats = self._pooled_arrays[dim]
+                block = np.empty((emb.batch_size, feats.size, dim), np.float32)
+                pool_forward(rows, emb.pos, emb.lengths, emb.start, emb.base, feats, self.powers, block)
+                pooled.blocks.append((tuple(self.names[f] for f in self.pooled[dim]), block))
+            sequences = [f for f in members if f in emb.sequences]
+            if sequences:  # index -1 (past a sample's length) reads the zero row appended last
+                padded = np.concatenate([rows, np.zeros((1, dim), np.float32)])
+                for f in sequences:
+                    index, lengths = emb.sequences[f]
+                    pooled[self.names[f]] = SeqEmbedding(padded[index], np.asarray(lengths, np.int64))
+        return pooled
+
     def _pool_width(self, leaf: torch.Tensor, emb: BatchEmbeddings, dim: int) -> torch.Tensor:
         """(batch, pooled features of width `dim`, dim): every bag of the width's pooled features."""
         feats = self._pooled_arrays[dim]

@@ -87,22 +87,24 @@ def flat_inputs(slots: list[Slot], pooled: PooledEmbeddings) -> list[torch.Tenso
 
 class CompiledDense:
     """One version's dense forward in ONNX Runtime: `__call__(dense, pooled)` gives float32 probabilities,
-    (batch, logits) as the model answers them."""
+    shaped as the model answers its logits."""
 
     def __init__(self, session, slots: list[Slot], names: list[str]):
+        """Use `build`."""
         self.session, self.slots, self.names = session, slots, names
 
     def __call__(self, dense: np.ndarray, pooled: PooledEmbeddings) -> np.ndarray:
+        """Probabilities of `dense` and the pooler's numpy arrays (`Pooler.pool_host`)."""
         feeds = {"dense": dense}
-        for name, tensor in zip(self.names, flat_inputs(self.slots, pooled)):
-            feeds[name] = tensor.numpy()
+        feeds.update(zip(self.names, flat_inputs(self.slots, pooled)))
         return self.session.run(None, feeds)[0]
 
     @classmethod
     def build(cls, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int,
               *, precision: str = "fp32") -> "CompiledDense | None":
-        """`model` compiled, given what the pooler makes of a probe batch (`pooled`: its structure, not its
-        values); None, with the reason logged, when it cannot be (the service then runs it eagerly)."""
+        """`model` compiled, given what the pooler makes of a probe batch (`pooled`, from `pool` or `pool_host`:
+        its structure, not its values); None, with the reason logged, when it cannot be (the service then runs
+        it eagerly)."""
         why = _cannot(precision)
         if why is None:
             try:

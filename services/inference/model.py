@@ -41,6 +41,9 @@ class LocalTable:
     """The bundle's tables, memory-mapped in this process."""
 
     def __init__(self, table: EmbeddingTable):
+        from hybridrec import table_lookup
+
+        table_lookup.warm_up()  # its kernel compiled (or loaded) now, not at the first request
         self.table = table
 
     async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -106,12 +109,11 @@ class LoadedModel:
 
     def forward(self, dense: np.ndarray, bags) -> np.ndarray:
         """float32 probabilities (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in)."""
-        device = torch.device("cpu")
-        with torch.inference_mode():
-            _, pooled = self.pooler.pool(bags, device, grad=False)
-            if self.compiled is not None:
-                probs = self.compiled(dense, pooled)
-            else:
+        if self.compiled is not None:
+            probs = self.compiled(dense, self.pooler.pool_host(bags))
+        else:
+            with torch.inference_mode():
+                _, pooled = self.pooler.pool(bags, torch.device("cpu"), grad=False)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
                     logits = self.model(torch.from_numpy(dense), pooled)
                 probs = torch.sigmoid(logits.float()).numpy()
@@ -177,7 +179,6 @@ def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table, *,
     outputs = 1 if out.ndim == 1 else int(out.shape[1])
     compiled = None
     if compile:
-        with torch.inference_mode():
-            pooled = pooler.pool(bags, torch.device("cpu"), grad=False)[1]
-        compiled = CompiledDense.build(model, pooled, manifest.num_dense, precision=manifest.precision)
+        compiled = CompiledDense.build(model, pooler.pool_host(bags), manifest.num_dense,
+                                       precision=manifest.precision)
     return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs, compiled)
