@@ -1,8 +1,9 @@
 """Prometheus metrics of every service (prometheus-client), served over HTTP by `ServiceHost`.
 
 Two kinds:
-* histograms observed on the hot path — RPC latency per method (in `rpc.guard`)
-  and, on NN workers, the staleness of every lookup;
+* histograms observed on the hot path — RPC latency per method (in `rpc.guard`),
+  on NN workers the staleness of every lookup, and in the inference service
+  each micro-batch's rows and each request's wait in the batcher;
 * each service's `stats()` dictionary, read at scrape time by `StatsCollector`
   (no bookkeeping twice): a key ending in `_total` is a counter, anything else a
   gauge, named `hybridrec_<service>_<key>` with a `replica` label.
@@ -27,6 +28,16 @@ REFUSED = Counter(
 STALENESS = Histogram(
     "hybridrec_staleness_batches", "Batches with unapplied updates when an NN worker started a lookup.",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+
+MICRO_BATCH_ROWS = Histogram(
+    "hybridrec_inference_micro_batch_rows", "Rows of each micro-batch the inference service's batcher ran.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+)
+QUEUE_DELAY = Histogram(
+    "hybridrec_inference_queue_delay_seconds", "How long a request waited in the inference batcher before its "
+    "micro-batch started (0: answered alone, at once).",
+    buckets=(0.0, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1),
 )
 
 

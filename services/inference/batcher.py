@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridrec.inference_config import BatchingConfig
+from hybridrec.metrics import MICRO_BATCH_ROWS, QUEUE_DELAY
 from services.inference.inputs import NotFound, Samples
 from services.inference.model import LoadedModel, ModelSource
 
@@ -34,6 +35,7 @@ class Pending:
     samples: Samples
     version: int | None  # the version the request asked for, None: any
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Batcher:
                 self.counters["failed_requests_total"] += 1
                 raise NotFound(f"model version {version} is not loaded; serving version {model.version}")
             self.counters["micro_batches_total"] += 1
+            QUEUE_DELAY.observe(0.0)
+            MICRO_BATCH_ROWS.observe(len(samples))
             try:
                 probs = await self._run(model, [samples])
             except Exception:
@@ -164,6 +168,10 @@ class Batcher:
         if not live:
             return
         self.counters["micro_batches_total"] += 1
+        started = time.perf_counter()
+        for p in live:
+            QUEUE_DELAY.observe(started - p.queued_at)
+        MICRO_BATCH_ROWS.observe(sum(len(p.samples) for p in live))
         try:
             probs = await self._run(model, [p.samples for p in live])
         except Exception as exc:  # noqa: BLE001 - answered to each caller; the loop keeps serving

@@ -378,3 +378,47 @@ def test_read_only_ps_shards_serve_a_sequence_model_by_feature_name(tmp_path):
     finally:
         for s in shards:
             s.stop()
+
+
+def test_a_lone_request_is_answered_at_once_and_the_batcher_reports_its_micro_batches(bundle):
+    """Sequential requests each run alone, without waiting in the batcher; concurrent ones wait and merge. The
+    metrics say so: each micro-batch's rows, and each request's wait (0 when answered alone)."""
+    from prometheus_client import REGISTRY
+
+    path, known, _ = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    ids = random_ids(known, 20, seed=4)
+    dense = np.random.default_rng(4).random((20, 13), dtype=np.float32)
+    requests = [decoder.decode(_ids_tensors(ids[i:i + 1], dense[i:i + 1])) for i in range(20)]
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig(max_batch_rows=8, max_delay_ms=50))
+        batcher.start()
+        try:
+            alone = [await batcher.infer(r) for r in requests[:5]]
+            waits = sample("hybridrec_inference_queue_delay_seconds_sum")
+            merged = await asyncio.gather(*(batcher.infer(r) for r in requests[5:]))
+            return alone, merged, waits
+        finally:
+            await batcher.close()
+
+    before = {k: sample(k) for k in ("hybridrec_inference_queue_delay_seconds_count",
+                                      "hybridrec_inference_queue_delay_seconds_sum",
+                                      "hybridrec_inference_micro_batch_rows_sum",
+                                      "hybridrec_inference_micro_batch_rows_count")}
+    alone, merged, waits_after_alone = asyncio.run(go())
+    assert [r.micro_batch_rows for r in alone] == [1] * 5
+    assert waits_after_alone == before["hybridrec_inference_queue_delay_seconds_sum"]  # alone: no wait at all
+    assert sorted(r.micro_batch_rows for r in merged)[-1] == 8  # 15 together, at most 8 rows a micro-batch
+    assert sample("hybridrec_inference_queue_delay_seconds_count") - before[
+        "hybridrec_inference_queue_delay_seconds_count"] == 20
+    assert sample("hybridrec_inference_queue_delay_seconds_sum") > waits_after_alone  # the merged ones waited
+    assert sample("hybridrec_inference_micro_batch_rows_sum") - before["hybridrec_inference_micro_batch_rows_sum"] == 20
+    micro = sample("hybridrec_inference_micro_batch_rows_count") - before["hybridrec_inference_micro_batch_rows_count"]
+    assert 5 + 2 <= micro <= 5 + 3  # 5 alone, then 15 rows in micro-batches of at most 8
+    want = reference(path, ids, dense)
+    np.testing.assert_allclose(np.concatenate([r.probability for r in alone + merged]), want, atol=ATOL)
