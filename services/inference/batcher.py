@@ -89,9 +89,9 @@ class Batcher:
     def _alone(self, samples: Samples) -> bool:
         """A request that the loop would take as a micro-batch of its own and run on the event loop's thread
         (nothing queued or running, no company expected, small): answered in the caller's task, without the
-        hand-overs to the batching task and back. (Asked again after one turn of the event loop: requests that
-        arrived together are all queued by then, and merged by the loop.)"""
-        return (self.queue.empty() and not self._running.locked() and not self._waiting()
+        hand-overs to the batching task and back. (Asked again after one turn of the event loop: a request that
+        arrived meanwhile is in flight too, and both go to the loop, which merges them.)"""
+        return (self.in_flight == 1 and self.queue.empty() and not self._running.locked() and not self._waiting()
                 and len(samples) <= self.inline_max_rows)
 
     async def _answer_alone(self, samples: Samples, version: int | None) -> Result:
