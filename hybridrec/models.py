@@ -103,6 +103,7 @@ class DNN(nn.Module):
                  num_tasks: int = 1):
         super().__init__()
         self.names = [f.name for f in features]
+        self.num_dense = num_dense  # a constant, not dense.shape[1]: an exported graph folds the weight's split
         width = sum(f.dim for f in features) + num_dense
         self.net = mlp([width, *hidden, num_tasks], last_activation=False)
 
@@ -112,7 +113,7 @@ class DNN(nn.Module):
         # Each column block is copied contiguous first (a few kB): MKL's products with a strided weight took
         # 1.8 + 2.6 ms forward and back against 1.4 + 1.1 at width 8 on the development machine's CPU.
         first, *rest = self.net
-        n = dense.shape[1]
+        n = self.num_dense
         x = F.linear(side_by_side(embeddings, self.names), first.weight[:, n:].contiguous()) + \
             F.linear(dense, first.weight[:, :n].contiguous(), first.bias)
         for layer in rest:
