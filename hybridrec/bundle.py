@@ -329,6 +329,9 @@ class EmbeddingTable:
     """All shards of a bundle in this process: what the inference service looks rows up in."""
 
     def __init__(self, shards: list[ShardTable]):
+        from hybridrec import table_lookup
+
+        table_lookup.warm_up()  # its kernel compiled (or loaded from numba's cache) now, not at the first lookup
         self.shards = shards
 
     def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:

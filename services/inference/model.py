@@ -41,9 +41,6 @@ class LocalTable:
     """The bundle's tables, memory-mapped in this process."""
 
     def __init__(self, table: EmbeddingTable):
-        from hybridrec import table_lookup
-
-        table_lookup.warm_up()  # its kernel compiled (or loaded) now, not at the first request
         self.table = table
 
     async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
