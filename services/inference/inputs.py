@@ -319,8 +319,8 @@ class InputDecoder:
         return lengths
 
     @staticmethod
-    def _hash(t: Tensor, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """uint64 IDs of integer or string values, and which are there (an empty string is not)."""
+    def _hash(t: Tensor, group: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """uint64 IDs of integer or string values, and which are there (an empty string is not; None: all)."""
         group_hi = np.uint64(group << GROUP_SHIFT)
         count = int(t.shape[0])
         out = np.empty(count, np.uint64)
@@ -333,4 +333,4 @@ class InputDecoder:
             return out, present
         values = np.asarray(t.data).reshape(count)
         hash_ints(values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64), group_hi, out)
-        return out, np.ones(count, np.bool_)
+        return out, None  # every integer is there
