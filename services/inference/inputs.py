@@ -81,19 +81,25 @@ ID_DATATYPES = ("INT64", "INT32", "UINT64", "BYTES")
 class Samples:
     bags: KeyedBags  # every feature, in manifest order
     dense: np.ndarray  # float32 (n, num_dense)
+    columns: tuple[np.ndarray, np.ndarray] | None = None
+    """(ids (n, F), present (n, F)) when every feature came as one ID or none per sample (`rows`, `ids`): a
+    model of scalar features of one width looks them up as they are (`LoadedModel.forward_columns`)."""
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
 
     @staticmethod
     def from_columns(ids: np.ndarray, present: np.ndarray, dense: np.ndarray) -> "Samples":
-        return Samples(KeyedBags.from_columns(ids, present), dense)
+        return Samples(KeyedBags.from_columns(ids, present), dense, (ids, present))
 
     @staticmethod
     def concat(parts: Sequence["Samples"]) -> "Samples":
         if len(parts) == 1:
             return parts[0]
-        return Samples(KeyedBags.concat([p.bags for p in parts]), np.concatenate([p.dense for p in parts]))
+        columns = None
+        if all(p.columns is not None for p in parts):
+            columns = (np.concatenate([p.columns[0] for p in parts]), np.concatenate([p.columns[1] for p in parts]))
+        return Samples(KeyedBags.concat([p.bags for p in parts]), np.concatenate([p.dense for p in parts]), columns)
 
 
 class InputDecoder:

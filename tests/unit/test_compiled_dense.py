@@ -103,3 +103,42 @@ def _probe_bags(model):
     uniq, bags = model.pooler.from_bags(samples.bags)
     bags.rows = {dim: model.table.table.lookup(dim, ids) for dim, ids in uniq.items()}
     return bags
+
+
+def test_scalar_columns_are_looked_up_as_they_are_and_answer_as_the_pooled_path(tmp_path):
+    """The README model's requests (`ids`: one ID or none per feature; known, unknown and absent ones) go
+    through `forward_columns`, alone and merged, and answer as the reference forward pass does."""
+    import asyncio
+
+    from hybridrec.inference_config import BatchingConfig
+    from services.inference.batcher import Batcher
+    from services.inference.model import StaticSource
+    from tests.inference_util import make_bundle, random_ids, reference
+
+    _, known = make_bundle(tmp_path / "b")
+    model = load_model(tmp_path / "b", compile=True)
+    (tmp_path / "din").mkdir()
+    assert model.takes_columns and not load_model(_bundle_of(tmp_path / "din", "din_parquet.yaml"),
+                                                  compile=True).takes_columns
+    ids = random_ids(known, 24, seed=5, unknown=0.3, absent=0.2)
+    dense = np.random.default_rng(5).random((24, 13), dtype=np.float32)
+    decoder = InputDecoder(model.manifest, 4096)
+
+    def request(a, b):
+        return decoder.decode([Tensor("ids", "UINT64", ids[a:b].shape, ids[a:b].reshape(-1)),
+                               Tensor("dense", "FP32", dense[a:b].shape, dense[a:b].reshape(-1))])
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig(max_delay_ms=20))
+        batcher.start()
+        try:
+            alone = [await batcher.infer(request(i, i + 1)) for i in range(4)]
+            merged = await asyncio.gather(*(batcher.infer(request(i, i + 2)) for i in range(4, 24, 2)))
+            return alone + list(merged)
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(go())
+    assert max(r.micro_batch_rows for r in results) > 2  # some requests were merged
+    np.testing.assert_allclose(np.concatenate([r.probability for r in results]), reference(tmp_path / "b", ids, dense),
+                               rtol=0, atol=1e-5)
