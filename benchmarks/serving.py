@@ -390,7 +390,7 @@ def h2load_model(server: "Server", payloads: dict[str, bytes], requests: int) ->
 
 
 def h2load_figures(tmp: Path, args) -> dict:
-    """Issue-43 figures: the README model at batch 1 (a TSV line) and the multi-task example at 1 and 16 rows."""
+    """The request-path figures: the README model at batch 1 (a TSV line) and the multi-task example at 1 and 16 rows."""
     from tests.inference_util import criteo_lines, tokens_for
 
     hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
