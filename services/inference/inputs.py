@@ -241,7 +241,12 @@ class InputDecoder:
 
     # -- by feature name ---------------------------------------------------------------------------
     def _named(self, by_name: dict[str, Tensor]) -> Samples:
-        by_column = bool(set(self.dense_columns) & set(by_name)) and "dense" not in by_name
+        columns_given = sorted(set(self.dense_columns) & set(by_name))
+        if columns_given and "dense" in by_name:
+            raise BadInput(f"the dense features are given twice: as 'dense' and as the dense columns "
+                           f"{columns_given}; send one form, 'dense' (FP32 [batch, {self.num_dense}]) or every "
+                           f"column ({', '.join(self.dense_columns)}, FP32 each)")
+        by_column = bool(columns_given)
         dense_names = self.dense_columns if by_column else ["dense"]
         lengths_names = {f.name + LENGTHS_SUFFIX for f in self.features}
         unknown = sorted(set(by_name) - set(dense_names) - {f.name for f in self.features} - lengths_names)
