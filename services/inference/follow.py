@@ -119,6 +119,11 @@ class FollowSource:
         return self.make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
 
     def _run(self) -> None:
+        from hybridrec import table_lookup
+
+        # numba's first kernel load (about 0.7 s of a cold 1.1 s first load on this machine, several seconds
+        # while a run starts beside it) is paid now, while no version may exist yet, not by the first swap.
+        table_lookup.warm_up()
         while not self._stop.is_set():
             try:
                 if self.poll_once():
