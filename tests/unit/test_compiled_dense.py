@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from hybridrec.config import FeatureKind
+from hybridrec.pooling import PooledEmbeddings
 from services.inference.compiled import CompiledDense
 from services.inference.inputs import InputDecoder, Tensor
 from services.inference.model import load_model
@@ -142,3 +143,51 @@ def test_scalar_columns_are_looked_up_as_they_are_and_answer_as_the_pooled_path(
     assert max(r.micro_batch_rows for r in results) > 2  # some requests were merged
     np.testing.assert_allclose(np.concatenate([r.probability for r in results]), reference(tmp_path / "b", ids, dense),
                                rtol=0, atol=1e-5)
+
+
+class _Scaled(torch.nn.Module):
+    """Its output scale is a plain attribute: two instances with different scales look alike to the exporter's
+    key (class, layers, weights), but answer differently."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.scale = scale
+
+    def forward(self, dense, embeddings):
+        return (self.linear(dense) * self.scale).squeeze(-1)
+
+
+def test_a_later_version_of_an_architecture_reuses_its_export_with_its_own_weights(tmp_path, capsys):
+    """A follower's next version (same model, new weights) is not exported again: its weights go into the graph
+    exported for the first, and it answers as its own eager model. A model that looks the same to the export's
+    key but answers differently is caught by the check and exported afresh."""
+    import dataclasses
+
+    bundle = _bundle_of(tmp_path, "multitask_parquet.yaml")
+    first = load_model(bundle, compile=True)
+    later = load_model(bundle)
+    with torch.no_grad():
+        for p in later.model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    bags = _probe_bags(first)
+    again = CompiledDense.build(later.model, first.pooler.pool_host(bags), first.manifest.num_dense)
+    assert again is not None and again.reweighted
+    tensors = _named_request(first.manifest, 16, 3)
+    want = _forward(later, tensors)
+    got = _forward(dataclasses.replace(later, compiled=again), tensors)
+    assert np.abs(got - _forward(first, tensors)).max() > 1e-3  # the new weights answer, not the first's
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+    nothing = PooledEmbeddings()  # a model of the dense features alone: the flat signature is `dense`
+    doubled = CompiledDense.build(_Scaled(2.0).eval(), nothing, 4)
+    tripled_model = _Scaled(3.0).eval()
+    tripled = CompiledDense.build(tripled_model, nothing, 4)
+    assert doubled is not None and not doubled.reweighted
+    assert tripled is not None and not tripled.reweighted  # the doubled graph failed its check: exported again
+    logged = capsys.readouterr()
+    assert "dense_forward_reexported" in logged.out + logged.err
+    dense = torch.randn(5, 4)
+    with torch.inference_mode():
+        want = torch.sigmoid(tripled_model(dense, nothing)).numpy()
+    np.testing.assert_allclose(tripled(dense.numpy(), nothing), want, rtol=0, atol=1e-5)
