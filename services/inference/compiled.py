@@ -176,6 +176,24 @@ class CompiledDense:
         return None if diff <= TOLERANCE else f"the exported model differs from the model by {diff:.2e}"
 
 
+def warm_up() -> None:
+    """Export and run a one-layer model once: the exporter's and ONNX Runtime's first call (imports, lazily built
+    tables: about a second on a loaded machine) then happens before a first version is loaded, not during it."""
+    from hybridrec.pooling import PooledEmbeddings as _Pooled
+
+    class _One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, dense, embeddings):
+            return self.linear(dense).squeeze(-1)
+
+    if _cannot("fp32") is None:
+        one = CompiledDense._export(_One().eval(), [], _Pooled(), 2, key="warm-up")
+        one(np.zeros((1, 2), np.float32), _Pooled())
+
+
 def _session(graph: bytes):
     import onnxruntime
 

@@ -181,6 +181,12 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                                            "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
                                            "--set", "follow_poll_s=0.2"],
                               cwd=REPO, stdout=open(tmp_path / "inference.log", "w"), stderr=subprocess.STDOUT)
+    # And the run starts once the service has loaded what a first version's load would otherwise wait for (numba,
+    # the exporter: seconds on a loaded machine, in which a fast run published most of its versions).
+    deadline = time.monotonic() + 240
+    while '"follow_warmed"' not in (tmp_path / "inference.log").read_text():
+        assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "inference.log").read_text()[-3000:]
+        time.sleep(0.1)
     run, run_dir, _ = _start_publishing_run(tmp_path, small_data, epochs=8)  # ~23 versions: a slow start leaves
     # enough of them for the clients on a loaded machine
     stop = threading.Event()
