@@ -179,8 +179,6 @@ class CompiledDense:
 def warm_up() -> None:
     """Export and run a one-layer model once: the exporter's and ONNX Runtime's first call (imports, lazily built
     tables: about a second on a loaded machine) then happens before a first version is loaded, not during it."""
-    from hybridrec.pooling import PooledEmbeddings as _Pooled
-
     class _One(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -190,8 +188,8 @@ def warm_up() -> None:
             return self.linear(dense).squeeze(-1)
 
     if _cannot("fp32") is None:
-        one = CompiledDense._export(_One().eval(), [], _Pooled(), 2, key="warm-up")
-        one(np.zeros((1, 2), np.float32), _Pooled())
+        one = CompiledDense._export(_One().eval(), [], PooledEmbeddings(), 2, key="warm-up")
+        one(np.zeros((1, 2), np.float32), PooledEmbeddings())
 
 
 def _session(graph: bytes):
