@@ -33,8 +33,9 @@ an undisturbed file run of the same rows. The accounting (printed, in the JSON a
   `stream_batch` line of that position: each once), acknowledged (the durable
   consumer's floor), skipped, lost; the summary's `stream.events`;
 * kills and broker restarts, recoveries per kind (the launcher's, from death to the replacement's first work);
-* served requests, errors, latency p50/p99/max, versions published and swapped in, and the final version's
-  answers against `hybridrec predict` of the same model;
+* served requests, errors, latency p50/p99/max (over the whole soak, while the job trained, and the service's
+  idle floor: `--idle-s` of answers once the job has ended and its final version is served), versions
+  published and swapped in, and the final version's answers against `hybridrec predict` of the same model;
 * the drifted items' served level against the planted one over time (per task), the control items';
 * each task's progressive AUC over the last 100,000 events, against the file run's.
 """
@@ -429,7 +430,11 @@ def drift_analysis(answers: dict, drift: dict, changed_at: float, tasks: list[st
     return out
 
 
-def served(answers: dict, inference_log: Path, run_dir: Path) -> dict:
+def served(answers: dict, inference_log: Path, run_dir: Path, job_ended_at: float | None = None,
+           idle_from: float | None = None) -> dict:
+    """The answers' count, errors and latency over the whole soak, and split: while the job trained (sent
+    before `job_ended_at`) and the service's idle floor in the same invocation (sent from `idle_from`, once
+    the final version was served and the job had gone)."""
     ok = answers["version"] >= 0
     ms = answers["seconds"][ok] * 1e3
     from_schedule = (answers["sent"] - answers["scheduled"] + answers["seconds"])[ok] * 1e3
@@ -442,10 +447,28 @@ def served(answers: dict, inference_log: Path, run_dir: Path) -> dict:
             "latency_ms": {"p50": pct(ms, 50), "p99": pct(ms, 99), "max": pct(ms, 100)},
             "latency_from_schedule_ms": {"p50": pct(from_schedule, 50), "p99": pct(from_schedule, 99),
                                          "max": pct(from_schedule, 100)},
+            "latency_while_training_ms": _split(ms, answers["sent"][ok], None, job_ended_at),
+            "latency_idle_floor_ms": _split(ms, answers["sent"][ok], idle_from, None),
             "versions_published": len(published), "versions_swapped": len(swapped),
             "published_not_swapped": sorted(set(published) - set(swapped)),
             "versions_answering": len(set(answers["version"][ok].tolist())),
             "versions_skipped": len(_events(inference_log, "version_skipped"))}
+
+
+def _split(ms: np.ndarray, sent: np.ndarray, start: float | None, end: float | None) -> dict | None:
+    """p50 / p99 / max and the count of the answers sent in [start, end) (None: open)."""
+    if start is None and end is None:
+        return None
+    inside = np.ones(len(ms), bool)
+    if start is not None:
+        inside &= sent >= start
+    if end is not None:
+        inside &= sent < end
+    part = ms[inside]
+    if not len(part):
+        return {"requests": 0}
+    return {"requests": int(len(part)), **{k: round(float(np.percentile(part, q)), 3)
+                                           for k, q in (("p50", 50), ("p99", 99), ("max", 100))}}
 
 
 def final_against_predict(answers: dict, index: np.ndarray, predicted: np.ndarray, final: int) -> dict:
@@ -568,7 +591,8 @@ def _latency_series(answers: dict, t0: float) -> dict:
 
 def soak(work: Path, *, minutes: float, rate: float | None = None, rate_share: float = 0.5,
          calibrate_rows: int = 500_000, kill_every_s: float = 10.0, broker_restarts: int = 2,
-         broker_down_s: float = 2.0, publish_s: float = 2.0, client_rps: float = 50.0, seed: int = 37,
+         broker_down_s: float = 2.0, publish_s: float = 2.0, client_rps: float = 50.0, idle_s: float = 20.0,
+         seed: int = 37,
          drift_fraction: float = 0.5, priority: str = "idle", file_reference: bool = True,
          overrides: list[str] | None = None) -> dict:
     """Run the soak in `work` (kept); returns the accounting (see the module docstring)."""
@@ -644,6 +668,7 @@ def soak(work: Path, *, minutes: float, rate: float | None = None, rate_share: f
                                   stdout=subprocess.DEVNULL, stderr=(work / "client.err").open("wb"))
         procs.append(client)
         _wait("the job ends", lambda: job.poll() is not None, planned_s * 4 + 1800, poll_s=1.0)
+        job_ended_at = time.time()
         chaos.stop()
         replaying.join(timeout=60)
         if job.returncode != 0:
@@ -653,7 +678,9 @@ def soak(work: Path, *, minutes: float, rate: float | None = None, rate_share: f
         final = summary.publish.last_version if summary.publish else None
         swapped = lambda: any(e["version"] == final for e in _events(work / "inference.log", "version_swapped"))  # noqa: E731
         _wait(f"version {final} is served", swapped, 120, alive=lambda: inference.poll() is None)
-        time.sleep(drift["probe_rows_per_id"] / client_rps + 2)  # a whole cycle of probe rows from the final version
+        idle_from = time.time() + 1.0  # the idle floor: the final version served, nothing trains (1 s to settle)
+        # A whole cycle of probe rows from the final version, and at least `idle_s` of the idle floor.
+        time.sleep(max(drift["probe_rows_per_id"] / client_rps + 2, idle_s + 1.0))
         stop_client.touch()
         client.wait(timeout=60)
         consumer = _consumer(broker.url)
@@ -701,7 +728,7 @@ def soak(work: Path, *, minutes: float, rate: float | None = None, rate_share: f
                   "kills_per_kind": {k: sum(1 for x in chaos.kills if x["service"] == k) for k in KINDS}},
         "recoveries": recoveries(summary, chaos.kills),
         "skipped_batches": summary.skipped_batches, "lost_updates": summary.lost_updates,
-        "served": served(answers, work / "inference.log", run_dir),
+        "served": served(answers, work / "inference.log", run_dir, job_ended_at, idle_from),
         "final_against_predict": final_against_predict(answers, index, predicted, final),
         "drift": drift_analysis(answers, drift, changed_at, tasks),
         "progressive": {"stream": {t.name: t.progressive_auc for t in summary.tasks or []},
@@ -733,7 +760,9 @@ def targets(result: dict) -> dict:
                                    and not served_["published_not_swapped"]
                                    and result["final_against_predict"]["answers_compared"] > 0
                                    and result["final_against_predict"]["max_abs_difference"] <= 1e-5),
-                     "p99_ms": served_["latency_ms"]["p99"], "errors": served_["errors"]},
+                     "p99_ms": served_["latency_ms"]["p99"], "errors": served_["errors"],
+                     "p99_while_training_ms": (served_.get("latency_while_training_ms") or {}).get("p99"),
+                     "idle_floor_p99_ms": (served_.get("latency_idle_floor_ms") or {}).get("p99")},
         "3_drift": {}, "4_progressive_auc": {}}
     for task, d in result["drift"]["tasks"].items():
         half = d["drifted"]["halfway_after_s"]
@@ -766,6 +795,8 @@ def main() -> None:
     parser.add_argument("--broker-down-s", type=float, default=2.0)
     parser.add_argument("--publish-s", type=float, default=2.0)
     parser.add_argument("--client-rps", type=float, default=50.0)
+    parser.add_argument("--idle-s", type=float, default=20.0, help="seconds the client keeps asking once the job "
+                        "has ended and its final version is served: the service's idle floor, in the same invocation")
     parser.add_argument("--seed", type=int, default=37)
     parser.add_argument("--priority", choices=("idle", "nice"), default="idle", help="the training job's: "
                         "SCHED_IDLE (chrt --idle 0) or nice 19; the inference service (torch_threads 1, as "
@@ -788,7 +819,8 @@ def main() -> None:
         result = soak(args.work or Path(scratch), minutes=args.minutes, rate=args.rate, rate_share=args.rate_share,
                       calibrate_rows=args.calibrate_rows, kill_every_s=args.kill_every_s,
                       broker_restarts=args.broker_restarts, broker_down_s=args.broker_down_s,
-                      publish_s=args.publish_s, client_rps=args.client_rps, seed=args.seed, priority=args.priority,
+                      publish_s=args.publish_s, client_rps=args.client_rps, idle_s=args.idle_s, seed=args.seed,
+                      priority=args.priority,
                       file_reference=not args.no_file_run, overrides=args.overrides)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=float))

@@ -58,7 +58,9 @@ class Bag:
         if present is not None and not present.all():
             kept = np.concatenate([[0], np.cumsum(present)])
             offsets, values = kept[offsets], values[present]
-        return Bag(np.ascontiguousarray(values, dtype=np.uint64), offsets)
+            return Bag(np.ascontiguousarray(values, dtype=np.uint64), offsets)
+        return Bag(np.ascontiguousarray(values, dtype=np.uint64), offsets,
+                   lengths if lengths.dtype == np.int64 else None)  # the lengths as given, not diffed again
 
     def keep_last(self, max_len: int) -> tuple["Bag", np.ndarray]:
         """Every sample's last `max_len` IDs (a sequence is oldest first: the most recent are kept), and which

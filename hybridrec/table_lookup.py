@@ -6,7 +6,11 @@ array operations per shard and width (routing, searchsorted, masks, a
 gather), about 30 microseconds at batch 1 whatever the batch: a tenth of a
 request's budget. Here each ID is routed (`hybridrec.sharding`'s splitmix64,
 mod the shard count), binary-searched in its shard's keys and its row copied,
-in one loop per shard. Imported at the first lookup (numba), not with the bundle.
+in one loop per shard. Imported (with numba) when a bundle's table is opened
+(`EmbeddingTable`), not with `hybridrec.bundle`. The splitmix64 constants are
+`hybridrec.sharding`'s, written here again on purpose: numba's cache is keyed
+on this file alone, and a constant read from another module would not
+invalidate it.
 """
 from __future__ import annotations
 

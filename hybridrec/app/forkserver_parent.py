@@ -62,9 +62,10 @@ def preload_dense() -> None:
 
     from hybridrec import bag_kernels
     from hybridrec.app import cli  # noqa: F401
-    from services.nn_worker import server as _nn  # noqa: F401
+    from services.nn_worker import progressive, server as _nn  # noqa: F401
 
     bag_kernels.warm_up()  # the CPU pooling's kernels (a GPU pools with torch's embedding_bag instead)
+    progressive.warm_up()
 
 
 def warm_up_ps(config_path: Path) -> None:

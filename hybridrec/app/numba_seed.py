@@ -51,19 +51,21 @@ def seed() -> bool:
 def compile_all(scratch: Path) -> None:
     """Call every service's warm-up, compiling its kernels into `NUMBA_CACHE_DIR`: the data loader's parser and
     batch deduplication, the embedding worker's deduplication and gradient aggregation, the PS store's lookup,
-    update and sweep (on a scratch table under `scratch`), the NN worker's CPU pooling, the inference service's
-    table lookup, and the synthetic data writer's."""
+    update and sweep (on a scratch table under `scratch`), the NN worker's CPU pooling and progressive window, the
+    inference service's table lookup, and the synthetic data writer's."""
     from hybridrec import bag_kernels, table_lookup
     from hybridrec.app.synth import synthesize
     from hybridrec.config import Config
     from services.dataloader import tsv
     from services.embedding_ps.server import warm_up as warm_up_ps
     from services.embedding_worker.server import warm_up as warm_up_embedding_worker
+    from services.nn_worker import progressive
 
     tsv.warm_up()
     warm_up_embedding_worker()
     bag_kernels.warm_up()
     table_lookup.warm_up()
+    progressive.warm_up()
     warm_up_ps(Config.model_validate({"data": {"train": ["unused.tsv"]}, "ps": {"shm_dir": str(scratch / "shm")}}))
     synthesize(scratch / "synth", rows=100, eval_rows=100, seed=1)
 

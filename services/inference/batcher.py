@@ -193,6 +193,8 @@ class Batcher:
 
     async def _run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
         samples = Samples.concat(parts)
+        if samples.columns is not None and model.takes_columns and len(samples) <= self.inline_max_rows:
+            return await model.forward_columns(samples.dense, *samples.columns)
         dense = samples.dense
         uniq, bags = model.pooler.from_bags(samples.bags)
         bags.rows = await model.table.lookup(uniq)

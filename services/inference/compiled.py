@@ -9,16 +9,25 @@ Runtime runs the same graph from C++, one thread, with its operators fused.
 What is exported is `_Flat`: the model behind a flat signature — the dense
 matrix, each width's pooled block (batch, features, width) and each
 sequence's (values, lengths) — with the sigmoid on top, so the service passes
-the pooler's arrays as they are. The batch dimension is dynamic. Each version
-is exported when it is loaded (tens of milliseconds, off the request path),
-and checked against the eager model on random inputs: a model the exporter
-cannot hold, or that answers differently, is served eagerly, with the reason
-logged — never a wrong answer. bf16 bundles stay eager (they are trained and
-evaluated under CPU autocast, which the export would not reproduce).
+the pooler's arrays as they are. The batch dimension is dynamic.
+
+A model is exported once per architecture (40-90 ms of the exporter's Python
+for the example models, holding the interpreter's lock while requests wait
+for it): the graph keeps every weight as an initializer named as in the
+state dict (the exporter's constant folding is off; ONNX Runtime folds the
+same constants when it builds a session, and runs as fast). A later version
+of the same architecture — what a follower loads every few seconds — only
+puts its weights into that graph's initializers and builds a session (5-10
+ms). Every version's session is checked against its eager model on random
+inputs: a model the exporter cannot hold, or that answers differently, is
+exported afresh or served eagerly, with the reason logged — never a wrong
+answer. bf16 bundles stay eager (they are trained and evaluated under CPU
+autocast, which the export would not reproduce).
 """
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +40,8 @@ from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
 TOLERANCE = 1e-5
 """Largest difference from the eager model allowed on the check inputs (probabilities)."""
 CHECK_ROWS = 3
+TEMPLATES_KEPT = 4
+"""Exported graphs kept for re-weighting, newest first: one per architecture a process serves."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +100,11 @@ class CompiledDense:
     """One version's dense forward in ONNX Runtime: `__call__(dense, pooled)` gives float32 probabilities,
     shaped as the model answers its logits."""
 
-    def __init__(self, session, slots: list[Slot], names: list[str]):
+    def __init__(self, session, slots: list[Slot], names: list[str], reweighted: bool = False):
         """Use `build`."""
         self.session, self.slots, self.names = session, slots, names
+        self.reweighted = reweighted
+        """True when this version's weights went into an earlier export of its architecture (no export)."""
 
     def __call__(self, dense: np.ndarray, pooled: PooledEmbeddings) -> np.ndarray:
         """Probabilities of `dense` and the pooler's numpy arrays (`Pooler.pool_host`)."""
@@ -107,8 +120,13 @@ class CompiledDense:
         it eagerly)."""
         why = _cannot(precision)
         if why is None:
+            slots = slots_of(pooled)
+            key = _architecture(model, slots, num_dense)
+            compiled = _TEMPLATES.reweight(key, model, slots)
+            if compiled is not None and compiled._answers_as(model, pooled, num_dense):
+                return compiled
             try:
-                compiled = cls._export(model, slots_of(pooled), pooled, num_dense)
+                compiled = cls._export(model, slots, pooled, num_dense, key)
                 why = compiled._differs(model, pooled, num_dense)
             except Exception as exc:  # noqa: BLE001 - any exporter or runtime refusal: the eager path serves
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -119,23 +137,31 @@ class CompiledDense:
 
     @classmethod
     def _export(cls, model: torch.nn.Module, slots: list[Slot], pooled: PooledEmbeddings,
-                num_dense: int) -> "CompiledDense":
-        import onnxruntime
-
+                num_dense: int, key: str) -> "CompiledDense":
         example = _random_inputs(slots, pooled, num_dense, rows=2, seed=0)
         names = [f"in{i}" for i in range(len(example) - 1)]
         buf = io.BytesIO()
         with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice, at every version
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+            # No constant folding: every weight stays an initializer named as in the state dict, so a later
+            # version's weights can be put in by name (`_Templates.reweight`); ONNX Runtime folds the constants.
             torch.onnx.export(_Flat(model, slots).eval(), tuple(example), buf, input_names=["dense", *names],
-                              output_names=["probability"], dynamo=False,
+                              output_names=["probability"], dynamo=False, do_constant_folding=False,
                               dynamic_axes={name: {0: "batch"} for name in ["dense", *names, "probability"]})
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = options.inter_op_num_threads = 1  # one request's work: one thread
-        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3
-        session = onnxruntime.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
-        return cls(session, slots, names)
+        graph = buf.getvalue()
+        compiled = cls(_session(graph), slots, names)
+        _TEMPLATES.keep(key, graph, names)
+        return compiled
+
+    def _answers_as(self, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int) -> bool:
+        """Whether a re-weighted session passes the check (a refusal counts as not: the caller exports)."""
+        try:
+            why = self._differs(model, pooled, num_dense)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the feeds: export afresh
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            log.get().info("dense_forward_reexported", why=why)
+        return why is None
 
     def _differs(self, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int) -> str | None:
         """Why this session cannot stand in for `model` (answers off by more than TOLERANCE), or None."""
@@ -148,6 +174,79 @@ class CompiledDense:
             return f"the exported model answers shape {got.shape}, the model {want.shape}"
         diff = float(np.abs(got - want).max())
         return None if diff <= TOLERANCE else f"the exported model differs from the model by {diff:.2e}"
+
+
+def warm_up() -> None:
+    """Export and run a one-layer model once: the exporter's and ONNX Runtime's first call (imports, lazily built
+    tables: about a second on a loaded machine) then happens before a first version is loaded, not during it."""
+    class _One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, dense, embeddings):
+            return self.linear(dense).squeeze(-1)
+
+    if _cannot("fp32") is None:
+        one = CompiledDense._export(_One().eval(), [], PooledEmbeddings(), 2, key="warm-up")
+        one(np.zeros((1, 2), np.float32), PooledEmbeddings())
+
+
+def _session(graph: bytes):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1  # one request's work: one thread
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+def _architecture(model: torch.nn.Module, slots: list[Slot], num_dense: int) -> str:
+    """What must match for one export to serve another version: the model's class and structure (its repr:
+    layers and their sizes), the flat signature, and every weight's name, shape and dtype."""
+    weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in _Flat(model, slots).state_dict().items()]
+    return repr((type(model).__module__, type(model).__qualname__, repr(model), slots, num_dense, weights))
+
+
+class _Templates:
+    """The last `TEMPLATES_KEPT` exported graphs, by architecture, to put a later version's weights into."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._graphs: dict[str, tuple[bytes, list[str]]] = {}
+
+    def keep(self, key: str, graph: bytes, names: list[str]) -> None:
+        with self._lock:
+            self._graphs.pop(key, None)
+            self._graphs[key] = (graph, names)
+            while len(self._graphs) > TEMPLATES_KEPT:
+                del self._graphs[next(iter(self._graphs))]
+
+    def reweight(self, key: str, model: torch.nn.Module, slots: list[Slot]) -> CompiledDense | None:
+        """`model` in a session of the graph exported for its architecture, with its own weights; None when
+        there is none (or ONNX Runtime refuses it: the caller exports afresh). Still to be checked (`_differs`)."""
+        with self._lock:
+            found = self._graphs.get(key)
+        if found is None:
+            return None
+        import onnx
+        from onnx import numpy_helper
+
+        graph, names = found
+        proto = onnx.ModelProto()
+        proto.ParseFromString(graph)
+        state = _Flat(model, slots).state_dict()
+        try:
+            for init in proto.graph.initializer:
+                init.CopyFrom(numpy_helper.from_array(state[init.name].detach().cpu().numpy(), init.name))
+            return CompiledDense(_session(proto.SerializeToString()), slots, names, reweighted=True)
+        except Exception as exc:  # noqa: BLE001 - an initializer that is not a weight, a refused graph: export
+            log.get().info("dense_forward_reexported", why=f"{type(exc).__name__}: {exc}")
+            return None
+
+
+_TEMPLATES = _Templates()
 
 
 def _cannot(precision: str) -> str | None:

@@ -73,10 +73,14 @@ class FollowSource:
     """The newest verified version of a versions directory, swapped in the background."""
 
     def __init__(self, root: str | Path, *, poll_s: float = POLL_S, check: bool = True,
-                 make_model: Callable[[Snapshot, torch.nn.Module], Any] = _default_make_model):
+                 make_model: Callable[[Snapshot, torch.nn.Module], Any] = _default_make_model,
+                 warm_up: Callable[[], None] | None = None):
+        """`warm_up`: what to load before the first poll (kernels, the exporter), so that a first version
+        published meanwhile is not kept waiting by it; the table lookup's kernel is always loaded."""
         self.root = Path(root)
         self.poll_s = poll_s
         self.make_model = make_model
+        self.warm_up = warm_up
         self.follower = Follower(self.root, check=check, build=self._build)
         self.log = log.get()
         self._current: Any = None
@@ -119,6 +123,16 @@ class FollowSource:
         return self.make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
 
     def _run(self) -> None:
+        from hybridrec import table_lookup
+
+        # numba's first kernel load (about 0.7 s of a cold 1.1 s first load on this machine, several seconds
+        # while a run starts beside it) and the exporter's first call are paid now, while no version may exist
+        # yet, not by the first swap.
+        started = time.monotonic()
+        table_lookup.warm_up()
+        if self.warm_up is not None:
+            self.warm_up()
+        self.log.info("follow_warmed", seconds=round(time.monotonic() - started, 3))
         while not self._stop.is_set():
             try:
                 if self.poll_once():

@@ -27,6 +27,10 @@ _CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_
              "FP32": "fp32_contents", "FP64": "fp64_contents"}
 
 
+_LITTLE_ENDIAN = {name: np.dtype(t).newbyteorder("<") for name, t in DTYPES.items()}
+"""Each numeric datatype as raw contents hold it (built once: a request has several inputs)."""
+
+
 def checked_shape(dims, what: str = "") -> tuple[int, ...]:
     """A tensor shape from either protocol, refused (BadInput) when negative or over MAX_ELEMENTS elements."""
     shape = tuple(int(d) for d in dims)
@@ -70,7 +74,7 @@ def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
             if len(data) != count:
                 raise BadInput(f"input {inp.name!r}: shape {list(shape)} needs {count} elements, got {len(data)}")
         elif inp.datatype in DTYPES:
-            dtype = np.dtype(DTYPES[inp.datatype]).newbyteorder("<")
+            dtype = _LITTLE_ENDIAN[inp.datatype]
             if raw:
                 if len(raw[i]) != count * dtype.itemsize:
                     raise BadInput(f"input {inp.name!r}: shape {list(shape)} of {inp.datatype} needs "

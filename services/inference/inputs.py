@@ -81,19 +81,25 @@ ID_DATATYPES = ("INT64", "INT32", "UINT64", "BYTES")
 class Samples:
     bags: KeyedBags  # every feature, in manifest order
     dense: np.ndarray  # float32 (n, num_dense)
+    columns: tuple[np.ndarray, np.ndarray] | None = None
+    """(ids (n, F), present (n, F)) when every feature came as one ID or none per sample (`rows`, `ids`): a
+    model of scalar features of one width looks them up as they are (`LoadedModel.forward_columns`)."""
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
 
     @staticmethod
     def from_columns(ids: np.ndarray, present: np.ndarray, dense: np.ndarray) -> "Samples":
-        return Samples(KeyedBags.from_columns(ids, present), dense)
+        return Samples(KeyedBags.from_columns(ids, present), dense, (ids, present))
 
     @staticmethod
     def concat(parts: Sequence["Samples"]) -> "Samples":
         if len(parts) == 1:
             return parts[0]
-        return Samples(KeyedBags.concat([p.bags for p in parts]), np.concatenate([p.dense for p in parts]))
+        columns = None
+        if all(p.columns is not None for p in parts):
+            columns = (np.concatenate([p.columns[0] for p in parts]), np.concatenate([p.columns[1] for p in parts]))
+        return Samples(KeyedBags.concat([p.bags for p in parts]), np.concatenate([p.dense for p in parts]), columns)
 
 
 class InputDecoder:
@@ -235,7 +241,12 @@ class InputDecoder:
 
     # -- by feature name ---------------------------------------------------------------------------
     def _named(self, by_name: dict[str, Tensor]) -> Samples:
-        by_column = bool(set(self.dense_columns) & set(by_name)) and "dense" not in by_name
+        columns_given = sorted(set(self.dense_columns) & set(by_name))
+        if columns_given and "dense" in by_name:
+            raise BadInput(f"the dense features are given twice: as 'dense' and as the dense columns "
+                           f"{columns_given}; send one form, 'dense' (FP32 [batch, {self.num_dense}]) or every "
+                           f"column ({', '.join(self.dense_columns)}, FP32 each)")
+        by_column = bool(columns_given)
         dense_names = self.dense_columns if by_column else ["dense"]
         lengths_names = {f.name + LENGTHS_SUFFIX for f in self.features}
         unknown = sorted(set(by_name) - set(dense_names) - {f.name for f in self.features} - lengths_names)
@@ -319,8 +330,8 @@ class InputDecoder:
         return lengths
 
     @staticmethod
-    def _hash(t: Tensor, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """uint64 IDs of integer or string values, and which are there (an empty string is not)."""
+    def _hash(t: Tensor, group: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """uint64 IDs of integer or string values, and which are there (an empty string is not; None: all)."""
         group_hi = np.uint64(group << GROUP_SHIFT)
         count = int(t.shape[0])
         out = np.empty(count, np.uint64)
@@ -333,4 +344,4 @@ class InputDecoder:
             return out, present
         values = np.asarray(t.data).reshape(count)
         hash_ints(values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64), group_hi, out)
-        return out, np.ones(count, np.bool_)
+        return out, None  # every integer is there

@@ -14,6 +14,7 @@ without one, so predictions are the same either way.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,10 +25,10 @@ import torch
 from hybridrec import rpc
 from hybridrec.bundle import BundleError, BundleManifest, EmbeddingTable, load_dense, open_bundle
 from hybridrec.compress import ValueCodec
-from hybridrec.config import ConfigError
+from hybridrec.config import ConfigError, FeatureKind
 from hybridrec.frames import PSLookup, PSRows
 from hybridrec.models import build_model, feature_infos
-from hybridrec.pooling import Pooler
+from hybridrec.pooling import PooledEmbeddings, Pooler
 from hybridrec.sharding import split_by_shard
 from services.inference.compiled import CompiledDense
 
@@ -117,6 +118,28 @@ class LoadedModel:
         if probs.ndim == 2 and probs.shape[1] == 1:
             probs = probs[:, 0]
         return probs
+
+    @functools.cached_property
+    def takes_columns(self) -> bool:
+        """Whether `forward_columns` can answer: the compiled forward over scalar features of one width."""
+        features = self.manifest.features
+        return (self.compiled is not None and len(self.pooler.dims) == 1
+                and not any(f.sequence or f.kind == FeatureKind.LIST for f in features))
+
+    async def forward_columns(self, dense: np.ndarray, ids: np.ndarray, present: np.ndarray) -> np.ndarray:
+        """`forward` of samples whose every feature is one ID or none (`takes_columns`): a bag of at most one
+        row pools to that row under every pooling, so the rows of the (n, F) IDs, looked up as they are, are
+        the pooled block itself, zeros where a feature is absent; no unique IDs, no bag plan."""
+        (dim,) = self.pooler.dims
+        n, features = ids.shape
+        rows = (await self.table.lookup({dim: np.ascontiguousarray(ids).reshape(-1)}))[dim]
+        block = rows.reshape(n, features, dim)
+        if not present.all():
+            block[~present] = 0.0
+        pooled = PooledEmbeddings()
+        pooled.blocks.append((tuple(self.pooler.names), block))
+        probs = self.compiled(np.ascontiguousarray(dense), pooled)
+        return probs[:, 0] if probs.ndim == 2 and probs.shape[1] == 1 else probs
 
 
 class ModelSource(Protocol):

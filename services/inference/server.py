@@ -17,6 +17,7 @@ from hybridrec.bundle import read_manifest
 from hybridrec.inference_config import InferenceConfig
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
+from services.inference.compiled import warm_up as compiled_warm_up
 from services.inference.core import InferenceCore
 from services.inference.follow import FollowSource, inference_model
 from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
@@ -54,7 +55,8 @@ async def serve(settings: InferenceConfig) -> None:
     try:
         if settings.follow is not None:  # live versions: the newest one, swapped in as they are published
             follow = FollowSource(settings.follow, poll_s=settings.follow_poll_s, check=settings.verify_bundle,
-                                  make_model=functools.partial(inference_model, compile=settings.compile_dense))
+                                  make_model=functools.partial(inference_model, compile=settings.compile_dense),
+                                  warm_up=compiled_warm_up if settings.compile_dense else None)
             host.add(None, stats=follow.stats)
             await loop.run_in_executor(None, follow.start, settings.follow_wait_s)
             source = follow

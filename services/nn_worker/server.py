@@ -26,6 +26,7 @@ from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
+from services.nn_worker import progressive
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
@@ -219,6 +220,7 @@ async def _serve(config: Config, replica: int) -> None:
     model = build_model(config.model.path, feature_infos(config.features),
                         config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
     check_resumable(config, model, make_dense_optimizer)  # another model's checkpoint: exit 2 before joining
+    progressive.warm_up()  # its kernel loaded now, not in the first step (a no-op after the fork server's)
     membership = Membership.from_config(config.cluster, replica, Fingerprint.of(config, model), env.backend,
                                         env.device)
     plan = await loop.run_in_executor(compute, membership.join, None)

@@ -21,7 +21,7 @@ RATE = 1_500  # events/s: well within what the job trains on a loaded 2-core mac
 
 def test_a_short_soak_trains_every_event_once_and_serves_without_an_error(tmp_path):
     result = soak(tmp_path, minutes=1.5, rate=RATE, kill_every_s=10, broker_restarts=1, client_rps=20,
-                  file_reference=False, seed=3)
+                  idle_s=3, file_reference=False, seed=3)
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=2, default=float))
     events = result["events"]
     print(json.dumps({k: result[k] for k in ("events", "recoveries", "served", "final_against_predict")}, indent=1,
@@ -38,6 +38,9 @@ def test_a_short_soak_trains_every_event_once_and_serves_without_an_error(tmp_pa
     assert all(result["recoveries"][k]["restarts"] >= kills[k] for k in KINDS), result["recoveries"]
     served = result["served"]
     assert served["requests"] > 0 and served["errors"] == 0, served
+    during, idle = served["latency_while_training_ms"], served["latency_idle_floor_ms"]
+    assert during["requests"] > 0 and idle["requests"] > 0, served  # both sides of the split were answered
+    assert during["requests"] + idle["requests"] <= served["requests"], served
     assert not served["published_not_swapped"] and served["versions_published"] >= 5, served
     final = result["final_against_predict"]
     assert final["answers_compared"] > 0 and final["max_abs_difference"] <= 1e-5, final

@@ -181,8 +181,14 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                                            "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}",
                                            "--set", "follow_poll_s=0.2"],
                               cwd=REPO, stdout=open(tmp_path / "inference.log", "w"), stderr=subprocess.STDOUT)
-    run, run_dir, _ = _start_publishing_run(tmp_path, small_data, epochs=8)  # ~23 versions: a slow start leaves
-    # enough of them for the clients on a loaded machine
+    # And the run starts once the service has loaded what a first version's load would otherwise wait for (numba,
+    # the exporter: seconds on a loaded machine, in which a fast run published most of its versions).
+    deadline = time.monotonic() + 240
+    while '"follow_warmed"' not in (tmp_path / "inference.log").read_text():
+        assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "inference.log").read_text()[-3000:]
+        time.sleep(0.1)
+    run, run_dir, _ = _start_publishing_run(tmp_path, small_data, epochs=16)  # ~47 versions: a fast run on a
+    # loaded machine still publishes many after the service is ready and the clients have started
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     errors: list[str] = []
@@ -215,11 +221,11 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                     errors.append(f"{exc.code()}: {exc.details()}")
                 time.sleep(0.02)
 
-    def monitor() -> None:
-        # From the service's first swap after the cold first load that made it ready: versions published during
-        # that load (3 to 7 of them once a run's start-up got faster than the service's, 4.5 s on a loaded
-        # machine) are the cold load's lag, which `loads` below leaves out as well, not the follower's.
-        cold = served_version()
+    def monitor(cold: int) -> None:
+        # From the service's first swap after the cold first load that made it ready (`cold`: the version it
+        # served when it became ready): versions published during that load (3 to 7 of them once a run's start-up
+        # got faster than the service's, 4.5 s on a loaded machine) are the cold load's lag, which `loads` below
+        # leaves out as well, not the follower's.
         while not stop.is_set() and served_version() == cold:
             time.sleep(0.05)
         while not stop.is_set():
@@ -245,11 +251,12 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
             except OSError:
                 pass
             time.sleep(0.2)
-        first = load_version(root, served_version())
+        ready_version = served_version()
+        first = load_version(root, ready_version)
         keys = table_arrays(first.table, first.manifest.widths[0])[0]
         pools = [keys[(keys >> np.uint64(GROUP_SHIFT)) == f.group] for f in first.manifest.features]
         threads = [threading.Thread(target=client, args=(i, pools)) for i in range(8)]
-        threads.append(threading.Thread(target=monitor))
+        threads.append(threading.Thread(target=monitor, args=(ready_version,)))
         for t in threads:
             t.start()
         _, stderr = run.communicate(timeout=600)

@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from hybridrec.config import FeatureKind
+from hybridrec.pooling import PooledEmbeddings
 from services.inference.compiled import CompiledDense
 from services.inference.inputs import InputDecoder, Tensor
 from services.inference.model import load_model
@@ -103,3 +104,90 @@ def _probe_bags(model):
     uniq, bags = model.pooler.from_bags(samples.bags)
     bags.rows = {dim: model.table.table.lookup(dim, ids) for dim, ids in uniq.items()}
     return bags
+
+
+def test_scalar_columns_are_looked_up_as_they_are_and_answer_as_the_pooled_path(tmp_path):
+    """The README model's requests (`ids`: one ID or none per feature; known, unknown and absent ones) go
+    through `forward_columns`, alone and merged, and answer as the reference forward pass does."""
+    import asyncio
+
+    from hybridrec.inference_config import BatchingConfig
+    from services.inference.batcher import Batcher
+    from services.inference.model import StaticSource
+    from tests.inference_util import make_bundle, random_ids, reference
+
+    _, known = make_bundle(tmp_path / "b")
+    model = load_model(tmp_path / "b", compile=True)
+    (tmp_path / "din").mkdir()
+    assert model.takes_columns and not load_model(_bundle_of(tmp_path / "din", "din_parquet.yaml"),
+                                                  compile=True).takes_columns
+    ids = random_ids(known, 24, seed=5, unknown=0.3, absent=0.2)
+    dense = np.random.default_rng(5).random((24, 13), dtype=np.float32)
+    decoder = InputDecoder(model.manifest, 4096)
+
+    def request(a, b):
+        return decoder.decode([Tensor("ids", "UINT64", ids[a:b].shape, ids[a:b].reshape(-1)),
+                               Tensor("dense", "FP32", dense[a:b].shape, dense[a:b].reshape(-1))])
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig(max_delay_ms=20))
+        batcher.start()
+        try:
+            alone = [await batcher.infer(request(i, i + 1)) for i in range(4)]
+            merged = await asyncio.gather(*(batcher.infer(request(i, i + 2)) for i in range(4, 24, 2)))
+            return alone + list(merged)
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(go())
+    assert max(r.micro_batch_rows for r in results) > 2  # some requests were merged
+    np.testing.assert_allclose(np.concatenate([r.probability for r in results]), reference(tmp_path / "b", ids, dense),
+                               rtol=0, atol=1e-5)
+
+
+class _Scaled(torch.nn.Module):
+    """Its output scale is a plain attribute: two instances with different scales look alike to the exporter's
+    key (class, layers, weights), but answer differently."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.scale = scale
+
+    def forward(self, dense, embeddings):
+        return (self.linear(dense) * self.scale).squeeze(-1)
+
+
+def test_a_later_version_of_an_architecture_reuses_its_export_with_its_own_weights(tmp_path, capsys):
+    """A follower's next version (same model, new weights) is not exported again: its weights go into the graph
+    exported for the first, and it answers as its own eager model. A model that looks the same to the export's
+    key but answers differently is caught by the check and exported afresh."""
+    import dataclasses
+
+    bundle = _bundle_of(tmp_path, "multitask_parquet.yaml")
+    first = load_model(bundle, compile=True)
+    later = load_model(bundle)
+    with torch.no_grad():
+        for p in later.model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    bags = _probe_bags(first)
+    again = CompiledDense.build(later.model, first.pooler.pool_host(bags), first.manifest.num_dense)
+    assert again is not None and again.reweighted
+    tensors = _named_request(first.manifest, 16, 3)
+    want = _forward(later, tensors)
+    got = _forward(dataclasses.replace(later, compiled=again), tensors)
+    assert np.abs(got - _forward(first, tensors)).max() > 1e-3  # the new weights answer, not the first's
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+    nothing = PooledEmbeddings()  # a model of the dense features alone: the flat signature is `dense`
+    doubled = CompiledDense.build(_Scaled(2.0).eval(), nothing, 4)
+    tripled_model = _Scaled(3.0).eval()
+    tripled = CompiledDense.build(tripled_model, nothing, 4)
+    assert doubled is not None and not doubled.reweighted
+    assert tripled is not None and not tripled.reweighted  # the doubled graph failed its check: exported again
+    logged = capsys.readouterr()
+    assert "dense_forward_reexported" in logged.out + logged.err
+    dense = torch.randn(5, 4)
+    with torch.inference_mode():
+        want = torch.sigmoid(tripled_model(dense, nothing)).numpy()
+    np.testing.assert_allclose(tripled(dense.numpy(), nothing), want, rtol=0, atol=1e-5)

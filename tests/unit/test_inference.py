@@ -348,6 +348,10 @@ def test_dense_features_by_column_equal_the_dense_matrix():
         decoder.decode(by_column[:1] + by_column[2:])
     with pytest.raises(BadInput, match="'age' must have shape \\[2\\]"):
         decoder.decode([by_column[0], Tensor("age", "FP32", (3,), np.zeros(3, np.float32)), *by_column[2:]])
+    with pytest.raises(BadInput, match=r"dense features are given twice: as 'dense' and as the dense columns "
+                                       r"\['age', 'price'\]; send one form") as both:
+        decoder.decode([*by_column[:2], *matrix])
+    assert "unknown" not in str(both.value)
 
 
 def test_read_only_ps_shards_serve_a_sequence_model_by_feature_name(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 from sklearn.metrics import log_loss, roc_auc_score
 
 from hybridrec.evaluation import EPS
-from services.nn_worker.progressive import BUCKETS, ProgressiveWindow, task_metrics, window_metrics
+from services.nn_worker.progressive import (BUCKETS, LOGIT_RANGE, ProgressiveWindow, bucket_of, sample_loss,
+                                           task_metrics, window_metrics)
 
 
 def _ctr_batch(rng: np.random.Generator, n: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -104,3 +105,37 @@ def test_one_class_has_no_auc():
     counts[1, 100] = 5
     got = window_metrics(counts, 1.0)
     assert np.isnan(got.auc) and got.samples == 5 and got.logloss == 0.2
+
+
+def test_the_compiled_pass_keeps_the_buckets_and_losses_of_the_array_version():
+    """Each ring slot holds its sample's `bucket_of` code and logit, the histogram counts exactly the window's
+    codes, and the loss is `sample_loss`'s sum, over a wrapping ring of two tasks with logits at the edges: the
+    clamps, a bucket's exact boundary, infinities and a NaN (bucket 0 and a NaN loss, where the array version's
+    cast left it)."""
+    rng = np.random.default_rng(4)
+    edges = np.array([-np.inf, -LOGIT_RANGE - 1, -LOGIT_RANGE, -1e-30, 0.0, LOGIT_RANGE / BUCKETS * 2 * 7 - LOGIT_RANGE,
+                      LOGIT_RANGE - 1e-6, LOGIT_RANGE, 40.0, np.inf, np.nan], np.float32)
+    window = ProgressiveWindow(700, tasks=2)
+    kept_logits, kept_labels = [], []
+    for n in (300, 500, 11, 257):
+        logits = rng.normal(0, 6, (n, 2)).astype(np.float32)
+        if n == 11:
+            logits[:, 0] = edges
+        labels = rng.integers(0, 2, (n, 2)).astype(np.float32)
+        window.add(logits, labels)
+        kept_logits.append(logits)
+        kept_labels.append(labels)
+    logits, labels = np.concatenate(kept_logits)[-700:], np.concatenate(kept_labels)[-700:]
+    slots = (window.seen - 700 + np.arange(700)) % 700
+    for t in range(2):
+        with np.errstate(invalid="ignore"):  # the NaN's cast
+            codes = bucket_of(logits[:, t]) * 2 + (labels[:, t] > 0.5)
+        if t == 0:
+            nan_at = np.flatnonzero(np.isnan(logits[:, 0]))
+            assert nan_at.size == 1 and window.codes[0, slots[nan_at[0]]] == int(labels[nan_at[0], 0] > 0.5)
+            codes[nan_at] = labels[nan_at, 0] > 0.5
+        np.testing.assert_array_equal(window.codes[t, slots], codes)
+        np.testing.assert_array_equal(window.logits[t, slots], logits[:, t])
+        assert window.loss_sums()[t] == pytest.approx(sample_loss(logits[:, t], labels[:, t] > 0.5).sum(),
+                                                      rel=1e-12, nan_ok=True)
+        np.testing.assert_array_equal(window.counts[t], np.bincount(window.codes[t], minlength=2 * BUCKETS))
