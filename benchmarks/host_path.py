@@ -8,13 +8,17 @@ Runs the README example (examples/criteo_synth.yaml on its data) with a negligib
 * `compute_ms_per_step`: the compute thread's CPU per step (the summary's `compute_cpu_s` / steps);
 * `threads_ms_per_step`: each thread of the NN worker process, sampled from /proc while it trains (event loop,
   compute, gRPC's threads);
+* `trainer_other_ms_per_step`: the NN worker process's threads other than the compute thread (the one that
+  spends the most), in all, per step;
+* with `training.receiver` (`--receiver on`, or `both`: runs alternate off and on), `receiver_ms_per_step`
+  and `receiver_core_s_per_1m`: the receiver process's CPU (every thread of it);
 * `model_ms_per_step`: the same DNN's forward, backward and optimizer step alone on one thread, fed the
   pooled block as the NN worker feeds it: the part of the compute thread that is the model's own math.
 
 The issue's targets (≤ 1.0 core-s per 1M for the NN worker, ≤ 3 ms of compute-thread CPU per step) are
 recorded, not asserted.
 
-    python benchmarks/host_path.py --repeats 3 --out results/host_path.json
+    python benchmarks/host_path.py --repeats 3 --receiver both --out results/host_path.json
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from hybridrec.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 TARGETS = {"nn_worker_core_s_per_1m": 1.0, "compute_ms_per_step": 3.0}
+RECEIVER_TARGETS = {"trainer_other_ms_per_step": 1.0, "receiver_core_s_per_1m": 1.0}
+"""With the receiver: the trainer's threads other than the compute thread, and the receiver process."""
 
 
 def sample_threads(pid: int, stop: threading.Event, out: list) -> None:
@@ -71,6 +77,22 @@ def nn_worker_pid(run_dir: Path, deadline_s: float = 120.0) -> int | None:
     return None
 
 
+def receiver_pid(parent: int, deadline_s: float = 120.0) -> int | None:
+    """The receiver process of the NN worker `parent` (training.receiver) once it exists."""
+    import psutil
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            for child in psutil.Process(parent).children():
+                if "services.nn_worker.receiver" in " ".join(child.cmdline()):
+                    return child.pid
+        except psutil.Error:
+            return None
+        time.sleep(0.05)
+    return None
+
+
 def thread_costs(snaps: list, start: float, end: float, steps: float) -> dict[str, float]:
     """ms of CPU per step of each thread between `start` and `end` (Unix times)."""
     inside = [s for s in snaps if start <= s[0] <= end]
@@ -82,16 +104,21 @@ def thread_costs(snaps: list, start: float, end: float, steps: float) -> dict[st
             if name in a and b[name] - a[name] > 0.005}
 
 
-def run_once(config: Path, run_dir: Path) -> dict:
+def run_once(config: Path, run_dir: Path, receiver: bool = False) -> dict:
     cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir),
-           "--set", "model.kwargs.hidden=[8]", "--set", 'cluster.nn_workers=["127.0.0.1:0"]']
+           "--set", "model.kwargs.hidden=[8]", "--set", 'cluster.nn_workers=["127.0.0.1:0"]',
+           "--set", f"training.receiver={'true' if receiver else 'false'}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     snaps: list = []
+    receiver_snaps: list = []
     stop = threading.Event()
     pid = nn_worker_pid(run_dir)
     sampler = threading.Thread(target=sample_threads, args=(pid, stop, snaps), daemon=True) if pid else None
     if sampler:
         sampler.start()
+    child = receiver_pid(pid) if pid and receiver else None
+    if child:
+        threading.Thread(target=sample_threads, args=(child, stop, receiver_snaps), daemon=True).start()
     _, err = proc.communicate(timeout=1800)
     stop.set()
     if proc.returncode != 0:
@@ -100,12 +127,23 @@ def run_once(config: Path, run_dir: Path) -> dict:
     series = json.loads((run_dir / "series.json").read_text())
     t0, t1 = series["phases"]["first_step"], series["phases"]["end_of_training"]
     table = accounting(series["resources"], t0, t1, summary.samples, 0.0, summary.compute_cpu_s)
-    threads = thread_costs(snaps, summary.train_started_at + 0.5, summary.train_ended_at, summary.steps)
-    return {"samples_per_sec": summary.samples_per_sec, "auc": summary.auc, "steps": summary.steps,
-            "nn_worker_core_s_per_1m": table["core_s_per_1m"].get("nn_worker"),
-            "core_s_per_1m": table["core_s_per_1m"],
-            "compute_ms_per_step": 1000 * summary.compute_cpu_s / summary.steps,
-            "threads_ms_per_step": threads}
+    window = (summary.train_started_at + 0.5, summary.train_ended_at, summary.steps)
+    threads = thread_costs(snaps, *window)
+    compute = max(threads, key=threads.get) if threads else None
+    if summary.lost_updates or summary.skipped_batches:  # a broken run's figures measure something else
+        raise RuntimeError(f"{run_dir}: {summary.lost_updates} updates lost, {summary.skipped_batches} batches "
+                           f"skipped")
+    out = {"receiver": receiver, "samples_per_sec": summary.samples_per_sec, "auc": summary.auc,
+           "steps": summary.steps, "nn_worker_core_s_per_1m": table["core_s_per_1m"].get("nn_worker"),
+           "core_s_per_1m": table["core_s_per_1m"],
+           "compute_ms_per_step": 1000 * summary.compute_cpu_s / summary.steps,
+           "threads_ms_per_step": threads,
+           "trainer_other_ms_per_step": round(sum(v for k, v in threads.items() if k != compute), 3)}
+    if receiver:
+        per_step = sum(thread_costs(receiver_snaps, *window).values())
+        out.update(receiver_ms_per_step=round(per_step, 3),
+                   receiver_core_s_per_1m=round(per_step / 1000 * 1e6 * summary.steps / summary.samples, 3))
+    return out
 
 
 def model_ms_per_step(batch: int = 4096, steps: int = 30) -> float:
@@ -142,6 +180,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data", type=Path, default=REPO / "data" / "synth")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--receiver", choices=("off", "on", "both"), default="both",
+                        help="training.receiver in the runs; both: each repeat runs off, then on")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
         subprocess.run([sys.executable, "-m", "hybridrec", "data", "synth", "--out", str(args.data), "--rows",
@@ -155,18 +195,23 @@ def main() -> None:
                     "oracle": str(args.data / "oracle.json")}
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(tree))
-    runs = [run_once(config, work / f"run-{i}") for i in range(args.repeats)]
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.receiver]
+    runs = [run_once(config, work / f"run-{i}-{'receiver' if on else 'inline'}", receiver=on)
+            for i in range(args.repeats) for on in variants]
     model = model_ms_per_step()
-    median = {key: statistics.median(r[key] for r in runs) for key in TARGETS}
-    result = {"benchmark": "host_path", "cpus": os.cpu_count(), "runs": runs,
-              "model_ms_per_step": round(model, 3), "median": median,
-              "targets": {key: {"value": median[key], "goal": goal, "met": median[key] <= goal}
-                          for key, goal in TARGETS.items()},
-              "compute_outside_model_ms_per_step": round(median["compute_ms_per_step"] - model, 3)}
+    result = {"benchmark": "host_path", "cpus": os.cpu_count(), "runs": runs, "model_ms_per_step": round(model, 3)}
+    for on in variants:
+        mine = [r for r in runs if r["receiver"] == on]
+        keys = [*TARGETS, "trainer_other_ms_per_step", "samples_per_sec", "auc",
+                *(("receiver_ms_per_step", "receiver_core_s_per_1m") if on else ())]
+        median = {key: statistics.median(r[key] for r in mine) for key in keys}
+        result["receiver" if on else "inline"] = {
+            "median": median, "targets": {key: {"value": median[key], "goal": goal, "met": median[key] <= goal}
+                                          for key, goal in {**TARGETS, **(RECEIVER_TARGETS if on else {})}.items()},
+            "compute_outside_model_ms_per_step": round(median["compute_ms_per_step"] - model, 3)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("median", "model_ms_per_step", "compute_outside_model_ms_per_step")},
-                     indent=2))
+    print(json.dumps({k: result[k] for k in ("inline", "receiver", "model_ms_per_step") if k in result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import lz4.block
 import numpy as np
@@ -99,6 +99,33 @@ def encode(
     compress: frozenset[str] | set[str] = frozenset(),
 ) -> bytes:
     """Encode arrays (C-contiguous or not) and meta into one frame; names in `compress` are lz4-compressed."""
+    head, parts, _ = _layout(tensors, meta, compress)
+    return b"".join(_chunks(head, parts))
+
+
+def encode_into(
+    allocate: Callable[[int], memoryview],
+    tensors: Mapping[str, np.ndarray] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    compress: frozenset[str] | set[str] = frozenset(),
+) -> int:
+    """`encode`, written into the buffer `allocate(nbytes)` returns (e.g. a shared-memory slot) rather than
+    into a new bytes object; returns the frame's length. Each tensor is copied once, as by `encode`."""
+    head, parts, nbytes = _layout(tensors, meta, compress)
+    out = memoryview(allocate(nbytes)).cast("B")
+    pos = 0
+    for chunk in _chunks(head, parts):
+        piece = memoryview(chunk)
+        out[pos:pos + piece.nbytes] = piece
+        pos += piece.nbytes
+    return nbytes
+
+
+def _layout(tensors: Mapping[str, np.ndarray] | None, meta: Mapping[str, Any] | None,
+            compress: frozenset[str] | set[str]) -> tuple[bytes, list[tuple[int, Any, int]], int]:
+    """A frame's header (fixed part, tensor table, meta), each tensor's (offset, data, stored bytes), and
+    the frame's length."""
     tensors = tensors or {}
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"a frame holds at most {MAX_TENSORS} tensors, got {len(tensors)}")
@@ -136,6 +163,12 @@ def encode(
         offset = _align(offset + stored)
     head = _FIXED.pack(MAGIC, VERSION, 0, len(payloads), len(table), len(meta_bytes)) + bytes(table) + meta_bytes
 
+    end = parts[-1][0] + parts[-1][2] if parts else len(head)
+    return head, parts, max(end, len(head))
+
+
+def _chunks(head: bytes, parts: list[tuple[int, Any, int]]) -> list[Any]:
+    """The frame as consecutive pieces: the header, padding, each tensor's bytes."""
     chunks: list[Any] = [head]
     pos = len(head)
     for off, data, stored in parts:
@@ -143,7 +176,7 @@ def encode(
             chunks.append(b"\0" * (off - pos))
         chunks.append(data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else data)
         pos = off + stored
-    return b"".join(chunks)
+    return chunks
 
 
 def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:

@@ -225,6 +225,10 @@ class TrainingConfig(_Model):
     """NN workers on GPUs: copy each batch to the GPU from pinned memory on a side stream while the previous
     step computes, and its gradients back without making the host wait (off: synchronous copies, the
     baseline of benchmarks/gpu.py). No effect on CPUs."""
+    receiver: bool = False
+    """NN workers: make the calls to the embedding workers (each batch's lookup and gradient push) in a
+    receiver process of their own, the frames handed over in shared memory, so that gRPC's work for them
+    does not hold the trainer's GIL (services/nn_worker/receiver.py)."""
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the
     rank has a GPU; on CPUs, about half the host shared by the ranks), or by an NN worker started alone from

@@ -374,10 +374,14 @@ class Gradients:
     grads: dict[int, np.ndarray]  # width -> float32 (rows of that width, width)
 
     def encode(self, values: ValueCodec) -> bytes:
+        return self.encode_packed(self.batch_ref, self.packed(values))
+
+    def packed(self, values: ValueCodec) -> dict[str, np.ndarray]:
+        """The frame's tensors (`encode_packed`'s), packed on the host."""
         tensors: dict[str, np.ndarray] = {}
         for dim, grad in self.grads.items():
             tensors.update(values.pack(f"grad.{dim}", grad, dim))
-        return self.encode_packed(self.batch_ref, tensors)
+        return tensors
 
     @staticmethod
     def pack_tensors(values: ValueCodec, grads: dict) -> dict:
@@ -393,6 +397,13 @@ class Gradients:
         """The frame of gradients packed already (`ValueCodec.pack_tensors` on the NN worker's device: `grad.{d}`
         and, as fp16, `grad.{d}.norm`)."""
         return codec.encode(tensors, {"batch_ref": batch_ref})
+
+    @staticmethod
+    def encode_packed_into(allocate: Callable[[int], memoryview], batch_ref: int,
+                           tensors: dict[str, np.ndarray]) -> int:
+        """`encode_packed` into the buffer `allocate(nbytes)` returns (the NN worker's shared-memory slot for
+        its receiver); returns the frame's length."""
+        return codec.encode_into(allocate, tensors, {"batch_ref": batch_ref})
 
     @staticmethod
     def batch_ref_of(buf: bytes) -> int:

@@ -12,14 +12,21 @@ the same update id, which the PS shards apply at most once: retrying is safe
 for lookups and pushes alike. NOT_FOUND means the worker no longer has the
 batch at all (its buffer directory was lost, e.g. with its machine):
 `BatchLost`, which the trainer counts and skips.
+
+With `training.receiver` the same calls run in the NN worker's receiver process (receiver.py), and the
+trainer talks to them through `ReceiverLink` (link.py), which has this class's `lookup` and `push`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import grpc
+import numpy as np
 
 from hybridrec import rpc
 from hybridrec.config import Config
-from hybridrec.frames import Applied, BatchRef, worker_of_ref
+from hybridrec.frames import Applied, BatchRef, Gradients, worker_of_ref
 from hybridrec.rpc import Unavailable
 
 
@@ -27,8 +34,18 @@ class BatchLost(LookupError):
     """The embedding worker no longer holds this batch (it lost its buffer): the batch is skipped and counted."""
 
 
+@dataclass
+class Looked:
+    """A batch's `Embeddings` frame, and how to give back the memory it lies in (a receiver's slot) once the
+    step has used the arrays decoded from it: `release`, called once."""
+
+    frame: bytes | memoryview
+    release: Callable[[], None] = field(default=lambda: None)
+
+
 class EmbeddingWorkers:
-    """Channels to every embedding worker; `lookup` and `push` are what the trainer calls."""
+    """Channels to every embedding worker; `lookup` and `push` are what the trainer calls, `call_lookup` and
+    `call_push` the raw calls (the receiver process makes them for the trainer)."""
 
     def __init__(self, config: Config):
         self.channels = [rpc.channel(a) for a in config.cluster.embedding_workers]
@@ -53,13 +70,21 @@ class EmbeddingWorkers:
             raise Unavailable(f"embedding worker call for batch_ref {ref} failed: {exc.code().name} "
                               f"{exc.details()}") from None
 
-    async def lookup(self, ref: int) -> bytes:
+    async def call_lookup(self, ref: int) -> bytes:
         """The batch's `Embeddings` frame."""
         return await self._call(self._lookups, ref, BatchRef(ref).encode())
 
-    async def push(self, ref: int, gradients: bytes) -> Applied:
-        """Send a `Gradients` frame; returns the rows the PS applied and which life of each shard acknowledged."""
-        return Applied.decode(await self._call(self._pushes, ref, gradients))
+    async def call_push(self, ref: int, frame: bytes) -> bytes:
+        """Send a `Gradients` frame; returns the `Applied` frame that answers it."""
+        return await self._call(self._pushes, ref, frame)
+
+    async def lookup(self, ref: int) -> Looked:
+        return Looked(await self.call_lookup(ref))
+
+    async def push(self, ref: int, tensors: dict[str, np.ndarray]) -> Applied:
+        """Send the batch's packed gradients (`Gradients.pack_tensors`); returns the rows the PS applied and
+        which life of each shard acknowledged."""
+        return Applied.decode(await self.call_push(ref, Gradients.encode_packed(ref, tensors)))
 
     async def close(self) -> None:
         for ch in self.channels:

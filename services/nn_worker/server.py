@@ -30,6 +30,7 @@ from services.nn_worker import progressive
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
+from services.nn_worker.link import ReceiverLink
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
@@ -50,6 +51,7 @@ class NNWorkerServicer:
     def __init__(self, config: Config, replica: int, inbox: Inbox):
         self.config, self.replica, self.inbox = config, replica, inbox
         self.trainer: Trainer | None = None
+        self.link: ReceiverLink | None = None  # with training.receiver
         self.phase = "starting"
         loaders = inbox.loaders
         # Per data loader: its streams are numbered each on its own.
@@ -170,6 +172,8 @@ class NNWorkerServicer:
                           group_reformations_total=s.regroups, replayed_batches_dropped_total=s.replayed_dropped,
                           updates_replayed_total=s.updates_replayed,
                           duplicate_frames_total=self.duplicates)
+            if self.link is not None:
+                values.update(receivers_replaced_total=self.link.replaced)
             if self.trainer.publisher is not None:
                 values.update(self.trainer.publisher.metrics())
         values.update(self.eval_metrics)
@@ -210,7 +214,9 @@ async def _serve(config: Config, replica: int) -> None:
     servicer = NNWorkerServicer(config, replica, inbox)
     host.add(servicer, servicer.stats)
 
-    workers = EmbeddingWorkers(config)
+    # The calls to the embedding workers: made here, or (training.receiver) by a receiver process.
+    workers = ReceiverLink(config, replica) if config.training.receiver else EmbeddingWorkers(config)
+    servicer.link = workers if isinstance(workers, ReceiverLink) else None
 
     env = resolve_backend(config.training.backend, replica, world_size)  # a bad backend stops it before it listens
     await host.start()

@@ -34,7 +34,7 @@ from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
 from hybridrec.service import at_work
 from hybridrec.config import Config, Mode
-from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Gradients
+from hybridrec.frames import Applied, Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.distributed import DenseSync, DistEnv, barrier
@@ -43,7 +43,7 @@ from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.progressive import ProgressiveWindow
-from services.nn_worker.routing import BatchLost
+from services.nn_worker.routing import BatchLost, Looked
 from services.nn_worker.stats import TrainStats
 
 if TYPE_CHECKING:
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from services.nn_worker.publish import Publisher
 
 
-Lookup = Callable[[int], Awaitable[bytes]]  # batch_ref -> frame of pooled embeddings
-Push = Callable[[int, bytes], Awaitable[int]]  # (batch_ref, gradient frame) -> rows applied
+Lookup = Callable[[int], Awaitable[Looked]]  # batch_ref -> frame of pooled embeddings (and its release)
+Push = Callable[[int, dict], Awaitable[Applied]]  # (batch_ref, packed gradients) -> what the PS applied
 
 
 @dataclass(frozen=True)
@@ -221,10 +221,10 @@ class Trainer:
         self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
                          replaced=list(plan.joined_fresh))
 
-    async def _push(self, ref: int, frame: bytes) -> None:
-        """Send a batch's `Gradients` frame and note which life of each PS shard acknowledged it
-        (`TrainStats.ps_acks`)."""
-        applied = await self.push(ref, frame)
+    async def _push(self, ref: int, tensors: dict[str, np.ndarray]) -> None:
+        """Send a batch's packed gradients (its `Gradients` frame's tensors) and note which life of each PS
+        shard acknowledged them (`TrainStats.ps_acks`)."""
+        applied = await self.push(ref, tensors)
         self.stats.ps_acks.update(applied.lives)
 
     async def on_compute(self, fn, *args):
@@ -374,7 +374,7 @@ class Trainer:
                     await ready(step.event)
                     self._record(step, labels, lost)
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self._push(ref, Gradients.encode_packed(ref, step.packed()))
+                    await self._push(ref, step.packed())
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -394,7 +394,7 @@ class Trainer:
             async for batch, pending in batches:
                 last[batch.loader] = (batch.seq, tuple(batch.position))
                 waited = time.perf_counter()
-                emb, lost = await self._receive(pending, batch)
+                emb, lost, looked = await self._receive(pending, batch)
                 if self.stats.started is None:
                     self.stats.started = time.monotonic()
                     at_work("training step")
@@ -404,6 +404,7 @@ class Trainer:
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
                 step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
                 self.stats.compute_s += time.perf_counter() - computed
                 self.loader_steps[batch.loader] += 1
                 self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
@@ -445,17 +446,24 @@ class Trainer:
         return checkpointer.due(steps) or (checkpointer.asks_time(steps)
                                            and await self.collective(checkpointer.time_up, after_regroup=False))
 
-    async def _receive(self, pending: asyncio.Future, batch: DenseBatch) -> tuple[BatchEmbeddings, bool]:
-        """The batch's embeddings, or empty ones and True when its embedding worker lost it."""
+    async def _receive(self, pending: asyncio.Future,
+                       batch: DenseBatch) -> tuple[BatchEmbeddings, bool, Looked]:
+        """The batch's embeddings, or empty ones and True when its embedding worker lost it; and the frame
+        they view, to release once the step is done with them."""
         try:
-            return self.pooler.decode(await pending, batch.labels.shape[0]), False
+            looked = await pending
+            try:
+                return self.pooler.decode(looked.frame, batch.labels.shape[0]), False, looked
+            except BaseException:
+                looked.release()
+                raise
         except BatchLost as exc:
             self.log.warning("batch_skipped", batch_ref=batch.batch_ref, phase=batch.phase, reason=str(exc))
             if batch.phase == "train":
                 self.stats.skipped_batches += 1
             else:
                 self.stats.skipped_eval_batches += 1
-            return self.pooler.empty(batch.labels.shape[0]), True
+            return self.pooler.empty(batch.labels.shape[0]), True, Looked(b"")
 
     async def _settle(self, batch: DenseBatch) -> None:
         """A re-sent batch the group trained already: if its embedding worker still holds it, the update was
@@ -463,9 +471,13 @@ class Trainer:
         gradients are derived again under the current dense model — which is a few steps newer, like any
         bounded-staleness update — and pushed; the dense model is not touched."""
         try:
-            emb = self.pooler.decode(await self.lookup(batch.batch_ref), batch.labels.shape[0])
-            grads = await self.on_compute(self._embedding_gradients, batch, emb)
-            await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).encode(self.values))
+            looked = await self.lookup(batch.batch_ref)
+            try:
+                emb = self.pooler.decode(looked.frame, batch.labels.shape[0])
+                grads = await self.on_compute(self._embedding_gradients, batch, emb)
+            finally:
+                looked.release()
+            await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).packed(self.values))
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
         except BatchLost:
@@ -566,10 +578,11 @@ class Trainer:
         end: dict = {}
         async with contextlib.aclosing(self._batches("eval", end=end)) as batches:
             async for batch, pending in batches:
-                emb, lost = await self._receive(pending, batch)
+                emb, lost, looked = await self._receive(pending, batch)
                 if lost:
                     continue
                 preds.append(await self.on_compute(self._predict, batch, emb))
+                looked.release()
                 labels.append(np.array(batch.labels))
                 self.consumed[batch.loader] = Consumed("eval", batch.seq)
         empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)

@@ -80,9 +80,13 @@ def _kill_mid_run(run_dir: Path, service: str, fraction: float = 0.3, replicas: 
         time.sleep(0.2)
     else:
         raise AssertionError(f"training did not get going; see {log}")
+    rank_of = "nn_worker" if service == "receiver" else service
     targets = [p for p in psutil.process_iter(["cmdline"])
-               if any(f"serve {service} --config {config_path} --replica {r}" in " ".join(p.info["cmdline"] or [])
+               if any(f"serve {rank_of} --config {config_path} --replica {r}" in " ".join(p.info["cmdline"] or [])
                       for r in replicas)]
+    if service == "receiver":  # an NN worker's receiver process (training.receiver): a child of that rank
+        targets = [child for p in targets for child in p.children()
+                   if "services.nn_worker.receiver" in " ".join(child.cmdline())]
     assert len(targets) == len(replicas), f"{service} replicas {replicas}: found {len(targets)} processes"
     while during_checkpoint and not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").glob("step-*")):
         assert alive() and time.monotonic() < deadline, "no interval checkpoint was seen being written"
@@ -130,6 +134,22 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
         assert result["skipped_eval_batches"] == 0
         assert result["batches_recovered"] > 0  # it held batches when it died, and served them after
         assert result["updates_deduplicated"] is not None
+
+
+def test_a_receiver_killed_mid_run_is_replaced_and_loses_nothing(fault_config, undisturbed, tmp_path):
+    """`training.receiver`: rank 0's receiver process SIGKILLed mid-run. The NN worker starts another and sends it
+    every call the dead one had not answered (lookups and pushes are both safe to repeat): the NN worker itself
+    is not restarted, no batch is skipped, no update lost, and the run trains every sample once."""
+    run_dir = tmp_path / "run"
+    result = _run(fault_config, run_dir, kill="receiver", args=("--set", "training.receiver=true"))
+    restarted = {(s["name"], s["replica"]): s["restarts"] for s in result["services"]}
+    assert set(restarted.values()) == {0}, restarted
+    lost = [json.loads(line) for line in (run_dir / "logs" / "nn_worker-0.log").read_text().splitlines()
+            if '"receiver_lost"' in line]
+    assert len(lost) == 1 and lost[0]["exit_code"] == -9, lost
+    assert result["samples"] == undisturbed["samples"]
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
 
 
 def test_losing_every_nn_worker_at_once_goes_back_to_the_newest_default_checkpoint(fault_config, undisturbed,
