@@ -14,7 +14,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import prometheus_client
 from grpc_health.v1 import health_pb2
@@ -105,10 +105,23 @@ def start_stats() -> dict[str, float]:
     return {"start_to_work_seconds": _at_work["start_to_work_s"]} if _at_work else {}
 
 
+class Face(Protocol):
+    """A service's gRPC server held by another process (`ServiceHost(face=...)`)."""
+
+    def add_service(self, proto_service: str, impl: Any) -> None: ...
+
+    async def start_serving(self) -> int:
+        """Serve the service's address, NOT_SERVING until `set_serving`; the port bound."""
+
+    async def set_serving(self, serving: bool) -> None: ...
+
+
 class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
-    def __init__(self, service: str, config: Config, replica: int):
+    def __init__(self, service: str, config: Config, replica: int, face: "Face | None" = None):
+        """`face`: the gRPC server is another process's (an NN worker's receiver: services/nn_worker/link.py);
+        None: this process's own."""
         if config.cluster.sized_by_host():
             raise ConfigError(f"cluster.{config.cluster.sized_by_host()[0]}: auto is sized by `hybridrec run` "
                               f"from its host; a service started alone (hybridrec serve) needs the addresses "
@@ -121,7 +134,7 @@ class ServiceHost:
         self.config = config
         self._setup(service, replica, addresses[replica], bind_host=config.cluster.bind_host,
                     metrics_port=config.cluster.metrics_port, tls=config.cluster.tls,
-                    control_identities=config.cluster.control_identities)
+                    control_identities=config.cluster.control_identities, face=face)
 
     @classmethod
     def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
@@ -141,7 +154,7 @@ class ServiceHost:
         return host
 
     def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
-               control_identities: list[str] | None = None) -> None:
+               control_identities: list[str] | None = None, face: "Face | None" = None) -> None:
         kind = SERVICES.get(service)
         self.proto_service = kind.proto_service if kind else None
         self.service, self.replica, self.address = service, replica, address
@@ -150,8 +163,9 @@ class ServiceHost:
         rpc.tune_allocator()
         rpc.use_tls(tls)
         rpc.use_authorization(control_identities)
-        self.server = rpc.new_server()
-        self.health = rpc.add_health(self.server)
+        self.face = face
+        self.server = rpc.new_server() if face is None else None
+        self.health = rpc.add_health(self.server) if face is None else None
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
         self.port: int | None = None
@@ -159,16 +173,21 @@ class ServiceHost:
 
     def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
         """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
-        if impl is not None:
+        if impl is not None and self.face is not None:
+            self.face.add_service(self.proto_service, impl)
+        elif impl is not None:
             rpc.add_service(self.server, self.proto_service, impl)
         if stats is not None:
             register_stats(self.service, self.replica, lambda: {**stats(), **start_stats()})
 
     async def start(self) -> None:
         _, port = split_address(self.address)
-        self.port = bound = rpc.bind(self.server, self.bind_host, port)
-        await rpc.set_serving(self.health, False)  # until the service says it is ready (set_serving)
-        await self.server.start()
+        if self.face is not None:  # it starts NOT_SERVING, its liveness SERVING, as below
+            self.port = bound = await self.face.start_serving()
+        else:
+            self.port = bound = rpc.bind(self.server, self.bind_host, port)
+            await rpc.set_serving(self.health, False)  # until the service says it is ready (set_serving)
+            await self.server.start()
         if self.metrics_port:
             prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
             self.metrics_address = f"{self.bind_host}:{self.metrics_port}"
@@ -179,11 +198,15 @@ class ServiceHost:
         rpc.install_stop_handlers(self.stop, also=self._stop_while_starting)
         # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
         # turns SERVING only once the service's dependencies answer, for readiness.
-        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        if self.health is not None:
+            await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
 
     async def set_serving(self, serving: bool = True) -> None:
-        await rpc.set_serving(self.health, serving)
+        if self.face is not None:
+            await self.face.set_serving(serving)
+        else:
+            await rpc.set_serving(self.health, serving)
         self.log.info("serving" if serving else "not_serving")
 
     def _stop_while_starting(self) -> None:
@@ -204,8 +227,9 @@ class ServiceHost:
             if main and not main.done():
                 main.cancel()
                 await asyncio.gather(main, return_exceptions=True)
-            await rpc.set_serving(self.health, False)
-            await self.server.stop(grace=1.0)
+            await self.set_serving(False)
+            if self.server is not None:  # a face's server stops with its process
+                await self.server.stop(grace=1.0)
             self.log.info("stopped")
         if main and main.done() and not main.cancelled() and main.exception():
             raise main.exception()

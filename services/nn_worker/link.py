@@ -22,6 +22,7 @@ frame longer than its mapping.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import mmap
 import os
@@ -33,8 +34,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from hybridrec import log
+import grpc
+
+from hybridrec import log, rpc
 from hybridrec.frames import Applied, Gradients
+from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from services.nn_worker.routing import BatchLost, Looked
 
@@ -42,21 +46,37 @@ INITIAL_SLOT_BYTES = 4 << 20
 """A slot's first size: an `Embeddings` frame of the README example at batch 4096 is about 1.5 MB."""
 GROWTH_BYTES = 1 << 20
 """A slot grows to the frame's size rounded up to this."""
+INITIAL_INBOUND_BYTES = 1 << 20
+"""A receiver's slot for a request to the NN worker: a `DenseBatch` of the README example is 230 kB."""
 
 HEADER = struct.Struct("<B3xIQIQ")
 """op, call id, batch_ref, slot, frame bytes; a message's payload (an answer's frame, an error) follows."""
 MAX_MESSAGE_BYTES = 1 << 16
-"""Largest message (header and payload): answers carry small frames (`Applied`) and error lines."""
+"""Largest message (header and payload): answers carry small frames (`Applied`, `Consumed`, `Received`, the
+Status and Stats messages) and error lines; a larger request travels in a slot."""
 
 # To the receiver
 SLOT = 1  # a new slot; its file descriptor rides along (SCM_RIGHTS)
 LOOKUP = 2  # look up batch_ref into the slot
 PUSH = 3  # the slot holds a Gradients frame of that many bytes for batch_ref
+SERVE = 4  # start the NN worker's gRPC server (answered by LISTENING)
+REPLY = 5  # the answer to a CALLED: its bytes follow
+REFUSE = 6  # a CALLED refused: `ref` is the gRPC status code, the detail follows
+HEALTH = 7  # the NN worker is ready (nbytes 1) or not (0)
 # To the trainer
 DONE = 10  # the call succeeded: a lookup's frame is in its slot (its length in `nbytes`); a push's answer follows
 LOST = 11  # NOT_FOUND: the embedding worker no longer holds the batch (routing.BatchLost)
 UNAVAILABLE = 12  # the call failed for `cluster.retry_s` (rpc.Unavailable)
 FAILED = 13  # anything else (a bad batch_ref): the message follows
+CALLED = 14  # a call to the NN worker's server: `ref` is the method (NN_METHODS), the request in the payload
+             # or in the receiver's inbound slot `slot`
+INBOUND_SLOT = 15  # a new slot of the receiver's, for requests; its file descriptor rides along
+LISTENING = 16  # the server is serving on port `nbytes` (or FAILED: it could not bind)
+
+NO_SLOT = 0xFFFFFFFF
+"""`slot` of a message whose bytes ride in its payload."""
+INLINE_BYTES = MAX_MESSAGE_BYTES - HEADER.size
+"""A request or an answer up to this size rides in its message."""
 
 
 class Message(NamedTuple):
@@ -70,11 +90,6 @@ class Message(NamedTuple):
     def pack(self) -> bytes:
         return HEADER.pack(self.op, self.call, self.ref, self.slot, self.nbytes) + self.payload
 
-    @classmethod
-    def unpack(cls, data: bytes) -> "Message":
-        if len(data) < HEADER.size:
-            raise ValueError(f"a link message of {len(data)} bytes is shorter than its header ({HEADER.size})")
-        return cls(*HEADER.unpack_from(data), data[HEADER.size:])
 
 
 APPLIED = struct.Struct("<QI")
@@ -97,34 +112,77 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def receive(sock: socket.socket) -> Message | None:
-    """One message; None at the end of the link (the peer is gone). Raises BlockingIOError on a non-blocking
-    socket with nothing to read."""
-    data = sock.recv(MAX_MESSAGE_BYTES)
-    return Message.unpack(data) if data else None
+_FDS_SIZE = socket.CMSG_LEN(struct.calcsize("i"))
 
 
-def receive_with_fds(sock: socket.socket) -> tuple[Message | None, list[int]]:
-    """`receive`, and any file descriptors the message carried (the receiver's side: `SLOT`)."""
-    fds_size = socket.CMSG_LEN(struct.calcsize("i"))
-    data, ancillary, _flags, _addr = sock.recvmsg(MAX_MESSAGE_BYTES, fds_size)
-    fds = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) - len(payload) % 4]))
-    if not data:
-        return None, fds
-    return Message.unpack(data), fds
+class LinkReader:
+    """Reads one end of the link into one buffer kept for it (a fresh 64 kB buffer per message cost the
+    trainer's event loop more than the message)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buffer = bytearray(MAX_MESSAGE_BYTES)
+        self.view = memoryview(self.buffer)
+
+    def receive(self) -> tuple[Message | None, list[int]]:
+        """One message and any file descriptors it carried (a slot's); (None, []) at the end of the link (the
+        peer is gone). Raises BlockingIOError on a non-blocking socket with nothing to read."""
+        size, ancillary, _flags, _addr = self.sock.recvmsg_into([self.buffer], _FDS_SIZE)
+        fds = []
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) - len(payload) % 4]))
+        if not size:
+            return None, fds
+        if size < HEADER.size:
+            raise ValueError(f"a link message of {size} bytes is shorter than its header ({HEADER.size})")
+        return Message(*HEADER.unpack_from(self.buffer), bytes(self.view[HEADER.size:size])), fds
 
 
-def send(sock: socket.socket, message: Message, fd: int | None = None) -> None:
-    data = message.pack()
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"link message of {len(data)} bytes, limit {MAX_MESSAGE_BYTES}")
-    if fd is None:
-        sock.sendall(data)
-    else:
-        socket.send_fds(sock, [data], [fd])
+class LinkWriter:
+    """Sends on one end of the link without ever blocking its event loop: a message that finds the socket's
+    buffer full (a few hundred messages fill it) waits in order in a queue, sent when the socket is writable.
+    A message to a peer that is gone is dropped: the reader sees the link end, and the trainer sends what is
+    unanswered to the next receiver."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.queue: collections.deque[tuple[bytes, int | None]] = collections.deque()
+
+    def send(self, message: Message, fd: int | None = None) -> None:
+        data = message.pack()
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"link message of {len(data)} bytes, limit {MAX_MESSAGE_BYTES}")
+        if not self.queue and self._sent(data, fd):
+            return
+        self.queue.append((data, fd))
+        if len(self.queue) == 1:
+            asyncio.get_running_loop().add_writer(self.sock.fileno(), self._flush)
+
+    def _sent(self, data: bytes, fd: int | None) -> bool:
+        """False when the socket's buffer is full; True once sent, or dropped because the peer is gone."""
+        try:
+            if fd is None:
+                self.sock.send(data)
+            else:
+                socket.send_fds(self.sock, [data], [fd])
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # the peer is gone (the reader sees the end of the link), or the link was closed here
+        return True
+
+    def _flush(self) -> None:
+        while self.queue:
+            data, fd = self.queue[0]
+            if not self._sent(data, fd):
+                return
+            self.queue.popleft()
+        self.close()
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            asyncio.get_running_loop().remove_writer(self.sock.fileno())
 
 
 class Slot:
@@ -174,25 +232,51 @@ that cannot start at all would otherwise be restarted for ever)."""
 RESTART_WINDOW_S = 10.0
 
 
+class _Refused(Exception):
+    """A forwarded call's handler refused it (`rpc.guard` aborts through `_ForwardedContext`)."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+class _ForwardedContext:
+    """What `rpc.guard` and the NN worker's handlers use of a gRPC context, for a call the receiver forwarded."""
+
+    async def abort(self, code: grpc.StatusCode, detail: str) -> None:
+        raise _Refused(code, detail)
+
+
+def nn_methods() -> list:
+    """The NNWorker service's methods, in the order their index travels in a `CALLED` message."""
+    return list(pb.DESCRIPTOR.services_by_name["NNWorker"].methods)
+
+
 class ReceiverLink:
-    """The trainer's side of the link: starts the receiver, hands it the step's calls, replaces it when it
-    dies. `lookup` and `push` are those of `routing.EmbeddingWorkers`."""
+    """The trainer's side of the link: starts the receiver, hands it the step's calls, serves the calls it
+    forwards, replaces it when it dies. `lookup` and `push` are those of `routing.EmbeddingWorkers`;
+    `add_service`, `start_serving`, `set_serving` are what `ServiceHost` asks of a server elsewhere."""
 
     def __init__(self, config, replica: int):
         self.config, self.replica = config, replica
         self.slots: list[Slot] = []
         self.free: list[Slot] = []
-        self.pending: dict[int, tuple[Message, asyncio.Future, Slot]] = {}
+        self.inbound: dict[int, Slot] = {}  # the receiver's slots, for requests forwarded to this process
+        self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None]] = {}
+        self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
+        self.port: int | None = None  # once serving
+        self.serving = False
         self.replaced = 0
         self._calls = itertools.count(1)
         self._deaths: list[float] = []
         self._broken: str | None = None
+        self._answering: set[asyncio.Task] = set()
         self.sock: socket.socket | None = None
         self.process: subprocess.Popen | None = None
         self._spawn()
 
-    # -- the calls -----------------------------------------------------------------------------
-    async def lookup(self, ref: int):
+    # -- the trainer's calls -------------------------------------------------------------------------
+    async def lookup(self, ref: int) -> Looked:
         """The batch's `Embeddings` frame, in a slot given back by the result's `release`."""
         slot = self._slot()
         answer = await self._call(LOOKUP, ref, slot)
@@ -205,7 +289,7 @@ class ReceiverLink:
                 self.free.append(slot)
         return Looked(slot.view(answer.nbytes), release)
 
-    async def push(self, ref: int, tensors: dict):
+    async def push(self, ref: int, tensors: dict) -> Applied:
         """Send the batch's packed gradients; the `Applied` answer (routing.EmbeddingWorkers.push)."""
         slot = self._slot()
         try:
@@ -222,51 +306,109 @@ class ReceiverLink:
             return self.free.pop()
         slot = Slot.create(len(self.slots))
         self.slots.append(slot)
-        send(self.sock, Message(SLOT, slot=slot.index), slot.fd)
+        self.writer.send(Message(SLOT, slot=slot.index), slot.fd)
         return slot
 
-    async def _call(self, op: int, ref: int, slot: Slot, nbytes: int = 0) -> Message:
+    async def _call(self, op: int, ref: int, slot: Slot | None, nbytes: int = 0) -> Message:
         """Hand `slot` to the receiver for one call and wait for its answer. The slot is the caller's again
         once this returns; on an error it is given back here; if the caller is cancelled, when the receiver
         answers (it may still be writing into it)."""
         if self._broken is not None:
-            self.free.append(slot)
+            if slot is not None:
+                self.free.append(slot)
             raise Unavailable(self._broken)
-        message = Message(op, next(self._calls) & 0xFFFFFFFF, ref, slot.index, nbytes)
+        message = Message(op, next(self._calls) & 0xFFFFFFFF, ref, NO_SLOT if slot is None else slot.index, nbytes)
         future = asyncio.get_running_loop().create_future()
         self.pending[message.call] = (message, future, slot)
-        send(self.sock, message)
+        self.writer.send(message)
         answer = await future
-        if answer.op == DONE:
+        if answer.op in (DONE, LISTENING):
             return answer
-        self.free.append(slot)
+        if slot is not None:
+            self.free.append(slot)
         text = answer.payload.decode(errors="replace")
         if answer.op == LOST:
             raise BatchLost(text)
         if answer.op == UNAVAILABLE:
             raise Unavailable(text)
-        raise RuntimeError(f"the NN worker's receiver failed a call for batch_ref {ref}: {text}")
+        raise RuntimeError(f"the NN worker's receiver failed a call (batch_ref {ref}): {text}")
 
-    # -- the answers ---------------------------------------------------------------------------
+    # -- the NN worker's server, in the receiver -------------------------------------------------------
+    def add_service(self, proto_service: str, impl) -> None:
+        """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`."""
+        for index, method in enumerate(nn_methods()):
+            fn = getattr(impl, method.name)
+            if method.input_type is rpc.FRAME:
+                self.handlers[index] = (rpc.guard(fn, proto_service, method.name), None)
+            else:
+                parse = getattr(pb, method.input_type.name).FromString
+                self.handlers[index] = (rpc.guard(_parsed(fn, parse), proto_service, method.name),
+                                        lambda reply: reply.SerializeToString())
+
+    async def start_serving(self) -> int:
+        """Have the receiver serve the NN worker's address; the port it bound."""
+        answer = await self._call(SERVE, 0, None)
+        self.port = answer.nbytes
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """The health service's overall status, in the receiver."""
+        self.serving = serving
+        if self.sock is not None and self.sock.fileno() >= 0:
+            self.writer.send(Message(HEALTH, nbytes=int(serving)))
+
+    def _called(self, message: Message) -> None:
+        """A call to the NN worker: read its request now (the receiver frees its slot when answered)."""
+        if message.slot == NO_SLOT:
+            request = message.payload
+        else:
+            request = bytes(self.inbound[message.slot].view(message.nbytes))
+        task = asyncio.ensure_future(self._answer(self.writer, message.call, message.ref, request))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, writer: LinkWriter, call: int, index: int, request: bytes) -> None:
+        try:
+            if self.handlers[index] is None:
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, "the NN worker is starting")
+            handler, serialize = self.handlers[index]
+            reply = await handler(request, _ForwardedContext())
+            data = serialize(reply) if serialize is not None else reply
+            if len(data) > INLINE_BYTES:
+                raise _Refused(grpc.StatusCode.INTERNAL, f"an answer of {len(data)} bytes does not fit the link")
+            answer = Message(REPLY, call, payload=data)
+        except _Refused as refused:
+            answer = Message(REFUSE, call, refused.code.value[0], payload=refused.detail.encode()[:INLINE_BYTES])
+        if writer is self.writer:  # not a call of a receiver that has been replaced since (its caller sends
+            writer.send(answer)    # the call again to the next one)
+
+    # -- the answers -----------------------------------------------------------------------------
     def _on_readable(self) -> None:
         while True:
             try:
-                answer = receive(self.sock)
+                message, fds = self.reader.receive()
             except BlockingIOError:
                 return
             except ConnectionError:
-                answer = None
-            if answer is None:
+                message, fds = None, []
+            if message is None:
                 self._lost()
                 return
-            entry = self.pending.pop(answer.call, None)
+            if message.op == CALLED:
+                self._called(message)
+                continue
+            if message.op == INBOUND_SLOT:
+                self.inbound[message.slot] = Slot(message.slot, fds[0])
+                continue
+            entry = self.pending.pop(message.call, None)
             if entry is None:
                 continue
             _, future, slot = entry
             if future.cancelled():
-                self.free.append(slot)  # its caller is gone; the receiver is done with it
+                if slot is not None:
+                    self.free.append(slot)  # its caller is gone; the receiver is done with it
             else:
-                future.set_result(answer)
+                future.set_result(message)
 
     # -- the receiver process ------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -285,17 +427,22 @@ class ReceiverLink:
             theirs.close()
             os.close(config_fd)
         ours.setblocking(False)
-        self.sock = ours
+        self.sock, self.reader, self.writer = ours, LinkReader(ours), LinkWriter(ours)
         asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
         for slot in self.slots:
-            send(ours, Message(SLOT, slot=slot.index), slot.fd)
+            self.writer.send(Message(SLOT, slot=slot.index), slot.fd)
 
     def _lost(self) -> None:
-        """The receiver is gone (killed, or it failed): start another and send it every unanswered call."""
+        """The receiver is gone (killed, or it failed): start another and send it every unanswered call;
+        serve again if it served."""
         asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.writer.close()
         self.sock.close()
         self.process.kill()
         code = self.process.wait()
+        for slot in self.inbound.values():
+            slot.close()
+        self.inbound.clear()
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
         logger = log.get()
@@ -304,7 +451,8 @@ class ReceiverLink:
                             f"{RESTART_WINDOW_S:.0f} s (last exit status {code})")
             logger.error("receiver_failed", exit_code=code, deaths=len(self._deaths))
             for _, future, slot in self.pending.values():
-                self.free.append(slot)
+                if slot is not None:
+                    self.free.append(slot)
                 if not future.cancelled():
                     future.set_exception(Unavailable(self._broken))
             self.pending.clear()
@@ -314,21 +462,44 @@ class ReceiverLink:
         for call, (_, future, slot) in list(self.pending.items()):
             if future.cancelled():
                 del self.pending[call]
-                self.free.append(slot)
+                if slot is not None:
+                    self.free.append(slot)
         self._spawn()
         for message, _, _ in self.pending.values():
-            send(self.sock, message)
+            self.writer.send(message)
+        if self.port is not None and not any(m.op == SERVE for m, _, _ in self.pending.values()):
+            task = asyncio.ensure_future(self._serve_again())
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+    async def _serve_again(self) -> None:
+        """A replacement receiver serves the NN worker's address again, with the health it had."""
+        try:
+            await self._call(SERVE, 0, None)
+            await self.set_serving(self.serving)
+        except Exception as exc:  # noqa: BLE001 - the next failure of a call says it again
+            log.get().error("receiver_not_serving", error=str(exc))
 
     async def close(self) -> None:
-        """End the link: the receiver sees its end close and exits."""
+        """End the link: the receiver sees its end close, stops its server and exits."""
         if self.sock is not None and self.sock.fileno() >= 0:
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.writer.close()
             self.sock.close()
+        for task in list(self._answering):
+            task.cancel()
         if self.process is not None:
             try:
                 await asyncio.to_thread(self.process.wait, 5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for slot in self.slots:
+        for slot in [*self.slots, *self.inbound.values()]:
             slot.close()
+
+
+def _parsed(fn, parse):
+    """A protobuf method's handler, given the request's bytes."""
+    async def handler(request: bytes, context):
+        return await fn(parse(request), context)
+    return handler

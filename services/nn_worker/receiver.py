@@ -1,15 +1,22 @@
-"""The NN worker's receiver: a child process that makes the trainer's calls to the embedding workers.
+"""The NN worker's receiver: a child process that holds the NN worker's network face.
 
 Started by `ReceiverLink` (link.py) when `training.receiver` is on, with two inherited file descriptors:
 its end of the link's socket pair (`HYBRIDREC_LINK_FD`) and the job's config as JSON
-(`HYBRIDREC_LINK_CONFIG_FD`). It runs its own
-event loop and gRPC channels: for each `LOOKUP` it calls the batch's embedding worker and writes the
-`Embeddings` frame into the slot it was handed; for each `PUSH` it sends the slot's `Gradients` frame.
-The calls are `EmbeddingWorkers`' own (routing.py): the same routing by batch_ref, retries for
-`cluster.retry_s`, and NOT_FOUND as a lost batch.
+(`HYBRIDREC_LINK_CONFIG_FD`). It runs its own event loop and gRPC channels and server:
 
-It lives as long as the link: it exits when the trainer's end closes, and it is killed with the trainer
-(PR_SET_PDEATHSIG). A receiver killed on its own is replaced by the trainer (`ReceiverLink`).
+* for each `LOOKUP` it calls the batch's embedding worker and writes the `Embeddings` frame into the
+  slot it was handed; for each `PUSH` it sends the slot's `Gradients` frame. The calls are
+  `EmbeddingWorkers`' own (routing.py): the same routing by batch_ref, retries for `cluster.retry_s`, and
+  NOT_FOUND as a lost batch;
+* once told to (`SERVE`), it serves the NN worker's address: every `NNWorker` call (the data loaders'
+  `PutBatch` and `Received`, `Status`, `Stats`) is handed to the trainer as a `CALLED` message — a large
+  request in one of the receiver's own slots — and answered with the trainer's reply or status; the
+  health service is the receiver's, its overall status the trainer's to set (`HEALTH`).
+
+It lives as long as the link: it exits when the trainer's end closes (its server stops with a second's
+grace), and it is killed with the trainer (PR_SET_PDEATHSIG). A receiver killed on its own is replaced by
+the trainer (`ReceiverLink`); its callers see their calls fail and send them again, as to any restarted
+service.
 
     python -m services.nn_worker.receiver REPLICA
 """
@@ -17,32 +24,49 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import os
 import signal
 import socket
 import sys
 
+import grpc
+import uvloop
+from grpc_health.v1 import health_pb2
+
 from hybridrec import log, rpc
-from hybridrec.config import Config
+from hybridrec.config import Config, split_address
 from hybridrec.frames import Applied
+from hybridrec.service import LIVENESS
 from services.nn_worker import link
-from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot
+from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
 from services.nn_worker.routing import BatchLost, EmbeddingWorkers
 
 _PR_SET_PDEATHSIG = 1
+STATUS_OF = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Receiver:
-    def __init__(self, sock: socket.socket, workers: EmbeddingWorkers):
-        self.sock, self.workers = sock, workers
-        self.slots: dict[int, Slot] = {}
-        self.calls: set[asyncio.Task] = set()
+    def __init__(self, sock: socket.socket, config: Config, replica: int):
+        self.sock, self.config, self.replica = sock, config, replica
+        self.reader = link.LinkReader(sock)
+        self.writer = link.LinkWriter(sock)
+        self.workers = EmbeddingWorkers(config)
+        self.slots: dict[int, Slot] = {}  # the trainer's
+        self.inbound: list[Slot] = []  # this process's, for requests to the NN worker
+        self.free_inbound: list[Slot] = []
+        self.forwarded: dict[int, tuple[asyncio.Future, Slot | None]] = {}
+        self._calls = itertools.count(1)
+        self.tasks: set[asyncio.Task] = set()
+        self.server: grpc.aio.Server | None = None
+        self.health = None
         self.ended = asyncio.Event()
 
+    # -- messages from the trainer ------------------------------------------------------------------
     def on_readable(self) -> None:
         while True:
             try:
-                message, fds = link.receive_with_fds(self.sock)
+                message, fds = self.reader.receive()
             except BlockingIOError:
                 return
             except ConnectionError:
@@ -52,24 +76,38 @@ class Receiver:
                 return
             if message.op == link.SLOT:
                 self.slots[message.slot] = Slot(message.slot, fds[0])
-                continue
-            task = asyncio.ensure_future(self.serve(message))
-            self.calls.add(task)
-            task.add_done_callback(self.calls.discard)
+            elif message.op in (link.REPLY, link.REFUSE):
+                entry = self.forwarded.pop(message.call, None)
+                if entry is not None:
+                    future, slot = entry
+                    if slot is not None:
+                        self.free_inbound.append(slot)  # the trainer has read the request
+                    if not future.cancelled():
+                        future.set_result(message)
+            else:
+                self._start(self.serve_call(message) if message.op in (link.LOOKUP, link.PUSH)
+                            else self.control(message))
 
-    async def serve(self, message: Message) -> None:
+    def _start(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def send(self, message: Message, fd: int | None = None) -> None:
+        self.writer.send(message, fd)  # to a trainer that is gone: dropped, and the reader sees the end
+
+    # -- the trainer's calls to the embedding workers ---------------------------------------------------
+    async def serve_call(self, message: Message) -> None:
         try:
             if message.op == link.LOOKUP:
                 frame = await self.workers.call_lookup(message.ref)
                 self.slots[message.slot].writable(len(frame))[:] = frame
                 answer = Message(link.DONE, message.call, message.ref, message.slot, len(frame))
-            elif message.op == link.PUSH:
+            else:
                 frame = bytes(self.slots[message.slot].view(message.nbytes))
                 applied = Applied.decode(await self.workers.call_push(message.ref, frame))
                 answer = Message(link.DONE, message.call, message.ref, message.slot,
                                  payload=link.pack_applied(applied))
-            else:
-                raise ValueError(f"unknown link op {message.op}")
         except BatchLost as exc:
             answer = Message(link.LOST, message.call, message.ref, message.slot, payload=str(exc).encode())
         except rpc.Unavailable as exc:
@@ -77,24 +115,89 @@ class Receiver:
         except Exception as exc:  # noqa: BLE001 - the trainer raises it; the receiver goes on
             answer = Message(link.FAILED, message.call, message.ref, message.slot,
                              payload=f"{type(exc).__name__}: {exc}".encode()[:4096])
-        try:
-            link.send(self.sock, answer)
-        except (BrokenPipeError, ConnectionError):
-            self.ended.set()
+        self.send(answer)
+
+    # -- the NN worker's server -------------------------------------------------------------------------
+    async def control(self, message: Message) -> None:
+        if message.op == link.SERVE:
+            try:
+                port = await self.start_server()
+            except Exception as exc:  # noqa: BLE001 - the trainer's start fails with it
+                self.send(Message(link.FAILED, message.call, payload=f"{type(exc).__name__}: {exc}".encode()))
+                return
+            self.send(Message(link.LISTENING, message.call, nbytes=port))
+        elif message.op == link.HEALTH:
+            if self.health is not None:
+                await rpc.set_serving(self.health, bool(message.nbytes))
+
+    async def start_server(self) -> int:
+        if self.server is not None:
+            return self.port
+        address = self.config.cluster.nn_workers[self.replica]
+        self.server = rpc.new_server()
+        self.health = rpc.add_health(self.server)
+        handlers = {method.name: grpc.unary_unary_rpc_method_handler(self._forwarder(index))
+                    for index, method in enumerate(nn_methods())}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hybridrec.NNWorker",
+                                                                                   handlers),))
+        self.port = rpc.bind(self.server, self.config.cluster.bind_host, split_address(address)[1])
+        await rpc.set_serving(self.health, False)
+        await self.server.start()
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    def _forwarder(self, index: int):
+        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            answer = await self.forward(index, request)
+            if answer.op == link.REPLY:
+                return answer.payload
+            await context.abort(STATUS_OF.get(answer.ref, grpc.StatusCode.INTERNAL),
+                                answer.payload.decode(errors="replace"))
+        return forward
+
+    async def forward(self, index: int, request: bytes) -> Message:
+        """Hand a call to the trainer and wait for its answer. A request too large for a message goes in an
+        inbound slot, which is free again once the trainer has answered (not when the caller gives up: the
+        trainer may not have read it yet)."""
+        call = next(self._calls) & 0xFFFFFFFF
+        slot = None
+        if len(request) <= link.INLINE_BYTES:
+            message = Message(link.CALLED, call, index, link.NO_SLOT, len(request), request)
+        else:
+            slot = self._inbound_slot()
+            slot.writable(len(request))[:] = request
+            message = Message(link.CALLED, call, index, slot.index, len(request))
+        future = asyncio.get_running_loop().create_future()
+        self.forwarded[call] = (future, slot)
+        self.send(message)
+        return await future
+
+    def _inbound_slot(self) -> Slot:
+        if self.free_inbound:
+            return self.free_inbound.pop()
+        slot = Slot.create(len(self.inbound), link.INITIAL_INBOUND_BYTES)
+        self.inbound.append(slot)
+        self.send(Message(link.INBOUND_SLOT, slot=slot.index), slot.fd)
+        return slot
+
+    async def stop(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        await self.workers.close()
 
 
-async def run(sock: socket.socket, config: Config) -> None:
-    workers = EmbeddingWorkers(config)
-    receiver = Receiver(sock, workers)
+async def run(sock: socket.socket, config: Config, replica: int) -> None:
+    receiver = Receiver(sock, config, replica)
     loop = asyncio.get_running_loop()
     loop.add_reader(sock.fileno(), receiver.on_readable)
     try:
         await receiver.ended.wait()
     finally:
         loop.remove_reader(sock.fileno())
-        for task in list(receiver.calls):
-            task.cancel()
-        await workers.close()
+        receiver.writer.close()
+        await receiver.stop()
 
 
 def main() -> None:
@@ -109,11 +212,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(os.environ[LINK_FD_ENV]))
     sock.setblocking(False)
-    try:
-        import uvloop
-        uvloop.run(run(sock, config))
-    except ImportError:
-        asyncio.run(run(sock, config))
+    uvloop.run(run(sock, config, replica))
     log.get().info("receiver_done")
 
 

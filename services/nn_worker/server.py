@@ -205,7 +205,10 @@ async def serve(config: Config, replica: int) -> None:
 
 async def _serve(config: Config, replica: int) -> None:
     started = time.monotonic()
-    host = ServiceHost("nn_worker", config, replica)
+    # With training.receiver, a receiver process holds this rank's network face: its gRPC server and its calls
+    # to the embedding workers (services/nn_worker/receiver.py).
+    link = ReceiverLink(config, replica) if config.training.receiver else None
+    host = ServiceHost("nn_worker", config, replica, face=link)
     checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(torch_threads(config))
@@ -214,9 +217,8 @@ async def _serve(config: Config, replica: int) -> None:
     servicer = NNWorkerServicer(config, replica, inbox)
     host.add(servicer, servicer.stats)
 
-    # The calls to the embedding workers: made here, or (training.receiver) by a receiver process.
-    workers = ReceiverLink(config, replica) if config.training.receiver else EmbeddingWorkers(config)
-    servicer.link = workers if isinstance(workers, ReceiverLink) else None
+    workers = link if link is not None else EmbeddingWorkers(config)
+    servicer.link = link
 
     env = resolve_backend(config.training.backend, replica, world_size)  # a bad backend stops it before it listens
     await host.start()

@@ -1,19 +1,24 @@
 """The NN worker's receiver process (services/nn_worker/receiver.py, link.py): a real receiver process makes the
 trainer's lookups and pushes against a real gRPC embedding-worker server, the frames handed over in shared memory.
 Every frame arrives byte for byte (one far larger than a slot's first size), errors keep their kind, a receiver
-killed with calls in flight is replaced and the calls complete, and a cancelled call's slot comes back."""
+killed with calls in flight is replaced and the calls complete, and a cancelled call's slot comes back. The NN
+worker's own server, in the receiver, hands every call to the trainer's handlers."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
 
+import grpc
 import numpy as np
 import pytest
 
-from hybridrec import codec, rpc
+from hybridrec import rpc
+from hybridrec.compress import ValueCodec
 from hybridrec.config import from_dict
 from hybridrec.frames import Applied, BatchRef, Gradients
+from hybridrec.proto import pb
+from services.nn_worker import link
 from services.nn_worker.link import INITIAL_SLOT_BYTES, ReceiverLink
 from services.nn_worker.routing import BatchLost
 
@@ -49,8 +54,8 @@ class FakeEmbeddingWorker:
 
 
 def _frame(ref: int, nbytes: int) -> bytes:
-    rng = np.random.default_rng(ref)
-    return codec.encode({"x": rng.integers(0, 255, nbytes, dtype=np.uint8)}, {"batch_ref": ref})
+    """A lookup's answer: the receiver passes its bytes on unread, so any bytes do."""
+    return np.random.default_rng(ref).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture
@@ -88,7 +93,7 @@ def test_frames_arrive_whole_and_errors_keep_their_kind(worker_and_config):
             again = [await link.lookup(4) for _ in range(3)]
             assert all(bytes(a.frame) == fake.frames[4] for a in again) and grown == fake.frames[2]
 
-            tensors = {"grad.4": np.arange(40, dtype=np.float32).reshape(10, 4)}
+            tensors = Gradients(9, {4: np.arange(40, dtype=np.float32).reshape(10, 4)}).packed(ValueCodec())
             applied = await link.push(9, tensors)
             assert applied.applied == 7 and applied.lives == ((0, 3), (1, (1 << 64) - 5))
             assert fake.pushed[9] == Gradients.encode_packed(9, tensors)
@@ -140,4 +145,120 @@ def test_a_killed_receiver_is_replaced_and_its_calls_complete(worker_and_config)
         finally:
             await link.close()
             await server.stop(None)
+    asyncio.run(scenario())
+
+
+class FakeNNWorker:
+    """The NN worker's handlers as the trainer serves them through its receiver: PutBatch echoes the request's
+    length, refuses one starting with b"bad" as a malformed frame would be, and holds one starting with b"hold"
+    until the test lets it go."""
+
+    def __init__(self):
+        self.requests: list[bytes] = []
+        self.release = asyncio.Event()
+
+    async def PutBatch(self, request, context):
+        self.requests.append(bytes(request))
+        if request.startswith(b"bad"):
+            raise ValueError("not a hybridrec frame")
+        if request.startswith(b"hold"):
+            await self.release.wait()
+        return len(request).to_bytes(8, "little")
+
+    async def Received(self, request, context):
+        raise rpc.Unavailable("the NN worker is still joining its group")
+
+    async def Status(self, request, context):
+        return pb.TrainingStatus(phase="train", step=42)
+
+    async def Stats(self, request, context):
+        return pb.ServiceStats(service="nn_worker", replica=0, values={"x": 1.0})
+
+
+def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_config):
+    """The receiver serves the NN worker's address: requests small and large reach the trainer's handlers whole,
+    a refused call keeps its status and message and the server goes on, health is the trainer's to set, and a
+    killed receiver is replaced, serving again with the health it had."""
+    async def scenario():
+        server, _, config = await worker_and_config()
+        port = _free_port()
+        config = config.model_copy(update={"cluster": config.cluster.model_copy(
+            update={"nn_workers": [f"127.0.0.1:{port}"]})})
+        link = ReceiverLink(config, 0)
+        fake = FakeNNWorker()
+        link.add_service("NNWorker", fake)
+        try:
+            assert await link.start_serving() == port
+            address = f"127.0.0.1:{port}"
+            assert not await rpc.is_serving(address)
+            await link.set_serving(True)  # a message the receiver acts on in its own time
+            await rpc.wait_until_serving([address], timeout_s=10)
+            async with rpc.channel(address) as channel:
+                put = rpc.raw_method(channel, "NNWorker", "PutBatch")
+                big = np.random.default_rng(0).integers(0, 255, 3_000_000, dtype=np.uint8).tobytes()
+                replies = await asyncio.gather(put(b"small"), put(big), put(big[:200_000]))
+                assert [int.from_bytes(r, "little") for r in replies] == [5, len(big), 200_000]
+                assert sorted(fake.requests, key=len) == [b"small", big[:200_000], big]
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await put(b"bad frame")
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a hybridrec frame" in refused.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as joining:
+                    await rpc.raw_method(channel, "NNWorker", "Received")(b"")
+                assert joining.value.code() == grpc.StatusCode.UNAVAILABLE
+                status = await rpc.control_method(channel, "NNWorker", "Status")(pb.Empty())
+                assert (status.phase, status.step) == ("train", 42)
+
+                # A call held in the trainer when the receiver dies fails for its caller (who sends it again,
+                # as to any restarted service); the replacement serves the address, ready as before.
+                held = asyncio.ensure_future(put(b"hold" + big))
+                while len(fake.requests) < 5:
+                    await asyncio.sleep(0.01)
+                os.kill(link.process.pid, signal.SIGKILL)
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await held
+                fake.release.set()
+            await rpc.wait_until_serving([address], timeout_s=30, what="the replacement receiver")
+            async with rpc.channel(address) as channel:
+                reply = await rpc.raw_method(channel, "NNWorker", "PutBatch")(big)
+                assert int.from_bytes(reply, "little") == len(big)
+            assert link.replaced == 1
+        finally:
+            await link.close()
+            await server.stop(None)
+    asyncio.run(scenario())
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_full_link_queues_messages_in_order_and_never_blocks():
+    """A few hundred messages fill a SOCK_SEQPACKET socket's buffer: the rest wait in the writer's queue, in
+    order, and go out as the peer reads; the sender never blocks, never raises."""
+    async def scenario():
+        ours, theirs = link.socket_pair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        writer, reader = link.LinkWriter(ours), link.LinkReader(theirs)
+        for call in range(5000):
+            writer.send(link.Message(link.DONE, call, payload=b"x" * (call % 50)))
+        assert writer.queue  # the buffer filled
+        got = []
+        while len(got) < 5000:
+            await asyncio.sleep(0)  # the writer's callback sends more once the socket is writable
+            while True:
+                try:
+                    message, _ = reader.receive()
+                except BlockingIOError:
+                    break
+                assert message.payload == b"x" * (message.call % 50)
+                got.append(message.call)
+        assert got == list(range(5000)) and not writer.queue
+        theirs.close()
+        writer.send(link.Message(link.DONE, 1))  # to a peer that is gone: dropped
+        ours.close()
     asyncio.run(scenario())
