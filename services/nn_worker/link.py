@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import grpc
 
@@ -137,6 +137,21 @@ class LinkReader:
         if size < HEADER.size:
             raise ValueError(f"a link message of {size} bytes is shorter than its header ({HEADER.size})")
         return Message(*HEADER.unpack_from(self.buffer), bytes(self.view[HEADER.size:size])), fds
+
+    def drain(self, on_message: Callable[[Message, list[int]], None], on_end: Callable[[], None]) -> None:
+        """The event loop's reader callback: every message waiting, each to `on_message`; `on_end` once the
+        peer is gone."""
+        while True:
+            try:
+                message, fds = self.receive()
+            except BlockingIOError:
+                return
+            except ConnectionError:
+                message, fds = None, []
+            if message is None:
+                on_end()
+                return
+            on_message(message, fds)
 
 
 class LinkWriter:
@@ -384,31 +399,24 @@ class ReceiverLink:
 
     # -- the answers -----------------------------------------------------------------------------
     def _on_readable(self) -> None:
-        while True:
-            try:
-                message, fds = self.reader.receive()
-            except BlockingIOError:
-                return
-            except ConnectionError:
-                message, fds = None, []
-            if message is None:
-                self._lost()
-                return
-            if message.op == CALLED:
-                self._called(message)
-                continue
-            if message.op == INBOUND_SLOT:
-                self.inbound[message.slot] = Slot(message.slot, fds[0])
-                continue
-            entry = self.pending.pop(message.call, None)
-            if entry is None:
-                continue
-            _, future, slot = entry
-            if future.cancelled():
-                if slot is not None:
-                    self.free.append(slot)  # its caller is gone; the receiver is done with it
-            else:
-                future.set_result(message)
+        self.reader.drain(self._on_message, self._lost)
+
+    def _on_message(self, message: Message, fds: list[int]) -> None:
+        if message.op == CALLED:
+            self._called(message)
+            return
+        if message.op == INBOUND_SLOT:
+            self.inbound[message.slot] = Slot(message.slot, fds[0])
+            return
+        entry = self.pending.pop(message.call, None)
+        if entry is None:
+            return
+        _, future, slot = entry
+        if future.cancelled():
+            if slot is not None:
+                self.free.append(slot)  # its caller is gone; the receiver is done with it
+        else:
+            future.set_result(message)
 
     # -- the receiver process ------------------------------------------------------------------
     def _spawn(self) -> None:

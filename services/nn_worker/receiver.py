@@ -64,29 +64,22 @@ class Receiver:
 
     # -- messages from the trainer ------------------------------------------------------------------
     def on_readable(self) -> None:
-        while True:
-            try:
-                message, fds = self.reader.receive()
-            except BlockingIOError:
-                return
-            except ConnectionError:
-                message, fds = None, []
-            if message is None:
-                self.ended.set()
-                return
-            if message.op == link.SLOT:
-                self.slots[message.slot] = Slot(message.slot, fds[0])
-            elif message.op in (link.REPLY, link.REFUSE):
-                entry = self.forwarded.pop(message.call, None)
-                if entry is not None:
-                    future, slot = entry
-                    if slot is not None:
-                        self.free_inbound.append(slot)  # the trainer has read the request
-                    if not future.cancelled():
-                        future.set_result(message)
-            else:
-                self._start(self.serve_call(message) if message.op in (link.LOOKUP, link.PUSH)
-                            else self.control(message))
+        self.reader.drain(self.on_message, self.ended.set)
+
+    def on_message(self, message: Message, fds: list[int]) -> None:
+        if message.op == link.SLOT:
+            self.slots[message.slot] = Slot(message.slot, fds[0])
+        elif message.op in (link.REPLY, link.REFUSE):
+            entry = self.forwarded.pop(message.call, None)
+            if entry is not None:
+                future, slot = entry
+                if slot is not None:
+                    self.free_inbound.append(slot)  # the trainer has read the request
+                if not future.cancelled():
+                    future.set_result(message)
+        else:
+            self._start(self.serve_call(message) if message.op in (link.LOOKUP, link.PUSH)
+                        else self.control(message))
 
     def _start(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
