@@ -168,6 +168,7 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
     10 s of the newest; 8 gRPC clients through at least 5 swaps see no errors, and every response's probabilities equal
     (1e-5) a forward pass, outside the service, of the version the response names."""
     import grpc
+    import http.client
     import re
     import urllib.request
 
@@ -196,8 +197,17 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
     threads: list[threading.Thread] = []
 
     def served_version() -> int:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+        # A scrape can go unanswered for 10 s when the machine is loaded (a clean-clone CI saw one time out while
+        # a version loaded): ask again rather than lose the monitor, which would see no swap at all.
+        for attempt in range(6):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+                    text = r.read().decode()
+                break
+            except (OSError, http.client.HTTPException):
+                if attempt == 5:
+                    raise
+                time.sleep(0.2)
         return int(float(re.search(r"^hybridrec_inference_served_version\{[^}]*\} (\S+)$", text, re.M)[1]))
 
     def client(seed: int, pools: list[np.ndarray]) -> None:
