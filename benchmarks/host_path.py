@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def thread_costs(snaps: list, start: float, end: float, steps: float) -> dict[st
 
 
 def run_once(config: Path, run_dir: Path, receiver: bool = False) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier invocation's checkpoints would resume it at its end
     cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir),
            "--set", "model.kwargs.hidden=[8]", "--set", 'cluster.nn_workers=["127.0.0.1:0"]',
            "--set", f"training.receiver={'true' if receiver else 'false'}"]

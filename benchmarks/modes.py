@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ def hybridrec_config(data: Path, out: Path, prepared: Path | None = None) -> Pat
 
 def run_mode(config: Path, mode: str, work: Path, overrides: list[str]) -> dict:
     run_dir = work / f"run-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier invocation's checkpoints would resume it at its end
     started = time.monotonic()
     sets = [arg for o in overrides for arg in ("--set", o)]
     result = subprocess.run([sys.executable, "-m", "hybridrec", "run", str(config), "--set", f"training.mode={mode}",
