@@ -39,7 +39,7 @@ import numpy as np
 
 from hybridrec import codec
 from hybridrec.codec import FrameError
-from hybridrec.compress import ValueCodec, check_unique_count
+from hybridrec.compress import Fp16Rows, ValueCodec, check_unique_count
 from hybridrec.jagged import Bag, KeyedBags
 
 PHASES = ("train", "eval")
@@ -422,6 +422,51 @@ class Gradients:
 
 
 @dataclass
+class CheckedEmbeddings:
+    """A batch's `Embeddings` frame as an NN worker's receiver process checked it (`Embeddings.decode`) for its
+    trainer (`training.receiver`): the frame as the embedding worker sent it, beside what pooling derives from
+    its bag structure (`hybridrec.pooling.BatchEmbeddings`: each feature's first element and first row, the
+    sequences' padded rows), computed in the receiver, so that the trainer's event loop only makes views.
+
+    It crosses no network: it travels in a shared-memory slot between the two processes of one NN worker.
+    Decoding it checks the codec's structure and each array's dtype and rank, not the positions again."""
+
+    embeddings: bytes | memoryview  # the `Embeddings` frame, checked
+    batch_size: int
+    start: np.ndarray  # int64 (features + 1,): each feature's first element
+    base: np.ndarray  # int64 (features,): each feature's first row within its width's rows
+    sequences: dict[int, tuple[np.ndarray, np.ndarray]]  # feature -> (int64 (batch, max_len), int64 (batch,))
+
+    def encode_into(self, allocate: Callable[[int], memoryview]) -> int:
+        """The frame, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length. The
+        embeddings frame is copied once, as it came."""
+        tensors = {"frame": np.frombuffer(self.embeddings, np.uint8), "start": self.start, "base": self.base}
+        for feature, (index, lengths) in self.sequences.items():
+            tensors[f"seq.{feature}"], tensors[f"seq.{feature}.lengths"] = index, lengths
+        return codec.encode_into(allocate, tensors, {"batch_size": self.batch_size})
+
+    @classmethod
+    def decode(cls, buf: bytes | memoryview, sequences: Iterable[int]) -> "CheckedEmbeddings":
+        """`sequences`: the indices of the job's sequence features."""
+        frame = codec.decode(buf)
+        seqs = {f: (frame.get(f"seq.{f}", np.int64, 2), frame.get(f"seq.{f}.lengths", np.int64, 1))
+                for f in sequences}
+        return cls(frame.get("frame", np.uint8, 1), frame.meta_int("batch_size"), frame.get("start", np.int64, 1),
+                   frame.get("base", np.int64, 1), seqs)
+
+    def bags(self, dims: Iterable[int], kappa: float) -> tuple[dict[int, "np.ndarray | Fp16Rows"], np.ndarray,
+                                                               np.ndarray]:
+        """(rows per width, positions, lengths) of the embeddings frame: views of it, not checked again."""
+        frame = codec.decode(self.embeddings)
+        rows: dict[int, np.ndarray | Fp16Rows] = {}
+        for dim in dims:
+            name = f"rows.{dim}"
+            rows[dim] = (Fp16Rows(frame.get(name, np.float16, 2), frame.get(f"{name}.norm", np.float32, 1), kappa)
+                         if f"{name}.norm" in frame.tensors else frame.get(name, np.float32, 2))
+        return rows, frame.get("pos", np.uint16, 1), frame.get("lengths", np.uint16, 2)
+
+
+@dataclass
 class Applied:
     """How many rows an update applied (0 for frames that apply nothing, e.g. NNWorker.PutBatch), and which life
     of each PS shard acknowledged it (`lives`: (shard, life) pairs; services/embedding_ps/lives.py): a PS shard
@@ -709,8 +754,8 @@ class ShardPull:
                    _count(frame, "life", default=0), _text(frame, "job"))
 
 
-FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
-          PSLookup, PSRows, PSUpdate, ShardRows, ShardPull)
+FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, CheckedEmbeddings, Gradients, Applied, Consumed,
+          Received, PSLookup, PSRows, PSUpdate, ShardRows, ShardPull)
 """Every frame kind (docs and tests check they are all described)."""
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
-from hybridrec.frames import Embeddings, FrameError
+from hybridrec.frames import CheckedEmbeddings, Embeddings, FrameError
 from hybridrec.jagged import KeyedBags
 
 
@@ -103,6 +103,7 @@ class Pooler:
         self.weighted = bool(self.powers.any())
         # each feature's position within its width (the order of the width's rows)
         self._within = np.array([self.members[f.dim].index(i) for i, f in enumerate(features)], np.int64)
+        self._sequence_features = [i for i, f in enumerate(features) if f.sequence]
         self._device_consts: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
@@ -116,6 +117,20 @@ class Pooler:
         return BatchEmbeddings(batch_size, frame.rows, frame.bags.values, frame.bags.lengths,
                                frame.bags.bounds, base, self._sequences(frame.bags.values, frame.bags.lengths,
                                                                          frame.bags.bounds, base))
+
+    def check(self, frame_bytes: bytes, batch_size: int) -> CheckedEmbeddings:
+        """`decode`, in an NN worker's receiver process: the frame checked, with what pooling derives from it,
+        for its trainer, which takes views of it (`from_checked`) instead of decoding the frame itself."""
+        emb = self.decode(frame_bytes, batch_size)
+        return CheckedEmbeddings(frame_bytes, batch_size, emb.start, emb.base, emb.sequences)
+
+    def from_checked(self, buf: bytes | memoryview, batch_size: int) -> BatchEmbeddings:
+        """The `BatchEmbeddings` of a frame the receiver `check`ed: views of its arrays, nothing recomputed."""
+        frame = CheckedEmbeddings.decode(buf, self._sequence_features)
+        if frame.batch_size != batch_size:
+            raise FrameError(f"embeddings of a batch of {frame.batch_size} for a batch of {batch_size}")
+        rows, pos, lengths = frame.bags(self.dims, self.values.kappa)
+        return BatchEmbeddings(batch_size, rows, pos, lengths, frame.start, frame.base, frame.sequences)
 
     def from_columns(self, ids: np.ndarray, present: np.ndarray) -> tuple[dict[int, np.ndarray], BatchEmbeddings]:
         """`from_bags` of single-valued ID columns (n, F) with a presence mask (Criteo: one ID or none per
@@ -156,7 +171,7 @@ class Pooler:
                    base: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Each sequence feature's elements as (batch, max_len) rows of its width, -1 past each length."""
         return {f: _padded(pos[bounds[f]:bounds[f + 1]].astype(np.int64) + base[f], lengths[f], self.features[f])
-                for f, feature in enumerate(self.features) if feature.sequence}
+                for f in self._sequence_features}
 
     def empty(self, batch_size: int) -> BatchEmbeddings:
         """Embeddings of a batch whose every bag is empty (pooled zeros): the stand-in for a lost batch."""

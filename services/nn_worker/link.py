@@ -57,7 +57,7 @@ Status and Stats messages) and error lines; a larger request travels in a slot."
 
 # To the receiver
 SLOT = 1  # a new slot; its file descriptor rides along (SCM_RIGHTS)
-LOOKUP = 2  # look up batch_ref into the slot
+LOOKUP = 2  # look up batch_ref, check its frame for a batch of `nbytes` samples, lay it out into the slot
 PUSH = 3  # the slot holds a Gradients frame of that many bytes for batch_ref
 SERVE = 4  # start the NN worker's gRPC server (answered by LISTENING)
 REPLY = 5  # the answer to a CALLED: its bytes follow
@@ -291,30 +291,33 @@ class ReceiverLink:
         self._spawn()
 
     # -- the trainer's calls -------------------------------------------------------------------------
-    async def lookup(self, ref: int) -> Looked:
-        """The batch's `Embeddings` frame, in a slot given back by the result's `release`."""
+    async def lookup(self, ref: int, batch_size: int) -> Looked:
+        """The batch's embeddings as the receiver checked them for a batch of `batch_size` samples (a
+        `CheckedEmbeddings` frame), in a slot given back by the result's `release`."""
         slot = self._slot()
-        answer = await self._call(LOOKUP, ref, slot)
-        released = False
+        answer = await self._call(LOOKUP, ref, slot, batch_size)
+        return Looked(slot.view(answer.nbytes), lambda: self.free.append(slot), checked=True)
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
+    async def push(self, ref: int, tensors: dict, into: Slot | None = None, nbytes: int | None = None) -> Applied:
+        """Send the batch's packed gradients; the `Applied` answer (routing.EmbeddingWorkers.push). `into`: a
+        slot from `outgoing`, which holds the frame already when `nbytes` is given (the trainer's compute
+        thread wrote it)."""
+        slot = into if into is not None else self._slot()
+        if nbytes is None:
+            try:
+                nbytes = Gradients.encode_packed_into(slot.writable, ref, tensors)
+            except BaseException:
                 self.free.append(slot)
-        return Looked(slot.view(answer.nbytes), release)
-
-    async def push(self, ref: int, tensors: dict) -> Applied:
-        """Send the batch's packed gradients; the `Applied` answer (routing.EmbeddingWorkers.push)."""
-        slot = self._slot()
-        try:
-            nbytes = Gradients.encode_packed_into(slot.writable, ref, tensors)
-        except BaseException:
-            self.free.append(slot)
-            raise
+                raise
         answer = await self._call(PUSH, ref, slot, nbytes)
         self.free.append(slot)
         return unpack_applied(answer.payload)
+
+    def outgoing(self) -> Slot:
+        """A free slot for the gradient frame of the step about to run, which the step writes on the compute
+        thread (`Trainer._train_step`) so that the 0.6 MB copy does not run on the event loop; `push` sends it
+        and frees it."""
+        return self._slot()
 
     def _slot(self) -> Slot:
         if self.free:

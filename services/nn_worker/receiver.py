@@ -4,8 +4,9 @@ Started by `ReceiverLink` (link.py) when `training.receiver` is on, with two inh
 its end of the link's socket pair (`HYBRIDREC_LINK_FD`) and the job's config as JSON
 (`HYBRIDREC_LINK_CONFIG_FD`). It runs its own event loop and gRPC channels and server:
 
-* for each `LOOKUP` it calls the batch's embedding worker and writes the `Embeddings` frame into the
-  slot it was handed; for each `PUSH` it sends the slot's `Gradients` frame. The calls are
+* for each `LOOKUP` it calls the batch's embedding worker, checks the `Embeddings` frame (`Pooler.check`)
+  and writes it into the slot it was handed with what pooling derives from it (`CheckedEmbeddings`), so
+  that the trainer only makes views of it; for each `PUSH` it sends the slot's `Gradients` frame. The calls are
   `EmbeddingWorkers`' own (routing.py): the same routing by batch_ref, retries for `cluster.retry_s`, and
   NOT_FOUND as a lost batch;
 * once told to (`SERVE`), it serves the NN worker's address: every `NNWorker` call (the data loaders'
@@ -36,7 +37,9 @@ from grpc_health.v1 import health_pb2
 
 from hybridrec import log, rpc
 from hybridrec.config import Config, split_address
+from hybridrec.compress import ValueCodec
 from hybridrec.frames import Applied
+from hybridrec.pooling import Pooler
 from hybridrec.service import LIVENESS
 from services.nn_worker import link
 from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
@@ -52,6 +55,8 @@ class Receiver:
         self.reader = link.LinkReader(sock)
         self.writer = link.LinkWriter(sock)
         self.workers = EmbeddingWorkers(config)
+        self.pooler = Pooler(config.features, ValueCodec(fp16=config.training.compression.fp16,
+                                                         kappa=config.training.compression.kappa))
         self.slots: dict[int, Slot] = {}  # the trainer's
         self.inbound: list[Slot] = []  # this process's, for requests to the NN worker
         self.free_inbound: list[Slot] = []
@@ -93,9 +98,9 @@ class Receiver:
     async def serve_call(self, message: Message) -> None:
         try:
             if message.op == link.LOOKUP:
-                frame = await self.workers.call_lookup(message.ref)
-                self.slots[message.slot].writable(len(frame))[:] = frame
-                answer = Message(link.DONE, message.call, message.ref, message.slot, len(frame))
+                checked = self.pooler.check(await self.workers.call_lookup(message.ref), message.nbytes)
+                nbytes = checked.encode_into(self.slots[message.slot].writable)
+                answer = Message(link.DONE, message.call, message.ref, message.slot, nbytes)
             else:
                 frame = bytes(self.slots[message.slot].view(message.nbytes))
                 applied = Applied.decode(await self.workers.call_push(message.ref, frame))

@@ -18,7 +18,6 @@ trainer talks to them through `ReceiverLink` (link.py), which has this class's `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -34,13 +33,24 @@ class BatchLost(LookupError):
     """The embedding worker no longer holds this batch (it lost its buffer): the batch is skipped and counted."""
 
 
-@dataclass
 class Looked:
-    """A batch's `Embeddings` frame, and how to give back the memory it lies in (a receiver's slot) once the
-    step has used the arrays decoded from it: `release`, called once."""
+    """A batch's embeddings as a lookup returned them, and how to give back the memory they lie in (a
+    receiver's slot) once the step has used the arrays decoded from them: `release`, which frees it once
+    however often it is called.
 
-    frame: bytes | memoryview
-    release: Callable[[], None] = field(default=lambda: None)
+    `frame` is the embedding worker's `Embeddings` frame, or (`checked`) the `CheckedEmbeddings` frame the
+    receiver process made of it."""
+
+    __slots__ = ("frame", "checked", "_release")
+
+    def __init__(self, frame: bytes | memoryview, release: Callable[[], None] | None = None, *,
+                 checked: bool = False):
+        self.frame, self.checked, self._release = frame, checked, release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class EmbeddingWorkers:
@@ -78,12 +88,14 @@ class EmbeddingWorkers:
         """Send a `Gradients` frame; returns the `Applied` frame that answers it."""
         return await self._call(self._pushes, ref, frame)
 
-    async def lookup(self, ref: int) -> Looked:
+    async def lookup(self, ref: int, batch_size: int) -> Looked:
+        """The batch's `Embeddings` frame (`batch_size`: its samples, which the trainer's decoding checks)."""
         return Looked(await self.call_lookup(ref))
 
-    async def push(self, ref: int, tensors: dict[str, np.ndarray]) -> Applied:
+    async def push(self, ref: int, tensors: dict[str, np.ndarray], into: None = None,
+                   nbytes: None = None) -> Applied:
         """Send the batch's packed gradients (`Gradients.pack_tensors`); returns the rows the PS applied and
-        which life of each shard acknowledged."""
+        which life of each shard acknowledged. (`into` and `nbytes` are the receiver's: `ReceiverLink.push`.)"""
         return Applied.decode(await self.call_push(ref, Gradients.encode_packed(ref, tensors)))
 
     async def close(self) -> None:

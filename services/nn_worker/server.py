@@ -238,7 +238,8 @@ async def _serve(config: Config, replica: int) -> None:
     publisher = Publisher(config, model, compute) if replica == 0 and config.publish.enabled else None
     trainer = Trainer(config, env, model, workers.lookup, workers.push, inbox, compute, Collaborators(
         checkpointer=checkpointer, publisher=publisher,
-        membership=membership if config.training.mode in RECOVERABLE_MODES else None))
+        membership=membership if config.training.mode in RECOVERABLE_MODES else None),
+        outgoing=link.outgoing if link is not None else None)
     plan = await trainer.setup(plan)
     if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
         manifest = await checkpointer.restore(trainer)

@@ -23,7 +23,7 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from services.nn_worker.publish import Publisher
 
 
-Lookup = Callable[[int], Awaitable[Looked]]  # batch_ref -> frame of pooled embeddings (and its release)
-Push = Callable[[int, dict], Awaitable[Applied]]  # (batch_ref, packed gradients) -> what the PS applied
+Lookup = Callable[[int, int], Awaitable[Looked]]  # (batch_ref, batch size) -> the batch's embeddings' frame
+Push = Callable[..., Awaitable[Applied]]  # (batch_ref, packed gradients[, slot, frame bytes]) -> what the PS applied
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,13 @@ class Collaborators:
 
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
-                 inbox: Inbox, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators()):
+                 inbox: Inbox, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators(),
+                 outgoing: Callable[[], Any] | None = None):
+        """`outgoing`: with a receiver process, a free shared-memory slot for a step's gradient frame
+        (`ReceiverLink.outgoing`): the compute thread writes the frame there, `push` sends it."""
         self.config, self.env = config, env
         self.training = config.training
-        self.lookup, self.push, self.inbox = lookup, push, inbox
+        self.lookup, self.push, self.inbox, self.outgoing = lookup, push, inbox, outgoing
         self.log = log.get()
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
@@ -221,10 +224,11 @@ class Trainer:
         self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
                          replaced=list(plan.joined_fresh))
 
-    async def _push(self, ref: int, tensors: dict[str, np.ndarray]) -> None:
-        """Send a batch's packed gradients (its `Gradients` frame's tensors) and note which life of each PS
-        shard acknowledged them (`TrainStats.ps_acks`)."""
-        applied = await self.push(ref, tensors)
+    async def _push(self, ref: int, tensors: dict[str, np.ndarray], into: Any = None,
+                    nbytes: int | None = None) -> None:
+        """Send a batch's packed gradients (its `Gradients` frame's tensors; or its frame, `nbytes` long, in the
+        receiver's slot `into`) and note which life of each PS shard acknowledged them (`TrainStats.ps_acks`)."""
+        applied = await (self.push(ref, tensors) if into is None else self.push(ref, tensors, into, nbytes))
         self.stats.ps_acks.update(applied.lives)
 
     async def on_compute(self, fn, *args):
@@ -249,7 +253,7 @@ class Trainer:
                 while (item := await self._take(phase)) is not None:
                     if before_lookup is not None:
                         await before_lookup()
-                    await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref))))
+                    await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref, item.labels.shape[0]))))
                 if end is not None:
                     end.update(merge_ends(self._ended[phase]))
                 await ready.put(None)
@@ -374,7 +378,7 @@ class Trainer:
                     await ready(step.event)
                     self._record(step, labels, lost)
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self._push(ref, step.packed())
+                    await self._push(ref, step.packed(), step.out, step.written)
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -403,7 +407,8 @@ class Trainer:
                 # A lost batch still takes a (zero-weighted) step: every rank must run the same
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
-                step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0)
+                out = self.outgoing() if self.outgoing is not None and not lost else None
+                step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0, out)
                 looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
                 self.stats.compute_s += time.perf_counter() - computed
                 self.loader_steps[batch.loader] += 1
@@ -453,7 +458,7 @@ class Trainer:
         try:
             looked = await pending
             try:
-                return self.pooler.decode(looked.frame, batch.labels.shape[0]), False, looked
+                return self._decode(looked, batch.labels.shape[0]), False, looked
             except BaseException:
                 looked.release()
                 raise
@@ -465,15 +470,21 @@ class Trainer:
                 self.stats.skipped_eval_batches += 1
             return self.pooler.empty(batch.labels.shape[0]), True, Looked(b"")
 
+    def _decode(self, looked: Looked, batch_size: int) -> BatchEmbeddings:
+        """The batch's embeddings: views of the receiver's checked frame, or the embedding worker's decoded."""
+        if looked.checked:
+            return self.pooler.from_checked(looked.frame, batch_size)
+        return self.pooler.decode(looked.frame, batch_size)
+
     async def _settle(self, batch: DenseBatch) -> None:
         """A re-sent batch the group trained already: if its embedding worker still holds it, the update was
         lost with this rank's predecessor (the worker drops a batch once its update is applied). Its embedding
         gradients are derived again under the current dense model — which is a few steps newer, like any
         bounded-staleness update — and pushed; the dense model is not touched."""
         try:
-            looked = await self.lookup(batch.batch_ref)
+            looked = await self.lookup(batch.batch_ref, batch.labels.shape[0])
             try:
-                emb = self.pooler.decode(looked.frame, batch.labels.shape[0])
+                emb = self._decode(looked, batch.labels.shape[0])
                 grads = await self.on_compute(self._embedding_gradients, batch, emb)
             finally:
                 looked.release()
@@ -512,9 +523,11 @@ class Trainer:
             event.synchronize()  # a rare path (a replayed update): not worth overlapping
         return {dim: t.numpy() for dim, t in host.items()}
 
-    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, weight: float = 1.0) -> "StepOutput":
+    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, weight: float = 1.0,
+                    out: Any = None) -> "StepOutput":
         """Compute thread: one step. On a GPU it returns once the step is queued (its gradients and loss
-        reach the host behind `StepOutput.event`), so the next batch's copy overlaps this step's kernels."""
+        reach the host behind `StepOutput.event`), so the next batch's copy overlaps this step's kernels. On
+        the CPU, with a receiver's slot `out`, it writes the gradient frame there (off the event loop)."""
         cpu_started = time.thread_time()
         dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
@@ -532,8 +545,12 @@ class Trainer:
         packed = Gradients.pack_tensors(self.values, {
             dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()})
         host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **packed})
+        written = None
+        if out is not None and event is None:
+            written = Gradients.encode_packed_into(out.writable, batch.batch_ref,
+                                                   {key: host[key].numpy() for key in packed})
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
-        return StepOutput(host, event, tuple(packed))
+        return StepOutput(host, event, tuple(packed), out, written)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""
@@ -606,6 +623,8 @@ class StepOutput:
     host: dict  # "loss" -> 0-d tensor, "logits" -> (B,) or (B, tasks), and the gradients' packed tensors
     event: "torch.cuda.Event | None"
     grad_keys: tuple[str, ...] = ()  # which of `host` are the `Gradients` frame's tensors
+    out: Any = None  # the receiver's slot for the gradient frame (`Trainer.outgoing`), or None
+    written: int | None = None  # the frame's length once written there (on the CPU: by the step itself)
 
     def loss(self) -> float:
         return float(self.host["loss"])

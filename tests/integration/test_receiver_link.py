@@ -1,8 +1,8 @@
 """The NN worker's receiver process (services/nn_worker/receiver.py, link.py): a real receiver process makes the
 trainer's lookups and pushes against a real gRPC embedding-worker server, the frames handed over in shared memory.
-Every frame arrives byte for byte (one far larger than a slot's first size), errors keep their kind, a receiver
-killed with calls in flight is replaced and the calls complete, and a cancelled call's slot comes back. The NN
-worker's own server, in the receiver, hands every call to the trainer's handlers."""
+Every frame arrives checked and whole (one far larger than a slot's first size), a bad one fails its lookup,
+errors keep their kind, a receiver killed with calls in flight is replaced and the calls complete, and a cancelled
+call's slot comes back. The NN worker's own server, in the receiver, hands every call to the trainer's handlers."""
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +16,13 @@ import pytest
 from hybridrec import rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.config import from_dict
-from hybridrec.frames import Applied, BatchRef, Gradients
+from hybridrec.frames import Applied, BatchRef, Embeddings, Gradients
+from hybridrec.jagged import KeyedBags
+from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
 from services.nn_worker import link
 from services.nn_worker.link import INITIAL_SLOT_BYTES, ReceiverLink
-from services.nn_worker.routing import BatchLost
+from services.nn_worker.routing import BatchLost, Looked
 
 
 class FakeEmbeddingWorker:
@@ -53,9 +55,37 @@ class FakeEmbeddingWorker:
         return Applied(applied=7, lives=((0, 3), (1, (1 << 64) - 5))).encode()  # lives are 64-bit
 
 
+BATCH = 128
+VALUES = ValueCodec()
+
+
 def _frame(ref: int, nbytes: int) -> bytes:
-    """A lookup's answer: the receiver passes its bytes on unread, so any bytes do."""
-    return np.random.default_rng(ref).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    """A lookup's answer: an `Embeddings` frame of the test's one 4-wide feature for a batch of `BATCH`, its
+    multi-hot bags long enough for about `nbytes`."""
+    rng = np.random.default_rng(ref)
+    elements = max(BATCH, nbytes // 2)
+    lengths = np.full((1, BATCH), elements // BATCH, np.uint16)
+    lengths[0, :elements % BATCH] += 1
+    rows = rng.standard_normal((1000, 4)).astype(np.float32)
+    pos = rng.integers(0, rows.shape[0], elements).astype(np.uint16)
+    return Embeddings(KeyedBags(pos, lengths), np.array([rows.shape[0]], np.int32), {4: rows}).encode(VALUES)
+
+
+def _assert_same(looked, frame: bytes) -> None:
+    """What the trainer takes from the receiver's slot is the embedding worker's frame, checked: the same
+    arrays as decoding that frame in the trainer."""
+    assert looked.checked
+    pooler = Pooler(CONFIG_FEATURES, VALUES)
+    got, sent = pooler.from_checked(looked.frame, BATCH), pooler.decode(frame, BATCH)
+    for got_array, sent_array in ((got.pos, sent.pos), (got.lengths, sent.lengths), (got.start, sent.start),
+                                  (got.base, sent.base)):
+        np.testing.assert_array_equal(got_array, sent_array)
+    np.testing.assert_array_equal(got.rows[4].half, sent.rows[4].half)
+    np.testing.assert_array_equal(got.rows[4].norms, sent.rows[4].norms)
+
+
+FEATURES = [{"name": "a", "group": 0, "dim": 4, "pooling": "mean"}]
+CONFIG_FEATURES = from_dict({"data": {"train": ["x"]}, "features": FEATURES}).features
 
 
 @pytest.fixture
@@ -67,8 +97,7 @@ def worker_and_config():
         rpc.add_service(server, "EmbeddingWorker", fake)
         port = rpc.bind(server, "127.0.0.1", 0)
         await server.start()
-        config = from_dict({"data": {"train": ["x"]}, "num_dense": 3,
-                            "features": [{"name": "a", "group": 0, "dim": 4}],
+        config = from_dict({"data": {"train": ["x"]}, "num_dense": 3, "features": FEATURES,
                             "cluster": {"embedding_workers": [f"127.0.0.1:{port}"], "nn_workers": ["a:1"],
                                         "retry_s": 5.0},
                             "training": {"receiver": True}})
@@ -82,25 +111,45 @@ def test_frames_arrive_whole_and_errors_keep_their_kind(worker_and_config):
         link = ReceiverLink(config, 0)
         try:
             fake.frames = {1: _frame(1, 1000), 2: _frame(2, 3 * INITIAL_SLOT_BYTES), 3: _frame(3, 10)}
-            looked = await asyncio.gather(*(link.lookup(ref) for ref in (1, 2, 3)))
+            looked = await asyncio.gather(*(link.lookup(ref, BATCH) for ref in (1, 2, 3)))
+            assert len(looked[1].frame) > 3 * INITIAL_SLOT_BYTES
             for ref, got in zip((1, 2, 3), looked):
-                assert bytes(got.frame) == fake.frames[ref]
+                _assert_same(got, fake.frames[ref])
             grown = bytes(looked[1].frame)
             for got in looked:
                 got.release()
+                got.release()  # once only
+            assert len(link.free) == len(link.slots) == 3
             # A slot that grew is mapped again by both sides: the next frame in it is read whole as well.
             fake.frames[4] = _frame(4, 2 * INITIAL_SLOT_BYTES + 5)
-            again = [await link.lookup(4) for _ in range(3)]
-            assert all(bytes(a.frame) == fake.frames[4] for a in again) and grown == fake.frames[2]
+            again = [await link.lookup(4, BATCH) for _ in range(3)]
+            for got in again:
+                _assert_same(got, fake.frames[4])
+            _assert_same(Looked(grown, checked=True), fake.frames[2])
+
+            # A frame the receiver cannot check fails the lookup with the reason; the receiver goes on.
+            good = Embeddings.decode(fake.frames[3], VALUES, [4], BATCH)
+            past = np.full_like(good.bags.values, 1000)  # past the feature's 1000 rows
+            fake.frames[7] = Embeddings(KeyedBags(past, good.bags.lengths), good.counts, good.rows).encode(VALUES)
+            with pytest.raises(RuntimeError, match="position 1000 outside its 1000 rows"):
+                await link.lookup(7, BATCH)
+            with pytest.raises(RuntimeError, match="does not describe 1 features of a batch of 64"):
+                await link.lookup(3, 64)
+            _assert_same(await link.lookup(3, BATCH), fake.frames[3])
 
             tensors = Gradients(9, {4: np.arange(40, dtype=np.float32).reshape(10, 4)}).packed(ValueCodec())
             applied = await link.push(9, tensors)
             assert applied.applied == 7 and applied.lives == ((0, 3), (1, (1 << 64) - 5))
             assert fake.pushed[9] == Gradients.encode_packed(9, tensors)
+            # The trainer's step writes the frame into a slot of the link's (`outgoing`) for the push to send.
+            slot = link.outgoing()
+            nbytes = Gradients.encode_packed_into(slot.writable, 10, tensors)
+            assert (await link.push(10, {}, slot, nbytes)).applied == 7
+            assert fake.pushed[10] == Gradients.encode_packed(10, tensors) and slot in link.free
 
             with pytest.raises(BatchLost, match="batch 404 is not held"):
-                await link.lookup(404)
-            assert link.replaced == 0 and len(link.free) == len(link.slots) - 3  # the 3 lookups of ref 4 held
+                await link.lookup(404, BATCH)
+            assert link.replaced == 0 and len(link.free) == len(link.slots) - 4  # the lookups of refs 4 and 3 held
         finally:
             await link.close()
             await server.stop(None)
@@ -115,7 +164,7 @@ def test_a_killed_receiver_is_replaced_and_its_calls_complete(worker_and_config)
         try:
             fake.frames = {5: _frame(5, 200_000), 6: _frame(6, 300)}
             fake.held = {5: asyncio.Event()}
-            pending = asyncio.ensure_future(link.lookup(5))
+            pending = asyncio.ensure_future(link.lookup(5, BATCH))
             while fake.asked.get(5, 0) < 1:  # the first receiver is inside the call
                 await asyncio.sleep(0.01)
             first = link.process.pid
@@ -124,14 +173,14 @@ def test_a_killed_receiver_is_replaced_and_its_calls_complete(worker_and_config)
                 await asyncio.sleep(0.01)
             fake.held[5].set()
             looked = await asyncio.wait_for(pending, 30)
-            assert bytes(looked.frame) == fake.frames[5]
+            _assert_same(looked, fake.frames[5])
             assert link.replaced == 1 and link.process.pid != first
-            assert bytes((await link.lookup(6)).frame) == fake.frames[6]
+            _assert_same(await link.lookup(6, BATCH), fake.frames[6])
 
             # A cancelled lookup's slot comes back once the receiver has answered, not before.
             fake.held = {6: asyncio.Event()}
             asked = fake.asked[6]
-            cancelled = asyncio.ensure_future(link.lookup(6))
+            cancelled = asyncio.ensure_future(link.lookup(6, BATCH))
             while fake.asked[6] == asked:
                 await asyncio.sleep(0.01)
             free = len(link.free)
