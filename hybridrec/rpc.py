@@ -295,6 +295,21 @@ def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     return servicer
 
 
+LIVENESS = "liveness"
+"""The health service's name for "the process runs" (liveness probes); "" is the overall status, SERVING only
+once the service's dependencies answer (readiness)."""
+
+
+async def start_server(server: grpc.aio.Server, servicer: health.aio.HealthServicer, host: str, port: int) -> int:
+    """Bind `server` (its health service `servicer`) and start it: NOT_SERVING until the service says it is
+    ready (`set_serving`), its liveness SERVING. Returns the port bound (port 0 picks a free one)."""
+    bound = bind(server, host, port)
+    await set_serving(servicer, False)
+    await server.start()
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    return bound
+
+
 async def set_serving(servicer: health.aio.HealthServicer, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     await servicer.set("", status)

@@ -17,14 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import prometheus_client
-from grpc_health.v1 import health_pb2
-
 from hybridrec import log, rpc
 from hybridrec.config import Config, ConfigError, split_address
 from hybridrec.metrics import register_stats
-
-LIVENESS = "liveness"
-
 
 
 @dataclass(frozen=True)
@@ -184,10 +179,8 @@ class ServiceHost:
         _, port = split_address(self.address)
         if self.face is not None:  # it starts NOT_SERVING, its liveness SERVING, as below
             self.port = bound = await self.face.start_serving()
-        else:
-            self.port = bound = rpc.bind(self.server, self.bind_host, port)
-            await rpc.set_serving(self.health, False)  # until the service says it is ready (set_serving)
-            await self.server.start()
+        else:  # NOT_SERVING until the service says it is ready (set_serving), its liveness SERVING
+            self.port = bound = await rpc.start_server(self.server, self.health, self.bind_host, port)
         if self.metrics_port:
             prometheus_client.start_http_server(self.metrics_port, addr=self.bind_host)
             self.metrics_address = f"{self.bind_host}:{self.metrics_port}"
@@ -196,10 +189,6 @@ class ServiceHost:
         # would wait for its kill. `serve` exits 0 after its cleanup, as after a stop while running.
         self._starting = asyncio.current_task()
         rpc.install_stop_handlers(self.stop, also=self._stop_while_starting)
-        # "liveness": SERVING while the process runs, for liveness probes; "" (the overall status)
-        # turns SERVING only once the service's dependencies answer, for readiness.
-        if self.health is not None:
-            await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
 
     async def set_serving(self, serving: bool = True) -> None:

@@ -33,14 +33,13 @@ import sys
 
 import grpc
 import uvloop
-from grpc_health.v1 import health_pb2
 
 from hybridrec import log, rpc
-from hybridrec.config import Config, split_address
 from hybridrec.compress import ValueCodec
+from hybridrec.config import Config, split_address
 from hybridrec.frames import Applied
 from hybridrec.pooling import Pooler
-from hybridrec.service import LIVENESS
+from hybridrec.proto import pb
 from services.nn_worker import link
 from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
 from services.nn_worker.routing import BatchLost, EmbeddingWorkers
@@ -136,12 +135,10 @@ class Receiver:
         self.health = rpc.add_health(self.server)
         handlers = {method.name: grpc.unary_unary_rpc_method_handler(self._forwarder(index))
                     for index, method in enumerate(nn_methods())}
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hybridrec.NNWorker",
-                                                                                   handlers),))
-        self.port = rpc.bind(self.server, self.config.cluster.bind_host, split_address(address)[1])
-        await rpc.set_serving(self.health, False)
-        await self.server.start()
-        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            pb.DESCRIPTOR.services_by_name["NNWorker"].full_name, handlers),))
+        self.port = await rpc.start_server(self.server, self.health, self.config.cluster.bind_host,
+                                           split_address(address)[1])
         return self.port
 
     def _forwarder(self, index: int):

@@ -15,7 +15,6 @@ import yaml
 
 from hybridrec import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.service import LIVENESS
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration
@@ -37,7 +36,7 @@ def test_an_embedding_worker_is_alive_but_not_ready_until_its_ps_answers(tmp_pat
     procs = [_serve(tmp_path, config, "embedding_worker")]
     try:
         deadline = time.monotonic() + 120
-        while not asyncio.run(rpc.is_serving(worker, service=LIVENESS)):
+        while not asyncio.run(rpc.is_serving(worker, service=rpc.LIVENESS)):
             assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "embedding_worker.log").read_text()
             time.sleep(0.1)
         for _ in range(5):  # listening, its PS absent: alive, not ready
@@ -68,7 +67,7 @@ def test_a_service_stopped_while_it_waits_for_its_peers_exits_at_once(tmp_path):
     proc = _serve(tmp_path, config, "embedding_worker")
     try:
         deadline = time.monotonic() + 120
-        while not asyncio.run(rpc.is_serving(worker, service=LIVENESS)):
+        while not asyncio.run(rpc.is_serving(worker, service=rpc.LIVENESS)):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "embedding_worker.log").read_text()
             time.sleep(0.1)
         proc.terminate()
