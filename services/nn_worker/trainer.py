@@ -51,9 +51,8 @@ if TYPE_CHECKING:
     from services.nn_worker.publish import Publisher
 
 
-_T = [0.0, 0]
 Lookup = Callable[[int, int], Awaitable[Looked]]  # (batch_ref, batch size) -> the batch's embeddings' frame
-Push = Callable[..., Awaitable[Applied]]  # (batch_ref, packed gradients[, slot, frame bytes]) -> what the PS applied
+Push = Callable[..., Awaitable[Applied]]  # (batch_ref, packed gradients[, slot, frame bytes]) -> the PS's answer
 
 
 @dataclass(frozen=True)
@@ -254,7 +253,8 @@ class Trainer:
                 while (item := await self._take(phase)) is not None:
                     if before_lookup is not None:
                         await before_lookup()
-                    await ready.put((item, asyncio.ensure_future(self.lookup(item.batch_ref, item.labels.shape[0]))))
+                    lookup = asyncio.ensure_future(self.lookup(item.batch_ref, item.labels.shape[0]))
+                    await ready.put((item, lookup))
                 if end is not None:
                     end.update(merge_ends(self._ended[phase]))
                 await ready.put(None)
@@ -576,10 +576,7 @@ class Trainer:
         self.stats.loss_sum += loss
         self.stats.loss_count += 1
         if not lost:
-            _t0 = time.thread_time()
             self.progressive.add(step.host["logits"].numpy(), labels)
-            _T[0] += time.thread_time() - _t0; _T[1] += 1
-            if _T[1] % 100 == 0: self.log.info("prog_add", ms=1000 * _T[0] / _T[1])
 
     def refresh_train_auc(self) -> float:
         """The progressive window's AUC (the first task's) as `stats.train_auc`: O(buckets), so computed when
