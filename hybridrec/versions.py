@@ -308,6 +308,9 @@ class Follower:
     """Newest complete version number found by the last poll."""
     behind: int = 0
     """Complete versions newer than the current one at the last poll."""
+    passed_over: list[int] = field(default_factory=list)
+    """Complete versions the last load went past: published between the previous current version and the
+    one loaded, all found by the same poll. They were not refused; a newer one replaced them first."""
 
     def _skip(self, number: int, reason: str) -> None:
         if number not in self.skipped:
@@ -331,6 +334,7 @@ class Follower:
             if loaded is not None:
                 self.current = loaded
                 self.built, self._pending_built = self._pending_built, None
+                self.passed_over = sorted(n for n in by_number if (current is None or n > current) and n < target)
                 break
         served = self.current.version if self.current else 0
         self.behind = sum(1 for n in by_number if n > served and n not in self.skipped)

@@ -116,7 +116,8 @@ class FollowSource:
         self._loaded.set()
         self.log.info("version_swapped", version=snapshot.version, step=snapshot.step,
                       base_version=snapshot.manifest.base_version, load_s=round(self.last_load_s, 3),
-                      lag_s=round(self.last_swap_lag_s, 3), behind=self.follower.behind)
+                      lag_s=round(self.last_swap_lag_s, 3), behind=self.follower.behind,
+                      passed_over=self.follower.passed_over)
         return True
 
     def _build(self, snapshot: Snapshot) -> Any:

@@ -3,7 +3,9 @@ as Arrow record batches through a real nats-server into a stream job with `ps.re
 `serve inference --follow` answering a steady OIP client, a training service SIGKILLed every 10 s (every kind
 within the first four) and the broker restarted once with its store. The same accounting as the 10-minute
 soak, asserted: every event trained once by id and acknowledged, nothing skipped or lost, the summary's
-`stream.events` the whole job's; every answer served without error, every version published swapped in, and
+`stream.events` the whole job's; every answer served without error, every version published swapped in (or
+passed over for a newer one already complete when the service looked: the final version, published as
+training ends, can follow the last interval's within one poll), and
 the final version's answers equal to `hybridrec predict` of the same model. (Latency, the drift and the
 progressive AUC are the full soak's figures: docs/benchmarks.md.)"""
 from __future__ import annotations
@@ -41,6 +43,6 @@ def test_a_short_soak_trains_every_event_once_and_serves_without_an_error(tmp_pa
     during, idle = served["latency_while_training_ms"], served["latency_idle_floor_ms"]
     assert during["requests"] > 0 and idle["requests"] > 0, served  # both sides of the split were answered
     assert during["requests"] + idle["requests"] <= served["requests"], served
-    assert not served["published_not_swapped"] and served["versions_published"] >= 5, served
+    assert not served["published_not_served"] and served["versions_published"] >= 5, served
     final = result["final_against_predict"]
     assert final["answers_compared"] > 0 and final["max_abs_difference"] <= 1e-5, final

@@ -172,12 +172,14 @@ def test_a_follower_jumps_to_the_newest_version_it_can_reach(tmp_path):
     for v in (2, 3):
         publish(tmp_path, v, random_tables(rng, 10), base=v - 1)
     follower = Follower(tmp_path)
-    assert follower.poll().version == 3
+    assert follower.poll().version == 3 and follower.passed_over == [1, 2]
     publish(tmp_path, 4, random_tables(rng, 100))
     publish(tmp_path, 5, random_tables(rng, 10), base=4)
     compact(tmp_path, keep=1)  # 1..3 go: the follower's base is gone, it reloads from 4
     assert [v.version for v in list_versions(tmp_path)[0]] == [4, 5]
-    assert follower.poll().version == 5
+    assert follower.poll().version == 5 and follower.passed_over == [4]
+    publish(tmp_path, 6, random_tables(rng, 10), base=5)
+    assert follower.poll().version == 6 and follower.passed_over == []
 
 
 def test_compaction_keeps_the_newest_full_its_deltas_keep_and_their_chains(tmp_path):
