@@ -2,14 +2,16 @@
 
 A `ServiceHost` owns the grpc.aio server, the standard health service, the
 Prometheus endpoint, structured logging bound to (service, replica), and a
-graceful stop on SIGTERM/SIGINT. A service's own module only builds its
+graceful stop on SIGTERM/SIGINT, and every thread's stack on stderr at SIGUSR2. A service's own module only builds its
 servicer and says when it is ready, so the four services cannot diverge in how
 they start, report health or shut down.
 """
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -155,6 +157,9 @@ class ServiceHost:
         self.service, self.replica, self.address = service, replica, address
         self.bind_host, self.metrics_port = bind_host, metrics_port
         self.log = log.setup(service=service, replica=replica)
+        # SIGUSR2 writes every thread's Python stack to stderr, at once and without the event loop: a service
+        # whose requests wait can be read where it runs, without a debugger.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         rpc.tune_allocator()
         rpc.use_tls(tls)
         rpc.use_authorization(control_identities)

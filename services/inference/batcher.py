@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridrec import log
 from hybridrec.inference_config import BatchingConfig
 from hybridrec.metrics import MICRO_BATCH_ROWS, QUEUE_DELAY
 from services.inference.inputs import NotFound, Samples
 from services.inference.model import LoadedModel, ModelSource
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a field-wise == would compare the requests' arrays
 class Pending:
     samples: Samples
     version: int | None  # the version the request asked for, None: any
@@ -53,6 +54,7 @@ class Batcher:
         self.max_delay_s = batching.max_delay_ms / 1000.0
         self.inline_max_rows = batching.inline_max_rows
         self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self._held: Pending | None = None  # taken from the queue, but past a full micro-batch: goes first next
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="inference-compute")
         self.task: asyncio.Task | None = None
         self.counters = {"requests_total": 0, "rows_total": 0, "micro_batches_total": 0, "failed_requests_total": 0}
@@ -91,8 +93,8 @@ class Batcher:
         (nothing queued or running, no company expected, small): answered in the caller's task, without the
         hand-overs to the batching task and back. (Asked again after one turn of the event loop: a request that
         arrived meanwhile is in flight too, and both go to the loop, which merges them.)"""
-        return (self.in_flight == 1 and self.queue.empty() and not self._running.locked() and not self._waiting()
-                and len(samples) <= self.inline_max_rows)
+        return (self.in_flight == 1 and self.queue.empty() and self._held is None and not self._running.locked()
+                and not self._waiting() and len(samples) <= self.inline_max_rows)
 
     async def _answer_alone(self, samples: Samples, version: int | None) -> Result:
         async with self._running:
@@ -117,10 +119,12 @@ class Batcher:
         caller never has another request in flight, so it never waits)."""
         return self.enabled and (self._concurrent or self._overlap > 0.5)
 
-    async def _take(self, first: Pending) -> list[Pending]:
-        batch, rows = [first], len(first.samples)
+    async def _take(self, batch: list[Pending]) -> None:
+        """Add queued requests to `batch` (its first one taken) until the next would pass `max_rows`, or, with
+        nothing queued, until the wait for company is over; a request that does not fit is held for the next."""
+        rows = sum(len(p.samples) for p in batch)
         if not self.enabled:
-            return batch
+            return
         deadline = time.monotonic() + self.max_delay_s if self._waiting() else 0.0
         while rows < self.max_rows:
             if self.queue.empty():
@@ -134,26 +138,25 @@ class Batcher:
             else:
                 nxt = self.queue.get_nowait()
             if rows + len(nxt.samples) > self.max_rows:
-                self.queue.put_nowait(nxt)  # goes first into the next micro-batch... after those queued after it
-                self._requeue_front(nxt)
+                self._held = nxt  # first into the next micro-batch, ahead of those queued after it
                 break
             batch.append(nxt)
             rows += len(nxt.samples)
-        return batch
-
-    def _requeue_front(self, item: Pending) -> None:
-        # asyncio.Queue has no push-front: rotate the item put back (last) to the front.
-        q = self.queue._queue  # noqa: SLF001 - a deque
-        q.remove(item)
-        q.appendleft(item)
 
     async def _loop(self) -> None:
         while True:
-            first = await self.queue.get()
+            first, self._held = self._held or await self.queue.get(), None
             async with self._running:  # a request answered in its own task finishes first
-                batch = await self._take(first)
-                self._concurrent = len(batch) > 1 or not self.queue.empty()
-                await self._answer(batch)
+                batch = [first]
+                try:
+                    await self._take(batch)
+                    self._concurrent = len(batch) > 1 or not self.queue.empty()
+                    await self._answer(batch)
+                except Exception as exc:  # noqa: BLE001 - a fault of the batcher's own fails these requests,
+                    # logged; the loop goes on serving (it must never end while requests wait on it)
+                    log.get().error("micro_batch_failed", requests=len(batch), error=f"{type(exc).__name__}: {exc}")
+                    for p in batch:
+                        self._fail(p, exc)
 
     async def _answer(self, batch: list[Pending]) -> None:
         """Answer every request of one micro-batch (its future), all from one model version."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -288,6 +289,21 @@ def test_dynamic_batching_merges_concurrent_requests(setup):
         assert max(merged) > 1, merged  # some requests shared a micro-batch
     finally:
         server.stop()
+
+
+def test_sigusr2_writes_every_threads_stack_to_the_log_and_the_service_keeps_serving(setup):
+    server, bundle, known, tokens, _ = setup
+    ids, dense, _ = _samples(known, tokens, n=4, seed=5)
+    before = len(server.log.read_text())
+    server.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while "_run_module_as_main" not in server.log.read_text()[before:]:  # the main thread's last line, written last
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log.read_text()[before:]
+        time.sleep(0.05)
+    dump = server.log.read_text()[before:]
+    assert dump.count("Thread 0x") >= 2 and "Current thread" in dump, dump[-3000:]  # the event loop's and others
+    np.testing.assert_allclose(_probs(server.infer_grpc({"ids": ids, "dense": dense})),
+                               reference(bundle, ids, dense), atol=ATOL)
 
 
 def test_remote_ps_mode_gives_the_same_predictions(setup):

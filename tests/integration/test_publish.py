@@ -4,6 +4,7 @@ fresh, and 8 clients reading through its swaps get predictions of exactly the ve
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -193,6 +194,7 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
     stop = threading.Event()
     responses: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     errors: list[str] = []
+    stacks_asked = threading.Event()
     lag: list[tuple[int, float]] = []
     threads: list[threading.Thread] = []
 
@@ -229,6 +231,9 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                     responses.append((int(response.model_version), ids, dense, probs))
                 except grpc.RpcError as exc:
                     errors.append(f"{exc.code()}: {exc.details()}")
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not stacks_asked.is_set():
+                        stacks_asked.set()  # where the service waits: every thread's stack, into its log
+                        server.send_signal(signal.SIGUSR2)
                 time.sleep(0.02)
 
     def monitor(cold: int) -> None:
@@ -285,7 +290,7 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
                 proc.wait(20)
     assert run.returncode == 0, stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert not errors, errors[:5]
+    assert not errors, (errors[:5], (tmp_path / "inference.log").read_text()[-12000:])
     served = sorted({v for v, *_ in responses})
     assert lag, "the service never swapped a version after its first"
     worst_behind, worst_age = max(b for b, _ in lag), max(a for _, a in lag)

@@ -185,6 +185,34 @@ def test_dynamic_batching_merges_concurrent_requests(bundle):
     np.testing.assert_allclose(np.concatenate([r.probability for r in results]), want, atol=ATOL)
 
 
+def test_a_request_that_would_overfill_a_micro_batch_goes_first_into_the_next(bundle):
+    """Requests of 3 rows arriving together against micro-batches of at most 16 rows: the one that would pass
+    16 is held for the next micro-batch, and every request is answered with its own rows. (The batching loop
+    once put it back by comparing queued requests field by field, which raised on their arrays and ended the
+    loop: every later request waited for ever.)"""
+    path, known, _ = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    ids = random_ids(known, 60, seed=4)
+    dense = np.random.default_rng(4).random((60, 13), dtype=np.float32)
+    want = reference(path, ids, dense)
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig(max_batch_rows=16, max_delay_ms=2))
+        batcher.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(
+                batcher.infer(decoder.decode(_ids_tensors(ids[i:i + 3], dense[i:i + 3]))) for i in range(0, 60, 3))),
+                30)
+        finally:
+            assert not batcher.task.done(), batcher.task
+            await batcher.close()
+
+    results = asyncio.run(go())
+    assert max(r.micro_batch_rows for r in results) == 15  # five requests; the sixth went to the next one
+    np.testing.assert_allclose(np.concatenate([r.probability for r in results]), want, atol=ATOL)
+
+
 def test_a_version_mismatch_inside_a_micro_batch_fails_only_that_request(bundle):
     path, known, _ = bundle
     model = load_model(path)
