@@ -119,6 +119,10 @@ class ProgressiveWindow:
     def metrics(self, task: int = 0) -> WindowMetrics:
         return window_metrics(self.task_counts(task).reshape(BUCKETS, 2).T, self.loss_sum(task))
 
+    def auc(self, task: int = 0) -> float:
+        """`metrics(task).auc` alone: the histogram without the log loss's O(window) logarithms."""
+        return window_metrics(self.task_counts(task).reshape(BUCKETS, 2).T, float("nan")).auc
+
 
 @numba.njit(cache=True, nogil=True)
 def _add_samples(codes, ring_logits, logits, labels, first):

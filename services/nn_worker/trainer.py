@@ -409,7 +409,7 @@ class Trainer:
                 # number of DDP all-reduces, or the group deadlocks.
                 computed = time.perf_counter()
                 out = self.outgoing() if self.outgoing is not None and not lost else None
-                step = await self.collective(self._train_step, batch, emb, 0.0 if lost else 1.0, out)
+                step = await self.collective(self._train_step, batch, emb, lost, out)
                 looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
                 self.stats.compute_s += time.perf_counter() - computed
                 self.loader_steps[batch.loader] += 1
@@ -419,8 +419,6 @@ class Trainer:
                 self._trained_through[batch.loader] = batch.seq
                 self._unacked[batch.loader].add(batch.seq)
                 self._confirm(batch.loader)
-                if step.event is None:  # its loss and logits are on the host already (see push for the GPU's)
-                    self._record(step, batch.labels, lost)
                 task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.loader, batch.seq,
                                                   batch.labels))
                 pushes.add(task)
@@ -524,17 +522,19 @@ class Trainer:
             event.synchronize()  # a rare path (a replayed update): not worth overlapping
         return {dim: t.numpy() for dim, t in host.items()}
 
-    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, weight: float = 1.0,
+    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, lost: bool = False,
                     out: Any = None) -> "StepOutput":
-        """Compute thread: one step. On a GPU it returns once the step is queued (its gradients and loss
-        reach the host behind `StepOutput.event`), so the next batch's copy overlaps this step's kernels. On
-        the CPU, with a receiver's slot `out`, it writes the gradient frame there (off the event loop)."""
+        """Compute thread: one step (of weight 0 for a `lost` batch: every rank runs the same collectives). On a
+        GPU it returns once the step is queued (its gradients and loss reach the host behind
+        `StepOutput.event`; `push` records them), so the next batch's copy overlaps this step's kernels. On
+        the CPU it records its loss and predictions itself (`_record`, while they are in this core's cache,
+        off the event loop), and with a receiver's slot `out` writes the gradient frame there."""
         cpu_started = time.thread_time()
         dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         with self._autocast():
             logits = self._logits(self.sync.module(dense, embeddings))
-        loss = self._loss(logits, labels) * weight
+        loss = self._loss(logits, labels) * (0.0 if lost else 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -550,8 +550,11 @@ class Trainer:
         if out is not None and event is None:
             written = Gradients.encode_packed_into(out.writable, batch.batch_ref,
                                                    {key: host[key].numpy() for key in packed})
+        step = StepOutput(host, event, tuple(packed), out, written)
+        if event is None:
+            self._record(step, batch.labels, lost)
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
-        return StepOutput(host, event, tuple(packed), out, written)
+        return step
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""
@@ -569,8 +572,10 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
 
     def _record(self, step: "StepOutput", labels: np.ndarray, lost: bool) -> None:
-        """Event loop, once a step's outputs are on the host: its loss, and (unless the batch was lost) its
-        predictions, made before the step trained on them, into the progressive window: O(batch)."""
+        """Once a step's outputs are on the host (the compute thread on the CPU, the event loop on a GPU): its
+        loss, and (unless the batch was lost) its predictions, made before the step trained on them, into the
+        progressive window: O(batch). (`refresh_train_auc` may count the window meanwhile: a slot it reads
+        holds the old sample or the new one, each a valid one.)"""
         loss = step.loss()
         self.stats.last_loss = loss
         self.stats.loss_sum += loss
@@ -579,11 +584,12 @@ class Trainer:
             self.progressive.add(step.host["logits"].numpy(), labels)
 
     def refresh_train_auc(self) -> float:
-        """The progressive window's AUC (the first task's) as `stats.train_auc`: O(buckets), so computed when
-        asked (status, metrics), and only when the window changed."""
+        """The progressive window's AUC (the first task's) as `stats.train_auc`: O(window + buckets), so computed
+        when asked (status, metrics: about once a second), only when the window changed, and without the log
+        loss, which the progress line does not show (its logarithms were half of a `Status` call)."""
         if self.progressive.seen != self._auc_at:
             self._auc_at = self.progressive.seen
-            auc = self.progressive.metrics(0).auc
+            auc = self.progressive.auc(0)
             if auc == auc:  # a window of one class keeps the last AUC (and a replacement its predecessor's)
                 self.stats.train_auc = auc
         return self.stats.train_auc

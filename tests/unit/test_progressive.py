@@ -40,6 +40,7 @@ def test_auc_and_log_loss_of_the_last_samples_match_scikit_learn_within_the_boun
     assert abs(got.auc - exact_auc) <= got.auc_bound
     assert got.auc_bound < 1e-4  # the documented order of the bound for a CTR window of 100,000
     assert got.logloss == pytest.approx(exact_loss, rel=1e-9)
+    assert window.auc() == got.auc  # the AUC alone (what the progress line asks for) is the same number
 
 
 def test_the_bound_holds_where_many_predictions_share_a_bucket():
