@@ -333,7 +333,12 @@ class Embeddings:
                keep_fp16: bool = False) -> "Embeddings":
         """`widths`: the embedding width of every feature, in config order. `keep_fp16`: fp16 rows stay fp16
         (`hybridrec.compress.Fp16Rows`), for a receiver that scales them back on its GPU."""
-        frame = codec.decode(buf)
+        return cls.from_frame(codec.decode(buf), values, widths, batch_size, keep_fp16=keep_fp16)
+
+    @classmethod
+    def from_frame(cls, frame: codec.Frame, values: ValueCodec, widths: Sequence[int], batch_size: int, *,
+                   keep_fp16: bool = False) -> "Embeddings":
+        """`decode` of a frame the codec decoded (a receiver keeps its arrays: `CheckedEmbeddings`)."""
         num = len(widths)
         counts = frame.get("counts", np.int32, 1)
         lengths = frame.get("lengths", np.uint16, 2)
@@ -424,23 +429,30 @@ class Gradients:
 @dataclass
 class CheckedEmbeddings:
     """A batch's `Embeddings` frame as an NN worker's receiver process checked it (`Embeddings.decode`) for its
-    trainer (`training.receiver`): the frame as the embedding worker sent it, beside what pooling derives from
-    its bag structure (`hybridrec.pooling.BatchEmbeddings`: each feature's first element and first row, the
-    sequences' padded rows), computed in the receiver, so that the trainer's event loop only makes views.
+    trainer (`training.receiver`): the frame's arrays as the embedding worker sent them (its positions, bag
+    lengths and rows: fp16 with their norms, or float32), beside what pooling derives from its bag structure
+    (`hybridrec.pooling.BatchEmbeddings`: each feature's first element and first row, the sequences' padded
+    rows), computed in the receiver, so that the trainer's event loop only makes views, of one frame.
 
     It crosses no network: it travels in a shared-memory slot between the two processes of one NN worker.
     Decoding it checks the codec's structure and each array's dtype and rank, not the positions again."""
 
-    embeddings: bytes | memoryview  # the `Embeddings` frame, checked
+    arrays: dict[str, np.ndarray]
+    """The `Embeddings` frame's `pos`, `lengths` and `rows.{width}` (with `rows.{width}.norm` for fp16 rows)."""
     batch_size: int
     start: np.ndarray  # int64 (features + 1,): each feature's first element
     base: np.ndarray  # int64 (features,): each feature's first row within its width's rows
     sequences: dict[int, tuple[np.ndarray, np.ndarray]]  # feature -> (int64 (batch, max_len), int64 (batch,))
 
+    @staticmethod
+    def arrays_of(frame: codec.Frame) -> dict[str, np.ndarray]:
+        """What of a decoded `Embeddings` frame the trainer needs: all but its per-feature row counts."""
+        return {name: array for name, array in frame.tensors.items() if name != "counts"}
+
     def encode_into(self, allocate: Callable[[int], memoryview]) -> int:
-        """The frame, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length. The
-        embeddings frame is copied once, as it came."""
-        tensors = {"frame": np.frombuffer(self.embeddings, np.uint8), "start": self.start, "base": self.base}
+        """The frame, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length. Each
+        array is copied once, as it came."""
+        tensors = {**self.arrays, "start": self.start, "base": self.base}
         for feature, (index, lengths) in self.sequences.items():
             tensors[f"seq.{feature}"], tensors[f"seq.{feature}.lengths"] = index, lengths
         return codec.encode_into(allocate, tensors, {"batch_size": self.batch_size})
@@ -451,13 +463,15 @@ class CheckedEmbeddings:
         frame = codec.decode(buf)
         seqs = {f: (frame.get(f"seq.{f}", np.int64, 2), frame.get(f"seq.{f}.lengths", np.int64, 1))
                 for f in sequences}
-        return cls(frame.get("frame", np.uint8, 1), frame.meta_int("batch_size"), frame.get("start", np.int64, 1),
+        arrays = {name: array for name, array in frame.tensors.items()
+                  if name in ("pos", "lengths") or name.startswith("rows.")}
+        return cls(arrays, frame.meta_int("batch_size"), frame.get("start", np.int64, 1),
                    frame.get("base", np.int64, 1), seqs)
 
     def bags(self, dims: Iterable[int], kappa: float) -> tuple[dict[int, "np.ndarray | Fp16Rows"], np.ndarray,
                                                                np.ndarray]:
-        """(rows per width, positions, lengths) of the embeddings frame: views of it, not checked again."""
-        frame = codec.decode(self.embeddings)
+        """(rows per width, positions, lengths): views of the frame's arrays, not checked again."""
+        frame = codec.Frame(self.arrays)
         rows: dict[int, np.ndarray | Fp16Rows] = {}
         for dim in dims:
             name = f"rows.{dim}"

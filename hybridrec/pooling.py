@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridrec import codec
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
 from hybridrec.frames import CheckedEmbeddings, Embeddings, FrameError
@@ -109,7 +110,10 @@ class Pooler:
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs: O(features) numpy
         calls over the frame's own arrays, no copy of them."""
-        frame = Embeddings.decode(frame_bytes, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
+        return self._structure(codec.decode(frame_bytes), batch_size)
+
+    def _structure(self, decoded: codec.Frame, batch_size: int) -> BatchEmbeddings:
+        frame = Embeddings.from_frame(decoded, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
         counts = frame.counts.astype(np.int64)
         base = np.zeros(len(self.features), np.int64)
         for members in self.members.values():  # a feature's rows follow those of the earlier features of its width
@@ -121,8 +125,10 @@ class Pooler:
     def check(self, frame_bytes: bytes, batch_size: int) -> CheckedEmbeddings:
         """`decode`, in an NN worker's receiver process: the frame checked, with what pooling derives from it,
         for its trainer, which takes views of it (`from_checked`) instead of decoding the frame itself."""
-        emb = self.decode(frame_bytes, batch_size)
-        return CheckedEmbeddings(frame_bytes, batch_size, emb.start, emb.base, emb.sequences)
+        decoded = codec.decode(frame_bytes)
+        emb = self._structure(decoded, batch_size)
+        return CheckedEmbeddings(CheckedEmbeddings.arrays_of(decoded), batch_size, emb.start, emb.base,
+                                 emb.sequences)
 
     def from_checked(self, buf: bytes | memoryview, batch_size: int) -> BatchEmbeddings:
         """The `BatchEmbeddings` of a frame the receiver `check`ed: views of its arrays, nothing recomputed."""

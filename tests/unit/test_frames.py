@@ -36,7 +36,8 @@ def _checked(emb: Embeddings) -> bytes:
     sent = emb.encode(VALUES)
     sequence = (np.arange(emb.batch_size * 2, dtype=np.int64).reshape(emb.batch_size, 2),
                 emb.bags.lengths[2].astype(np.int64))
-    checked = CheckedEmbeddings(sent, emb.batch_size, emb.bags.bounds, np.array([0, 3, 0], np.int64), {2: sequence})
+    checked = CheckedEmbeddings(CheckedEmbeddings.arrays_of(codec.decode(sent)), emb.batch_size, emb.bags.bounds,
+                                np.array([0, 3, 0], np.int64), {2: sequence})
     buf = bytearray(1 << 16)
     return bytes(buf[:checked.encode_into(lambda n: memoryview(buf)[:n])])
 
@@ -93,7 +94,10 @@ def test_round_trips():
     for dim in (4, 8):  # κ-scaled fp16: about 11 bits of relative precision per vector
         np.testing.assert_allclose(emb.rows[dim], sent.rows[dim], rtol=0, atol=4e-3 * np.abs(sent.rows[dim]).max())
     checked = CheckedEmbeddings.decode(cases["CheckedEmbeddings"][0], [2])
-    assert bytes(checked.embeddings) == sent.encode(VALUES) and checked.batch_size == 5
+    as_sent = codec.decode(sent.encode(VALUES)).tensors
+    assert sorted(checked.arrays) == sorted(set(as_sent) - {"counts"}) and checked.batch_size == 5
+    for name, array in checked.arrays.items():  # the embedding worker's arrays, as they came
+        np.testing.assert_array_equal(array, as_sent[name])
     np.testing.assert_array_equal(checked.start, sent.bags.bounds)
     assert checked.base.tolist() == [0, 3, 0] and checked.sequences[2][0].shape == (5, 2)
     rows, pos, lengths = checked.bags([4, 8], VALUES.kappa)
