@@ -54,8 +54,15 @@ def _find(keys, rows, ids, out, shard, num_shards):
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel for read-only tables, as a bundle's are mapped."""
-    keys, rows = np.arange(1, 4, dtype=np.uint64), np.ones((3, 2), np.float32)
-    keys.flags.writeable = rows.flags.writeable = False
+    """Compile (or load from numba's cache) the kernel for every kind of array a lookup passes it: tables
+    read-only (a bundle's, memory-mapped) or writable (a followed version's, merged in memory), and IDs read-only
+    (views of a request's bytes) or writable. numba compiles one version per kind, at its first call: on the
+    request path that was the event loop's thread compiling for seconds under load (a clean-clone CI saw the
+    inference service answer nothing for 19 s after its first merged version), here it is at start."""
     out = np.empty((2, 2), np.float32)
-    lookup_into([keys], [rows], np.array([2, 9], np.uint64), out)
+    for tables_writable in (False, True):
+        for ids_writable in (False, True):
+            keys, rows, ids = np.arange(1, 4, dtype=np.uint64), np.ones((3, 2), np.float32), np.array([2, 9], np.uint64)
+            keys.flags.writeable = rows.flags.writeable = tables_writable
+            ids.flags.writeable = ids_writable
+            lookup_into([keys], [rows], ids, out)
