@@ -446,8 +446,10 @@ class CheckedEmbeddings:
 
     @staticmethod
     def arrays_of(frame: codec.Frame) -> dict[str, np.ndarray]:
-        """What of a decoded `Embeddings` frame the trainer needs: all but its per-feature row counts."""
-        return {name: array for name, array in frame.tensors.items() if name != "counts"}
+        """What the trainer needs of a decoded `Embeddings` frame (or of a `CheckedEmbeddings` frame, which
+        carries them): its positions, bag lengths and rows, not its per-feature row counts."""
+        return {name: array for name, array in frame.tensors.items()
+                if name in ("pos", "lengths") or name.startswith("rows.")}
 
     def encode_into(self, allocate: Callable[[int], memoryview]) -> int:
         """The frame, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length. Each
@@ -463,9 +465,7 @@ class CheckedEmbeddings:
         frame = codec.decode(buf)
         seqs = {f: (frame.get(f"seq.{f}", np.int64, 2), frame.get(f"seq.{f}.lengths", np.int64, 1))
                 for f in sequences}
-        arrays = {name: array for name, array in frame.tensors.items()
-                  if name in ("pos", "lengths") or name.startswith("rows.")}
-        return cls(arrays, frame.meta_int("batch_size"), frame.get("start", np.int64, 1),
+        return cls(cls.arrays_of(frame), frame.meta_int("batch_size"), frame.get("start", np.int64, 1),
                    frame.get("base", np.int64, 1), seqs)
 
     def bags(self, dims: Iterable[int], kappa: float) -> tuple[dict[int, "np.ndarray | Fp16Rows"], np.ndarray,

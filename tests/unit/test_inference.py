@@ -157,13 +157,18 @@ def test_unknown_model_and_version_are_not_found(bundle):
     assert core.model_ready("ctr") and not core.model_ready("x")
 
 
-def test_dynamic_batching_merges_concurrent_requests(bundle):
+def _batching_case(bundle, n: int, seed: int):
+    """The bundle's model, its input decoder, `n` samples' IDs and dense features, and their reference
+    predictions."""
     path, known, _ = bundle
     model = load_model(path)
-    decoder = InputDecoder(model.manifest, 4096)
-    ids = random_ids(known, 40, seed=9)
-    dense = np.random.default_rng(9).random((40, 13), dtype=np.float32)
-    want = reference(path, ids, dense)
+    ids = random_ids(known, n, seed=seed)
+    dense = np.random.default_rng(seed).random((n, 13), dtype=np.float32)
+    return model, InputDecoder(model.manifest, 4096), ids, dense, reference(path, ids, dense)
+
+
+def test_dynamic_batching_merges_concurrent_requests(bundle):
+    model, decoder, ids, dense, want = _batching_case(bundle, 40, seed=9)
 
     async def go(enabled):
         batcher = Batcher(StaticSource(model), BatchingConfig(enabled=enabled, max_batch_rows=16, max_delay_ms=2))
@@ -190,12 +195,7 @@ def test_a_request_that_would_overfill_a_micro_batch_goes_first_into_the_next(bu
     16 is held for the next micro-batch, and every request is answered with its own rows. (The batching loop
     once put it back by comparing queued requests field by field, which raised on their arrays and ended the
     loop: every later request waited for ever.)"""
-    path, known, _ = bundle
-    model = load_model(path)
-    decoder = InputDecoder(model.manifest, 4096)
-    ids = random_ids(known, 60, seed=4)
-    dense = np.random.default_rng(4).random((60, 13), dtype=np.float32)
-    want = reference(path, ids, dense)
+    model, decoder, ids, dense, want = _batching_case(bundle, 60, seed=4)
 
     async def go():
         batcher = Batcher(StaticSource(model), BatchingConfig(max_batch_rows=16, max_delay_ms=2))
@@ -417,11 +417,7 @@ def test_a_lone_request_is_answered_at_once_and_the_batcher_reports_its_micro_ba
     metrics say so: each micro-batch's rows, and each request's wait (0 when answered alone)."""
     from prometheus_client import REGISTRY
 
-    path, known, _ = bundle
-    model = load_model(path)
-    decoder = InputDecoder(model.manifest, 4096)
-    ids = random_ids(known, 20, seed=4)
-    dense = np.random.default_rng(4).random((20, 13), dtype=np.float32)
+    model, decoder, ids, dense, want = _batching_case(bundle, 20, seed=4)
     requests = [decoder.decode(_ids_tensors(ids[i:i + 1], dense[i:i + 1])) for i in range(20)]
 
     def sample(name: str) -> float:
@@ -452,7 +448,6 @@ def test_a_lone_request_is_answered_at_once_and_the_batcher_reports_its_micro_ba
     assert sample("hybridrec_inference_micro_batch_rows_sum") - before["hybridrec_inference_micro_batch_rows_sum"] == 20
     micro = sample("hybridrec_inference_micro_batch_rows_count") - before["hybridrec_inference_micro_batch_rows_count"]
     assert 5 + 2 <= micro <= 5 + 3  # 5 alone, then 15 rows in micro-batches of at most 8
-    want = reference(path, ids, dense)
     np.testing.assert_allclose(np.concatenate([r.probability for r in alone + merged]), want, atol=ATOL)
 
 
