@@ -333,15 +333,19 @@ class EmbeddingTable:
 
         table_lookup.warm_up()  # its kernel compiled (or loaded from numba's cache) now, not at the first lookup
         self.shards = shards
+        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # width -> every shard's keys, rows
 
     def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
         """float32 (n, dim): each ID's row in the shard that owns it, zeros for IDs without one (one compiled
         pass: `hybridrec.table_lookup`)."""
         from hybridrec.table_lookup import lookup_into
 
+        arrays = self._arrays.get(dim)
+        if arrays is None:
+            arrays = self._arrays[dim] = ([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards])
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((ids.shape[0], dim), np.float32)
-        lookup_into([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards], ids, out)
+        lookup_into(*arrays, ids, out)
         return out
 
 

@@ -95,14 +95,16 @@ def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
     return tensors
 
 
-def _param(value) -> oip.InferParameter:
+def _set_param(param: oip.InferParameter, value) -> None:
+    """`value` into an InferParameter in place (a bool before an int: bool is an int in Python)."""
     if isinstance(value, bool):
-        return oip.InferParameter(bool_param=value)
-    if isinstance(value, int):
-        return oip.InferParameter(int64_param=value)
-    if isinstance(value, float):
-        return oip.InferParameter(double_param=value)
-    return oip.InferParameter(string_param=str(value))
+        param.bool_param = value
+    elif isinstance(value, int):
+        param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        param.string_param = str(value)
 
 
 class GRPCInferenceServicer:
@@ -131,14 +133,15 @@ class GRPCInferenceServicer:
     async def ModelInfer(self, request, context):
         self.core.check_model(request.model_name, request.model_version)  # NOT_FOUND before any parsing
         answer = await self.core.infer(request.model_name, request.model_version, tensors_of(request),
-                                       [o.name for o in request.outputs])
-        outputs = {name: np.ascontiguousarray(value, np.float32) for name, value in answer.outputs.items()}
+                                       [o.name for o in request.outputs] if request.outputs else ())
         response = oip.ModelInferResponse(model_name=answer.model_name, model_version=answer.model_version,
-                                          id=request.id, raw_output_contents=[v.tobytes() for v in outputs.values()])
-        for name, value in outputs.items():
-            response.outputs.add(name=name, datatype="FP32", shape=list(value.shape))
+                                          id=request.id)
+        for name, value in answer.outputs.items():
+            value = np.ascontiguousarray(value, np.float32)
+            response.outputs.add(name=name, datatype="FP32", shape=value.shape)
+            response.raw_output_contents.append(value.tobytes())
         for key, value in answer.parameters.items():
-            response.parameters[key].CopyFrom(_param(value))
+            _set_param(response.parameters[key], value)
         return response
 
 
