@@ -107,7 +107,7 @@ class Batcher:
             QUEUE_DELAY.observe(0.0)
             MICRO_BATCH_ROWS.observe(len(samples))
             try:
-                probs = await self._run(model, [samples])
+                probs = await self.run(model, [samples])
             except Exception:
                 self.counters["failed_requests_total"] += 1
                 raise
@@ -176,7 +176,7 @@ class Batcher:
             QUEUE_DELAY.observe(started - p.queued_at)
         MICRO_BATCH_ROWS.observe(sum(len(p.samples) for p in live))
         try:
-            probs = await self._run(model, [p.samples for p in live])
+            probs = await self.run(model, [p.samples for p in live])
         except Exception as exc:  # noqa: BLE001 - answered to each caller; the loop keeps serving
             for p in live:
                 self._fail(p, exc)
@@ -194,7 +194,8 @@ class Batcher:
         if not p.future.done():
             p.future.set_exception(exc)
 
-    async def _run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
+    async def run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
+        """Probabilities of `parts` merged, by `model`: the forward path of every micro-batch."""
         samples = Samples.concat(parts)
         if samples.columns is not None and model.takes_columns and len(samples) <= self.inline_max_rows:
             return await model.forward_columns(samples.dense, *samples.columns)

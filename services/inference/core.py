@@ -94,12 +94,12 @@ class InferenceCore:
             "name": self.model_name,
             "versions": [str(model.version)],
             "platform": PLATFORM,
-            "inputs": self._decoder().metadata(),
+            "inputs": self.decoder().metadata(),
             "outputs": output_metadata(model),
         }
 
     # -- inference --------------------------------------------------------------------------------
-    def _decoder(self) -> InputDecoder:
+    def decoder(self) -> InputDecoder:
         """The current version's decoder (every version of a followed job has the same features; one decoder
         is kept, not one per version ever served)."""
         manifest = self.current().manifest
@@ -118,7 +118,7 @@ class InferenceCore:
                 if out != OUTPUT and out not in tasks:
                     raise BadInput(f"unknown output {out!r}; this model answers "
                                    f"{', '.join(repr(o) for o in [OUTPUT, *tasks])}")
-            samples = self._decoder().decode(tensors)
+            samples = self.decoder().decode(tensors)
         except BadInput:
             self.counters["bad_requests_total"] += 1
             raise

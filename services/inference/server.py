@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import torch
 from aiohttp import web
@@ -23,6 +24,7 @@ from services.inference.follow import FollowSource, inference_model
 from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
 from services.inference.model import RemotePSTable, StaticSource, load_model
 from services.inference.rest import make_app
+from services.inference.warm_up import warm_up, watch_compiles
 
 
 async def serve(settings: InferenceConfig) -> None:
@@ -74,10 +76,15 @@ async def serve(settings: InferenceConfig) -> None:
         raise
     model = source.current()
     batcher = Batcher(source, settings.batching)
+    # every kernel a request reaches, compiled before the model is ready; then any other compilation is logged
+    warm_started = time.monotonic()
+    probes = await warm_up(model, batcher, settings.model_name, settings.max_request_rows)
+    watch_compiles()
     batcher.start()
     core.serve(batcher.source, batcher)
     host.log.info("model_loaded", bundle=settings.bundle, follow=settings.follow, version=model.version,
-                  step=model.step, embeddings="ps" if settings.ps else "local", outputs=model.outputs)
+                  step=model.step, embeddings="ps" if settings.ps else "local", outputs=model.outputs,
+                  warm_up_requests=probes, warm_up_s=round(time.monotonic() - warm_started, 3))
     await host.set_serving(True)
     try:
         await host.run_until_stopped()
