@@ -36,7 +36,8 @@ class Pending:
     samples: Samples
     version: int | None  # the version the request asked for, None: any
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    queued_at: float = field(default_factory=time.perf_counter)
+    queued_at: float | None = field(default_factory=time.perf_counter)
+    """When it was queued; None: answered in its own task, never queued (`_answer_alone`)."""
 
 
 @dataclass
@@ -99,19 +100,9 @@ class Batcher:
     async def _answer_alone(self, samples: Samples, version: int | None) -> Result:
         async with self._running:
             self._concurrent = False
-            model = self.source.current()
-            if version is not None and version != model.version:
-                self.counters["failed_requests_total"] += 1
-                raise NotFound(f"model version {version} is not loaded; serving version {model.version}")
-            self.counters["micro_batches_total"] += 1
-            QUEUE_DELAY.observe(0.0)
-            MICRO_BATCH_ROWS.observe(len(samples))
-            try:
-                probs = await self.run(model, [samples])
-            except Exception:
-                self.counters["failed_requests_total"] += 1
-                raise
-            return Result(probs, model.version, len(samples))
+            pending = Pending(samples, version, queued_at=None)
+            await self._answer([pending])
+            return pending.future.result()  # raises what failed it
 
     def _waiting(self) -> bool:
         """Whether a micro-batch should wait for company: requests are arriving concurrently (the last
@@ -173,7 +164,7 @@ class Batcher:
         self.counters["micro_batches_total"] += 1
         started = time.perf_counter()
         for p in live:
-            QUEUE_DELAY.observe(started - p.queued_at)
+            QUEUE_DELAY.observe(0.0 if p.queued_at is None else started - p.queued_at)
         MICRO_BATCH_ROWS.observe(sum(len(p.samples) for p in live))
         try:
             probs = await self.run(model, [p.samples for p in live])
@@ -190,8 +181,9 @@ class Batcher:
             start += n
 
     def _fail(self, p: Pending, exc: BaseException) -> None:
-        self.counters["failed_requests_total"] += 1
+        """Fail `p` with `exc`, counted once (the loop's fault handler may fail a request `_answer` failed)."""
         if not p.future.done():
+            self.counters["failed_requests_total"] += 1
             p.future.set_exception(exc)
 
     async def run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:

@@ -232,6 +232,41 @@ def test_a_version_mismatch_inside_a_micro_batch_fails_only_that_request(bundle)
     assert isinstance(bad, NotFound) and good.version == 3
 
 
+def test_a_fault_of_the_batching_loop_fails_its_requests_once_each_and_the_loop_serves_on(bundle, monkeypatch):
+    """A micro-batch whose first request asked for a version not loaded (failed, counted) and then met a fault
+    of the batcher's own: every request of it fails, each counted once, and the next request is answered."""
+    from services.inference import batcher as batcher_module
+
+    path, known, _ = bundle
+    model = load_model(path)
+    decoder = InputDecoder(model.manifest, 4096)
+    samples = decoder.decode(_ids_tensors(random_ids(known, 1), np.zeros((1, 13), np.float32)))
+
+    class Broken:
+        def observe(self, value):
+            raise RuntimeError("the histogram broke")
+
+    async def go():
+        batcher = Batcher(StaticSource(model), BatchingConfig(max_delay_ms=200))
+        batcher._concurrent = True  # the micro-batch waits for company: both requests go into it
+        batcher.start()
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(batcher_module, "MICRO_BATCH_ROWS", Broken())
+                failed = await asyncio.wait_for(asyncio.gather(batcher.infer(samples, 2), batcher.infer(samples),
+                                                               return_exceptions=True), 30)
+            after = await asyncio.wait_for(batcher.infer(samples), 30)
+        finally:
+            await batcher.close()
+        return failed, after, dict(batcher.counters)
+
+    (mismatch, fault), after, counters = asyncio.run(go())
+    assert isinstance(mismatch, NotFound)
+    assert isinstance(fault, RuntimeError) and "histogram" in str(fault)
+    assert counters["failed_requests_total"] == 2  # not 3: the mismatched request is counted once
+    assert after.version == 3 and counters["requests_total"] == 3
+
+
 @pytest.mark.parametrize("fp16", [False, True])
 def test_remote_ps_gives_the_same_predictions(bundle, fp16):
     path, known, _ = bundle
