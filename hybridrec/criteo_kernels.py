@@ -167,6 +167,40 @@ def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
 
 
 @numba.njit(cache=True, nogil=True)
+def join_rows(data, offsets, out):
+    """The inference service's `rows` (row i is data[offsets[i]:offsets[i + 1]], a line with or without its
+    label) as newline-terminated lines with a label, as `_parse_lines` reads them, written to ``out`` (at
+    least len(data) + 3 bytes a row); an unlabelled row gets label 0 (not used). Returns (bytes written, the
+    first row that holds a line break or a number of tabs neither layout has or -1, whether any byte is not
+    ASCII: the caller then checks the rows are UTF-8)."""
+    w = 0
+    ascii_only = True
+    for i in range(offsets.shape[0] - 1):
+        s, e = offsets[i], offsets[i + 1]
+        tabs = 0
+        for q in range(s, e):
+            c = data[q]
+            if c == _TAB:
+                tabs += 1
+            elif c == _NL or c == _CR:
+                return w, i, not ascii_only
+            elif c >= 128:
+                ascii_only = False
+        if tabs == NUM_FIELDS - 2:
+            out[w] = 48
+            out[w + 1] = _TAB
+            w += 2
+        elif tabs != NUM_FIELDS - 1:
+            return w, i, not ascii_only
+        for q in range(s, e):
+            out[w] = data[q]
+            w += 1
+        out[w] = _NL
+        w += 1
+    return w, -1, not ascii_only
+
+
+@numba.njit(cache=True, nogil=True)
 def hash_strings(data, offsets, group_hi, out, present):
     """IDs of an Arrow string column (its data bytes and int32/int64 offsets): string i is
     data[offsets[i]:offsets[i + 1]], hashed exactly as a TSV field, so a Criteo file converted to Parquet gives

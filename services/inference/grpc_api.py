@@ -9,13 +9,13 @@ model's tasks by name) go back in `raw_output_contents`, as Triton answers
 from __future__ import annotations
 
 import math
-import struct
 
 import grpc
 import numpy as np
 
 from hybridrec import rpc
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from services.inference.byte_elements import ByteElements
 from services.inference.core import InferenceCore
 from services.inference.inputs import DTYPES, BadInput, Tensor
 
@@ -44,20 +44,12 @@ def checked_shape(dims, what: str = "") -> tuple[int, ...]:
     return shape
 
 
-def split_bytes(raw: bytes, name: str) -> list[bytes]:
+def split_bytes(raw: bytes, name: str) -> ByteElements:
     """BYTES elements of a raw tensor: each a 4-byte little-endian length, then that many bytes."""
-    out, pos, n = [], 0, len(raw)
-    view = memoryview(raw)
-    while pos < n:
-        if pos + 4 > n:
-            raise BadInput(f"input {name!r}: raw BYTES contents end inside an element's length prefix")
-        (length,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        if pos + length > n:
-            raise BadInput(f"input {name!r}: a raw BYTES element of {length} bytes runs past the end")
-        out.append(bytes(view[pos:pos + length]))
-        pos += length
-    return out
+    try:
+        return ByteElements.from_prefixed(raw, name)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
@@ -70,7 +62,7 @@ def tensors_of(request: oip.ModelInferRequest) -> list[Tensor]:
         shape = checked_shape(inp.shape)
         count = math.prod(shape)
         if inp.datatype == "BYTES":
-            data = split_bytes(raw[i], inp.name) if raw else list(inp.contents.bytes_contents)
+            data = split_bytes(raw[i], inp.name) if raw else ByteElements.of(inp.contents.bytes_contents)
             if len(data) != count:
                 raise BadInput(f"input {inp.name!r}: shape {list(shape)} needs {count} elements, got {len(data)}")
         elif inp.datatype in DTYPES:

@@ -40,14 +40,15 @@ from hybridrec import rpc
 from hybridrec.bundle import BundleManifest
 from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
 from hybridrec.config import FeatureKind
-from hybridrec.criteo_kernels import _OK, _parse_lines, error_text, hash_ints, hash_strings
+from hybridrec.criteo_kernels import _OK, _parse_lines, error_text, hash_ints, hash_strings, join_rows
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
 from hybridrec.jagged import Bag, KeyedBags
+from services.inference.byte_elements import ByteElements
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
           "FP32": np.float32, "FP64": np.float64}
-"""OIP datatype -> numpy dtype (BYTES is a list of bytes objects)."""
+"""OIP datatype -> numpy dtype (BYTES elements are `ByteElements`)."""
 
 
 class BadInput(ValueError):
@@ -64,12 +65,13 @@ class NotReady(rpc.Unavailable):
 
 @dataclass
 class Tensor:
-    """One input tensor as a transport decoded it: numeric data as a flat numpy array, BYTES as a list."""
+    """One input tensor as a transport decoded it: numeric data as a flat numpy array, BYTES as `ByteElements`
+    (or a list of bytes)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    data: np.ndarray | list[bytes]
+    data: np.ndarray | ByteElements | list[bytes]
 
 
 LENGTHS_SUFFIX = "__lengths"
@@ -117,6 +119,40 @@ class Samples:
             return Samples(None, dense, (np.concatenate([p.columns[0] for p in parts]),
                                          np.concatenate([p.columns[1] for p in parts])))
         return Samples(KeyedBags.concat([p.bags for p in parts]), dense)
+
+
+def elements_of(t: Tensor) -> ByteElements:
+    """A BYTES tensor's elements as one buffer (a transport's `ByteElements`, or a list of bytes)."""
+    return t.data if isinstance(t.data, ByteElements) else ByteElements.of(t.data)
+
+
+def _utf8(rows: ByteElements) -> bool:
+    """Whether every row is UTF-8: the whole buffer is, and no row starts inside another's character (with a
+    continuation byte)."""
+    try:
+        rows.data.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    starts = rows.offsets[:-1][rows.lengths > 0]
+    return not ((rows.data[starts] & 0xC0) == 0x80).any()
+
+
+def _row_error(rows: ByteElements) -> None:
+    """BadInput naming the first row that is not UTF-8, holds a line break or has a wrong number of fields (one
+    row at a time: only for a request that has one)."""
+    for i in range(len(rows)):
+        row = rows[i]
+        try:
+            row.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"rows[{i}] is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        if b"\n" in row or b"\r" in row:
+            raise BadInput(f"rows[{i}] holds a line break: send one sample per element")
+        tabs = row.count(b"\t")
+        if tabs not in (NUM_FIELDS - 2, NUM_FIELDS - 1):
+            raise BadInput(f"rows[{i}]: expected {NUM_FIELDS - 1} tab-separated fields (or {NUM_FIELDS} with "
+                           f"the label first), got {tabs + 1}")
+    raise AssertionError("_row_error found no bad row")
 
 
 class InputDecoder:
@@ -200,33 +236,24 @@ class InputDecoder:
             raise BadInput(f"input 'rows' must have shape [batch] or [batch, 1], got {list(t.shape)}")
         if self.columns is None:
             raise BadInput(f"this model cannot take raw rows: {self.row_error}; send 'ids' and 'dense'")
-        rows = t.data
-        self._check_rows(len(rows))
-        lines = []
-        for i, row in enumerate(rows):
-            try:
-                row.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise BadInput(f"rows[{i}] is not UTF-8: {exc.reason} at byte {exc.start}") from None
-            if b"\n" in row or b"\r" in row:
-                raise BadInput(f"rows[{i}] holds a line break: send one sample per element")
-            tabs = row.count(b"\t")
-            if tabs == NUM_FIELDS - 2:  # no label: give the kernel the one it expects (it is not used)
-                row = b"0\t" + row
-            elif tabs != NUM_FIELDS - 1:
-                raise BadInput(f"rows[{i}]: expected {NUM_FIELDS - 1} tab-separated fields (or {NUM_FIELDS} with "
-                               f"the label first), got {tabs + 1}")
-            lines.append(row)
-        buf = np.frombuffer(b"\n".join(lines) + b"\n", np.uint8)
-        n = len(lines)
+        rows = elements_of(t)
+        n = len(rows)
+        self._check_rows(n)
+        buf = np.empty(rows.data.shape[0] + 3 * n, np.uint8)
+        end, bad, non_ascii = join_rows(rows.data, rows.offsets, buf)
+        if bad >= 0 or (non_ascii and not _utf8(rows)):
+            _row_error(rows)  # raises, naming the first bad row
         labels = np.empty(n, np.float32)
         dense = np.empty((n, NUM_DENSE), np.float32)
         ids = np.empty((n, NUM_SPARSE), np.uint64)
         present = np.empty((n, NUM_SPARSE), np.bool_)
-        _, parsed, _, _, _, code, detail = _parse_lines(buf, 0, buf.shape[0], True, self.group_hi, labels, dense,
-                                                        ids, present, 0, n, True)
+        _, parsed, _, _, _, code, detail = _parse_lines(buf, 0, end, True, self.group_hi, labels, dense, ids, present,
+                                                        0, n, True)
         if code != _OK:
-            raise BadInput(f"rows[{parsed}]: {error_text(lines[parsed], code, detail)}")
+            row = rows[parsed]
+            if row.count(b"\t") == NUM_FIELDS - 2:
+                row = b"0\t" + row
+            raise BadInput(f"rows[{parsed}]: {error_text(row, code, detail)}")
         return Samples.from_columns(ids[:, self.columns], present[:, self.columns], dense)
 
     def _ids(self, ids_t: Tensor, dense_t: Tensor) -> Samples:
@@ -353,11 +380,9 @@ class InputDecoder:
         count = int(t.shape[0])
         out = np.empty(count, np.uint64)
         if t.datatype == "BYTES":
-            data = np.frombuffer(b"".join(t.data), np.uint8) if count else np.zeros(0, np.uint8)
-            offsets = np.zeros(count + 1, np.int64)
-            np.cumsum([len(v) for v in t.data], out=offsets[1:])
+            elements = elements_of(t)
             present = np.ones(count, np.bool_)
-            hash_strings(data, offsets, group_hi, out, present)
+            hash_strings(elements.data, elements.offsets, group_hi, out, present)
             return out, present
         values = np.asarray(t.data).reshape(count)
         hash_ints(values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64), group_hi, out)

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from hybridrec import log
 from services.inference.core import InferenceCore
+from services.inference.byte_elements import ByteElements
 from services.inference.grpc_api import checked_shape, split_bytes
 from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
 
@@ -90,7 +91,7 @@ def tensors_of(body: dict[str, Any], binary: bytes) -> tuple[list[Tensor], list[
             if datatype == "BYTES":
                 if not all(isinstance(v, str) for v in values):
                     raise BadInput(f"input {name!r}: BYTES data must be strings")
-                data = [v.encode("utf-8", "surrogatepass") for v in values]
+                data = ByteElements.of([v.encode("utf-8", "surrogatepass") for v in values])
             elif datatype in DTYPES:
                 kind = np.dtype(DTYPES[datatype]).kind
                 ok = (all(isinstance(v, bool) for v in values) if kind == "b" else

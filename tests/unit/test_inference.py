@@ -11,6 +11,7 @@ from hybridrec.inference_config import BatchingConfig, InferenceConfig, load_inf
 from hybridrec.config import ConfigError
 from services.inference.batcher import Batcher
 from services.inference.core import InferenceCore
+from services.inference.grpc_api import split_bytes
 from services.inference.inputs import BadInput, InputDecoder, NotFound, Tensor
 from services.inference.model import RemotePSTable, StaticSource, load_model
 from tests.conftest import REPO
@@ -109,6 +110,11 @@ def test_predictions_equal_the_reference(bundle):
     ([Tensor("rows", "BYTES", (1,), [b"x" + b"\t" * 38])], "column I1 is not an integer"),
     ([Tensor("rows", "BYTES", (1,), [b"2" + b"\t" * 39])], "label must be 0 or 1"),
     ([Tensor("rows", "BYTES", (1,), [b"\t" * 20 + b"\n" + b"\t" * 18])], "line break"),
+    # a character split between two rows: their bytes together are UTF-8, neither row is
+    ([Tensor("rows", "BYTES", (2,), [b"\t" * 38 + b"\xc3", b"\xa9" + b"\t" * 38])],
+     r"rows\[0\] is not UTF-8: unexpected end of data at byte 38"),
+    ([Tensor("rows", "BYTES", (3,), [b"\t" * 38, b"\t" * 38, b"\t" * 37])], r"rows\[2\]: expected 39"),
+    ([Tensor("rows", "BYTES", (2,), [b"\t" * 38, b"\t" * 10 + b"\r" + b"\t" * 28])], r"rows\[1\] holds a line"),
     ([Tensor("rows", "BYTES", (2,), [b"\t" * 38, b"\t" * 13 + b"\x01" + b"\t" * 25])], r"rows\[1\].*control"),
     ([Tensor("rows", "BYTES", (0,), [])], "no samples"),
     ([Tensor("ids", "UINT64", (1, 26), np.zeros(26, np.uint64))], "expected"),
@@ -134,6 +140,39 @@ def test_bad_inputs_are_named(bundle, tensors, match):
     decoder = InputDecoder(read_manifest(path), 4)
     with pytest.raises(BadInput, match=match):
         decoder.decode(tensors)
+
+
+def _prefixed(elements: list[bytes]) -> bytes:
+    return b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+
+
+def test_raw_bytes_elements_decode_as_the_same_list_does(bundle):
+    """Rows and strings sent as raw length-prefixed contents (split in one compiled pass) decode to exactly what
+    the same elements as a list decode to: Criteo lines, labelled or not, one with a UTF-8 token beyond ASCII,
+    an empty string."""
+    path, _, tokens = bundle
+    decoder = InputDecoder(read_manifest(path), 4096)
+    lines = [line.encode() for line in criteo_lines(tokens, 5)] + [line.encode() for line in
+                                                                 criteo_lines(tokens, 2, label=True)]
+    lines.append(lines[0].rsplit(b"\t", 1)[0] + "\tcaf\u00e9".encode())
+    split = split_bytes(_prefixed(lines), "rows")
+    assert len(split) == len(lines) and [split[i] for i in range(len(lines))] == lines
+    raw, listed = decoder.decode([Tensor("rows", "BYTES", (len(lines),), split)]), decoder.decode([_rows_tensor(lines)])
+    for a, b in zip(raw.columns, listed.columns):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(raw.dense, listed.dense)
+    assert raw.columns[0][-1, -1] != raw.columns[0][0, -1]  # the last field's token differs: hashed, not dropped
+    empty = split_bytes(_prefixed([b"", b"ab", b""]), "s")
+    assert [empty[i] for i in range(3)] == [b"", b"ab", b""]
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"\x05\x00\x00", "inside an element's length prefix"),
+    (_prefixed([b"abc"]) + b"\x09\x00\x00\x00abc", "element of 9 bytes runs past the end"),
+])
+def test_malformed_raw_bytes_are_named(raw, match):
+    with pytest.raises(BadInput, match=match):
+        split_bytes(raw, "rows")
 
 
 def test_group_zero_ids_are_checked_too(bundle):
