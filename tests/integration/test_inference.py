@@ -32,16 +32,17 @@ _free_port = free_port  # below the ephemeral range: no outgoing connection can 
 
 
 class Server:
-    def __init__(self, bundle: Path, log: Path, *extra: str):
+    def __init__(self, bundle: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
+                 ready_s: float = 90):
         self.grpc_port, self.http_port = _free_port(), _free_port()
         self.log = log
         self.proc = subprocess.Popen(
             HYBRIDREC + ["serve", "inference", "--bundle", str(bundle), "--set", f"model_name={MODEL}",
                          "--set", f"grpc_port={self.grpc_port}", "--set", f"http_port={self.http_port}", *extra],
-            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         self.grpc = f"127.0.0.1:{self.grpc_port}"
         self.http = f"127.0.0.1:{self.http_port}"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, log.read_text()
             try:

@@ -7,57 +7,31 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
-from hybridrec.app.ports import free_port
 from hybridrec.config import FeatureKind
 from hybridrec.proto import grpc_predict_v2_pb2 as oip
-from tests.conftest import HYBRIDREC, REPO
+from tests.conftest import REPO
 from tests.inference_util import criteo_lines, make_bundle, make_config_bundle, tokens_for
+from tests.integration.test_inference import MODEL, Server
 
 pytestmark = pytest.mark.integration
-MODEL = "ctr"
 ID_FIELDS = {"INT64": ("int64_contents", np.int64), "INT32": ("int_contents", np.int32),
              "UINT64": ("uint64_contents", np.uint64)}
 
 
-class ColdServer:
+class ColdServer(Server):
     """`hybridrec serve inference` with a numba cache directory of its own, empty at start."""
 
     def __init__(self, bundle: Path, tmp: Path, *extra: str):
-        self.log = tmp / "inference.log"
-        self.grpc_port, self.http_port = free_port(), free_port()
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp / "numba-cache")}
-        self.proc = subprocess.Popen(
-            HYBRIDREC + ["serve", "inference", "--bundle", str(bundle), "--set", f"model_name={MODEL}",
-                         "--set", f"grpc_port={self.grpc_port}", "--set", f"http_port={self.http_port}", *extra],
-            cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
-        ready = self.channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
-                                         request_serializer=lambda m: m.SerializeToString(),
-                                         response_deserializer=oip.ServerReadyResponse.FromString)
-        deadline = time.monotonic() + 240  # every kernel compiles from nothing: a minute on a busy 2-vCPU machine
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-4000:]
-            try:
-                if ready(oip.ServerReadyRequest(), timeout=5).ready:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, self.log.read_text()[-4000:]
-            time.sleep(0.2)
-        self.infer = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                              request_serializer=lambda m: m.SerializeToString(),
-                                              response_deserializer=oip.ModelInferResponse.FromString)
+        # every kernel compiles from nothing before the model is ready: up to a minute on a busy 2-vCPU machine
+        super().__init__(bundle, tmp / "inference.log", *extra,
+                         env={**os.environ, "NUMBA_CACHE_DIR": str(tmp / "numba-cache")}, ready_s=240)
 
-    def grpc(self, inputs: list[tuple[str, str, object]], raw: bool) -> np.ndarray:
+    def over_grpc(self, inputs: list[tuple[str, str, object]], raw: bool) -> np.ndarray:
         """Probabilities for `inputs`: (name, datatype, numpy array or list of bytes)."""
         request = oip.ModelInferRequest(model_name=MODEL)
         for name, datatype, value in inputs:
@@ -73,30 +47,21 @@ class ColdServer:
             else:
                 field = "fp32_contents" if datatype == "FP32" else ID_FIELDS[datatype][0]
                 getattr(t.contents, field).extend(np.asarray(value).reshape(-1).tolist())
-        response = self.infer(request, timeout=60)
+        response = self.call("ModelInfer", request, oip.ModelInferResponse)
         return np.frombuffer(response.raw_output_contents[0], np.float32)
 
-    def rest(self, inputs: list[tuple[str, str, object]]) -> dict:
-        body = {"inputs": [{"name": name, "datatype": datatype,
-                            "shape": [len(value)] if datatype == "BYTES" else list(np.shape(value)),
-                            "data": [v.decode() for v in value] if datatype == "BYTES"
-                            else np.asarray(value).reshape(-1).tolist()} for name, datatype, value in inputs]}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/v2/models/{MODEL}/infer",
-                                         data=json.dumps(body).encode(), method="POST")
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return json.loads(r.read())
+    def over_rest(self, inputs: list[tuple[str, str, object]]) -> dict:
+        status, reply = self.post(f"/v2/models/{MODEL}/infer", {"inputs": [
+            {"name": name, "datatype": datatype,
+             "shape": [len(value)] if datatype == "BYTES" else list(np.shape(value)),
+             "data": [v.decode() for v in value] if datatype == "BYTES" else np.asarray(value).reshape(-1).tolist()}
+            for name, datatype, value in inputs]})
+        assert status == 200, reply
+        return reply
 
     def events(self) -> list[str]:
         return [json.loads(line).get("event", "") for line in self.log.read_text().splitlines()
                 if line.startswith("{")]
-
-    def stop(self) -> None:
-        self.channel.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _assert_nothing_compiled(server: ColdServer, answered: int) -> None:
@@ -121,14 +86,14 @@ def test_the_readme_model_compiles_nothing_while_serving_rows_ids_and_names(tmp_
         answered = 0
         for raw in (True, False):
             for rows in (lines, labelled):
-                assert server.grpc([("rows", "BYTES", rows)], raw).shape == (len(rows),)
+                assert server.over_grpc([("rows", "BYTES", rows)], raw).shape == (len(rows),)
                 answered += 1
             for datatype in ("UINT64", "INT64"):
-                probs = server.grpc([("ids", datatype, ids.view(ID_FIELDS[datatype][1])),
+                probs = server.over_grpc([("ids", datatype, ids.view(ID_FIELDS[datatype][1])),
                                      ("dense", "FP32", dense)], raw)
                 assert probs.shape == (2,) and np.isfinite(probs).all()
                 answered += 1
-        reply = server.rest([("rows", "BYTES", lines)])
+        reply = server.over_rest([("rows", "BYTES", lines)])
         assert len(reply["outputs"][0]["data"]) == 3
         _assert_nothing_compiled(server, answered)
     finally:
@@ -154,7 +119,7 @@ def test_the_multitask_model_compiles_nothing_while_serving_each_datatype_by_nam
                     inputs.append((f.name, datatype, values))
                     if f.name in lists:
                         inputs.append((f.name + "__lengths", "INT64", np.array([2, 3], np.int64)))
-                probs = server.grpc(inputs, raw)
+                probs = server.over_grpc(inputs, raw)
                 assert probs.shape == (4,) and np.isfinite(probs).all()  # two samples, two tasks
                 answered += 1
         _assert_nothing_compiled(server, answered)
