@@ -247,13 +247,11 @@ class InputDecoder:
         dense = np.empty((n, NUM_DENSE), np.float32)
         ids = np.empty((n, NUM_SPARSE), np.uint64)
         present = np.empty((n, NUM_SPARSE), np.bool_)
-        _, parsed, _, _, _, code, detail = _parse_lines(buf, 0, end, True, self.group_hi, labels, dense, ids, present,
-                                                        0, n, True)
-        if code != _OK:
-            row = rows[parsed]
-            if row.count(b"\t") == NUM_FIELDS - 2:
-                row = b"0\t" + row
-            raise BadInput(f"rows[{parsed}]: {error_text(row, code, detail)}")
+        at, parsed, _, _, _, code, detail = _parse_lines(buf, 0, end, True, self.group_hi, labels, dense, ids,
+                                                         present, 0, n, True)
+        if code != _OK:  # `at`: where the bad row's line starts in buf, as the kernel read it
+            line = buf[at:end].tobytes().split(b"\n", 1)[0]
+            raise BadInput(f"rows[{parsed}]: {error_text(line, code, detail)}")
         return Samples.from_columns(ids[:, self.columns], present[:, self.columns], dense)
 
     def _ids(self, ids_t: Tensor, dense_t: Tensor) -> Samples:

@@ -12,10 +12,11 @@ typed contents.
 
 So before the service says it is ready, `warm_up` sends the loaded model one
 request of every form it takes, with every ID datatype, raw and as contents,
-through the service's own decoding and forward, with rows of zeros for
-the embeddings (not through the batcher's counters or the metrics). What it misses is caught: after it, a
-kernel that still compiles is logged as `kernel_compiled_while_serving`,
-with its name and how long it took (`watch_compiles`).
+through the service's own decoding and forward, with rows of zeros for the
+embeddings (not through the batcher's counters or the metrics). What it
+misses is caught: after it, a kernel that still compiles is logged as
+`kernel_compiled_while_serving`, with its name and how long it took
+(`watch_compiles`).
 """
 from __future__ import annotations
 
