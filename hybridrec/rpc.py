@@ -100,7 +100,6 @@ class FailedPrecondition(RuntimeError):
 def guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     """`fn` as a gRPC handler: user errors become status codes with their message, a bug INTERNAL, never a
     dead server; latency observed, control methods authorised."""
-    logger = log.get()
     latency = RPC_LATENCY.labels(service, method)
 
     control = method in CONTROL_METHODS.get(service, ())
@@ -111,26 +110,35 @@ def guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Calla
             if control:
                 authorize(context, f"{service}.{method}")
             return await fn(request, context)
-        except ValueError as exc:  # includes codec.FrameError
-            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except PermissionError as exc:  # a path outside the service's root, a caller not authorised
-            code, detail = grpc.StatusCode.PERMISSION_DENIED, str(exc)
-            logger.warning("rpc_refused", method=method, reason=str(exc))
-            REFUSED.labels(service, method).inc()
-        except NotFound as exc:
-            code, detail = grpc.StatusCode.NOT_FOUND, str(exc)
-        except Unavailable as exc:
-            code, detail = grpc.StatusCode.UNAVAILABLE, str(exc)
-        except FailedPrecondition as exc:
-            code, detail = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug must not kill the server; it is logged with its trace
-            logger.exception("rpc_failed", method=method)
-            code, detail = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the server (status_of logs it)
+            code, detail = status_of(exc, service, method)
         finally:
             latency.observe(time.perf_counter() - started)
-        await context.abort(code, detail[:2000])
+        await context.abort(code, detail)
 
     return handler
+
+
+def status_of(exc: Exception, service: str, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a handler's exception answers its call with, and the detail (at most 2,000 characters): a
+    user's error its code and message, a refusal logged and counted, anything else a bug, INTERNAL, logged
+    with its trace (call it inside the `except`)."""
+    if isinstance(exc, ValueError):  # includes codec.FrameError
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, PermissionError):  # a path outside the service's root, a caller not authorised
+        code = grpc.StatusCode.PERMISSION_DENIED
+        log.get().warning("rpc_refused", method=method, reason=str(exc))
+        REFUSED.labels(service, method).inc()
+    elif isinstance(exc, NotFound):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, Unavailable):
+        code = grpc.StatusCode.UNAVAILABLE
+    elif isinstance(exc, FailedPrecondition):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    else:
+        log.get().exception("rpc_failed", method=method)
+        return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:2000]
+    return code, str(exc)[:2000]
 
 
 def add_service(server: grpc.aio.Server, service_name: str, impl: Any) -> None:

@@ -33,6 +33,7 @@ class Inbox:
 
     def __init__(self, loaders: int, maxsize: int):
         self.queues: list[asyncio.Queue] = [asyncio.Queue(maxsize=maxsize) for _ in range(loaders)]
+        self._waiting = [0] * loaders  # puts waiting for room, per loader
         self._arrived = asyncio.Event()
 
     @property
@@ -45,8 +46,22 @@ class Inbox:
     async def put(self, item: DenseBatch | EndOfPhase) -> None:
         """Queue `item` behind its loader's earlier frames; waits while that loader's queue is full."""
         loader = item.loader
-        await self.queues[loader].put(item)
+        self._waiting[loader] += 1
+        try:
+            await self.queues[loader].put(item)
+        finally:
+            self._waiting[loader] -= 1
         self._arrived.set()
+
+    def put_nowait(self, item: DenseBatch | EndOfPhase) -> bool:
+        """Queue `item` if its loader's queue has room and no earlier put waits for it (which would then come
+        after it); False, and nothing queued, otherwise (`put` waits)."""
+        queue = self.queues[item.loader]
+        if self._waiting[item.loader] or queue.full():
+            return False
+        queue.put_nowait(item)
+        self._arrived.set()
+        return True
 
     async def get(self, loader: int) -> DenseBatch | EndOfPhase:
         """The next frame of `loader`, waiting for it."""

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import grpc
+import numpy as np
 
 from hybridrec import log, rpc
-from hybridrec.frames import Applied, Gradients
+from hybridrec.frames import PHASES, Applied, Consumed, DenseBatch, Gradients
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from services.nn_worker.routing import BatchLost, Looked
@@ -72,6 +73,9 @@ CALLED = 14  # a call to the NN worker's server: `ref` is the method (NN_METHODS
              # or in the receiver's inbound slot `slot`
 INBOUND_SLOT = 15  # a new slot of the receiver's, for requests; its file descriptor rides along
 LISTENING = 16  # the server is serving on port `nbytes` (or FAILED: it could not bind)
+BATCH = 17  # a data loader's PutBatch of a dense batch, decoded and checked by the receiver: the batch's fields
+            # in the payload (`BATCH_FIELDS`), its dense features and labels in the receiver's inbound slot
+            # `slot`; answered by REPLY with the `Consumed` packed (`CONSUMED`), or REFUSE
 
 NO_SLOT = 0xFFFFFFFF
 """`slot` of a message whose bytes ride in its payload."""
@@ -105,6 +109,54 @@ def pack_applied(applied: Applied) -> bytes:
 def unpack_applied(data: bytes) -> Applied:
     rows, count = APPLIED.unpack_from(data)
     return Applied(rows, tuple(LIFE.unpack_from(data, APPLIED.size + i * LIFE.size) for i in range(count)))
+
+
+BATCH_FIELDS = struct.Struct("<QqQIIIIBB2x")
+"""A `DenseBatch` as a `BATCH` message carries it: batch_ref, seq, rows_before, loader, rows, dense features,
+label columns (0: labels of one task, shape (rows,)), phase (its index in `PHASES`), how many position fields
+follow (each a uint64). Its dense features (float32, rows x dense features) and then its labels are the
+slot's first bytes."""
+POSITION = struct.Struct("<Q")
+CONSUMED = struct.Struct("<BqQ")
+"""A PutBatch's answer to a `BATCH`: the `Consumed` frame's phase (its index in `PHASES`), through and
+incarnation; the receiver encodes the frame."""
+
+
+def lay_out_batch(batch: DenseBatch, writable: Callable[[int], memoryview]) -> tuple[bytes, int]:
+    """Write `batch`'s arrays into a slot (`writable`, as `Slot.writable`): the `BATCH` message's payload and
+    the bytes written. Raises ValueError for position fields that do not fit 64 bits."""
+    rows, width = batch.dense.shape
+    columns = 0 if batch.labels.ndim == 1 else batch.labels.shape[1]
+    if not all(0 <= value < 1 << 64 for value in batch.position):
+        raise ValueError(f"position fields must fit 64 bits, got {list(batch.position)}")
+    header = BATCH_FIELDS.pack(batch.batch_ref, batch.seq, batch.rows_before, batch.loader, rows, width, columns,
+                               PHASES.index(batch.phase), len(batch.position))
+    dense_bytes, nbytes = batch.dense.nbytes, batch.dense.nbytes + batch.labels.nbytes
+    out = np.frombuffer(writable(nbytes), np.uint8)
+    out[:dense_bytes] = batch.dense.reshape(-1).view(np.uint8)
+    out[dense_bytes:] = batch.labels.reshape(-1).view(np.uint8)
+    return header + b"".join(POSITION.pack(value) for value in batch.position), nbytes
+
+
+def batch_of(payload: bytes, slot: memoryview) -> DenseBatch:
+    """The `DenseBatch` of a `BATCH` message, its arrays copied out of the receiver's slot (which it reuses once
+    answered)."""
+    ref, seq, rows_before, loader, rows, width, columns, phase, npos = BATCH_FIELDS.unpack_from(payload)
+    position = struct.unpack_from(f"<{npos}Q", payload, BATCH_FIELDS.size)
+    data = np.frombuffer(slot, np.float32, rows * (width + max(columns, 1)))
+    dense = data[:rows * width].reshape(rows, width).copy()
+    labels = data[rows * width:].copy()
+    return DenseBatch(ref, dense, labels.reshape(rows, columns) if columns else labels, PHASES[phase], seq,
+                      position, rows_before, loader)
+
+
+def pack_consumed(consumed: Consumed) -> bytes:
+    return CONSUMED.pack(PHASES.index(consumed.phase), consumed.through, consumed.incarnation)
+
+
+def unpack_consumed(data: bytes) -> Consumed:
+    phase, through, incarnation = CONSUMED.unpack_from(data)
+    return Consumed(PHASES[phase], through, incarnation)
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -279,6 +331,8 @@ class ReceiverLink:
         self.inbound: dict[int, Slot] = {}  # the receiver's slots, for requests forwarded to this process
         self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None]] = {}
         self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
+        self.admit = self.admit_now = None  # the NN worker's, for the receiver's BATCH messages
+        self.service_name = ""
         self.port: int | None = None  # once serving
         self.serving = False
         self.replaced = 0
@@ -353,7 +407,9 @@ class ReceiverLink:
 
     # -- the NN worker's server, in the receiver -------------------------------------------------------
     def add_service(self, proto_service: str, impl) -> None:
-        """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`."""
+        """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`, and
+        its `admit_now` and `admit` for the dense batches the receiver decoded (`BATCH`)."""
+        self.service_name, self.admit, self.admit_now = proto_service, impl.admit, impl.admit_now
         for index, method in enumerate(nn_methods()):
             fn = getattr(impl, method.name)
             if method.input_type is rpc.FRAME:
@@ -385,6 +441,37 @@ class ReceiverLink:
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
+    def _batch(self, message: Message) -> None:
+        """A data loader's dense batch, decoded and checked by the receiver: admitted here and answered at once
+        where that need not wait (the common case: no task, no frame to decode), else by a task that waits for
+        room in the inbox."""
+        try:
+            if self.admit_now is None:
+                raise Unavailable("the NN worker is starting")
+            item = batch_of(message.payload, self.inbound[message.slot].view(message.nbytes))
+            consumed = self.admit_now(item)
+        except Exception as exc:  # noqa: BLE001 - answered as rpc.guard answers it; the link goes on
+            self.writer.send(self._refusal(message.call, exc))
+            return
+        if consumed is not None:
+            self.writer.send(Message(REPLY, message.call, payload=pack_consumed(consumed)))
+            return
+        task = asyncio.ensure_future(self._admit(self.writer, message.call, item))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch) -> None:
+        try:
+            answer = Message(REPLY, call, payload=pack_consumed(await self.admit(item)))
+        except Exception as exc:  # noqa: BLE001 - as in _batch
+            answer = self._refusal(call, exc)
+        if writer is self.writer:  # as in _answer
+            writer.send(answer)
+
+    def _refusal(self, call: int, exc: Exception) -> Message:
+        code, detail = rpc.status_of(exc, self.service_name, "PutBatch")
+        return Message(REFUSE, call, code.value[0], payload=detail.encode()[:INLINE_BYTES])
+
     async def _answer(self, writer: LinkWriter, call: int, index: int, request: bytes) -> None:
         try:
             if self.handlers[index] is None:
@@ -405,6 +492,9 @@ class ReceiverLink:
         self.reader.drain(self._on_message, self._lost)
 
     def _on_message(self, message: Message, fds: list[int]) -> None:
+        if message.op == BATCH:
+            self._batch(message)
+            return
         if message.op == CALLED:
             self._called(message)
             return

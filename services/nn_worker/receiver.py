@@ -9,10 +9,14 @@ its end of the link's socket pair (`HYBRIDREC_LINK_FD`) and the job's config as 
   that the trainer only makes views of it; for each `PUSH` it sends the slot's `Gradients` frame. The calls are
   `EmbeddingWorkers`' own (routing.py): the same routing by batch_ref, retries for `cluster.retry_s`, and
   NOT_FOUND as a lost batch;
-* once told to (`SERVE`), it serves the NN worker's address: every `NNWorker` call (the data loaders'
-  `PutBatch` and `Received`, `Status`, `Stats`) is handed to the trainer as a `CALLED` message — a large
-  request in one of the receiver's own slots — and answered with the trainer's reply or status; the
-  health service is the receiver's, its overall status the trainer's to set (`HEALTH`).
+* once told to (`SERVE`), it serves the NN worker's address. A data loader's `PutBatch` of a dense batch is
+  decoded and checked here (a malformed frame is INVALID_ARGUMENT from here) and handed to the trainer as a
+  `BATCH` message: the batch's fields in the message, its arrays in one of the receiver's own slots, so
+  that the trainer neither copies the request nor decodes a frame; the trainer's answer is the `Consumed`
+  packed, encoded here. Every other `NNWorker` call (an end of phase, `Received`, `Status`, `Stats`) is
+  handed to the trainer as a `CALLED` message — a large request in a slot — and answered with the
+  trainer's reply or status. The health service is the receiver's, its overall status the trainer's to
+  set (`HEALTH`).
 
 It lives as long as the link: it exits when the trainer's end closes (its server stops with a second's
 grace), and it is killed with the trainer (PR_SET_PDEATHSIG). A receiver killed on its own is replaced by
@@ -37,7 +41,7 @@ import uvloop
 from hybridrec import log, rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, split_address
-from hybridrec.frames import Applied
+from hybridrec.frames import Applied, DenseBatch, EndOfPhase, decode_nn_batch
 from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
 from services.nn_worker import link
@@ -133,7 +137,8 @@ class Receiver:
         address = self.config.cluster.nn_workers[self.replica]
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
-        handlers = {method.name: grpc.unary_unary_rpc_method_handler(self._forwarder(index))
+        handlers = {method.name: grpc.unary_unary_rpc_method_handler(
+                        self._put_batch(index) if method.name == "PutBatch" else self._forwarder(index))
                     for index, method in enumerate(nn_methods())}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             pb.DESCRIPTOR.services_by_name["NNWorker"].full_name, handlers),))
@@ -150,21 +155,53 @@ class Receiver:
                                 answer.payload.decode(errors="replace"))
         return forward
 
+    def _put_batch(self, index: int):
+        """PutBatch: the frame decoded and checked here (a bad one INVALID_ARGUMENT, as the trainer would
+        answer it), a dense batch handed over as a `BATCH` (its fields in the message, its arrays in a slot) so
+        that the trainer neither copies the request nor decodes its frame; an end of phase forwarded whole."""
+        forward = self._forwarder(index)
+        config, loaders = self.config, len(self.config.cluster.dataloader)
+
+        async def put_batch(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                item = decode_nn_batch(request, config.num_dense, config.num_tasks, loaders)
+                if isinstance(item, EndOfPhase):
+                    return await forward(request, context)
+                answer = await self.hand_over_batch(item)
+            except ValueError as exc:  # includes codec.FrameError
+                answer = Message(link.REFUSE, ref=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                 payload=str(exc)[:2000].encode())
+            if answer.op == link.REPLY:
+                return link.unpack_consumed(answer.payload).encode()
+            await context.abort(STATUS_OF.get(answer.ref, grpc.StatusCode.INTERNAL),
+                                answer.payload.decode(errors="replace"))
+        return put_batch
+
     async def forward(self, index: int, request: bytes) -> Message:
         """Hand a call to the trainer and wait for its answer. A request too large for a message goes in an
         inbound slot, which is free again once the trainer has answered (not when the caller gives up: the
         trainer may not have read it yet)."""
-        call = next(self._calls) & 0xFFFFFFFF
-        slot = None
         if len(request) <= link.INLINE_BYTES:
-            message = Message(link.CALLED, call, index, link.NO_SLOT, len(request), request)
-        else:
-            slot = self._inbound_slot()
-            slot.writable(len(request))[:] = request
-            message = Message(link.CALLED, call, index, slot.index, len(request))
+            return await self._handed(link.CALLED, index, None, len(request), request)
+        slot = self._inbound_slot()
+        slot.writable(len(request))[:] = request
+        return await self._handed(link.CALLED, index, slot, len(request))
+
+    async def hand_over_batch(self, batch: DenseBatch) -> Message:
+        """A dense batch to the trainer: its arrays into an inbound slot, its fields in the message."""
+        slot = self._inbound_slot()
+        try:
+            fields, nbytes = link.lay_out_batch(batch, slot.writable)
+        except BaseException:
+            self.free_inbound.append(slot)
+            raise
+        return await self._handed(link.BATCH, 0, slot, nbytes, fields)
+
+    async def _handed(self, op: int, ref: int, slot: Slot | None, nbytes: int, payload: bytes = b"") -> Message:
+        call = next(self._calls) & 0xFFFFFFFF
         future = asyncio.get_running_loop().create_future()
         self.forwarded[call] = (future, slot)
-        self.send(message)
+        self.send(Message(op, call, ref, link.NO_SLOT if slot is None else slot.index, nbytes, payload))
         return await future
 
     def _inbound_slot(self) -> Slot:

@@ -8,7 +8,6 @@ which is how the launcher, Compose and a Kubernetes Job see completion.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import secrets
 import time
@@ -21,7 +20,7 @@ import torch
 
 from hybridrec import checkpoints, log
 from hybridrec.config import AUTO, Config, Mode
-from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, Received, decode_nn_batch
+from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
 from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
@@ -65,31 +64,54 @@ class NNWorkerServicer:
         self.all_told = asyncio.Event()
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Queue a batch for the trainer; a re-sent one (a data loader replays what this rank has not yet
-        confirmed after any failed call) is dropped here. The reply says how far this rank has trained that
+        """Queue a batch for the trainer (`admit`); the reply says how far this rank has trained that loader's
+        stream."""
+        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks, self.inbox.loaders)
+        return (await self.admit(item)).encode()
+
+    async def admit(self, item: DenseBatch | EndOfPhase) -> Consumed:
+        """Queue what a data loader sent for the trainer; a re-sent one (a data loader replays what this rank
+        has not yet confirmed after any failed call) is dropped here. Answers how far this rank has trained that
         loader's stream.
 
         A batch counts as received only once it is in the inbox: a call cut off while waiting for room (its
         loader died) leaves no trace, and a restarted loader sends that batch again."""
-        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks, self.inbox.loaders)
-        loader = item.loader
-        if isinstance(item, DenseBatch) and item.phase == "train":
-            self._check_in_order(item)
-        if isinstance(item, DenseBatch):
-            fresh = item.seq > self.last_received[loader][item.phase]
-        else:
-            fresh = item.phase not in self.ended[loader]
-        if not fresh:
+        if not self._fresh(item):
             self.duplicates += 1
-            return self._consumed(loader).encode()
-        await self.inbox.put(item)
-        if isinstance(item, DenseBatch):
-            self.last_received[loader][item.phase] = max(item.seq, self.last_received[loader][item.phase])
-            if item.phase == "train" and len(item.position) == POSITION_FIELDS:
-                self.marks[loader].append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
         else:
+            await self.inbox.put(item)
+            self._taken(item)
+        return self._consumed(item.loader)
+
+    def admit_now(self, item: DenseBatch | EndOfPhase) -> Consumed | None:
+        """`admit` where it need not wait (the loader's queue has room, or `item` is a duplicate); None, and
+        nothing done, where it must. The receiver's batches take this path first: no coroutine per batch on
+        the trainer's event loop (services/nn_worker/link.py)."""
+        if not self._fresh(item):
+            self.duplicates += 1
+        elif self.inbox.put_nowait(item):
+            self._taken(item)
+        else:
+            return None
+        return self._consumed(item.loader)
+
+    def _fresh(self, item: DenseBatch | EndOfPhase) -> bool:
+        """Whether `item` is new to this rank; raises for a training batch out of order (`_check_in_order`)."""
+        if isinstance(item, EndOfPhase):
+            return item.phase not in self.ended[item.loader]
+        if item.phase == "train":
+            self._check_in_order(item)
+        return item.seq > self.last_received[item.loader][item.phase]
+
+    def _taken(self, item: DenseBatch | EndOfPhase) -> None:
+        """`item` is in the inbox: received, and on a training batch, where its loader resumes after it."""
+        loader = item.loader
+        if isinstance(item, EndOfPhase):
             self.ended[loader].add(item.phase)
-        return self._consumed(loader).encode()
+            return
+        self.last_received[loader][item.phase] = max(item.seq, self.last_received[loader][item.phase])
+        if item.phase == "train" and len(item.position) == POSITION_FIELDS:
+            self.marks[loader].append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
 
     def _check_in_order(self, item: DenseBatch) -> None:
         """Refuse a training batch that comes before the ones this rank's share is missing.
@@ -115,7 +137,7 @@ class NNWorkerServicer:
 
     def _consumed(self, loader: int) -> Consumed:
         consumed = self.trainer.consumed[loader] if self.trainer else Consumed()
-        return dataclasses.replace(consumed, incarnation=self.incarnation)
+        return Consumed(consumed.phase, consumed.through, self.incarnation)
 
     async def Received(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """How far this rank holds each phase's stream of the data loader the request names, for a (re)started

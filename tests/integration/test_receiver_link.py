@@ -16,7 +16,7 @@ import pytest
 from hybridrec import rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.config import from_dict
-from hybridrec.frames import Applied, BatchRef, Embeddings, Gradients
+from hybridrec.frames import Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients
 from hybridrec.jagged import KeyedBags
 from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
@@ -198,24 +198,40 @@ def test_a_killed_receiver_is_replaced_and_its_calls_complete(worker_and_config)
 
 
 class FakeNNWorker:
-    """The NN worker's handlers as the trainer serves them through its receiver: PutBatch echoes the request's
-    length, refuses one starting with b"bad" as a malformed frame would be, and holds one starting with b"hold"
-    until the test lets it go."""
+    """The NN worker's handlers as the trainer serves them through its receiver. A dense batch is admitted at
+    once (`admit_now`) and answered with its seq; batches of seq `HOLD` wait (`admit`) until the test lets them
+    go; seq `LATE` is refused as out of order. PutBatch (which the receiver forwards for an end of phase) and
+    Received echo the request's length; Received refuses one starting with b"joining"."""
+
+    HOLD, LATE = 99, 13
 
     def __init__(self):
         self.requests: list[bytes] = []
+        self.admitted: list[DenseBatch] = []
         self.release = asyncio.Event()
+
+    def admit_now(self, item: DenseBatch) -> Consumed | None:
+        if item.seq == self.LATE:
+            raise rpc.FailedPrecondition(f"batch {item.seq} is out of order")
+        if item.seq == self.HOLD:
+            return None
+        self.admitted.append(item)
+        return Consumed(item.phase, item.seq, incarnation=7)
+
+    async def admit(self, item: DenseBatch) -> Consumed:
+        self.admitted.append(item)
+        await self.release.wait()
+        return Consumed(item.phase, item.seq, incarnation=7)
 
     async def PutBatch(self, request, context):
         self.requests.append(bytes(request))
-        if request.startswith(b"bad"):
-            raise ValueError("not a hybridrec frame")
-        if request.startswith(b"hold"):
-            await self.release.wait()
         return len(request).to_bytes(8, "little")
 
     async def Received(self, request, context):
-        raise rpc.Unavailable("the NN worker is still joining its group")
+        self.requests.append(bytes(request))
+        if request.startswith(b"joining"):
+            raise rpc.Unavailable("the NN worker is still joining its group")
+        return len(request).to_bytes(8, "little")
 
     async def Status(self, request, context):
         return pb.TrainingStatus(phase="train", step=42)
@@ -224,10 +240,27 @@ class FakeNNWorker:
         return pb.ServiceStats(service="nn_worker", replica=0, values={"x": 1.0})
 
 
+def _dense_batch(seq: int, rows: int, *, tasks: int = 1, phase: str = "train") -> DenseBatch:
+    rng = np.random.default_rng(seq)
+    labels = rng.random((rows, tasks) if tasks > 1 else rows, dtype=np.float32)
+    return DenseBatch(batch_ref=(1 << 63) + seq, dense=rng.standard_normal((rows, 3), dtype=np.float32),
+                      labels=labels, phase=phase, seq=seq, position=(2, 1, (1 << 40) + seq, seq) if seq % 2 else (),
+                      rows_before=seq * rows, loader=0)
+
+
+def _assert_same_batch(got: DenseBatch, sent: DenseBatch) -> None:
+    assert (got.batch_ref, got.phase, got.seq, tuple(got.position), got.rows_before, got.loader) == (
+        sent.batch_ref, sent.phase, sent.seq, tuple(sent.position), sent.rows_before, sent.loader)
+    np.testing.assert_array_equal(got.dense, sent.dense)
+    np.testing.assert_array_equal(got.labels, sent.labels)
+    assert got.labels.shape == sent.labels.shape and got.dense.flags.writeable
+
+
 def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_config):
-    """The receiver serves the NN worker's address: requests small and large reach the trainer's handlers whole,
-    a refused call keeps its status and message and the server goes on, health is the trainer's to set, and a
-    killed receiver is replaced, serving again with the health it had."""
+    """The receiver serves the NN worker's address: dense batches small and large reach the trainer decoded and
+    whole, other requests small and large reach its handlers as sent, a malformed frame is refused by the
+    receiver and a refused call keeps its status and message and the server goes on, health is the trainer's
+    to set, and a killed receiver is replaced, serving again with the health it had."""
     async def scenario():
         server, _, config = await worker_and_config()
         port = _free_port()
@@ -244,33 +277,62 @@ def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_co
             await rpc.wait_until_serving([address], timeout_s=10)
             async with rpc.channel(address) as channel:
                 put = rpc.raw_method(channel, "NNWorker", "PutBatch")
+                batches = [_dense_batch(1, 2), _dense_batch(2, 65535), _dense_batch(3, 4096),
+                           _dense_batch(4, 300, phase="eval")]
+                replies = await asyncio.gather(*(put(b.encode()) for b in batches))
+                assert [Consumed.decode(r) for r in replies] == [
+                    Consumed(b.phase, b.seq, incarnation=7) for b in batches]
+                for got, sent in zip(sorted(fake.admitted, key=lambda b: b.seq), batches):
+                    _assert_same_batch(got, sent)
+                end = EndOfPhase("train", {"rows": 5}, end_seq=9).encode()  # forwarded as sent
+                assert int.from_bytes(await put(end), "little") == len(end)
+
+                received = rpc.raw_method(channel, "NNWorker", "Received")
                 big = np.random.default_rng(0).integers(0, 255, 3_000_000, dtype=np.uint8).tobytes()
-                replies = await asyncio.gather(put(b"small"), put(big), put(big[:200_000]))
+                replies = await asyncio.gather(received(b"small"), received(big), received(big[:200_000]))
                 assert [int.from_bytes(r, "little") for r in replies] == [5, len(big), 200_000]
-                assert sorted(fake.requests, key=len) == [b"small", big[:200_000], big]
+                assert sorted(fake.requests, key=len) == [b"small", end, big[:200_000], big]
+
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await put(b"bad frame")
+                    await put(b"bad frame, not ours")
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "not a hybridrec frame" in refused.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await put(_dense_batch(FakeNNWorker.LATE, 8).encode())
+                assert late.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "out of order" in late.value.details()
                 with pytest.raises(grpc.aio.AioRpcError) as joining:
-                    await rpc.raw_method(channel, "NNWorker", "Received")(b"")
+                    await received(b"joining")
                 assert joining.value.code() == grpc.StatusCode.UNAVAILABLE
                 status = await rpc.control_method(channel, "NNWorker", "Status")(pb.Empty())
                 assert (status.phase, status.step) == ("train", 42)
 
+                # A batch that waits for room is answered once admitted.
+                held = _dense_batch(FakeNNWorker.HOLD, 64)
+                waiting = asyncio.ensure_future(put(held.encode()))
+                while len(fake.admitted) < len(batches) + 1:
+                    await asyncio.sleep(0.01)
+                assert not waiting.done()
+                fake.release.set()
+                assert Consumed.decode(await waiting) == Consumed("train", held.seq, incarnation=7)
+                _assert_same_batch(fake.admitted[-1], held)
+
                 # A call held in the trainer when the receiver dies fails for its caller (who sends it again,
                 # as to any restarted service); the replacement serves the address, ready as before.
-                held = asyncio.ensure_future(put(b"hold" + big))
-                while len(fake.requests) < 5:
+                fake.release.clear()
+                cut = asyncio.ensure_future(put(held.encode()))
+                while len(fake.admitted) < len(batches) + 2:
                     await asyncio.sleep(0.01)
                 os.kill(link.process.pid, signal.SIGKILL)
                 with pytest.raises(grpc.aio.AioRpcError):
-                    await held
+                    await cut
                 fake.release.set()
             await rpc.wait_until_serving([address], timeout_s=30, what="the replacement receiver")
             async with rpc.channel(address) as channel:
-                reply = await rpc.raw_method(channel, "NNWorker", "PutBatch")(big)
-                assert int.from_bytes(reply, "little") == len(big)
+                again = _dense_batch(5, 4096)
+                reply = await rpc.raw_method(channel, "NNWorker", "PutBatch")(again.encode())
+                assert Consumed.decode(reply) == Consumed("train", 5, incarnation=7)
+                _assert_same_batch(fake.admitted[-1], again)
             assert link.replaced == 1
         finally:
             await link.close()

@@ -84,3 +84,26 @@ def test_eval_frames_are_taken_from_whichever_loader_has_one():
         await put
 
     asyncio.run(scenario())
+
+
+def test_a_put_that_need_not_wait_is_taken_at_once_and_never_overtakes_one_that_waits():
+    """`put_nowait` (the receiver's batches, admitted without a coroutine) queues only while the loader's queue
+    has room and no earlier put of that loader waits for it; otherwise it leaves the batch to `put`."""
+    def batch(seq: int, loader: int = 0) -> DenseBatch:
+        return DenseBatch(seq, np.zeros((1, 1), np.float32), np.zeros(1, np.float32), seq=seq, loader=loader)
+
+    async def scenario():
+        inbox = Inbox(loaders=2, maxsize=2)
+        assert inbox.put_nowait(batch(0)) and inbox.put_nowait(batch(1))
+        assert not inbox.put_nowait(batch(2))  # full
+        waiting = asyncio.ensure_future(inbox.put(batch(2)))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        assert inbox.put_nowait(batch(0, loader=1))  # another loader's queue is its own
+        assert (await inbox.get(0)).seq == 0  # room, but batch 2 waits for it: 3 may not overtake it
+        assert not inbox.put_nowait(batch(3))
+        await waiting
+        assert not inbox.put_nowait(batch(3))  # full again
+        assert [(await inbox.get(0)).seq for _ in range(2)] == [1, 2]
+        assert inbox.put_nowait(batch(3)) and (await inbox.get(0)).seq == 3
+    asyncio.run(scenario())
