@@ -191,19 +191,19 @@ class LinkReader:
         return Message(*HEADER.unpack_from(self.buffer), bytes(self.view[HEADER.size:size])), fds
 
     def drain(self, on_message: Callable[[Message, list[int]], None], on_end: Callable[[], None]) -> None:
-        """The event loop's reader callback: every message waiting, each to `on_message`; `on_end` once the
-        peer is gone."""
-        while True:
-            try:
-                message, fds = self.receive()
-            except BlockingIOError:
-                return
-            except ConnectionError:
-                message, fds = None, []
-            if message is None:
-                on_end()
-                return
-            on_message(message, fds)
+        """The event loop's reader callback: the next message to `on_message`; `on_end` once the peer is gone.
+        One message a call: the loop calls again while more wait (its readers are level-triggered), which
+        costs less than the exception a read of an empty socket raises (most calls find one message)."""
+        try:
+            message, fds = self.receive()
+        except BlockingIOError:
+            return
+        except ConnectionError:
+            message, fds = None, []
+        if message is None:
+            on_end()
+            return
+        on_message(message, fds)
 
 
 class LinkWriter:
@@ -329,7 +329,7 @@ class ReceiverLink:
         self.slots: list[Slot] = []
         self.free: list[Slot] = []
         self.inbound: dict[int, Slot] = {}  # the receiver's slots, for requests forwarded to this process
-        self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None]] = {}
+        self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None, Callable]] = {}
         self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
         self.admit = self.admit_now = None  # the NN worker's, for the receiver's BATCH messages
         self.service_name = ""
@@ -345,17 +345,18 @@ class ReceiverLink:
         self._spawn()
 
     # -- the trainer's calls -------------------------------------------------------------------------
-    async def lookup(self, ref: int, batch_size: int) -> Looked:
+    def lookup(self, ref: int, batch_size: int) -> asyncio.Future:
         """The batch's embeddings as the receiver checked them for a batch of `batch_size` samples (a
-        `CheckedEmbeddings` frame), in a slot given back by the result's `release`."""
+        `CheckedEmbeddings` layout), in a slot given back by the result's `release`: a future (a `Looked`), not a
+        coroutine, so that a lookup costs the trainer's event loop no task."""
         slot = self._slot()
-        answer = await self._call(LOOKUP, ref, slot, batch_size)
-        return Looked(slot.view(answer.nbytes), lambda: self.free.append(slot), checked=True)
+        return self._start(LOOKUP, ref, slot, batch_size,
+                           lambda answer: Looked(slot.view(answer.nbytes), lambda: self.free.append(slot), checked=True))
 
-    async def push(self, ref: int, tensors: dict, into: Slot | None = None, nbytes: int | None = None) -> Applied:
-        """Send the batch's packed gradients; the `Applied` answer (routing.EmbeddingWorkers.push). `into`: a
-        slot from `outgoing`, which holds the frame already when `nbytes` is given (the trainer's compute
-        thread wrote it)."""
+    def push(self, ref: int, tensors: dict, into: Slot | None = None, nbytes: int | None = None) -> asyncio.Future:
+        """Send the batch's packed gradients; a future of the `Applied` answer (routing.EmbeddingWorkers.push).
+        `into`: a slot from `outgoing`, which holds the frame already when `nbytes` is given (the trainer's
+        compute thread wrote it)."""
         slot = into if into is not None else self._slot()
         if nbytes is None:
             try:
@@ -363,9 +364,11 @@ class ReceiverLink:
             except BaseException:
                 self.free.append(slot)
                 raise
-        answer = await self._call(PUSH, ref, slot, nbytes)
-        self.free.append(slot)
-        return unpack_applied(answer.payload)
+
+        def applied(answer: Message) -> Applied:
+            self.free.append(slot)
+            return unpack_applied(answer.payload)
+        return self._start(PUSH, ref, slot, nbytes, applied)
 
     def outgoing(self) -> Slot:
         """A free slot for the gradient frame of the step about to run, which the step writes on the compute
@@ -381,29 +384,45 @@ class ReceiverLink:
         self.writer.send(Message(SLOT, slot=slot.index), slot.fd)
         return slot
 
-    async def _call(self, op: int, ref: int, slot: Slot | None, nbytes: int = 0) -> Message:
-        """Hand `slot` to the receiver for one call and wait for its answer. The slot is the caller's again
-        once this returns; on an error it is given back here; if the caller is cancelled, when the receiver
-        answers (it may still be writing into it)."""
+    def _start(self, op: int, ref: int, slot: Slot | None, nbytes: int = 0,
+               done: Callable[[Message], object] = lambda answer: answer) -> asyncio.Future:
+        """Hand `slot` to the receiver for one call; a future of `done(answer)` once it answers. The slot is the
+        caller's again once the call succeeds (`done` may free it); on an error it is given back here; if the
+        future is cancelled, when the receiver answers (it may still be writing into it)."""
+        future = asyncio.get_running_loop().create_future()
         if self._broken is not None:
             if slot is not None:
                 self.free.append(slot)
-            raise Unavailable(self._broken)
+            future.set_exception(Unavailable(self._broken))
+            return future
         message = Message(op, next(self._calls) & 0xFFFFFFFF, ref, NO_SLOT if slot is None else slot.index, nbytes)
-        future = asyncio.get_running_loop().create_future()
-        self.pending[message.call] = (message, future, slot)
+        self.pending[message.call] = (message, future, slot, done)
         self.writer.send(message)
-        answer = await future
-        if answer.op in (DONE, LISTENING):
-            return answer
+        return future
+
+    def _answered(self, message: Message) -> None:
+        """The receiver's answer to one of the trainer's calls: its future resolved."""
+        entry = self.pending.pop(message.call, None)
+        if entry is None:
+            return
+        sent, future, slot, done = entry
+        if future.cancelled():
+            if slot is not None:
+                self.free.append(slot)  # its caller is gone; the receiver is done with it
+            return
+        if message.op in (DONE, LISTENING):
+            try:
+                future.set_result(done(message))
+                return
+            except Exception as exc:  # noqa: BLE001 - the caller's to raise (a frame larger than its slot)
+                error: Exception = exc
+        else:
+            text = message.payload.decode(errors="replace")
+            error = (BatchLost(text) if message.op == LOST else Unavailable(text) if message.op == UNAVAILABLE
+                     else RuntimeError(f"the NN worker's receiver failed a call (batch_ref {sent.ref}): {text}"))
         if slot is not None:
             self.free.append(slot)
-        text = answer.payload.decode(errors="replace")
-        if answer.op == LOST:
-            raise BatchLost(text)
-        if answer.op == UNAVAILABLE:
-            raise Unavailable(text)
-        raise RuntimeError(f"the NN worker's receiver failed a call (batch_ref {ref}): {text}")
+        future.set_exception(error)
 
     # -- the NN worker's server, in the receiver -------------------------------------------------------
     def add_service(self, proto_service: str, impl) -> None:
@@ -421,7 +440,7 @@ class ReceiverLink:
 
     async def start_serving(self) -> int:
         """Have the receiver serve the NN worker's address; the port it bound."""
-        answer = await self._call(SERVE, 0, None)
+        answer = await self._start(SERVE, 0, None)
         self.port = answer.nbytes
         return self.port
 
@@ -501,15 +520,7 @@ class ReceiverLink:
         if message.op == INBOUND_SLOT:
             self.inbound[message.slot] = Slot(message.slot, fds[0])
             return
-        entry = self.pending.pop(message.call, None)
-        if entry is None:
-            return
-        _, future, slot = entry
-        if future.cancelled():
-            if slot is not None:
-                self.free.append(slot)  # its caller is gone; the receiver is done with it
-        else:
-            future.set_result(message)
+        self._answered(message)
 
     # -- the receiver process ------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -551,7 +562,7 @@ class ReceiverLink:
             self._broken = (f"the NN worker's receiver process died {len(self._deaths)} times within "
                             f"{RESTART_WINDOW_S:.0f} s (last exit status {code})")
             logger.error("receiver_failed", exit_code=code, deaths=len(self._deaths))
-            for _, future, slot in self.pending.values():
+            for _, future, slot, _ in self.pending.values():
                 if slot is not None:
                     self.free.append(slot)
                 if not future.cancelled():
@@ -560,15 +571,15 @@ class ReceiverLink:
             return
         logger.warning("receiver_lost", exit_code=code, unanswered=len(self.pending))
         self.replaced += 1
-        for call, (_, future, slot) in list(self.pending.items()):
+        for call, (_, future, slot, _) in list(self.pending.items()):
             if future.cancelled():
                 del self.pending[call]
                 if slot is not None:
                     self.free.append(slot)
         self._spawn()
-        for message, _, _ in self.pending.values():
+        for message, _, _, _ in self.pending.values():
             self.writer.send(message)
-        if self.port is not None and not any(m.op == SERVE for m, _, _ in self.pending.values()):
+        if self.port is not None and not any(m.op == SERVE for m, _, _, _ in self.pending.values()):
             task = asyncio.ensure_future(self._serve_again())
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
@@ -576,7 +587,7 @@ class ReceiverLink:
     async def _serve_again(self) -> None:
         """A replacement receiver serves the NN worker's address again, with the health it had."""
         try:
-            await self._call(SERVE, 0, None)
+            await self._start(SERVE, 0, None)
             await self.set_serving(self.serving)
         except Exception as exc:  # noqa: BLE001 - the next failure of a call says it again
             log.get().error("receiver_not_serving", error=str(exc))
