@@ -12,7 +12,6 @@ import os
 import secrets
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -27,6 +26,7 @@ from hybridrec import rpc
 from hybridrec.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker import progressive
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
+from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
 from services.nn_worker.link import ReceiverLink
@@ -244,7 +244,7 @@ async def _serve(config: Config, replica: int) -> None:
 
     env = resolve_backend(config.training.backend, replica, world_size)  # a bad backend stops it before it listens
     await host.start()
-    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=env.bind_thread)
+    compute = ComputeThread("compute", initializer=env.bind_thread)
     loop = asyncio.get_running_loop()
     pin_interface(config.cluster.bind_host)
     model = build_model(config.model.path, feature_infos(config.features),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
@@ -37,6 +36,7 @@ from hybridrec.config import Config, Mode
 from hybridrec.frames import Applied, Consumed, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
+from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import DenseSync, DistEnv, barrier
 from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
@@ -73,7 +73,7 @@ class Collaborators:
 
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
-                 inbox: Inbox, compute: ThreadPoolExecutor, collaborators: Collaborators = Collaborators(),
+                 inbox: Inbox, compute: ComputeThread, collaborators: Collaborators = Collaborators(),
                  outgoing: Callable[[], Any] | None = None):
         """`outgoing`: with a receiver process, a free shared-memory slot for a step's gradient frame
         (`ReceiverLink.outgoing`): the compute thread writes the frame there, `push` sends it."""
@@ -235,7 +235,7 @@ class Trainer:
         """Run `fn(*args)` on the compute thread. Every torch and torch.distributed call goes through here, so
         collectives are issued in the same order on every rank and no tensor is touched by two threads; public
         for the checkpointer, whose loads, saves and collectives are torch calls too."""
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+        return await self.compute.run(fn, *args)
 
     # -- training ----------------------------------------------------------------------------
     async def _batches(self, phase: str, before_lookup: Callable[[], Awaitable[None]] | None = None,

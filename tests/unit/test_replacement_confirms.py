@@ -4,7 +4,6 @@ may forget a batch only once the replacement has settled it (or trained a later 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -14,6 +13,7 @@ from hybridrec.frames import DenseBatch, EndOfPhase
 from hybridrec.models import FeatureInfo, build_model
 from services.nn_worker.distributed import DistEnv
 from services.nn_worker.routing import BatchLost
+from services.nn_worker.compute import ComputeThread
 from services.nn_worker.trainer import Trainer
 
 
@@ -24,7 +24,7 @@ def _replacement(lookup) -> Trainer:
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
                         config.model.kwargs)
     env = DistEnv(rank=0, world_size=2, backend="gloo", device=torch.device("cpu"))
-    trainer = Trainer(config, env, model, lookup, None, asyncio.Queue(), ThreadPoolExecutor(1))
+    trainer = Trainer(config, env, model, lookup, None, asyncio.Queue(), ComputeThread())
     trainer.take_over([7])  # the group trained 7 steps: this rank's batches 0, 2, ..., 12; its next is 14
     return trainer
 

@@ -3,7 +3,6 @@ the batch's loss gradients with respect to its embedding rows, and the dense mod
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ from hybridrec.frames import DenseBatch, Embeddings
 from hybridrec.jagged import KeyedBags
 from hybridrec.models import FeatureInfo, build_model
 from services.nn_worker.distributed import DistEnv
+from services.nn_worker.compute import ComputeThread
 from services.nn_worker.trainer import Trainer
 
 BATCH = 6
@@ -26,7 +26,7 @@ def _setup():
     model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features], config.num_dense,
                         config.model.kwargs)
     env = DistEnv(rank=0, world_size=1, backend="gloo", device=torch.device("cpu"))
-    trainer = Trainer(config, env, model, None, None, asyncio.Queue(), ThreadPoolExecutor(1))
+    trainer = Trainer(config, env, model, None, None, asyncio.Queue(), ComputeThread())
     rng = np.random.default_rng(0)
     counts = np.array([3, 2], np.int32)
     pos = np.concatenate([rng.integers(0, c, BATCH) for c in counts]).astype(np.uint16)
