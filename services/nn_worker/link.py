@@ -39,6 +39,7 @@ import numpy as np
 
 from hybridrec import log, rpc
 from hybridrec.frames import PHASES, Applied, Consumed, DenseBatch, Gradients
+from hybridrec.metrics import RPC_LATENCY
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
 from services.nn_worker.routing import BatchLost, Looked
@@ -332,6 +333,7 @@ class ReceiverLink:
         self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None, Callable]] = {}
         self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
         self.admit = self.admit_now = None  # the NN worker's, for the receiver's BATCH messages
+        self.batch_latency = None  # their handling's time, as rpc.guard observes a call's
         self.service_name = ""
         self.port: int | None = None  # once serving
         self.serving = False
@@ -429,6 +431,7 @@ class ReceiverLink:
         """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`, and
         its `admit_now` and `admit` for the dense batches the receiver decoded (`BATCH`)."""
         self.service_name, self.admit, self.admit_now = proto_service, impl.admit, impl.admit_now
+        self.batch_latency = RPC_LATENCY.labels(proto_service, "PutBatch")
         for index, method in enumerate(nn_methods()):
             fn = getattr(impl, method.name)
             if method.input_type is rpc.FRAME:
@@ -464,6 +467,7 @@ class ReceiverLink:
         """A data loader's dense batch, decoded and checked by the receiver: admitted here and answered at once
         where that need not wait (the common case: no task, no frame to decode), else by a task that waits for
         room in the inbox."""
+        started = time.perf_counter()
         try:
             if self.admit_now is None:
                 raise Unavailable("the NN worker is starting")
@@ -474,18 +478,20 @@ class ReceiverLink:
             return
         if consumed is not None:
             self.writer.send(Message(REPLY, message.call, payload=pack_consumed(consumed)))
+            self.batch_latency.observe(time.perf_counter() - started)
             return
-        task = asyncio.ensure_future(self._admit(self.writer, message.call, item))
+        task = asyncio.ensure_future(self._admit(self.writer, message.call, item, started))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch) -> None:
+    async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch, started: float) -> None:
         try:
             answer = Message(REPLY, call, payload=pack_consumed(await self.admit(item)))
         except Exception as exc:  # noqa: BLE001 - as in _batch
             answer = self._refusal(call, exc)
         if writer is self.writer:  # as in _answer
             writer.send(answer)
+        self.batch_latency.observe(time.perf_counter() - started)
 
     def _refusal(self, call: int, exc: Exception) -> Message:
         code, detail = rpc.status_of(exc, self.service_name, "PutBatch")
