@@ -226,9 +226,11 @@ class TrainingConfig(_Model):
     step computes, and its gradients back without making the host wait (off: synchronous copies, the
     baseline of benchmarks/gpu.py). No effect on CPUs."""
     receiver: bool = False
-    """NN workers: make the calls to the embedding workers (each batch's lookup and gradient push) in a
-    receiver process of their own, the frames handed over in shared memory, so that gRPC's work for them
-    does not hold the trainer's GIL (services/nn_worker/receiver.py)."""
+    """NN workers: hold the network face in a receiver process of their own — the gRPC server (each data
+    loader's batch decoded and checked there) and the calls to the embedding workers (each batch's lookup
+    and gradient push) — the frames handed over in shared memory, so that gRPC's work does not hold the
+    trainer's GIL (services/nn_worker/receiver.py). Off by default: on CPUs the compute thread bounds the
+    throughput either way, and it is not yet measured on a GPU."""
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the
     rank has a GPU; on CPUs, about half the host shared by the ranks), or by an NN worker started alone from
