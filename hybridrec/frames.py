@@ -431,6 +431,7 @@ _CHECKED_MAGIC = int.from_bytes(b"HRCHECK1", "little")
 _CHECKED_HEAD = struct.Struct("<qqq")  # magic, batch_size, arrays
 _CHECKED_ENTRY = 6  # int64s per array: role, key (width or feature), dtype, offset, rows, columns
 _CHECKED_ROLES = ("pos", "lengths", "rows", "norm", "start", "base", "seq", "seq_lengths")
+_POS, _LENGTHS, _ROWS, _NORM, _START, _BASE, _SEQ, _SEQ_LENGTHS = range(len(_CHECKED_ROLES))
 _CHECKED_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64))
 _CHECKED_KINDS = (  # per role: the dtypes (indices in _CHECKED_DTYPES) it may have, and whether it is 2-D
     ((0,), False), ((0,), True), ((1, 2), True), ((2,), False), ((3,), False), ((3,), False), ((3,), True),
@@ -440,9 +441,10 @@ _CHECKED_TABLES: dict[int, struct.Struct] = {}
 
 
 def _checked_name(role: int, key: int) -> str:
-    if role == 2:
+    """The `arrays` name of a pos, lengths, rows or norm entry."""
+    if role == _ROWS:
         return f"rows.{key}"
-    return f"rows.{key}.norm" if role == 3 else ("pos", "lengths")[role]
+    return f"rows.{key}.norm" if role == _NORM else _CHECKED_ROLES[role]
 
 
 @dataclass
@@ -478,13 +480,13 @@ class CheckedEmbeddings:
         entries = []
         for name, array in self.arrays.items():
             if name in ("pos", "lengths"):
-                entries.append((0 if name == "pos" else 1, 0, array))
+                entries.append((_POS if name == "pos" else _LENGTHS, 0, array))
             else:  # rows.{w} or rows.{w}.norm
                 parts = name.split(".")
-                entries.append((2 if len(parts) == 2 else 3, int(parts[1]), array))
-        entries += [(4, 0, self.start), (5, 0, self.base)]
+                entries.append((_ROWS if len(parts) == 2 else _NORM, int(parts[1]), array))
+        entries += [(_START, 0, self.start), (_BASE, 0, self.base)]
         for feature, (index, lengths) in self.sequences.items():
-            entries += [(6, feature, index), (7, feature, lengths)]
+            entries += [(_SEQ, feature, index), (_SEQ_LENGTHS, feature, lengths)]
         return entries
 
     def encode_into(self, allocate: Callable[[int], memoryview]) -> int:
@@ -523,7 +525,7 @@ class CheckedEmbeddings:
         found: dict[tuple[int, int], np.ndarray] = {}
         for i in range(0, len(table), _CHECKED_ENTRY):
             role, key, code, offset, rows, columns = table[i:i + _CHECKED_ENTRY]
-            if not (0 <= role < 8 and 0 <= code < 4):  # _CHECKED_ROLES, _CHECKED_DTYPES
+            if not (0 <= role <= _SEQ_LENGTHS and 0 <= code < len(_CHECKED_DTYPES)):
                 raise FrameError(f"checked embeddings: array {i // _CHECKED_ENTRY} has role {role}, dtype {code}")
             codes, two_d = _CHECKED_KINDS[role]
             dtype = _CHECKED_DTYPES[code]
@@ -535,13 +537,13 @@ class CheckedEmbeddings:
             array = np.frombuffer(buf, dtype, elements, offset)
             if two_d:
                 array = array.reshape(rows, columns)
-            if role < 4:
+            if role <= _NORM:
                 arrays[_checked_name(role, key)] = array
             else:
                 found[role, key] = array
         try:
-            seqs = {f: (found[6, f], found[7, f]) for f in sequences}
-            return cls(arrays, batch_size, found[4, 0], found[5, 0], seqs)
+            seqs = {f: (found[_SEQ, f], found[_SEQ_LENGTHS, f]) for f in sequences}
+            return cls(arrays, batch_size, found[_START, 0], found[_BASE, 0], seqs)
         except KeyError as exc:
             raise FrameError(f"checked embeddings lack their {_CHECKED_ROLES[exc.args[0][0]]} array") from None
 

@@ -474,11 +474,10 @@ class ReceiverLink:
             item = batch_of(message.payload, self.inbound[message.slot].view(message.nbytes))
             consumed = self.admit_now(item)
         except Exception as exc:  # noqa: BLE001 - answered as rpc.guard answers it; the link goes on
-            self.writer.send(self._refusal(message.call, exc))
+            self._answer_batch(self.writer, self._refusal(message.call, exc), started)
             return
         if consumed is not None:
-            self.writer.send(Message(REPLY, message.call, payload=pack_consumed(consumed)))
-            self.batch_latency.observe(time.perf_counter() - started)
+            self._answer_batch(self.writer, Message(REPLY, message.call, payload=pack_consumed(consumed)), started)
             return
         task = asyncio.ensure_future(self._admit(self.writer, message.call, item, started))
         self._answering.add(task)
@@ -489,9 +488,15 @@ class ReceiverLink:
             answer = Message(REPLY, call, payload=pack_consumed(await self.admit(item)))
         except Exception as exc:  # noqa: BLE001 - as in _batch
             answer = self._refusal(call, exc)
-        if writer is self.writer:  # as in _answer
+        self._answer_batch(writer, answer, started)
+
+    def _answer_batch(self, writer: LinkWriter, answer: Message, started: float) -> None:
+        """Send a batch's answer (not to a receiver replaced since: as in `_answer`) and observe its time, as
+        rpc.guard observes every call, refused or not."""
+        if writer is self.writer:
             writer.send(answer)
-        self.batch_latency.observe(time.perf_counter() - started)
+        if self.batch_latency is not None:  # None until the NN worker's handlers are added
+            self.batch_latency.observe(time.perf_counter() - started)
 
     def _refusal(self, call: int, exc: Exception) -> Message:
         code, detail = rpc.status_of(exc, self.service_name, "PutBatch")

@@ -12,6 +12,7 @@ import signal
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from hybridrec import rpc
 from hybridrec.compress import ValueCodec
@@ -297,10 +298,13 @@ def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_co
                     await put(b"bad frame, not ours")
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "not a hybridrec frame" in refused.value.details()
+                observed = _put_batches_observed()
+                assert observed >= len(batches)  # each admitted batch's time, as rpc.guard observes a call
                 with pytest.raises(grpc.aio.AioRpcError) as late:
                     await put(_dense_batch(FakeNNWorker.LATE, 8).encode())
                 assert late.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "out of order" in late.value.details()
+                assert _put_batches_observed() == observed + 1  # a refused one too
                 with pytest.raises(grpc.aio.AioRpcError) as joining:
                     await received(b"joining")
                 assert joining.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -338,6 +342,12 @@ def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_co
             await link.close()
             await server.stop(None)
     asyncio.run(scenario())
+
+
+def _put_batches_observed() -> float:
+    """PutBatch calls in this (the trainer's) process's RPC latency histogram."""
+    return REGISTRY.get_sample_value("hybridrec_rpc_latency_seconds_count",
+                                     {"service": "NNWorker", "method": "PutBatch"}) or 0.0
 
 
 def _free_port() -> int:
