@@ -1,27 +1,56 @@
-"""PS checkpoints: each shard dumps its rows as .npy files plus a manifest (docs/architecture.md#checkpoints).
+"""PS checkpoints: each shard streams its rows into .npy parts plus a manifest; full dumps and deltas
+(docs/architecture.md#checkpoints).
 
-On the embedding PS (and the `hybridrec checkpoint inspect` CLI). Layout:
+On the embedding PS (and the `hybridrec checkpoint inspect` CLI, and export). Layout of one dump:
 
     CKPT/ps/shard-00000-of-00002/manifest.json
-                                 dim16.keys.npy     uint64 (n,)
-                                 dim16.values.npy   float32 (n, dim + state width)
-                                 dim16.touched.npy  int64 (n, 2): last update (store clock, unix ms),
-                                                    with a TTL (ps.lifecycle)
-                                 dim16.sketch.npy   uint8 (stripes, depth, columns): the admission
-                                                    sketch, with admit_after > 1
+                                 dim16.00000.keys.npy     uint64 (n,)          a part: at most CHUNK_BYTES
+                                 dim16.00000.values.npy   float32 (n, dim + state width)
+                                 dim16.00000.touched.npy  int64 (n, 2): last update (store clock, unix ms),
+                                                          with a TTL (ps.lifecycle)
+                                 dim16.00001.keys.npy ...
+                                 dim16.sketch.npy         uint8 (stripes, depth, columns): the admission
+                                                          sketch, with admit_after > 1
 
-The embedding lifecycle's state travels with the rows: each row's last
-update (so a restored row expires when it would have), the store's clock (the
-unit of step TTLs) and its admission sketch (so an ID counted before the
-checkpoint does not start from zero). Sketches are merged by adding the
-dumps' counters (they count disjoint shards' IDs), which never undercounts.
+Streaming. A dump never copies a table: `EmbeddingStore.stream_rows` hands
+out one chunk of rows at a time, each copied under one stripe's lock in
+batches, and the chunk is written (and hashed) before the next is copied. The
+extra memory is one chunk plus a stripe's LRU links (`dump_memory_bytes`),
+whatever the table's size, and a lookup or update waits at most one batch's
+copy. Shards dump independently, each when asked.
+
+Consistency. Every update the shard applied before the dump began is in it;
+an update applied while it runs is in it or in the next dump, row by row (each
+row is copied whole). The job's checkpoint protocol drains every gradient push
+before it asks the shards to dump, so a dump holds exactly the updates of the
+batches trained up to its step, plus rows that lookups of later batches
+inserted meanwhile (harmless: as a restart keeps them, services/nn_worker/checkpoint.py).
+`applied` in the manifest is counted before the first row is copied: a lost
+store's successor counts what the shard applied after it as lost (lives.py),
+at worst a few updates that the dump did hold.
+
+Increments. A store marks each row it inserts or updates (`EmbeddingStore.stream_rows`
+clears the marks of the rows it copies), so a dump can hold only the rows
+changed since the shard's previous dump: a delta. `chain` in the manifest
+lists the steps whose dumps make up this one's rows, oldest first: a full dump,
+then deltas, then this one; every file is listed with its size and sha256.
+A shard writes a delta when the job names the previous checkpoint (`base`),
+this shard's stores dumped into it and know every change since (a restarted
+process knows none: its first dump is full), the chain is shorter than
+`checkpoint.full_every` and fewer than half the live rows changed; else a full
+dump, which starts a new chain (old chains go when no kept checkpoint needs
+them, `hybridrec.checkpoints.prune`). Not in a delta: rows removed since
+(evicted, expired): a restore brings such a row back with its last trained
+value, and the store's LRU or TTL removes it again as it would any row.
 
 A shard is written into a hidden temporary directory and renamed into place,
 so a crash mid-dump never leaves a half-written shard under its final name.
 Loading reads the rows that belong to the loading shard from *all* shard
-dumps, so a checkpoint taken with N shards restores into M shards. Every
-manifest, size and sha256 is verified before the first row is inserted: a
-corrupt, truncated or mismatched checkpoint is refused with nothing loaded.
+dumps and their chains, part by part (memory bounded by a part), so a
+checkpoint taken with N shards restores into M shards. Every manifest of every
+chain, every size and sha256, is verified before the first row is inserted: a
+corrupt, truncated, missing or mismatched file is refused naming it, with
+nothing loaded. Dumps of format 1 (one keys/values file per table) still load.
 """
 from __future__ import annotations
 
@@ -33,7 +62,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -44,16 +73,35 @@ from services.embedding_ps.store import EmbeddingStore
 
 _log = log.get(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""1: one keys/values(/touched/sketch) file per table, always full."""
 PS_SUBDIR = checkpoints.PS
 MANIFEST = "manifest.json"
 _SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
-_CHUNK_BYTES = 16 << 20
-_LIFECYCLE_PARTS = ("touched", "sketch")  # optional files of a table (older dumps have neither)
+_CHUNK_BYTES = 16 << 20  # read size when hashing
+CHUNK_BYTES = 64 << 20
+"""A dump's part: rows copied and written together (the dump's buffer)."""
+LOCK_ROWS = 1 << 14
+"""Rows copied per hold of a stripe's lock: what a lookup or update of that stripe may wait for."""
+_PART_FILES = ("keys", "values", "touched")  # touched: only with a TTL
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
     return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def row_bytes(store: EmbeddingStore) -> int:
+    """Bytes one row takes in a dump's parts: key, values and state, last update with a TTL."""
+    return 8 + 4 * store.config.row_width + (16 if store.config.uses_ttl else 0)
+
+
+def dump_memory_bytes(store: EmbeddingStore, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The most memory a dump of `store` adds: the chunk buffers, plus a stripe's copied links, LRU order and
+    its changed subset (4 bytes each per slot), plus a batch's marks test."""
+    chunk_rows = max(1, chunk_bytes // row_bytes(store))
+    stripe_slots = -(-store.config.capacity // store.config.num_stripes)
+    return chunk_rows * row_bytes(store) + 13 * stripe_slots
 
 
 def _write_npy(path: Path, array: np.ndarray) -> dict:
@@ -65,46 +113,80 @@ def _write_npy(path: Path, array: np.ndarray) -> dict:
     return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha.hexdigest()}
 
 
+def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: int) -> dict:
+    """Stream one store's rows (all, or those changed since its last dump) into part files; the table's entry."""
+    config, dim = store.config, store.config.dim
+    parts, rows = [], 0
+    chunk_rows = max(1, chunk_bytes // row_bytes(store))
+    for i, (keys, values, touched) in enumerate(store.stream_rows(changed_only=delta, chunk_rows=chunk_rows,
+                                                                   lock_rows=LOCK_ROWS)):
+        part = {"rows": int(keys.shape[0]), "keys": _write_npy(into / f"dim{dim}.{i:05d}.keys.npy", keys),
+                "values": _write_npy(into / f"dim{dim}.{i:05d}.values.npy", values)}
+        if touched is not None:
+            part["touched"] = _write_npy(into / f"dim{dim}.{i:05d}.touched.npy", touched)
+        parts.append(part)
+        rows += part["rows"]
+    table = {"dim": dim, "state_width": state_width(config.optimizer, dim),
+             "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": rows,
+             "capacity": config.capacity, "seed": config.seed,
+             "init": {"distribution": config.ps.init.distribution, "scale": config.ps.init.scale},
+             "clock": store.clock, "parts": parts}
+    sketch = store.sketch()
+    if sketch is not None:
+        table["sketch"] = _write_npy(into / f"dim{dim}.sketch.npy", sketch)
+    return table
+
+
+def _chain_before(job_root: Path, name: str, store_by_dim: dict[int, EmbeddingStore], base: int | None,
+                  full_every: int) -> list[int]:
+    """The chain a delta on checkpoint `base` continues ([]: this dump must be full; see the module's
+    docstring for when)."""
+    if base is None or full_every <= 1 or any(store.dumped != base for store in store_by_dim.values()):
+        return []
+    path = checkpoints.step_dir(job_root, base) / PS_SUBDIR / name
+    try:
+        manifest = _normalized(path / MANIFEST, json.loads((path / MANIFEST).read_text()))
+    except (OSError, ValueError) as exc:
+        _log.warning("ps_checkpoint_base_unreadable", directory=str(path), error=str(exc), writes="a full dump")
+        return []
+    if manifest["step"] != base or len(manifest["chain"]) >= full_every:
+        return []
+    changed = sum(store.changed_rows() for store in store_by_dim.values())
+    if 2 * changed > sum(store.num_rows for store in store_by_dim.values()):
+        return []  # a delta of over half the table: a full dump restores faster and costs about as much
+    return list(manifest["chain"])
+
+
 def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *, shard: int, num_shards: int,
-               step: int, life: int | None = None, applied: int | None = None) -> dict:
-    """Write this shard's rows of every width under `directory`/ps/; returns the manifest.
+               step: int, life: int | None = None, applied: int | None = None, base: int | None = None,
+               full_every: int = 1, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """Write this shard's rows of every width under `directory`/ps/, streamed; returns the manifest.
 
-    `life` and `applied`: the shard's life and the updates it had applied (services/embedding_ps/lives.py), so
-    that a successor restoring this dump after a lost store knows what was lost after it.
+    `directory` is a job checkpoint (`<checkpoint.dir>/step-N`, or its staging directory beside it). `base`:
+    the step of the job's previous complete checkpoint, which a delta builds on (None: full); `full_every`:
+    the longest chain (checkpoint.full_every). `life` and `applied`: the shard's life and the updates it had
+    applied (services/embedding_ps/lives.py), so that a successor restoring this dump after a lost store knows
+    what was lost after it.
 
-    On the PS, from a worker thread: each store is copied under its stripe
-    locks (a consistent snapshot per width), then written without locks.
-    An existing dump of the same shard is replaced.
+    On the PS, from a worker thread, while the shard keeps serving. An existing dump of the same shard is
+    replaced.
     """
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
     root = Path(directory) / PS_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
     name = shard_dir_name(shard, num_shards)
+    chain = [*_chain_before(Path(directory).parent, name, store_by_dim, base, full_every), int(step)]
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    started = time.monotonic()
     try:
-        tables = {}
-        for dim, store in sorted(store_by_dim.items()):
-            config = store.config
-            keys, values, touched = store.snapshot()
-            sketch = store.sketch()
-            tables[str(dim)] = {
-                "dim": config.dim, "state_width": state_width(config.optimizer, config.dim),
-                "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": int(keys.shape[0]),
-                "capacity": config.capacity, "seed": config.seed,
-                "init": {"distribution": config.ps.init.distribution, "scale": config.ps.init.scale},
-                "files": {"keys": _write_npy(tmp / f"dim{dim}.keys.npy", keys),
-                          "values": _write_npy(tmp / f"dim{dim}.values.npy", values)},
-                "clock": store.clock,
-            }
-            if touched is not None:
-                tables[str(dim)]["files"]["touched"] = _write_npy(tmp / f"dim{dim}.touched.npy", touched)
-            if sketch is not None:
-                tables[str(dim)]["files"]["sketch"] = _write_npy(tmp / f"dim{dim}.sketch.npy", sketch)
+        tables = {str(dim): _dump_table(store, tmp, delta=len(chain) > 1, chunk_bytes=chunk_bytes)
+                  for dim, store in sorted(store_by_dim.items())}
         manifest = {"format_version": FORMAT_VERSION, "kind": "hybridrec-ps-shard", "shard": shard,
                     "num_shards": num_shards, "step": int(step), "created_unix": time.time(),
-                    "widths": sorted(int(d) for d in store_by_dim), "tables": tables}
+                    "widths": sorted(int(d) for d in store_by_dim), "delta": len(chain) > 1, "chain": chain,
+                    "tables": tables}
         if life is not None:
             manifest.update(life=int(life), applied=int(applied or 0))
         with open(tmp / MANIFEST, "w") as f:
@@ -122,10 +204,16 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        for store in store_by_dim.values():  # marks of copied rows are gone with the dump: the next is full
+            store.dumped = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log.info("ps shard checkpoint written", directory=str(final), step=step,
-              rows={d: t["num_rows"] for d, t in tables.items()})
+    for store in store_by_dim.values():
+        store.dumped = int(step)
+    _log.info("ps shard checkpoint written", directory=str(final), step=step, delta=manifest["delta"],
+              chain=chain, seconds=round(time.monotonic() - started, 3),
+              rows={d: t["num_rows"] for d, t in tables.items()},
+              bytes=sum(e["bytes"] for t in tables.values() for p in t["parts"] for e in _files_of(p)))
     return manifest
 
 
@@ -137,19 +225,40 @@ def _ps_root(directory: str | Path) -> Path:
     return root
 
 
-def _check_schema(path: Path, manifest) -> None:
-    """ValueError unless the manifest has every field load_shard reads, with sane types."""
+def _files_of(part: dict) -> list[dict]:
+    """The file entries of one part of a table."""
+    return [part[name] for name in _PART_FILES if name in part]
+
+
+def _check_entry(entry, where: str, bad) -> None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+            or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("file"), str) \
+            or Path(entry["file"]).name != entry["file"]:
+        raise bad(where)
+
+
+def _normalized(path: Path, manifest) -> dict:
+    """The manifest with every field loading reads checked (ValueError naming `path` otherwise), a format-1
+    manifest in format 2's shape: one part per table, a chain of itself."""
     def bad(what: str):
         return ValueError(f"{path}: malformed manifest ({what})")
 
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise ValueError(f"{path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: unsupported format_version {version!r} (expected one of {READABLE_VERSIONS})")
     for field in ("shard", "num_shards", "step"):
         if not isinstance(manifest.get(field), int):
             raise bad(f"{field} is not an integer")
     if not isinstance(manifest.get("tables"), dict):
         raise bad("no tables")
+    out = dict(manifest, tables={})
+    if version == 1:
+        out.update(delta=False, chain=[manifest["step"]])
+    chain = out.get("chain")
+    if not isinstance(chain, list) or not chain or not all(isinstance(c, int) for c in chain) \
+            or chain[-1] != manifest["step"] or any(a >= b for a, b in zip(chain, chain[1:])) \
+            or out.get("delta") is not (len(chain) > 1):
+        raise bad("chain: increasing steps ending with this one; delta when longer than one")
     for width, table in manifest["tables"].items():
         if not isinstance(table, dict) or not all(isinstance(table.get(f), int)
                                                   for f in ("dim", "state_width", "num_rows")):
@@ -158,13 +267,27 @@ def _check_schema(path: Path, manifest) -> None:
             raise bad(f"table {width}: optimizer")
         if not isinstance(table.get("clock", 0), int):
             raise bad(f"table {width}: clock")
-        files = table.get("files") if isinstance(table.get("files"), dict) else {}
-        for part in ("keys", "values", *(p for p in _LIFECYCLE_PARTS if p in files)):
-            entry = files.get(part)
-            if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                    or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("file"), str) \
-                    or Path(entry["file"]).name != entry["file"]:
-                raise bad(f"table {width}: files.{part}")
+        table = dict(table)
+        if version == 1:
+            files = table.get("files") if isinstance(table.get("files"), dict) else {}
+            table["parts"] = [{"rows": table["num_rows"], "keys": files.get("keys"), "values": files.get("values"),
+                               **({"touched": files["touched"]} if "touched" in files else {})}]
+            if "sketch" in files:
+                table["sketch"] = files["sketch"]
+        parts = table.get("parts")
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("rows"), int)
+                                                  for p in parts):
+            raise bad(f"table {width}: parts")
+        for i, part in enumerate(parts):
+            for name in ("keys", "values", *(["touched"] if "touched" in part else [])):
+                _check_entry(part.get(name), f"table {width}: part {i} {name}", bad)
+        if "sketch" in table:
+            _check_entry(table["sketch"], f"table {width}: sketch", bad)
+        if sum(p["rows"] for p in parts) != table["num_rows"]:
+            raise bad(f"table {width}: its parts' rows ({sum(p['rows'] for p in parts)}) do not match num_rows "
+                      f"({table['num_rows']})")
+        out["tables"][width] = table
+    return out
 
 
 def _read_manifests(directory: str | Path) -> list[tuple[Path, dict]]:
@@ -179,7 +302,7 @@ def _read_manifests(directory: str | Path) -> list[tuple[Path, dict]]:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"unreadable manifest in {path}: {exc}") from exc
-        _check_schema(path / MANIFEST, manifest)
+        manifest = _normalized(path / MANIFEST, manifest)
         if (manifest["shard"], manifest["num_shards"]) != (int(match[1]), int(match[2])):
             raise ValueError(f"{path / MANIFEST} names shard {manifest.get('shard')} of "
                              f"{manifest.get('num_shards')}, but its directory is {path.name}")
@@ -199,14 +322,37 @@ def _read_manifests(directory: str | Path) -> list[tuple[Path, dict]]:
     return found
 
 
+def _chain_of(path: Path, manifest: dict) -> list[tuple[Path, dict]]:
+    """The dumps whose rows make up the dump at `path`, oldest (a full dump) first, itself last; ValueError
+    naming the first one missing, unreadable or not of this chain. Its members lie beside it in the job's
+    other checkpoints: `<checkpoint.dir>/step-N/ps/<this shard's directory name>`."""
+    chain = manifest["chain"]
+    members = []
+    for i, step in enumerate(chain[:-1]):
+        member = checkpoints.step_dir(path.parent.parent.parent, step) / PS_SUBDIR / path.name
+        try:
+            raw = json.loads((member / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{member / MANIFEST}: missing or unreadable, and the dump {path} builds on it "
+                             f"(chain {chain}): {exc}") from None
+        found = _normalized(member / MANIFEST, raw)
+        if found["step"] != step or found["chain"] != chain[:i + 1] \
+                or (found["shard"], found["num_shards"]) != (manifest["shard"], manifest["num_shards"]):
+            raise ValueError(f"{member / MANIFEST}: step {found['step']} chain {found['chain']}, not step {step} of "
+                             f"the chain {chain} that {path} builds on")
+        members.append((member, found))
+    return [*members, (path, manifest)]
+
+
 def inspect_checkpoint(directory: str | Path) -> dict:
-    """The manifests of a checkpoint's PS shards (no checksum verification: cheap)."""
+    """The manifests of a checkpoint's PS shards (no checksum verification: cheap). `rows`: the rows these
+    dumps hold (a delta's: the changed ones)."""
     found = _read_manifests(directory)
     manifests = [m for _, m in found]
     return {"directory": str(_ps_root(directory)), "num_shards": manifests[0]["num_shards"],
             "step": manifests[0]["step"], "widths": manifests[0].get("widths"),
             "rows": {w: sum(m["tables"][w]["num_rows"] for m in manifests) for w in manifests[0]["tables"]},
-            "shards": manifests}
+            "chains": {m["shard"]: m["chain"] for m in manifests}, "shards": manifests}
 
 
 def _verify_file(path: Path, entry: dict) -> None:
@@ -222,48 +368,45 @@ def _verify_file(path: Path, entry: dict) -> None:
         raise ValueError(f"{path}: sha256 mismatch (corrupt)")
 
 
-def _open_table(path: Path, table: dict, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Memory-mapped (keys, values) of one verified table, their dtypes and shapes checked."""
-    keys = np.load(path / table["files"]["keys"]["file"], mmap_mode="r", allow_pickle=False)
-    values = np.load(path / table["files"]["values"]["file"], mmap_mode="r", allow_pickle=False)
-    n, width = table["num_rows"], dim + table["state_width"]
+def _open_part(path: Path, part: dict, dim: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Memory-mapped (keys, values, touched or None) of one verified part, dtypes and shapes checked."""
+    keys = np.load(path / part["keys"]["file"], mmap_mode="r", allow_pickle=False)
+    values = np.load(path / part["values"]["file"], mmap_mode="r", allow_pickle=False)
+    n = part["rows"]
     if keys.dtype != np.uint64 or keys.shape != (n,) or values.dtype != np.float32 or values.shape != (n, width):
         raise ValueError(f"{path} dim {dim}: arrays {keys.dtype}{keys.shape} / {values.dtype}{values.shape} do not "
                          f"match the manifest ({n} rows of width {width})")
-    return keys, values
+    touched = None
+    if "touched" in part:
+        touched = np.load(path / part["touched"]["file"], mmap_mode="r", allow_pickle=False)
+        if touched.dtype != np.int64 or touched.shape != (n, 2):
+            raise ValueError(f"{path} dim {dim}: touched array {touched.dtype}{touched.shape} does not match the "
+                             "manifest")
+    return keys, values, touched
 
 
-def _open_lifecycle(path: Path, table: dict, dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Memory-mapped (touched, sketch) of one verified table, None where the dump has none."""
-    out = []
-    for part, dtype in (("touched", np.int64), ("sketch", np.uint8)):
-        entry = table["files"].get(part)
-        array = None if entry is None else np.load(path / entry["file"], mmap_mode="r", allow_pickle=False)
-        if array is not None and (array.dtype != dtype or (part == "touched" and array.shape != (table["num_rows"], 2))
-                                  or (part == "sketch" and array.ndim != 3)):
-            raise ValueError(f"{path} dim {dim}: {part} array {array.dtype}{array.shape} does not match the manifest")
-        out.append(array)
-    return out[0], out[1]
+def _open_sketch(path: Path, table: dict, dim: int) -> np.ndarray | None:
+    if "sketch" not in table:
+        return None
+    sketch = np.load(path / table["sketch"]["file"], mmap_mode="r", allow_pickle=False)
+    if sketch.dtype != np.uint8 or sketch.ndim != 3:
+        raise ValueError(f"{path} dim {dim}: sketch array {sketch.dtype}{sketch.shape} does not match the manifest")
+    return sketch
 
 
-def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *, shard: int, num_shards: int,
-               shard_of: Callable[[np.ndarray], np.ndarray]) -> dict:
-    """Insert into the stores the checkpoint rows that `shard_of` assigns to `shard` of `num_shards`.
+def _parts(chain: list[tuple[Path, dict]], dim: int) -> Iterator[tuple[Path, dict, dict]]:
+    """(dump directory, table, part) of width `dim` along a chain, oldest first."""
+    for path, manifest in chain:
+        table = manifest["tables"][str(dim)]
+        for part in table["parts"]:
+            yield path, table, part
 
-    On the PS, from a worker thread. Reads every shard dump (only its own
-    when the shard count is unchanged), verifies all of them first and raises
-    ValueError with the reason, touching no store, if anything is off.
-    Present rows with the same key are overwritten. Returns the step, rows loaded per width, the source shard
-    count and `applied_by_life` (the updates each source shard's life had applied when it was dumped).
-    """
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
-    found = _read_manifests(directory)
-    source_shards = found[0][1]["num_shards"]
-    if source_shards == num_shards:  # same sharding: our rows are exactly those of our own dump
-        found = [(p, m) for p, m in found if m["shard"] == shard]
-    selected: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
-    for path, manifest in found:
+
+def _check_chain(chain: list[tuple[Path, dict]], store_by_dim: dict[int, EmbeddingStore], *, shard: int,
+                 own: bool, shard_of: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Verify every dump of a chain against the stores, every file's size and sha256 and, for a shard's own
+    chain (`own`), that it holds only that shard's IDs; ValueError naming the file, before anything loads."""
+    for path, manifest in chain:
         widths = {int(w) for w in manifest["tables"]}
         if widths != set(store_by_dim):
             raise ValueError(f"{path}: checkpoint has widths {sorted(widths)}, this PS has {sorted(store_by_dim)}")
@@ -276,52 +419,97 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
             if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",
                              dim=dim, checkpoint=table["optimizer"], configured=spec.model_dump(mode="json"))
-            for part in ("keys", "values", *(p for p in _LIFECYCLE_PARTS if p in table["files"])):
-                _verify_file(path / table["files"][part]["file"], table["files"][part])
-            keys, values = _open_table(path, table, dim)
-            touched, sketch = _open_lifecycle(path, table, dim)
-            mine = np.flatnonzero(np.asarray(shard_of(np.asarray(keys))) == shard)
-            if source_shards == num_shards and len(mine) != len(keys):
-                raise ValueError(f"{path} dim {dim}: {len(keys) - len(mine)} rows do not belong to shard {shard} "
-                                 "under the given shard function (was the checkpoint sharded differently?)")
-            selected.append((dim, keys, values, mine, touched, sketch, table.get("clock", 0)))
+            for entry in [e for p in table["parts"] for e in _files_of(p)] + ([table["sketch"]] if "sketch" in table
+                                                                              else []):
+                _verify_file(path / entry["file"], entry)
+            _open_sketch(path, table, dim)
+            for part in table["parts"]:
+                keys, _, _ = _open_part(path, part, dim, dim + table["state_width"])
+                stray = len(keys) - int(np.count_nonzero(np.asarray(shard_of(np.asarray(keys))) == shard))
+                if own and stray:
+                    raise ValueError(f"{path} dim {dim}: {stray} rows do not belong to shard {shard} under the "
+                                     "given shard function (was the checkpoint sharded differently?)")
+
+
+def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *, shard: int, num_shards: int,
+               shard_of: Callable[[np.ndarray], np.ndarray]) -> dict:
+    """Insert into the stores the checkpoint rows that `shard_of` assigns to `shard` of `num_shards`.
+
+    On the PS, from a worker thread. Reads every shard dump and its chain (only its own when the shard count
+    is unchanged), verifies all of them first and raises ValueError with the reason, touching no store, if
+    anything is off; then inserts part by part, each chain oldest first, so a row ends as its newest dump
+    has it. Present rows with the same key are overwritten. Returns the step, rows read per width (a row in
+    several dumps of a chain counts each time), the source shard count and `applied_by_life` (the updates
+    each source shard's life had applied when it was dumped).
+    """
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
+    found = _read_manifests(directory)
+    source_shards = found[0][1]["num_shards"]
+    own = source_shards == num_shards
+    if own:  # same sharding: our rows are exactly those of our own dump
+        found = [(p, m) for p, m in found if m["shard"] == shard]
+    chains = [_chain_of(path, manifest) for path, manifest in found]
+    for chain in chains:
+        _check_chain(chain, store_by_dim, shard=shard, own=own, shard_of=shard_of)
+    for dim, store in store_by_dim.items():  # before the rows: their stamps are on the checkpoint's clock
+        store.advance_clock(max(chain[-1][1]["tables"][str(dim)].get("clock", 0) for chain in chains))
     rows: dict[int, int] = {dim: 0 for dim in store_by_dim}
-    clocks: dict[int, int] = {}
-    for dim, *_, clock in selected:
-        clocks[dim] = max(clocks.get(dim, 0), clock)
-    for dim, clock in clocks.items():  # before the rows: their stamps are on the checkpoint's clock
-        store_by_dim[dim].advance_clock(clock)
-    for dim, keys, values, mine, touched, _, _ in selected:  # everything verified: now insert
-        if len(mine):
-            store_by_dim[dim].load_rows(np.ascontiguousarray(keys[mine]), np.ascontiguousarray(values[mine]),
-                                        None if touched is None else np.ascontiguousarray(touched[mine]))
-        rows[dim] += len(mine)
+    evictions = {dim: store.stats()["evictions"] for dim, store in store_by_dim.items()}
+    for chain in chains:  # everything verified: now insert
+        for dim, store in store_by_dim.items():
+            for path, table, part in _parts(chain, dim):
+                keys, values, touched = _open_part(path, part, dim, dim + table["state_width"])
+                mine = slice(None) if own else np.flatnonzero(np.asarray(shard_of(np.asarray(keys))) == shard)
+                keys = np.ascontiguousarray(keys[mine])
+                if len(keys):
+                    store.load_rows(keys, np.ascontiguousarray(values[mine]),
+                                    None if touched is None else np.ascontiguousarray(touched[mine]))
+                rows[dim] += len(keys)
     for dim, store in store_by_dim.items():
-        own = store.sketch()
-        sketches = [np.asarray(sk) for d, *_, sk, _ in selected if d == dim and sk is not None]
-        if own is not None and any(sk.shape != own.shape for sk in sketches):
+        own_sketch = store.sketch()
+        sketches = [np.asarray(sk) for chain in chains
+                    if (sk := _open_sketch(chain[-1][0], chain[-1][1]["tables"][str(dim)], dim)) is not None]
+        if own_sketch is not None and any(sk.shape != own_sketch.shape for sk in sketches):
             _log.warning("checkpoint sketch has another shape; admission counts start from zero", dim=dim,
-                         checkpoint=[sk.shape for sk in sketches], store=own.shape)
+                         checkpoint=[sk.shape for sk in sketches], store=own_sketch.shape)
         else:
             store.merge_sketch(sketches)
-    for dim, n in rows.items():
-        if n > store_by_dim[dim].config.capacity:
+        if store.stats()["evictions"] > evictions[dim]:
             _log.warning("checkpoint holds more rows than the store's capacity; the oldest were evicted",
-                         dim=dim, rows=n, capacity=store_by_dim[dim].config.capacity)
+                         dim=dim, rows=rows[dim], capacity=store.config.capacity)
     step = found[0][1]["step"]
     _log.info("ps shard checkpoint loaded", directory=str(directory), step=step, shard=shard,
-              num_shards=num_shards, source_shards=source_shards, rows=rows)
+              num_shards=num_shards, source_shards=source_shards, rows=rows,
+              chains={m["shard"]: m["chain"] for _, m in found})
     applied_by_life = {int(m["life"]): int(m["applied"]) for _, m in found if "life" in m}
     return {"step": step, "rows": rows, "source_shards": source_shards, "applied_by_life": applied_by_life}
+
+
+def _newest_rows(chain: list[tuple[Path, dict]], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, embeddings without state) of width `dim` that a chain holds: each key as its newest dump has it.
+    Memory-mapped when the chain is one dump of one part; else gathered (export's in-memory table)."""
+    opened = [_open_part(path, part, dim, dim + table["state_width"]) for path, table, part in _parts(chain, dim)]
+    if len(opened) == 1:
+        return opened[0][0], opened[0][1][:, :dim]
+    if not opened:
+        return np.zeros(0, np.uint64), np.zeros((0, dim), np.float32)
+    keys = np.concatenate([k for k, _, _ in opened])
+    values = np.concatenate([v[:, :dim] for _, v, _ in opened])
+    if len(chain) == 1:  # one full dump: every key once
+        return keys, values
+    _, last = np.unique(keys[::-1], return_index=True)  # the newest occurrence of each key
+    newest = np.sort(keys.shape[0] - 1 - last)
+    return keys[newest], values[newest]
 
 
 def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, np.ndarray, np.ndarray]]]:
     """Every shard dump's trained rows, for export: (summary, [(shard, dim, keys, rows), ...]).
 
-    Verifies every manifest, size and sha256 first (ValueError naming the file,
-    as `load_shard` does) and that each dump holds only its own shard's IDs
-    (`hybridrec.sharding.shard_of`). `rows` are the first `dim` columns of the
-    memory-mapped values: the embeddings without optimizer state. `summary` is
+    Follows each dump's chain (a delta's rows over its full dump's) and verifies every manifest, size and
+    sha256 first (ValueError naming the file, as `load_shard` does) and that each dump holds only its own
+    shard's IDs (`hybridrec.sharding.shard_of`). `rows` are the embeddings without optimizer state: the
+    memory-mapped values' first `dim` columns when a shard's table is one file. `summary` is
     {"num_shards", "step", "widths"}.
     """
     from hybridrec.sharding import shard_of
@@ -334,15 +522,17 @@ def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, n
         if sorted(int(w) for w in manifest["tables"]) != widths:
             raise ValueError(f"{path / MANIFEST}: widths {sorted(manifest['tables'])} differ from the other shards' "
                              f"{widths}")
+        chain = _chain_of(path, manifest)
         for dim in widths:
-            table = manifest["tables"][str(dim)]
-            if table["dim"] != dim:
-                raise ValueError(f"{path / MANIFEST}: table {dim} says dim {table['dim']}")
-            for part in ("keys", "values"):
-                _verify_file(path / table["files"][part]["file"], table["files"][part])
-            keys, values = _open_table(path, table, dim)
-            if keys.size and not np.all(shard_of(np.asarray(keys), num_shards) == manifest["shard"]):
-                raise ValueError(f"{path / table['files']['keys']['file']}: holds IDs of other shards than "
-                                 f"{manifest['shard']} of {num_shards}")
-            out.append((manifest["shard"], dim, keys, values[:, :dim]))
+            for member, table, part in _parts(chain, dim):
+                if table["dim"] != dim:
+                    raise ValueError(f"{member / MANIFEST}: table {dim} says dim {table['dim']}")
+                for entry in (part["keys"], part["values"]):
+                    _verify_file(member / entry["file"], entry)
+                keys, _, _ = _open_part(member, part, dim, dim + table["state_width"])
+                if keys.size and not np.all(shard_of(np.asarray(keys), num_shards) == manifest["shard"]):
+                    raise ValueError(f"{member / part['keys']['file']}: holds IDs of other shards than "
+                                     f"{manifest['shard']} of {num_shards}")
+            keys, rows = _newest_rows(chain, dim)
+            out.append((manifest["shard"], dim, keys, rows))
     return {"num_shards": num_shards, "step": step, "widths": widths}, out

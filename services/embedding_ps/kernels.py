@@ -638,7 +638,7 @@ def after_update_stripe(ids, perm, lo, hi, slots, touched, tables, now_clock, no
 
 
 @njit(inline="always", error_model="numpy")
-def _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s):
+def _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, marks, s):
     """Remove live slot s and keep rows compact in [0, used): the last used row moves into s.
 
     Crash ordering: s's key is cleared first (its index entry goes stale, as an
@@ -659,6 +659,7 @@ def _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s):
             touched[s, 0] = touched[last, 0]
             touched[s, 1] = touched[last, 1]
         stamps[s] = stamps[last]
+        marks[s] = marks[last]
         keys[s] = key
         index[b] = _entry(h, s)
         p = prev[last]
@@ -678,13 +679,13 @@ def _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def expire_stripe(index, keys, prev, nxt, values, hdr, touched, tables, stamps, ttl_clock, ttl_ms,
+def expire_stripe(index, keys, prev, nxt, values, hdr, touched, tables, stamps, marks, ttl_clock, ttl_ms,
                   now_clock, now_ms):
     """Remove the rows whose table's TTL has passed since their last update; returns how many.
 
     ttl_clock[g] / ttl_ms[g] <= 0: table g has no such limit. Slots are
     scanned from the last down, so the row that `_remove_slot` moves into a
-    freed slot has been checked already.
+    freed slot has been checked already. `marks` (the store's changed-row marks) move with their rows.
     """
     removed = 0
     s = hdr[F_USED] - 1
@@ -692,7 +693,7 @@ def expire_stripe(index, keys, prev, nxt, values, hdr, touched, tables, stamps, 
         g = group_of(keys[s])
         if (ttl_clock[g] > 0 and now_clock - touched[s, 0] >= ttl_clock[g]) or \
                 (ttl_ms[g] > 0 and now_ms - touched[s, 1] >= ttl_ms[g]):
-            _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, s)
+            _remove_slot(index, keys, prev, nxt, values, hdr, touched, stamps, marks, s)
             tables[g, T_EXPIRED] += 1
             removed += 1
         s -= 1
@@ -778,6 +779,50 @@ def check_stripe(stripe, num_stripes, index, keys, prev, nxt, hdr):
     if count != used or hdr[F_TAIL] != p:
         return 9
     return 0
+
+
+# ---------------------------------------------------------------- changed rows (incremental checkpoints)
+@njit(nogil=True, cache=True, error_model="numpy")
+def mark_slots(slots, lo, hi, marks):
+    """marks[slots[j]] = 1 for j in [lo, hi) with a slot: the rows an update changed."""
+    for j in range(lo, hi):
+        s = slots[j]
+        if s >= 0:
+            marks[s] = 1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def mark_newest(nxt, hdr, n, marks):
+    """Mark the `n` rows nearest the LRU head: a lookup's inserts, which it pushed there last."""
+    s = hdr[F_HEAD]
+    while s >= 0 and n > 0:
+        marks[s] = 1
+        n -= 1
+        s = nxt[s]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def copy_rows(order, keys, values, touched, marks, out_keys, out_values, out_touched, at):
+    """Copy the live rows of slots `order` into out_*[at:], clearing their marks; returns how many were live.
+
+    A checkpoint's chunk, under the stripe's lock: a slot emptied since `order` was taken is skipped, and a
+    slot that changed owner is copied with its new key (each row whole, as it is now)."""
+    n = at
+    width = values.shape[1]
+    stamp = touched.shape[0] > 0
+    for i in range(order.shape[0]):
+        s = order[i]
+        key = keys[s]
+        if key == EMPTY_KEY:
+            continue
+        out_keys[n] = key
+        _copy_row(out_values, n, values, s, width)
+        if stamp:
+            out_touched[n, 0] = touched[s, 0]
+            out_touched[n, 1] = touched[s, 1]
+        marks[s] = 0
+        n += 1
+    return n - at
 
 
 @njit(nogil=True, cache=True, error_model="numpy")

@@ -120,7 +120,8 @@ class StoreLifecycle:
 
         def run(s: int, lo: int, hi: int) -> int:
             touched, _, tables = self._life[s]
-            return K.expire_stripe(*self._stripes[s], touched, tables, self._stamps[s], r.ttl_clock, r.ttl_ms, *now)
+            return K.expire_stripe(*self._stripes[s], touched, tables, self._stamps[s], self._marks[s], r.ttl_clock,
+                                   r.ttl_ms, *now)
 
         return self._run_stripes(np.arange(self.config.num_stripes + 1), run, mutates=True)
 

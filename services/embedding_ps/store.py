@@ -19,7 +19,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -89,6 +89,14 @@ class EmbeddingStore(L.StoreLifecycle):
         # Moves to each stripe's LRU head (lazy refresh, see kernels.lookup_stripe). Process-local like the
         # stamps: starting above any stripe's size makes every zero stamp read as "moved long ago".
         self._head_moves = np.full((c.num_stripes, 1), HEAD_MOVES_START, np.int64)
+        # Per slot: 1 when the row changed (updated, inserted) since the last checkpoint copied it; what an
+        # incremental checkpoint writes. Process-local like the stamps: a restarted process knows no changes, so
+        # its first checkpoint is full (`dumped` is None until a dump completes).
+        marks = np.zeros(c.capacity, np.uint8)
+        self._marks = [marks[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
+        self.dumped: int | None = None
+        """Step of the last checkpoint dump of this store whose changes since are all marked (None: none, or
+        something changed rows unmarked: a restore, a failed dump). Set by services/embedding_ps/checkpoint.py."""
         self._stripes = []  # per stripe: (index, keys, prev, next, values, header row) views
         self._life = []  # per stripe: (touched, sketch, tables) views; empty touched/sketch when unused
         self._rules = L.rules_of(c)
@@ -246,9 +254,13 @@ class EmbeddingStore(L.StoreLifecycle):
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
+            hdr = self._stripes[s][5]
+            inserts = hdr[K.F_INSERTS]
             K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s],
                             self._head_moves_of(s, hi - lo),
                             bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life)
+            if hdr[K.F_INSERTS] != inserts:  # new rows: at the LRU head, where the kernel pushed them last
+                K.mark_newest(self._stripes[s][3], hdr, hdr[K.F_INSERTS] - inserts, self._marks[s])
             return 0
 
         self._run_stripes(offsets, run, mutates=bool(train))
@@ -277,6 +289,7 @@ class EmbeddingStore(L.StoreLifecycle):
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim)
+            K.mark_slots(slots, lo, hi, self._marks[s])
             hdr[K.F_MISSING_UPDATES] += hi - lo - applied
             if stamp or applied < hi - lo:  # rows' update times (TTL); dropped gradients per table
                 touched, _, tables = self._life[s]
@@ -344,6 +357,53 @@ class EmbeddingStore(L.StoreLifecycle):
         touched = np.concatenate(touched_out) if self.config.uses_ttl else None
         return np.concatenate(keys_out), np.concatenate(values_out), touched
 
+    def stream_rows(self, *, changed_only: bool = False, chunk_rows: int = 1 << 19,
+                    lock_rows: int = 1 << 15) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """A checkpoint's copy of the live rows, in chunks of at most `chunk_rows`: (keys, values with state,
+        touched or None without a TTL), each a view of a buffer that the next chunk overwrites (write it first).
+
+        Stripe by stripe: the stripe's LRU links are copied under its lock (4 bytes a slot) and walked without
+        it; then its rows are copied in that order, `lock_rows` at a time, each batch under the stripe's lock
+        alone, so a lookup or update waits at most one batch's copy and other stripes never wait. Extra memory:
+        the chunk buffers plus 12 bytes per slot of one stripe. Each row is copied whole, as it is at its batch's
+        copy; a row changed after its batch was copied is marked again and goes into the next delta. Rows
+        inserted into a stripe after its links were copied are left for the next dump (still marked), and a row
+        evicted and inserted again meanwhile may be copied twice (its newer copy comes later: a restore keeps
+        it). Order within a stripe is least to most recently used, as `load_rows` then restores it.
+        `changed_only`: only rows marked as changed (updated or inserted) since the previous stream; every
+        copied row's mark is cleared.
+        """
+        lock_rows = max(1, min(lock_rows, chunk_rows))
+        width, ttl = self.config.row_width, self.config.uses_ttl
+        out_keys = np.empty(chunk_rows, np.uint64)
+        out_values = np.empty((chunk_rows, width), np.float32)
+        out_touched = np.empty((chunk_rows if ttl else 0, 2), np.int64)
+        filled = 0
+        for s, (_, keys, prev, _, values, hdr) in enumerate(self._stripes):
+            touched, marks = self._life[s][0], self._marks[s]
+            with self._locks[s]:
+                used = int(hdr[K.F_USED])  # live rows occupy slots [0, used): so do their links
+                links, ends = prev[:used].copy(), hdr.copy()
+            order = np.empty(used, np.int32)
+            order = order[:K.lru_order(links, ends, order)]
+            del links
+            if changed_only:
+                order = order[marks[order] != 0]  # read without the lock: a mark set later stays for the next
+            for a in range(0, order.shape[0], lock_rows):
+                batch = order[a:a + lock_rows]
+                if filled + batch.shape[0] > chunk_rows:
+                    yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
+                    filled = 0
+                with self._locks[s]:
+                    filled += K.copy_rows(batch, keys, values, touched, marks, out_keys, out_values, out_touched,
+                                          filled)
+        if filled:
+            yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
+
+    def changed_rows(self) -> int:
+        """Live rows marked as changed since the last checkpoint copied them (read without locks)."""
+        return sum(int(np.count_nonzero(m[:int(hdr[K.F_USED])])) for m, (*_, hdr) in zip(self._marks, self._stripes))
+
     def load_rows(self, keys: np.ndarray, values: np.ndarray, touched: np.ndarray | None = None) -> None:
         """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts.
 
@@ -366,6 +426,7 @@ class EmbeddingStore(L.StoreLifecycle):
         touched = np.require(touched, requirements=["C", "W"])
         perm = np.empty(keys.shape[0], np.int32)
         offsets = K.partition(keys, self.config.num_stripes, perm)
+        self.dumped = None  # rows change without marks: the next checkpoint must be full
 
         def run(s: int, lo: int, hi: int) -> int:
             K.load_stripe(keys, values, touched, perm, lo, hi, *self._stripes[s], self._life[s][0])

@@ -118,7 +118,7 @@ def test_bad_sources_and_outputs_exit_2_naming_the_file(tmp_path, run_dir):
     result = _export(run, "--out", tmp_path / "b")  # ... is not a run's newest complete checkpoint either
     assert result.exit_code == 2 and "no complete checkpoint" in result.output
     (tmp_path / "manifest.json").rename(ckpt / "manifest.json")
-    values = ckpt / "ps" / "shard-00001-of-00002" / "dim8.values.npy"
+    values = ckpt / "ps" / "shard-00001-of-00002" / "dim8.00000.values.npy"
     with open(values, "r+b") as f:
         f.seek(-3, 2)
         f.write(b"\xff")

@@ -112,14 +112,16 @@ def test_failed_dump_leaves_no_partial_shard(tmp_path, stores):
 
     class Broken:
         config = group[8].config
+        dumped = 1
 
-        def snapshot(self):
+        def stream_rows(self, **_):
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
         dump_shard({4: group[4], 8: Broken()}, tmp_path / "ckpt", shard=0, num_shards=1, step=2)
     assert [p.name for p in (tmp_path / "ckpt" / "ps").iterdir()] == [shard_dir_name(0, 1)]
     assert inspect_checkpoint(tmp_path / "ckpt")["step"] == 1
+    assert group[4].dumped is None  # its copied rows' marks went with the failed dump: the next one is full
 
 
 @pytest.fixture
@@ -151,10 +153,10 @@ def edit_manifest(ps_dir, shard, fn):
 
 
 DAMAGE = {
-    "corrupt values": (lambda d: corrupt_byte(d / shard_dir_name(1, 2) / "dim8.values.npy"), "sha256"),
-    "corrupt keys": (lambda d: corrupt_byte(d / shard_dir_name(0, 2) / "dim4.keys.npy"), "sha256"),
-    "truncated": (lambda d: truncate(d / shard_dir_name(1, 2) / "dim4.values.npy"), "truncated"),
-    "missing file": (lambda d: (d / shard_dir_name(0, 2) / "dim8.keys.npy").unlink(), "missing"),
+    "corrupt values": (lambda d: corrupt_byte(d / shard_dir_name(1, 2) / "dim8.00000.values.npy"), "sha256"),
+    "corrupt keys": (lambda d: corrupt_byte(d / shard_dir_name(0, 2) / "dim4.00000.keys.npy"), "sha256"),
+    "truncated": (lambda d: truncate(d / shard_dir_name(1, 2) / "dim4.00000.values.npy"), "truncated"),
+    "missing file": (lambda d: (d / shard_dir_name(0, 2) / "dim8.00000.keys.npy").unlink(), "missing"),
     "missing shard": (lambda d: __import__("shutil").rmtree(d / shard_dir_name(1, 2)), "missing"),
     "bad json": (lambda d: (d / shard_dir_name(0, 2) / "manifest.json").write_text("{not json"), "manifest"),
     "other step": (lambda d: edit_manifest(d, 1, lambda m: m.update(step=4)), "steps"),
@@ -163,7 +165,7 @@ DAMAGE = {
     "row count": (lambda d: edit_manifest(d, 1, lambda m: m["tables"]["4"].update(num_rows=3)), "match"),
     "no tables": (lambda d: edit_manifest(d, 1, lambda m: m.pop("tables")), "malformed"),
     "path in file name": (lambda d: edit_manifest(
-        d, 1, lambda m: m["tables"]["4"]["files"]["keys"].update(file="../x.npy")), "malformed"),
+        d, 1, lambda m: m["tables"]["4"]["parts"][0]["keys"].update(file="../x.npy")), "malformed"),
 }
 
 
