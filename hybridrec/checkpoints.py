@@ -22,6 +22,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybridrec import log
 from hybridrec.config import ConfigError
 from hybridrec.files import write_json_atomic
 
@@ -53,6 +54,9 @@ class JobManifest:
     """Per data loader (cluster.dataloader), [seq, position]: the batches of its stream consumed by all ranks
     together (it resumes with this index) and its position after them. Empty in a manifest of a hybridrec
     that had one data loader: then `seq` and `position` are that loader's."""
+    chain: list = field(default_factory=list)
+    """Steps of the older checkpoints whose PS dumps this one's build on (its shards' deltas, oldest first):
+    `prune` keeps them while it keeps this one. Empty: every shard's dump is full."""
 
     def streams(self) -> list[tuple[int, list[int]]]:
         """(seq, position) of every data loader's stream, in loader order."""
@@ -114,14 +118,27 @@ def check_root(root: str | Path | None) -> None:
         raise ValueError(f"checkpoint.dir: {path} is not a writable directory")
 
 
+def complete(root: str | Path | None) -> list[Path]:
+    """Every complete checkpoint under `root` (with its manifest), newest first: what a restore falls back
+    along when the newest one's files are refused."""
+    if root is None or not Path(root).is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)))
+    return [path for _, path in reversed(steps) if (path / MANIFEST).is_file()]
+
+
 def latest(root: str | Path | None) -> tuple[Path, JobManifest] | None:
-    """The newest complete checkpoint under `root`, or None. A malformed manifest is an error, not skipped."""
+    """The newest complete checkpoint under `root` whose chain (`JobManifest.chain`) is there too, or None. A
+    malformed manifest is an error, not skipped."""
     if root is None or not Path(root).is_dir():
         return None
-    steps = sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)))
-    for _, path in reversed(steps):
-        if (path / MANIFEST).is_file():
-            return path, read_manifest(path)
+    for path in complete(root):
+        manifest = read_manifest(path)
+        missing = [step for step in manifest.chain if not (step_dir(root, step) / MANIFEST).is_file()]
+        if missing:  # its PS deltas build on checkpoints that are gone: the one before may be whole
+            log.get().error("checkpoint_chain_incomplete", checkpoint=str(path), missing_steps=missing)
+            continue
+        return path, manifest
     return None
 
 
@@ -160,8 +177,21 @@ def write_manifest(path: Path, manifest: JobManifest) -> None:
     write_json_atomic(path / MANIFEST, asdict(manifest), fsync=True)
 
 
-def prune(root: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (and any incomplete ones older than them)."""
+def prune(root: str | Path, keep: int) -> list[int]:
+    """Delete all but the newest `keep` checkpoints and those their PS dumps build on (`JobManifest.chain`);
+    incomplete ones older than them go too. Returns the steps deleted.
+
+    This is how an incremental chain is compacted: once a newer full dump is among the kept checkpoints, the
+    old chain's full dump and deltas are needed by none of them and go."""
     steps = sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)))
-    for _, path in steps[:-keep] if keep else steps:
-        shutil.rmtree(path, ignore_errors=True)
+    kept = steps[-keep:] if keep else []
+    needed = {step for step, _ in kept}
+    for _, path in kept:
+        if (path / MANIFEST).is_file():
+            needed.update(int(step) for step in read_manifest(path).chain)
+    deleted = []
+    for step, path in steps:
+        if step not in needed:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(step)
+    return deleted

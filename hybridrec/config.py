@@ -556,7 +556,13 @@ class CheckpointConfig(_Model):
     rows (about 0.4 s for the README example's 1M rows); the interval stretches to 19 times the last
     checkpoint's duration when that is longer, so time checkpoints never take more than 5 % of training."""
     keep: Annotated[int, Field(ge=1)] = 2
-    """Newest checkpoints kept."""
+    """Newest checkpoints kept (and the older ones their PS deltas build on, see `full_every`)."""
+    full_every: Annotated[int, Field(ge=1)] = 8
+    """Incremental checkpoints: each PS shard writes the rows changed since its previous dump (a delta) instead
+    of every row, and a full dump when its chain (a full dump and the deltas on it) has this many dumps, when
+    over half its rows changed, or when it cannot know what changed (its first dump, after a restart or a
+    restore). 1: every dump is full. A restore reads the chain's dumps in turn; a chain is deleted once no
+    kept checkpoint needs it (docs/architecture.md#checkpoints)."""
     resume: bool = True
     """Start from the newest complete checkpoint in `dir` when there is one (with interval checkpoints on)."""
     job_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None

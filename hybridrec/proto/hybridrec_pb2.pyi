@@ -105,20 +105,26 @@ class ShardAcks(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., life: _Optional[int] = ..., updates: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("name", "step")
+    __slots__ = ("name", "step", "base")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     name: str
     step: int
-    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    base: int
+    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("name", "rows")
+    __slots__ = ("name", "rows", "chain", "bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+    chain: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., chain: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("version", "full", "base_version")

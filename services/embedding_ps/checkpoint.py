@@ -104,10 +104,20 @@ def dump_memory_bytes(store: EmbeddingStore, chunk_bytes: int = CHUNK_BYTES) -> 
     return chunk_rows * row_bytes(store) + 13 * stripe_slots
 
 
+def dump_bytes(manifest: dict) -> int:
+    """Bytes of a dump's row files (its parts and sketches; the manifest aside)."""
+    return sum(e["bytes"] for t in manifest["tables"].values()
+               for e in [*(f for p in t["parts"] for f in _files_of(p)), *([t["sketch"]] if "sketch" in t else [])])
+
+
 def _write_npy(path: Path, array: np.ndarray) -> dict:
+    """An .npy file of `array`, written and hashed from the array's own memory (numpy's `write_array` copies
+    a file-like target's data in 16 MiB pieces first)."""
+    array = np.ascontiguousarray(array)  # a chunk's rows are contiguous already: no copy
     with open(path, "wb") as f:
         writer = HashingWriter(f)
-        np.lib.format.write_array(writer, np.ascontiguousarray(array), allow_pickle=False)
+        np.lib.format.write_array_header_1_0(writer, np.lib.format.header_data_from_array_1_0(array))
+        writer.write(memoryview(array).cast("B"))
         f.flush()
         os.fsync(f.fileno())
     return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha.hexdigest()}
@@ -212,8 +222,7 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
         store.dumped = int(step)
     _log.info("ps shard checkpoint written", directory=str(final), step=step, delta=manifest["delta"],
               chain=chain, seconds=round(time.monotonic() - started, 3),
-              rows={d: t["num_rows"] for d, t in tables.items()},
-              bytes=sum(e["bytes"] for t in tables.values() for p in t["parts"] for e in _files_of(p)))
+              rows={d: t["num_rows"] for d, t in tables.items()}, bytes=dump_bytes(manifest))
     return manifest
 
 

@@ -81,6 +81,8 @@ def warm_up(config: Config) -> None:
                 store.update(ids, np.zeros((ids.size, dim), np.float32))
                 store.lookup(ids, train=False)
                 store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
+                for _ in store.stream_rows(changed_only=True):  # a checkpoint's kernels
+                    pass
             finally:
                 store.close()
 
@@ -163,14 +165,23 @@ def restore(config: Config, shard: int, stores: dict[int, EmbeddingStore], appli
                               why="the job has trained this shard and its store is gone; its backup held every "
                                   "update it had shipped")
             return lives.Loss(life=lost, applied_at_checkpoint=held, restored_step=-1, from_replica=True)
-    found = checkpoints.latest(config.checkpoint.dir)
-    if found is None:
+    refused: list[ValueError] = []
+    for newest in checkpoints.complete(config.checkpoint.dir):
+        try:
+            loaded = load_part(newest, stores, shard=shard, num_shards=len(config.cluster.ps))
+            break
+        except ValueError as exc:  # refused before a row was loaded: an older checkpoint may be whole
+            refused.append(exc)
+            log.get().error("ps_checkpoint_refused", shard=shard, checkpoint=str(newest), error=str(exc),
+                            then="the next older complete checkpoint")
+    else:
+        if refused:  # checkpoints there are, none readable: an operator must look, not an empty table served
+            raise ValueError(f"shard {shard} lost its store and every checkpoint was refused; the newest: "
+                             f"{refused[0]}")
         log.get().error("ps_shard_started_empty", shard=shard, lost_life=lost,
-                        why="the job has trained this shard, its store is gone and there is no checkpoint yet: "
-                            "every update it had applied is lost")
+                        why="the job has trained this shard, its store is gone and there is no checkpoint it can "
+                            "read: every update it had applied is lost")
         return lives.Loss(life=lost, applied_at_checkpoint=0, restored_step=-1)
-    newest, _ = found
-    loaded = load_part(newest, stores, shard=shard, num_shards=len(config.cluster.ps))
     applied = loaded["applied_by_life"].get(lost, 0)
     log.get().warning("ps_shard_restored", shard=shard, checkpoint=str(newest), step=loaded["step"],
                       rows=loaded["rows"], lost_life=lost, applied_at_checkpoint=applied,
@@ -199,7 +210,7 @@ def _tables(stores: dict[int, dict]) -> dict[int, dict[str, int]]:
 class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
-                 publish_root: str | None = None, losses: list[lives.Loss] | None = None,
+                 publish_root: str | None = None, losses: list[lives.Loss] | None = None, full_every: int = 1,
                  primary: Primary | None = None, backup: Backup | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
         self.primary, self.backup = primary, backup
@@ -213,8 +224,11 @@ class EmbeddingPSServicer:
         self.values, self.executor = values, executor
         self.checkpoint_root = checkpoint_root
         """checkpoint.dir: the only place Checkpoint and LoadCheckpoint may write or read (None: refused)."""
+        self.full_every = full_every
+        """checkpoint.full_every: the longest chain of dumps (a full one and its deltas)."""
         self.counters = {"lookups_total": 0, "updates_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0,
-                         "versions_written_total": 0, "version_rows_written_total": 0}
+                         "versions_written_total": 0, "version_rows_written_total": 0, "checkpoints_total": 0,
+                         "checkpoint_deltas_total": 0, "checkpoint_bytes_total": 0}
         # Live versions (publish.dir set): which IDs changed since this shard last published, and which
         # version that was (None: never, or the last publish failed; a delta then needs a full first).
         self.publish_root = publish_root
@@ -364,11 +378,17 @@ class EmbeddingPSServicer:
         from services.embedding_ps import checkpoint
 
         directory = resolve_under(self.checkpoint_root, request.name)
-        await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
-                        num_shards=self.num_shards, step=request.step, life=self.applied.life,
-                        applied=self.applied.applied)
+        manifest = await self._run(checkpoint.dump_shard, self.stores, directory, shard=self.shard,
+                                   num_shards=self.num_shards, step=request.step, life=self.applied.life,
+                                   applied=self.applied.applied,
+                                   base=request.base if request.HasField("base") else None,
+                                   full_every=self.full_every)
         rows = sum(int(s.stats()["rows"]) for s in self.stores.values())
-        return pb.CheckpointReply(name=request.name, rows=rows)
+        self.counters["checkpoints_total"] += 1
+        self.counters["checkpoint_deltas_total"] += int(manifest["delta"])
+        self.counters["checkpoint_bytes_total"] += checkpoint.dump_bytes(manifest)
+        return pb.CheckpointReply(name=request.name, rows=rows, chain=manifest["chain"],
+                                  bytes=checkpoint.dump_bytes(manifest))
 
     async def LoadCheckpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         directory = resolve_under(self.checkpoint_root, request.name)
@@ -425,7 +445,8 @@ async def serve(config: Config, replica: int) -> None:
         servicer = EmbeddingPSServicer(stores, applied, replica, num_shards, values, executor,
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None,
-                                       losses=losses, primary=primary, backup=backup)
+                                       losses=losses, primary=primary, backup=backup,
+                                       full_every=config.checkpoint.full_every)
         host.add(servicer, servicer.stats)
         await host.start()
         await imported(torch_import)

@@ -135,17 +135,18 @@ class Checkpointer:
         self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
                       seconds=round(self.final_s, 3))
 
-    async def _ps(self, method: str, directory: Path, step: int) -> None:
-        """Have every PS shard dump into / load from `directory`, named relative to the shared checkpoint root."""
-        name = directory.name
+    async def _ps(self, method: str, directory: Path, step: int,
+                  base: int | None = None) -> list[pb.CheckpointReply]:
+        """Have every PS shard dump into / load from `directory`, named relative to the shared checkpoint root.
+        `base`: the newest complete checkpoint, which each shard's dump may build on (a delta)."""
+        request = pb.CheckpointRequest(name=directory.name, step=step, base=base)
 
-        async def one(address: str) -> None:
+        async def one(address: str) -> pb.CheckpointReply:
             async with rpc.channel(address) as ch:
                 call = rpc.control_method(ch, "EmbeddingPS", method)
-                await rpc.retry(lambda: call(pb.CheckpointRequest(name=name, step=step),
-                                             timeout=PS_TIMEOUT_S), deadline_s=PS_TIMEOUT_S)
+                return await rpc.retry(lambda: call(request, timeout=PS_TIMEOUT_S), deadline_s=PS_TIMEOUT_S)
 
-        await asyncio.gather(*(one(a) for a in self.ps_addresses))
+        return await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
     async def save(self, trainer: CheckpointedTrainer, step: int, last: list[tuple[int, tuple[int, ...]]], *,
                    survive_peer_loss: bool = True) -> None:
@@ -188,15 +189,17 @@ class Checkpointer:
         tmp.mkdir(parents=True)
         await trainer.on_compute(self._save_dense, tmp / checkpoints.DENSE, trainer.model, trainer.optimizer)
         dump_config(self.config, tmp / checkpoints.CONFIG)
-        await self._ps("Checkpoint", tmp, step)
+        replies = await self._ps("Checkpoint", tmp, step, base=self.last_saved)
+        chain = sorted({int(s) for reply in replies for s in reply.chain} - {step})
         streams = [(seq + 1, list(position)) for seq, position in newest]
         checkpoints.write_manifest(tmp, JobManifest.of_streams(
             streams, step=step, samples=samples, train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size,
-            num_ps=self.num_ps))
+            num_ps=self.num_ps, chain=chain))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        checkpoints.prune(self.root, self.keep)
-        self.log.info("checkpoint_written", step=step, directory=str(final), seq=[seq for seq, _ in streams])
+        deleted = checkpoints.prune(self.root, self.keep)
+        self.log.info("checkpoint_written", step=step, directory=str(final), seq=[seq for seq, _ in streams],
+                      ps_bytes=sum(reply.bytes for reply in replies), builds_on=chain, pruned=deleted)
 
     def _gather_position(self, last: list[tuple[int, tuple[int, ...]]],
                          samples: int) -> tuple[list[tuple[int, tuple[int, ...]]], int | None]:

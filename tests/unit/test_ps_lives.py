@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from hybridrec import checkpoints
 from hybridrec.compress import ValueCodec
@@ -25,7 +26,7 @@ from services.embedding_ps.server import EmbeddingPSServicer, open_shard, shard_
 DIM = 4
 
 
-def _config(tmp_path, job: str | None = "job-a") -> Config:
+def _config(tmp_path, job: str | None = "job-a", full_every: int = 8) -> Config:
     return Config.model_validate({
         "data": {"train": ["unused"]},
         "features": [{"name": "f", "group": 1, "dim": DIM}],
@@ -33,7 +34,7 @@ def _config(tmp_path, job: str | None = "job-a") -> Config:
         "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 4096, "num_stripes": 2},
         "optimizer": {"embedding": {"name": "sgd", "lr": 1.0}},
         "training": {"compression": {"fp16": False}},
-        "checkpoint": {"dir": str(tmp_path / "ckpt"), "job_id": job},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "job_id": job, "full_every": full_every},
     })
 
 
@@ -44,7 +45,8 @@ class Shard:
         self.stores, self.applied, self.losses = open_shard(config, 0)
         self.executor = ThreadPoolExecutor(1)
         self.servicer = EmbeddingPSServicer(self.stores, self.applied, 0, 1, ValueCodec(fp16=False), self.executor,
-                                            checkpoint_root=config.checkpoint.dir, losses=self.losses)
+                                            checkpoint_root=config.checkpoint.dir, losses=self.losses,
+                                            full_every=config.checkpoint.full_every)
 
     def update(self, uid: int, ids: np.ndarray) -> Applied:
         """A training lookup of `ids` (which gives them rows), then update `uid` of them."""
@@ -66,12 +68,14 @@ def _ids(n: int, start: int = 1) -> np.ndarray:
     return np.array([(1 << GROUP_SHIFT) | v for v in range(start, start + n)], np.uint64)
 
 
-def _checkpoint(shard: Shard, config: Config, step: int) -> None:
-    """A complete job checkpoint of this one-shard job at `step`: the shard's dump, then the manifest."""
+def _checkpoint(shard: Shard, config: Config, step: int, base: int | None = None) -> pb.CheckpointReply:
+    """A complete job checkpoint of this one-shard job at `step` (its dump may build on `base`'s): the shard's
+    dump, then the manifest."""
     name = f"step-{step:08d}"
-    asyncio.run(shard.servicer.Checkpoint(pb.CheckpointRequest(name=name, step=step), None))
-    checkpoints.write_manifest(Path(config.checkpoint.dir) / name,
-                               checkpoints.JobManifest(step=step, seq=0, position=[0, 0, 0, 0]))
+    reply = asyncio.run(shard.servicer.Checkpoint(pb.CheckpointRequest(name=name, step=step, base=base), None))
+    checkpoints.write_manifest(Path(config.checkpoint.dir) / name, checkpoints.JobManifest(
+        step=step, seq=0, position=[0, 0, 0, 0], chain=[s for s in reply.chain if s != step]))
+    return reply
 
 
 def test_a_lost_store_is_restored_from_the_newest_checkpoint_and_the_loss_recorded(tmp_path):
@@ -160,10 +164,8 @@ def test_applied_frames_name_lives_and_refuse_malformed_ones():
             Applied.decode(codec.encode(meta={"applied": 1, "lives": bad}))
 
 
-def test_a_restore_that_failed_leaves_no_files_a_later_start_would_trust(tmp_path):
-    """The newest checkpoint is damaged: the shard refuses to start, naming it; once it is gone, the next start
-    restores the older one instead of serving the empty stores the failed attempt created."""
-    config = _config(tmp_path)
+def _two_checkpoints(config: Config) -> int:
+    """Shard 0 trains 10 rows, checkpoint 7, 4 more, checkpoint 9, and loses its store; returns its life."""
     first = Shard(config)
     life = first.applied.life
     first.update(11, _ids(10))
@@ -171,13 +173,61 @@ def test_a_restore_that_failed_leaves_no_files_a_later_start_would_trust(tmp_pat
     first.update(12, _ids(4, 50))
     _checkpoint(first, config, step=9)
     first.close()
-    damaged = Path(config.checkpoint.dir) / "step-00000009"
-    next(damaged.rglob("*.values.npy")).write_bytes(b"not an array")
     shutil.rmtree(shard_dir(config, 0))
+    return life
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_newest_whole_one_restored(tmp_path):
+    config = _config(tmp_path)
+    life = _two_checkpoints(config)
+    damaged = next((Path(config.checkpoint.dir) / "step-00000009").rglob("*.values.npy"))
+    damaged.write_bytes(b"not an array")
+    with capture_logs() as logs:
+        again = Shard(config)
+    assert again.rows() == 10
+    assert [(x.life, x.restored_step) for x in again.losses] == [(life, 7)]
+    refused = [e for e in logs if e["event"] == "ps_checkpoint_refused"]
+    assert len(refused) == 1 and refused[0]["error"].startswith(f"{damaged}: ")
+    again.close()
+
+
+def test_a_restore_that_failed_leaves_no_files_a_later_start_would_trust(tmp_path):
+    """Every checkpoint is damaged: the shard refuses to start, naming the newest; once one is whole again, the
+    next start restores it instead of serving the empty stores the failed attempt created."""
+    config = _config(tmp_path)
+    life = _two_checkpoints(config)
+    root = Path(config.checkpoint.dir)
+    next((root / "step-00000009").rglob("*.values.npy")).write_bytes(b"not an array")
+    older = next((root / "step-00000007").rglob("*.values.npy"))
+    older.rename(older.with_suffix(".away"))
     with pytest.raises(ValueError, match="step-00000009"):
         open_shard(config, 0)
-    shutil.rmtree(damaged)
+    older.with_suffix(".away").rename(older)
     again = Shard(config)
     assert again.rows() == 10
     assert [(x.life, x.restored_step) for x in again.losses] == [(life, 7)]
+    again.close()
+
+
+def test_a_lost_store_is_restored_from_a_chain_of_deltas_and_what_came_after_counted(tmp_path):
+    """Incremental checkpoints (checkpoint.full_every 4): the store lost after checkpoint 3, a delta on a delta
+    on a full dump, comes back with every row of that chain bit for bit, and what it applied after counts."""
+    config = _config(tmp_path, full_every=4)
+    first = Shard(config)
+    life = first.applied.life
+    first.update(1, _ids(10))
+    assert list(_checkpoint(first, config, step=1).chain) == [1]
+    first.update(2, _ids(5, 8))
+    assert list(_checkpoint(first, config, step=2, base=1).chain) == [1, 2]
+    first.update(3, _ids(3, 30))
+    assert list(_checkpoint(first, config, step=3, base=2).chain) == [1, 2, 3]
+    keys, values = first.stores[DIM].items()
+    expected = {int(k): v.tobytes() for k, v in zip(keys, values)}
+    first.update(4, _ids(2, 40))  # after the last checkpoint: lost with the store
+    first.close()
+    shutil.rmtree(shard_dir(config, 0))
+    again = Shard(config)
+    keys, values = again.stores[DIM].items()
+    assert {int(k): v.tobytes() for k, v in zip(keys, values)} == expected
+    assert [(x.life, x.restored_step, x.applied_at_checkpoint) for x in again.losses] == [(life, 3, 3)]
     again.close()
