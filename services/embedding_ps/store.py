@@ -345,7 +345,9 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """`items` plus each row's last update (int64 (n, 2): store clock, unix ms; None without a TTL),
-        taken under every stripe lock: one consistent checkpoint of the rows and their ages."""
+        taken under every stripe lock: one consistent copy of the rows and their ages. The whole table, twice
+        over while it is concatenated: for tests, small tables and full published versions; checkpoints
+        stream instead (`stream_rows`)."""
         keys_out, values_out, touched_out = [], [], []
         with self._all_locks():
             for (_, keys, prev, _, values, hdr), (touched, _, _) in zip(self._stripes, self._life):

@@ -1,0 +1,235 @@
+"""Checkpoints of large embedding tables: what a dump costs a PS while it trains, and what a restore costs.
+
+Run: python benchmarks/scale.py --rows 1000000 10000000 100000000 --out scale.json
+     python benchmarks/scale.py --quick --out scale.json     (CI's form: one small table)
+
+For each table size, one store (dim --dim, Adagrad, --stripes stripes, files under --shm-dir as a PS has them)
+filled with that many rows, then, with a training thread looking up and updating batches of about --unique
+distinct IDs (half Zipf, half uniform over the table) the whole time:
+
+  * `outside`: the training thread's lookup and update latencies (at --steps-per-s) for --window seconds
+    before the dump;
+  * `full`: a full dump (services/embedding_ps/checkpoint.py) into --ckpt-dir while the thread trains:
+    seconds, bytes, the process's private memory (RssAnon) above its level before the dump, the latencies
+    during it (their max against `outside`'s: the longest a lookup or update waited for the dump);
+  * `delta`: --delta-steps more training steps, then a delta dump (the thread stopped, so the changed rows
+    are exactly known): rows, bytes, bytes per changed row against a row's bytes;
+  * `restore`: the source store is closed and removed (its rows of a sample of IDs kept), a new one loads the
+    chain (full + delta): seconds, private memory above the level before, and the sample compared bit for bit.
+
+`bound_bytes` is `checkpoint.dump_memory_bytes`, what `hybridrec plan` counts for a dump. --quick checks the
+dump's measured extra memory against it (plus 16 MiB of slack for the interpreter and the training thread's
+batches) and the sample's round trip, and exits 1 if either fails: a bound, not a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridrec import checkpoints  # noqa: E402
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
+from hybridrec.sharding import shard_of  # noqa: E402
+from services.embedding_ps.checkpoint import (CHUNK_BYTES, dump_bytes, dump_memory_bytes,  # noqa: E402
+                                              dump_shard, load_shard, row_bytes)
+from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
+
+SLACK_BYTES = 16 << 20
+SAMPLE = 20_000
+
+
+def private_bytes() -> int:
+    """This process's anonymous resident memory (not its mapped store files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakMemory:
+    """Samples `private_bytes` every 2 ms on a thread; `peak` above the level at `start`."""
+
+    def __init__(self) -> None:
+        self.base = self.high = private_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.high = max(self.high, private_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.high, private_bytes()) - self.base
+
+
+class Trainer:
+    """A thread that looks up and updates batches like a PS under training, recording each call's latency."""
+
+    def __init__(self, store: EmbeddingStore, rows: int, unique: int, seed: int, steps_per_s: float) -> None:
+        self.store, self.rows, self.unique = store, rows, unique
+        self.period = 1.0 / steps_per_s if steps_per_s > 0 else 0.0
+        self.rng = np.random.default_rng(seed)
+        self.latencies: list[tuple[float, float]] = []  # (start, seconds)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def batch(self) -> np.ndarray:
+        half = self.unique // 2
+        zipf = (self.rng.zipf(1.2, half) - 1) % self.rows + 1
+        return np.unique(np.concatenate([zipf, self.rng.integers(1, self.rows + 1, half)]).astype(np.uint64))
+
+    def step(self) -> None:
+        ids = self.batch()
+        grads = np.full((ids.size, self.store.config.dim), 0.01, np.float32)
+        for call in (lambda: self.store.lookup(ids, train=True), lambda: self.store.update(ids, grads)):
+            started = time.perf_counter()
+            call()
+            self.latencies.append((started, time.perf_counter() - started))
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        due = time.perf_counter()
+        while not self._stop.is_set():
+            self.step()
+            due += self.period
+            self._stop.wait(max(0.0, due - time.perf_counter()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, lo: float, hi: float) -> dict:
+        """Latencies of calls that overlapped [lo, hi]."""
+        seconds = np.array([s for t, s in self.latencies if t <= hi and t + s >= lo])
+        if seconds.size == 0:
+            return {"calls": 0}
+        return {"calls": int(seconds.size), "p50_ms": round(float(np.median(seconds)) * 1e3, 2),
+                "p99_ms": round(float(np.quantile(seconds, 0.99)) * 1e3, 2),
+                "max_ms": round(float(seconds.max()) * 1e3, 2)}
+
+
+def fill(store: EmbeddingStore, rows: int, batch: int = 1 << 20) -> float:
+    started = time.perf_counter()
+    for lo in range(1, rows + 1, batch):
+        store.lookup(np.arange(lo, min(lo + batch, rows + 1), dtype=np.uint64), train=True)
+    return time.perf_counter() - started
+
+
+def store_config(rows: int, dim: int, stripes: int) -> StoreConfig:
+    capacity = int(rows * 1.02) + 64 * stripes  # stripes are not even: room for every row in each
+    return StoreConfig(dim=dim, optimizer=EmbeddingOptimizerConfig(name="adagrad", lr=0.05), seed=1,
+                       ps=PSConfig(capacity=capacity, num_stripes=stripes))
+
+
+def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
+    config = store_config(rows, args.dim, args.stripes)
+    store = EmbeddingStore.open(shm / f"rows{rows}", config)
+    out: dict = {"rows": rows, "dim": args.dim, "stripes": args.stripes, "capacity": config.capacity,
+                 "row_bytes": row_bytes(store), "store_shm_bytes": store.shm_bytes,
+                 "chunk_bytes": args.chunk_bytes, "bound_bytes": dump_memory_bytes(store, args.chunk_bytes)}
+    out["fill_s"] = round(fill(store, rows), 2)
+    dump_shard({args.dim: EmbeddingStore.open(shm / "warm", store_config(1000, args.dim, 2))}, ckpt / "warm",
+               shard=0, num_shards=1, step=0)  # the dump's kernels compiled before anything is measured
+    trainer = Trainer(store, rows, args.unique, seed=rows, steps_per_s=args.steps_per_s)
+    trainer.start()
+    time.sleep(args.window)
+    started = time.perf_counter()
+    memory = PeakMemory()
+    full = dump_shard({args.dim: store}, checkpoints.step_dir(ckpt, 1), shard=0, num_shards=1, step=1,
+                      chunk_bytes=args.chunk_bytes)
+    ended = time.perf_counter()
+    extra = memory.stop()
+    trainer.stop()
+    out["full"] = {"seconds": round(ended - started, 2), "rows": full["tables"][str(args.dim)]["num_rows"],
+                   "bytes": dump_bytes(full), "extra_private_bytes": extra,
+                   "during": trainer.between(started, ended)}
+    out["outside"] = trainer.between(started - args.window, started)
+    for _ in range(args.delta_steps):
+        trainer.step()
+    changed = store.changed_rows()
+    started = time.perf_counter()
+    delta = dump_shard({args.dim: store}, checkpoints.step_dir(ckpt, 2), shard=0, num_shards=1, step=2, base=1,
+                       full_every=8, chunk_bytes=args.chunk_bytes)
+    out["delta"] = {"seconds": round(time.perf_counter() - started, 2), "steps": args.delta_steps,
+                    "changed_rows": changed, "rows": delta["tables"][str(args.dim)]["num_rows"],
+                    "chain": delta["chain"], "bytes": dump_bytes(delta),
+                    "bytes_per_changed_row_bytes": round(dump_bytes(delta) / max(1, changed * row_bytes(store)), 4)}
+    sample = np.random.default_rng(7).integers(1, rows + 1, SAMPLE).astype(np.uint64)
+    expected, found = store.peek(sample, state=True)
+    live = store.num_rows
+    store.close()
+    shutil.rmtree(shm / f"rows{rows}")
+    restored = EmbeddingStore.open(shm / f"restored{rows}", config)
+    started = time.perf_counter()
+    memory = PeakMemory()
+    load_shard(checkpoints.step_dir(ckpt, 2), {args.dim: restored}, shard=0, num_shards=1,
+               shard_of=lambda ids: shard_of(ids, 1))
+    got, got_found = restored.peek(sample, state=True)
+    out["restore"] = {"seconds": round(time.perf_counter() - started, 2), "extra_private_bytes": memory.stop(),
+                      "rows": restored.num_rows, "rows_before": live,
+                      "sample_bit_for_bit": bool(np.array_equal(found, got_found)
+                                                 and expected.tobytes() == got.tobytes())}
+    restored.close()
+    shutil.rmtree(shm / f"restored{rows}")
+    shutil.rmtree(ckpt)
+    ckpt.mkdir()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000, 100_000_000])
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--stripes", type=int, default=16)
+    parser.add_argument("--unique", type=int, default=72_000, help="distinct IDs per training batch")
+    parser.add_argument("--steps-per-s", type=float, default=10.0,
+                        help="the training thread's pace (10: about 40k samples/s of 4096-sample batches; 0: flat out)")
+    parser.add_argument("--window", type=float, default=3.0, help="seconds of training measured before a dump")
+    parser.add_argument("--delta-steps", type=int, default=20)
+    parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="a dump's chunk (checkpoint.CHUNK_BYTES)")
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--ckpt-dir", default=None, help="where dumps go (default: a temporary directory)")
+    parser.add_argument("--quick", action="store_true", help="CI's form: 400k rows, short windows, checked")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.window, args.delta_steps, args.unique = [400_000], 1.0, 5, 5_000
+        args.chunk_bytes = 8 << 20
+    shm = Path(tempfile.mkdtemp(prefix="hybridrec-scale-", dir=args.shm_dir))
+    ckpt = Path(tempfile.mkdtemp(prefix="hybridrec-scale-", dir=args.ckpt_dir))
+    try:
+        results = [measure(rows, args, shm, ckpt) for rows in args.rows]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    checks = [{"rows": r["rows"],
+               "dump_within_bound": r["full"]["extra_private_bytes"] <= r["bound_bytes"] + SLACK_BYTES,
+               "restore_bit_for_bit": r["restore"]["sample_bit_for_bit"],
+               "delta_within_1_1x": r["delta"]["bytes_per_changed_row_bytes"] <= 1.1} for r in results]
+    report = {"benchmark": "scale", "quick": args.quick, "slack_bytes": SLACK_BYTES, "results": results,
+              "checks": checks}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    ok = all(c["dump_within_bound"] and c["restore_bit_for_bit"] and c["delta_within_1_1x"] for c in checks)
+    return 0 if ok or not args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
