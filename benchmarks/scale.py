@@ -140,8 +140,9 @@ def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
     config = store_config(rows, args.dim, args.stripes)
     store = EmbeddingStore.open(shm / f"rows{rows}", config)
     out: dict = {"rows": rows, "dim": args.dim, "stripes": args.stripes, "capacity": config.capacity,
-                 "row_bytes": row_bytes(store), "store_shm_bytes": store.shm_bytes,
-                 "chunk_bytes": args.chunk_bytes, "bound_bytes": dump_memory_bytes(store, args.chunk_bytes)}
+                 "row_bytes": row_bytes(store.config), "store_shm_bytes": store.shm_bytes,
+                 "chunk_bytes": args.chunk_bytes,
+                 "bound_bytes": dump_memory_bytes(store.config, args.chunk_bytes)}
     out["fill_s"] = round(fill(store, rows), 2)
     dump_shard({args.dim: EmbeddingStore.open(shm / "warm", store_config(1000, args.dim, 2))}, ckpt / "warm",
                shard=0, num_shards=1, step=0)  # the dump's kernels compiled before anything is measured
@@ -168,7 +169,8 @@ def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
     out["delta"] = {"seconds": round(time.perf_counter() - started, 2), "steps": args.delta_steps,
                     "changed_rows": changed, "rows": delta["tables"][str(args.dim)]["num_rows"],
                     "chain": delta["chain"], "bytes": dump_bytes(delta),
-                    "bytes_per_changed_row_bytes": round(dump_bytes(delta) / max(1, changed * row_bytes(store)), 4)}
+                    "bytes_per_changed_row_bytes": round(
+                        dump_bytes(delta) / max(1, changed * row_bytes(store.config)), 4)}
     sample = np.random.default_rng(7).integers(1, rows + 1, SAMPLE).astype(np.uint64)
     expected, found = store.peek(sample, state=True)
     live = store.num_rows

@@ -73,6 +73,18 @@ def _fit(config: Config):
     return fitted, layout
 
 
+def _check_ps_fits(config: Config) -> None:
+    """A local run's PS shards all on this host: ConfigError naming it, the widths and the bytes unless their
+    stores, private arrays and checkpoint buffers fit its memory and their files the free space under
+    ps.shm_dir (hybridrec/app/plan.py `check_fits`)."""
+    import socket
+
+    from hybridrec.app import plan as planner
+
+    planner.check_fits(config, host=socket.gethostname(), memory_bytes=planner.host_memory_bytes(),
+                       shm_free_bytes=planner.free_bytes(config.ps.shm_dir))
+
+
 def preflight(config: Config, *, model: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
     schema, file sizes and checksums), the feature columns, that every data loader gets a split of the
@@ -134,6 +146,7 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     try:
         config, layout = _fit(config)
         preflight(config, model=False)
+        _check_ps_fits(config)
     except ConfigError as exc:
         _fail(str(exc))
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -674,14 +687,22 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
                                        help=" | ".join(m.value for m in EmbeddingOptimizer)),
          dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
-         shards: int = typer.Option(2, "--shards", min=1, help="PS shards."),
+         shards: int = typer.Option(2, "--shards", min=1, help="PS shards (unless --host-memory is given)."),
+         host_memory: Optional[str] = typer.Option(None, "--host-memory",
+                                                   help="Memory of a PS host, e.g. 12TiB: plan the fewest shards "
+                                                        "and hosts that hold the tables instead of --shards."),
+         changed: float = typer.Option(0.1, "--changed", min=0.0, max=1.0,
+                                       help="Share of the rows an incremental checkpoint finds changed."),
+         interval_s: float = typer.Option(30.0, "--interval-s", min=0.001, help="Seconds between checkpoints."),
          admit_after: int = typer.Option(1, "--admit-after", min=1, max=255,
                                          help="Occurrences before an ID gets a row (> 1: a count-min sketch)."),
          sketch_width: int = typer.Option(1 << 22, "--sketch-width", help="Sketch counters per row per store."),
          sketch_depth: int = typer.Option(4, "--sketch-depth", min=1, max=8, help="Sketch rows."),
          ttl: bool = typer.Option(False, "--ttl", help="Rows expire by age (16 bytes of stamps per row)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """Memory per PS shard and in total, index overhead and the embedding lifecycle included."""
+    """Every byte a PS shard holds (store files, private arrays, a checkpoint's buffers), per shard and in total;
+    what its checkpoints write; with --config, the largest capacity this host holds; with --host-memory, the
+    hosts a table needs."""
     from hybridrec.app import plan as planner
 
     if dtype != "float32":
@@ -690,31 +711,67 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
         if config_path is not None:
             config, layout = _fit(_load(config_path, None))
             result = planner.plan_config(config) | {"layout": layout.line()}
+            result["largest_capacity_here"] = planner.largest_capacity(
+                config, result["shards"], planner.host_memory_bytes(), planner.free_bytes(config.ps.shm_dir))
         else:
             if sum(x is not None and x != [] for x in (ids, params, table)) != 1:
                 _fail("give one of --ids, --params or --table (or --config)")
             tables = [_table(t, planner) for t in table] if table else \
                 [planner.Table(int(ids if ids is not None else params / dim), dim)]
-            result = planner.plan_tables(tables, optimizer=optimizer, shards=shards,
-                                         admit_after=admit_after, ttl=ttl, sketch_width=sketch_width,
-                                         sketch_depth=sketch_depth)
+            options = dict(optimizer=optimizer, admit_after=admit_after, ttl=ttl, sketch_width=sketch_width,
+                           sketch_depth=sketch_depth)
+            result = (planner.hosts_for(tables, host_bytes=_bytes(host_memory, "--host-memory"), **options)
+                      if host_memory else planner.plan_tables(tables, shards=shards, **options))
+        result["checkpoint"] = planner.checkpoint_bytes(result, changed=changed, interval_s=interval_s)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
+    _echo_plan(result, planner)
+
+
+def _echo_plan(result: dict, planner) -> None:
+    h = planner.human
     typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
-        typer.echo(f"  {name:<8} {planner.human(nbytes):>14} per shard")
+        typer.echo(f"  {name:<8} {h(nbytes):>14} per shard")
     if len(result["stores"]) > 1:
         for store in result["stores"]:
             typer.echo(f"  width {store['dim']:<4} {store['rows_per_shard']:>14,} rows "
-                       f"{planner.human(store['per_shard_bytes']):>14} per shard")
-    typer.echo(f"per shard: {planner.human(result['per_shard_bytes'])}   "
-               f"total: {planner.human(result['total_bytes'])}")
+                       f"{h(store['per_shard_bytes']):>14} per shard")
+    private = result["per_shard_private"]
+    typer.echo(f"store files per shard: {h(result['per_shard_bytes'])}   total: {h(result['total_bytes'])}")
+    typer.echo(f"private per shard: {h(private['stamps_and_marks'])} of stamps and change marks, "
+               f"{h(private['checkpoint_buffers'])} of checkpoint buffers while a dump runs")
+    typer.echo(f"memory per shard: {h(result['per_shard_memory_bytes'])}   total: {h(result['total_memory_bytes'])}")
+    if "hosts" in result:
+        typer.echo(f"hosts of {h(result['host_bytes'])}: {result['hosts']:,} ({result['shards_per_host']} "
+                   f"shard(s) each)")
+    c = result["checkpoint"]
+    typer.echo(f"checkpoints: a full dump writes {h(c['full_per_shard'])} per shard ({h(c['full_total'])} in all); "
+               f"a delta of {c['changed_share']:.0%} changed rows {h(c['delta_per_shard'])} per shard, "
+               f"{h(c['delta_bandwidth_per_shard'])}/s at one every {c['interval_s']:g} s")
     if "layout" in result:
         typer.echo(f"layout on this host: {result['layout']}")
+    if "largest_capacity_here" in result:
+        typer.echo(f"largest ps.capacity this host holds with this layout: {result['largest_capacity_here']:,} "
+                   f"rows per width per shard")
+
+
+def _bytes(text: str, option: str) -> int:
+    """`12TiB`, `24GB`, `1e12` as bytes (binary units for KiB..PiB, decimal for KB..PB)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+    number = text.strip().rstrip("bBiIkKmMgGtTpP")
+    try:
+        value = float(number) * units[text.strip()[len(number):].upper()]
+    except (ValueError, KeyError):
+        _fail(f"{option} {text!r}: expected a size such as 12TiB, 512GiB or 1e12")
+    if value <= 0:
+        _fail(f"{option} {text!r}: must be positive")
+    return int(value)
 
 
 def _table(spec: str, planner):

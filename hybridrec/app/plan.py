@@ -6,17 +6,32 @@ state per row), the open-addressing index (a power of two >= 2x each stripe's
 rows), the keys and the LRU prev/next arrays, the lifecycle's per-table
 counters, and where the lifecycle uses them its admission sketch (fixed:
 sketch_width x sketch_depth bytes per store) and per-row update stamps (16
-bytes per row, with a TTL), per shard and in total.
+bytes per row, with a TTL), per shard and in total. Besides those files a PS
+holds private memory that grows with its tables: each store's per-slot
+stamps and changed-row marks (`store.PRIVATE_BYTES_PER_SLOT`) and, while it
+dumps a checkpoint, one chunk buffer and one stripe's LRU order
+(`checkpoint.dump_memory_bytes`; dumps run one store at a time, so the
+largest store's counts). `per_shard_memory_bytes` is all of it: what a PS
+host needs. From the same figures: the largest capacity a host's memory
+holds (`largest_capacity`), how many PS hosts of a given memory a table
+needs (`hosts_for`), and what a checkpoint writes (`checkpoint_bytes`).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-from hybridrec.config import Config, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig, PSConfig
+from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig, PSConfig
+from services.embedding_ps.checkpoint import dump_memory_bytes, row_bytes
 from services.embedding_ps.kernels import MAX_STRIPE_ROWS
 from services.embedding_ps.optimizers import state_width
+from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
+
+MAX_STRIPES = 1024
+"""ps.num_stripes' limit: with MAX_STRIPE_ROWS rows a stripe, the most rows one store of a shard can hold."""
 
 OPTIMIZERS = tuple(m.value for m in EmbeddingOptimizer)
 
@@ -51,41 +66,154 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
         if table.ids < 1 or table.dim < 1:
             raise ValueError(f"a table needs ids >= 1 and dim >= 1, got {table.ids} ids of width {table.dim}")
         ids_by_dim[table.dim] = ids_by_dim.get(table.dim, 0) + table.ids
+    configs = []
     for dim, ids in sorted(ids_by_dim.items()):
         table = Table(ids, dim)
         capacity = max(16, math.ceil(table.ids / shards * headroom))
         stripes = num_stripes or max(16, 1 << (math.ceil(capacity / MAX_STRIPE_ROWS) - 1).bit_length())
+        if stripes > MAX_STRIPES:
+            least = math.ceil(table.ids * headroom / (MAX_STRIPES * MAX_STRIPE_ROWS))
+            raise TooManyStripes(f"a shard's store of width {dim} would hold {capacity:,} rows: more than "
+                                 f"{MAX_STRIPES} stripes of at most {MAX_STRIPE_ROWS:,} rows; use at least "
+                                 f"{least:,} shards", least)
         spec = EmbeddingOptimizerConfig(name=optimizer)
         lifecycle = LifecycleConfig(admit_after=admit_after, ttl_steps=1 if ttl else None,
                                     sketch_width=sketch_width, sketch_depth=sketch_depth)
         ps = PSConfig(capacity=capacity, num_stripes=stripes, lifecycle=lifecycle)
-        parts = planned_shm_bytes(StoreConfig(dim=table.dim, optimizer=spec, ps=ps))
+        configs.append(StoreConfig(dim=table.dim, optimizer=spec, ps=ps))
+        raw += capacity * (table.dim + state_width(spec, table.dim)) * 4
+    result = _plan_stores(configs, shards)
+    return result | {"optimizer": optimizer, "parameters": sum(t.ids * t.dim for t in tables),
+                     "overhead_vs_values_and_state": result["per_shard_bytes"] / raw if raw else None}
+
+
+def _plan_stores(configs: list[StoreConfig], shards: int) -> dict:
+    """Every byte a PS shard holds for stores of `configs` (one per width): files, private arrays, a dump's
+    buffers; per shard and in total."""
+    per_shard: dict[str, int] = {}
+    stores: list[dict] = []
+    for config in configs:
+        parts = planned_shm_bytes(config)
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
-        stores.append({"dim": dim, "rows_per_shard": capacity, "per_shard_bytes": sum(parts.values())})
-        rows += capacity
-        raw += capacity * (table.dim + state_width(spec, table.dim)) * 4
+        stores.append({"dim": config.dim, "rows_per_shard": config.capacity, "per_shard_bytes": sum(parts.values()),
+                       "stripes": config.num_stripes, "row_bytes_in_checkpoints": row_bytes(config)})
+    private = {"stamps_and_marks": sum(PRIVATE_BYTES_PER_SLOT * c.capacity for c in configs),
+               "checkpoint_buffers": max(dump_memory_bytes(c) for c in configs)}
     shard_bytes = sum(per_shard.values())
-    return {"shards": shards, "optimizer": optimizer, "rows_per_shard": rows, "per_shard_bytes": shard_bytes,
-            "per_shard_parts": per_shard, "stores": stores, "total_bytes": shard_bytes * shards,
-            "parameters": sum(t.ids * t.dim for t in tables),
-            "overhead_vs_values_and_state": shard_bytes / raw if raw else None}
+    memory = shard_bytes + sum(private.values())
+    return {"shards": shards, "rows_per_shard": sum(c.capacity for c in configs), "per_shard_bytes": shard_bytes,
+            "per_shard_parts": per_shard, "per_shard_private": private, "per_shard_memory_bytes": memory,
+            "stores": stores, "total_bytes": shard_bytes * shards, "total_memory_bytes": memory * shards,
+            "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * c.capacity for c in configs)}
+
+
+def checkpoint_bytes(result: dict, *, changed: float, interval_s: float) -> dict:
+    """What a checkpoint of a full table of `result` (a plan) writes per shard: a full dump, a delta with a
+    `changed` share of the rows changed, and the write bandwidth a delta every `interval_s` seconds takes."""
+    full = result["full_checkpoint_bytes_per_shard"]
+    delta = int(full * changed)
+    return {"full_per_shard": full, "delta_per_shard": delta, "changed_share": changed, "interval_s": interval_s,
+            "delta_bandwidth_per_shard": delta / interval_s, "full_total": full * result["shards"]}
+
+
+class TooManyStripes(ValueError):
+    """A shard's store would need more than MAX_STRIPES stripes; `least` shards would do."""
+
+    def __init__(self, message: str, least: int):
+        super().__init__(message)
+        self.least = least
+
+
+def hosts_for(tables: list[Table], *, optimizer: str, host_bytes: int, **options) -> dict:
+    """The plan with the fewest PS shards, each within `host_bytes` of memory, that hold `tables`, and how many
+    hosts of that memory they take (`hosts`, `shards_per_host`: more than one where the stores' stripe limit,
+    not the memory, sets the shard count)."""
+    spec = EmbeddingOptimizerConfig(name=optimizer)
+    values = sum(t.ids * (t.dim + state_width(spec, t.dim)) * 4 for t in tables)
+    shards = max(1, math.ceil(values / host_bytes))  # values and state alone: a lower bound
+    while True:
+        try:
+            result = plan_tables(tables, optimizer=optimizer, shards=shards, **options)
+        except TooManyStripes as exc:
+            shards = exc.least
+            continue
+        if result["per_shard_memory_bytes"] <= host_bytes:  # a store's stripe limit may leave room for more
+            per_host = host_bytes // result["per_shard_memory_bytes"]
+            return result | {"host_bytes": host_bytes, "shards_per_host": per_host,
+                             "hosts": math.ceil(shards / per_host)}
+        if result["rows_per_shard"] <= 16 * len(result["stores"]):
+            raise ValueError(f"a host of {human(host_bytes)} cannot hold even a PS shard's fixed memory "
+                             f"({human(result['per_shard_memory_bytes'])})")
+        shards = max(shards + 1, math.ceil(shards * result["per_shard_memory_bytes"] / host_bytes))
+
+
+def largest_capacity(config: Config, shards_on_host: int, memory_bytes: int, files_bytes: int) -> int:
+    """The largest ps.capacity with which `shards_on_host` shards of `config` fit in `memory_bytes` of memory,
+    their store files in `files_bytes` (0: none fits)."""
+    def fits(capacity: int) -> bool:
+        stripes = max(config.ps.num_stripes, math.ceil(capacity / MAX_STRIPE_ROWS))
+        if stripes > MAX_STRIPES:
+            return False
+        ps = config.ps.model_copy(update={"capacity": capacity, "num_stripes": stripes})
+        result = _plan_stores([StoreConfig.from_config(config.model_copy(update={"ps": ps}), dim)
+                               for dim in config.dims], shards_on_host)
+        return result["total_memory_bytes"] <= memory_bytes and result["total_bytes"] <= files_bytes
+
+    lo, hi = 0, max(16, config.ps.num_stripes)
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 1000):  # to 0.1 %: the index grows in powers of two anyway
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def plan_config(config: Config) -> dict:
     """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
-    per_shard: dict[str, int] = {}
-    stores: list[dict] = []
-    for dim in config.dims:
-        parts = planned_shm_bytes(StoreConfig.from_config(config, dim))
-        for name, nbytes in parts.items():
-            per_shard[name] = per_shard.get(name, 0) + nbytes
-        stores.append({"dim": dim, "rows_per_shard": config.ps.capacity, "per_shard_bytes": sum(parts.values())})
-    shards = len(config.cluster.ps)
-    shard_bytes = sum(per_shard.values())
-    return {"shards": shards, "optimizer": config.optimizer.embedding.name.value,
-            "rows_per_shard": config.ps.capacity * len(config.dims), "per_shard_bytes": shard_bytes,
-            "per_shard_parts": per_shard, "stores": stores, "total_bytes": shard_bytes * shards}
+    configs = [StoreConfig.from_config(config, dim) for dim in config.dims]
+    return _plan_stores(configs, len(config.cluster.ps)) | {"optimizer": config.optimizer.embedding.name.value}
+
+
+def host_memory_bytes() -> int:
+    """This host's memory (MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes free to an unprivileged writer on the filesystem that holds `path` (or would: its nearest
+    existing ancestor)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def check_fits(config: Config, *, host: str, memory_bytes: int, shm_free_bytes: int) -> None:
+    """ConfigError naming the host, the widths and the bytes unless every PS shard of `config` on this host (a
+    local run: all of them) fits its memory, and their store files the free space under ps.shm_dir."""
+    try:
+        result = plan_config(config)
+    except ValueError as exc:  # a stripe over its row limit (store_files.StoreConfig)
+        raise ConfigError(f"ps.capacity, ps.num_stripes: {exc}") from None
+    shards = result["shards"]
+    widths = ", ".join(f"width {s['dim']}: {human(s['per_shard_bytes'])} of files" for s in result["stores"])
+    need, files = result["total_memory_bytes"], result["total_bytes"]
+    if need <= memory_bytes and files <= shm_free_bytes:
+        return
+    largest = largest_capacity(config, shards, memory_bytes, shm_free_bytes)
+    where = (f"{human(memory_bytes)} of memory" if need > memory_bytes
+             else f"{human(shm_free_bytes)} free under {config.ps.shm_dir}")
+    raise ConfigError(f"ps.capacity: {shards} PS shard(s) of {config.ps.capacity:,} rows per width on host {host} "
+                      f"need {human(need)} ({human(result['per_shard_memory_bytes'])} a shard: {widths}, "
+                      f"{human(sum(result['per_shard_private'].values()))} private), {human(files)} of it in store "
+                      f"files; this host has {where}. At most {largest:,} rows per width fit (`hybridrec plan "
+                      f"--config`), or put the PS on more hosts")
 
 
 def human(nbytes: float) -> str:

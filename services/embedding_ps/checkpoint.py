@@ -69,7 +69,7 @@ import numpy as np
 from hybridrec import checkpoints, log
 from hybridrec.files import HashingWriter, fsync_dir
 from services.embedding_ps.optimizers import state_width
-from services.embedding_ps.store import EmbeddingStore
+from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 _log = log.get(__name__)
 
@@ -91,17 +91,19 @@ def shard_dir_name(shard: int, num_shards: int) -> str:
     return f"shard-{shard:05d}-of-{num_shards:05d}"
 
 
-def row_bytes(store: EmbeddingStore) -> int:
-    """Bytes one row takes in a dump's parts: key, values and state, last update with a TTL."""
-    return 8 + 4 * store.config.row_width + (16 if store.config.uses_ttl else 0)
+def row_bytes(config: StoreConfig) -> int:
+    """Bytes one row of a store of `config` takes in a dump's parts: key, values and state, last update with
+    a TTL."""
+    return 8 + 4 * config.row_width + (16 if config.uses_ttl else 0)
 
 
-def dump_memory_bytes(store: EmbeddingStore, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """The most memory a dump of `store` adds: the chunk buffers, plus a stripe's copied links, LRU order and
-    its changed subset (4 bytes each per slot), plus a batch's marks test."""
-    chunk_rows = max(1, chunk_bytes // row_bytes(store))
-    stripe_slots = -(-store.config.capacity // store.config.num_stripes)
-    return chunk_rows * row_bytes(store) + 13 * stripe_slots
+def dump_memory_bytes(config: StoreConfig, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The most memory a dump of a store of `config` adds to its PS: the chunk buffers, plus a stripe's copied
+    links, LRU order and changed subset (4 bytes each per slot) and a mark test (1 byte per slot). What
+    `hybridrec plan` counts for checkpoints."""
+    chunk_rows = max(1, chunk_bytes // row_bytes(config))
+    stripe_slots = -(-config.capacity // config.num_stripes)
+    return chunk_rows * row_bytes(config) + 13 * stripe_slots
 
 
 def dump_bytes(manifest: dict) -> int:
@@ -127,7 +129,7 @@ def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: 
     """Stream one store's rows (all, or those changed since its last dump) into part files; the table's entry."""
     config, dim = store.config, store.config.dim
     parts, rows = [], 0
-    chunk_rows = max(1, chunk_bytes // row_bytes(store))
+    chunk_rows = max(1, chunk_bytes // row_bytes(config))
     for i, (keys, values, touched) in enumerate(store.stream_rows(changed_only=delta, chunk_rows=chunk_rows,
                                                                    lock_rows=LOCK_ROWS)):
         part = {"rows": int(keys.shape[0]), "keys": _write_npy(into / f"dim{dim}.{i:05d}.keys.npy", keys),

@@ -35,6 +35,9 @@ __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 _log = log.get(__name__)
 
 _INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
+PRIVATE_BYTES_PER_SLOT = 5
+"""Process memory a store holds per slot besides its files: the LRU stamps (uint32) and the changed-row
+marks (uint8). `hybridrec plan` counts it."""
 HEAD_MOVES_START = 1 << 31  # the move counters' start: above any stripe's slot count (see _head_moves)
 
 _CHECK_MESSAGES = {

@@ -38,3 +38,65 @@ def test_tables_of_their_own_widths_get_stores_of_their_own():
 def test_an_empty_or_widthless_table_is_refused(table):
     with pytest.raises(ValueError, match="ids >= 1 and dim >= 1"):
         plan_tables([table], optimizer="adagrad", shards=2)
+
+
+def test_every_byte_a_shard_holds_is_counted():
+    """Store files, the per-slot stamps and change marks, and the largest store's checkpoint buffers."""
+    from services.embedding_ps.checkpoint import dump_memory_bytes
+    from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
+
+    plan = plan_tables([Table(4_000_000, 16), Table(1_000_000, 64)], optimizer="adagrad", shards=2)
+    configs = [StoreConfig(dim=d, optimizer=EmbeddingOptimizerConfig(name="adagrad"),
+                           ps=PSConfig(capacity=c, num_stripes=16)) for d, c in ((16, 2_000_000), (64, 500_000))]
+    private = plan["per_shard_private"]
+    assert private == {"stamps_and_marks": PRIVATE_BYTES_PER_SLOT * 2_500_000,
+                       "checkpoint_buffers": max(dump_memory_bytes(c) for c in configs)}
+    assert plan["per_shard_memory_bytes"] == plan["per_shard_bytes"] + sum(private.values())
+    assert plan["full_checkpoint_bytes_per_shard"] == 2_000_000 * (8 + 32 * 4) + 500_000 * (8 + 128 * 4)
+
+
+def test_a_shard_beyond_the_stripe_limit_names_the_shards_it_needs():
+    with pytest.raises(ValueError, match=r"more than 1024 stripes .* use at least 30 shards"):
+        plan_tables([Table(500_000_000_000, 16)], optimizer="adagrad", shards=2)
+
+
+def test_the_hundred_trillion_parameter_table_on_paper():
+    """1e14 parameters of width 16 on hosts of 12 TiB: the fewest shards whose memory fits a host, packed."""
+    from hybridrec.app.plan import checkpoint_bytes, hosts_for
+
+    host = 12 << 40
+    plan = hosts_for([Table(10**14 // 16, 16)], optimizer="adagrad", host_bytes=host)
+    assert plan["per_shard_memory_bytes"] <= host and plan["stores"][0]["stripes"] <= 1024
+    assert plan["hosts"] * plan["shards_per_host"] >= plan["shards"]
+    assert plan["shards_per_host"] * plan["per_shard_memory_bytes"] <= host
+    assert plan["rows_per_shard"] * plan["shards"] >= 10**14 // 16
+    with pytest.raises(ValueError, match="more than 1024 stripes"):  # one shard fewer could not hold it
+        plan_tables([Table(10**14 // 16, 16)], optimizer="adagrad", shards=plan["shards"] - 1)
+    writes = checkpoint_bytes(plan, changed=0.1, interval_s=30)
+    assert writes["full_per_shard"] == plan["rows_per_shard"] * (8 + 32 * 4)
+    assert writes["delta_bandwidth_per_shard"] == pytest.approx(writes["full_per_shard"] * 0.1 / 30, rel=1e-6)
+    small = hosts_for([Table(100_000_000, 16)], optimizer="adagrad", host_bytes=8 << 30)
+    assert small["shards"] == 2 and small["per_shard_memory_bytes"] <= 8 << 30  # 7.5 GiB a shard
+
+
+def test_a_local_run_that_cannot_hold_its_capacity_is_refused_naming_host_width_and_bytes(tmp_path, small_config):
+    """Before anything starts: no run directory, the message names the host, the width and the bytes, and the
+    largest capacity that fits."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from hybridrec.app.cli import app
+    from hybridrec.app.plan import host_memory_bytes
+
+    result = CliRunner().invoke(app, ["run", str(small_config), "--run-dir", str(tmp_path / "run"),
+                                      "--set", "ps.capacity=400000000", "--set", "ps.num_stripes=64"])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert re.search(r"ps\.capacity: \d+ PS shard\(s\) of 400,000,000 rows per width on host \S+ need [\d.]+ GiB",
+                     message), message
+    assert "width 16:" in message and "At most" in message and not (tmp_path / "run").exists()
+    most = int(re.search(r"At most ([\d,]+) rows", message)[1].replace(",", ""))
+    shards = int(re.search(r"ps\.capacity: (\d+) PS shard", message)[1])
+    fits = plan_tables([Table(most * shards, 16)], optimizer="adagrad", shards=shards, num_stripes=64)
+    assert 0 < most < 400_000_000 and fits["total_memory_bytes"] <= host_memory_bytes()

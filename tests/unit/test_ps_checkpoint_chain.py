@@ -77,7 +77,7 @@ def test_a_delta_holds_the_changed_rows_and_the_chain_restores_every_row_bit_for
         written = np.concatenate([np.load(root / "step-00000020" / "ps" / shard_dir_name(0, 1) / p["keys"]["file"])
                                   for p in table["parts"]])
         assert sorted(written.tolist()) == changed.tolist()  # exactly the changed rows
-        row = row_bytes(src[dim])
+        row = row_bytes(src[dim].config)
         files = sum(p[name]["bytes"] for p in table["parts"] for name in ("keys", "values"))
         assert files <= 1.1 * len(changed) * row + 256 * len(table["parts"])  # npy headers aside
     train(src, np.arange(2200, 2251, dtype=np.uint64), seed=2)
@@ -228,7 +228,7 @@ def test_a_dump_adds_at_most_its_chunk_and_one_stripes_order_to_memory(tmp_path,
     keys = np.arange(1, 300_001, dtype=np.uint64)
     for at in range(0, keys.size, 50_000):
         train(group, keys[at:at + 50_000], seed=at)
-    table = store.num_rows * row_bytes(store)
+    table = store.num_rows * row_bytes(store.config)
     chunk = 2 << 20
     dump_shard(group, tmp_path / "warm", shard=0, num_shards=1, step=0)  # kernels compiled outside the trace
     tracemalloc.start()
@@ -237,7 +237,7 @@ def test_a_dump_adds_at_most_its_chunk_and_one_stripes_order_to_memory(tmp_path,
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    bound = dump_memory_bytes(store, chunk)
+    bound = dump_memory_bytes(store.config, chunk)
     assert peak <= bound + (1 << 20), (peak, bound)  # 1 MiB for manifests, hashing and file buffers
     assert bound < table / 4, (bound, table)
     info = inspect_checkpoint(tmp_path / "ckpt" / "step-00000001")
