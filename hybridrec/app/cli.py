@@ -429,7 +429,10 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                drift_ids: int = typer.Option(8, "--drift-ids", min=1, help="How many IDs drift: the 5th most "
                                              "frequent and the next ones."),
                drift_shift: float = typer.Option(1.5, "--drift-shift", help="What the drift adds to each drifted "
-                                                 "ID's effect, in logits (parquet: to both tasks').")):
+                                                 "ID's effect, in logits (parquet: to both tasks')."),
+               ids: Optional[float] = typer.Option(None, "--ids", help="tsv: about this many distinct IDs in the "
+                                                   "training file (up to 1e9; e.g. 1e8 in 3e7 rows): rare IDs "
+                                                   "drawn beside each large slot's planted ones.")):
     """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
     started = time.monotonic()
     if format == "parquet":
@@ -437,6 +440,8 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
 
         if drift_slot is not None:
             _fail("--drift-slot: the parquet data set drifts items (item_id); a slot is for tsv")
+        if ids is not None:
+            _fail("--ids: for the tsv data set (its large slots); convert it with `hybridrec data to-parquet`")
         drift = None if drift_at is None else ItemDrift(at_row=drift_at, ids=drift_ids, shift=drift_shift)
         try:
             result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed, drift=drift)
@@ -453,10 +458,15 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
 
     drift = None if drift_at is None else Drift(at_row=drift_at, slot=drift_slot, ids=drift_ids, shift=drift_shift)
     try:
-        summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip, drift=drift)
+        summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip, drift=drift,
+                             ids=None if ids is None else int(ids))
     except ValueError as exc:
         _fail(str(exc))
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")
+    if ids is not None:
+        tail = summary.extra["ids"]
+        typer.echo(f"about {int(ids):,} distinct IDs: {tail['head_distinct_ids']:,} planted, the rest rare IDs "
+                   f"({tail['tail_share']:.1%} of the occurrences of slots {tail['tail_slots']})")
     if drift is not None:
         _echo_drift(summary.extra["drift"], drift_at, drift_shift)
 

@@ -37,6 +37,15 @@ Planted model (logit = bias + sum of effects, label ~ Bernoulli(sigmoid)):
 
 Deterministic given the seed; rows are drawn in fixed-size blocks with their
 own random streams, so a longer file starts with the rows of a shorter one.
+
+Large vocabularies (`ids`, `hybridrec data synth --ids N`): the slots of
+10,000 IDs or more also draw a share of their occurrences from a tail of
+rare IDs, uniform over a vocabulary twice the size the tail must show, so
+that the training file holds about N distinct IDs (up to 10^9; 100M in 30M
+rows). A tail ID is never held in a table: its token (16 hex digits, where a
+head ID has 8) and its effect (Gaussian, from a hash of the ID, scaled down
+by its rarity as any rare ID's) are computed from the ID itself. The oracle
+is computed from the true probabilities as without a tail.
 """
 
 from __future__ import annotations
@@ -81,6 +90,15 @@ DENSE_SCALE = 0.3
 """Std of the linear dense coefficient of a standardised log1p feature ..."""
 DENSE_QUAD_SCALE = 0.075
 """... and of its (mild) quadratic coefficient."""
+
+WIDE_MIN_CARDINALITY = 10_000
+"""With `ids`: the slots of at least this many IDs draw part of their occurrences from a tail of rare IDs."""
+MAX_TAIL_SHARE = 0.9
+"""... at most this share of them: a wide slot keeps a tenth of its planted head."""
+TAIL_OVERSIZE = 2.0
+"""A tail's vocabulary is this many times the distinct tail IDs the file should show (about ln 2 = 69 % of
+its draws are then new IDs)."""
+MAX_IDS = 10**9
 
 # Criteo-like rates of empty integer fields (I1..I13, Kaggle train set).
 DENSE_MISSING = np.array([0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.001, 0.04,
@@ -140,6 +158,88 @@ class Drift:
             raise ValueError(f"drift: slot {slot} has {model.cardinalities[slot]} IDs, fewer than first_rank + "
                              f"ids = {self.first_rank + self.ids}")
         return slot, np.arange(self.first_rank, self.first_rank + self.ids)
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The rare IDs that give the file `ids` distinct IDs: in each of `slots`, an occurrence is a tail ID with
+    probability `share`, drawn uniformly from `size` IDs (tokens and effects from hashes, `keys`)."""
+
+    ids: int
+    slots: tuple[int, ...]
+    share: float
+    size: int
+    keys: tuple[int, ...]
+    head_distinct: int
+    """Distinct head IDs expected in the training file (the planted model's own)."""
+
+    def describe(self) -> dict:
+        return {"target_distinct_ids": self.ids, "head_distinct_ids": self.head_distinct,
+                "tail_slots": [int(s) for s in self.slots], "tail_share": round(self.share, 6),
+                "tail_vocabulary_per_slot": self.size, "tail_token_hex_digits": 16}
+
+
+def _head_distinct(model: "_PlantedModel", rows: int, share: float, slots: tuple[int, ...]) -> float:
+    """Distinct head IDs expected in `rows` rows when `slots` give a `share` of their occurrences to a tail."""
+    total = 0.0
+    for s in range(NUM_SPARSE):
+        draws = rows * (1 - model.missing_rates[s]) * ((1 - share) if s in slots else 1.0)
+        total += float(np.sum(-np.expm1(-draws * np.diff(model.cdfs[s], prepend=0.0))))
+    return total
+
+
+def plan_tail(model: "_PlantedModel", rows: int, ids: int, seed: int) -> Tail:
+    """The tail that gives `rows` training rows about `ids` distinct IDs, or ValueError naming --ids and the
+    limit that `rows` sets."""
+    if not 0 < ids <= MAX_IDS:
+        raise ValueError(f"--ids {ids:,}: must be in 1..{MAX_IDS:,}")
+    slots = tuple(int(s) for s in np.flatnonzero(model.cardinalities >= WIDE_MIN_CARDINALITY))
+    draws = sum(rows * (1 - model.missing_rates[s]) for s in slots)  # occurrences of the wide slots
+    # m uniform draws from V = TAIL_OVERSIZE * D IDs show D = V (1 - e^(-m/V)) distinct: m = V * rate
+    rate = -math.log(1 - 1 / TAIL_OVERSIZE)
+    new_per_draw = 1 / (TAIL_OVERSIZE * rate)  # distinct tail IDs per tail draw (0.72 at TAIL_OVERSIZE 2)
+    share = 0.0
+    for _ in range(3):  # the head's distinct count shrinks as the tail's share grows: settle both
+        head = _head_distinct(model, rows, share, slots)
+        share = max(0.0, ids - head) / (draws * new_per_draw)
+        if share > MAX_TAIL_SHARE:
+            most = int(head + MAX_TAIL_SHARE * draws * new_per_draw)
+            raise ValueError(f"--ids {ids:,}: {rows:,} training rows hold at most about {most:,} distinct IDs in "
+                             f"this generator ({len(slots)} slots of {WIDE_MIN_CARDINALITY:,} IDs or more, each "
+                             f"giving at most {MAX_TAIL_SHARE:.0%} of its occurrences to rare IDs); raise --rows "
+                             f"to at least {math.ceil(rows * share / MAX_TAIL_SHARE):,} or lower --ids")
+    if share == 0.0:
+        raise ValueError(f"--ids {ids:,}: the planted model alone shows about {int(head):,} distinct IDs in "
+                         f"{rows:,} rows; ask for more, or leave --ids out")
+    tail_draws = draws * share / len(slots)
+    size = max(1, round(tail_draws / rate))
+    keys = tuple(int(k) for k in _stream(seed, 5).integers(0, 1 << 62, len(slots)))
+    return Tail(ids=ids, slots=slots, share=share, size=size, keys=keys, head_distinct=int(head))
+
+
+_GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 arrays (a bijection)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _tail_effects(model: "_PlantedModel", tail: Tail, slot: int, ids: np.ndarray) -> np.ndarray:
+    """Each tail ID's effect, from a hash of the ID: Gaussian, at the slot's scale, tapered by its rarity."""
+    key = np.uint64(tail.keys[tail.slots.index(slot)])
+    with np.errstate(over="ignore"):
+        h1 = _mix64(ids.astype(np.uint64) * _GOLDEN64 + key)
+        h2 = _mix64(h1 + _GOLDEN64)
+    u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53
+    u2 = (h2 >> np.uint64(11)).astype(np.float64) / 2.0**53
+    gauss = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    taper = min(1.0, (tail.share / tail.size / ID_TAPER_FREQ) ** ID_TAPER_POWER)
+    return gauss * model.id_scales[slot] * taper
 
 
 @dataclass
@@ -227,13 +327,18 @@ def _build_model(seed: int) -> _PlantedModel:
     calib = _stream(seed, 3)
     _, t = _draw_dense(model, calib, 100_000)
     model.dense_center, model.dense_spread = t.mean(0), t.std(0) + 1e-6
-    logit, _, _, _ = _draw_rows(model, calib, 200_000)
+    model.bias = _calibrated_bias(model, calib)
+    return model
+
+
+def _calibrated_bias(model: _PlantedModel, rng: np.random.Generator, tail: Optional[Tail] = None) -> float:
+    """The bias that gives a sample of rows a click rate of TARGET_CTR."""
+    logit, _, _, _ = _draw_rows(model, rng, 200_000, tail)
     lo, hi = -10.0, 10.0
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if np.mean(1 / (1 + np.exp(-(logit + mid)))) < TARGET_CTR else (lo, mid)
-    model.bias = (lo + hi) / 2
-    return model
+    return (lo + hi) / 2
 
 
 def _draw_dense(model: _PlantedModel, rng: np.random.Generator, n: int):
@@ -248,14 +353,21 @@ def _draw_dense(model: _PlantedModel, rng: np.random.Generator, n: int):
     return (x.astype(np.int64), empty), t
 
 
-def _draw_rows(model: _PlantedModel, rng: np.random.Generator, n: int):
-    """Returns (logit without bias, ranks (-1 = empty), dense columns, dense empty mask)."""
-    ranks = np.empty((n, NUM_SPARSE), np.int32)
+def _draw_rows(model: _PlantedModel, rng: np.random.Generator, n: int, tail: Optional[Tail] = None):
+    """Returns (logit without bias, ranks (-1 = empty; with a tail, -2 - i = the slot's tail ID i), dense
+    columns, dense empty mask)."""
+    ranks = np.empty((n, NUM_SPARSE), np.int64 if tail is not None else np.int32)
     logit = np.zeros(n)
     for s in range(NUM_SPARSE):
         r = np.searchsorted(model.cdfs[s], rng.random(n), side="right")
         np.minimum(r, model.cardinalities[s] - 1, out=r)
         eff = model.effects[s][r]
+        if tail is not None and s in tail.slots:
+            rare = rng.random(n) < tail.share
+            ids = rng.integers(0, tail.size, int(rare.sum()))
+            r = r.astype(np.int64)
+            r[rare] = -2 - ids
+            eff[rare] = _tail_effects(model, tail, s, ids)
         if model.missing_rates[s] > 0:
             empty = rng.random(n) < model.missing_rates[s]
             r[empty] = -1
@@ -285,8 +397,18 @@ def _token(rank, key):
 
 
 @numba.njit(cache=True)
-def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out):
-    """Write rows as Criteo TSV bytes into ``out``; returns the byte count."""
+def _token64(i, key):
+    """Tail ID -> 64-bit token: splitmix64 of the ID and the slot's key (a bijection per slot)."""
+    x = i * np.uint64(0x9E3779B97F4A7C15) + key
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out, tail_keys):
+    """Write rows as Criteo TSV bytes into ``out``; returns the byte count. `tail_keys`: per slot, the key of
+    its tail IDs' tokens (ranks below -1)."""
     p = 0
     digits = np.empty(20, np.uint8)
     for i in range(labels.shape[0]):
@@ -315,7 +437,13 @@ def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out):
         for k in range(ranks.shape[1]):
             out[p] = 9
             p += 1
-            if ranks[i, k] < 0:
+            if ranks[i, k] == -1:
+                continue
+            if ranks[i, k] < -1:  # a tail ID: 16 hex digits, never one of the 8-digit head tokens
+                t64 = _token64(np.uint64(-2 - ranks[i, k]), np.uint64(tail_keys[k]))
+                for d in range(16):
+                    out[p + d] = hexd[(t64 >> np.uint64(60 - 4 * d)) & np.uint64(15)]
+                p += 16
                 continue
             t = _token(np.int64(ranks[i, k]), keys[k])
             for d in range(8):
@@ -326,19 +454,29 @@ def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out):
     return p
 
 
+def _tail_keys(tail: Optional[Tail]) -> np.ndarray:
+    """Per slot, the key of its tail IDs' tokens (0 where it has no tail)."""
+    keys = np.zeros(NUM_SPARSE, np.uint64)
+    if tail is not None:
+        keys[list(tail.slots)] = tail.keys
+    return keys
+
+
 def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows: int,
-                use_gzip: bool, drift: Optional[tuple[int, int, np.ndarray, float]] = None):
+                use_gzip: bool, drift: Optional[tuple[int, int, np.ndarray, float]] = None,
+                tail: Optional[Tail] = None):
     """Write ``rows`` rows; returns (labels, click probabilities).
 
     ``drift``: (first row it applies to, slot, drifted ranks, shift)."""
     all_labels, all_p = [], []
+    tail_keys, token_bytes = _tail_keys(tail), 17 if tail is not None else 9
     opener = (lambda: gzip_module.open(path, "wb", compresslevel=3)) if use_gzip else (
         lambda: open(path, "wb"))
     with opener() as f:
         for block, start in enumerate(range(0, rows, BLOCK_ROWS)):
             rng = _stream(seed, file_key, block)
             n = min(BLOCK_ROWS, rows - start)
-            logit, ranks, ints, empty = _draw_rows(model, rng, BLOCK_ROWS)
+            logit, ranks, ints, empty = _draw_rows(model, rng, BLOCK_ROWS, tail)
             if drift is not None:
                 logit += _drift_shift(drift, start, ranks)
             p = 1.0 / (1.0 + np.exp(-(logit + model.bias)))
@@ -347,8 +485,8 @@ def _write_file(path: Path, model: _PlantedModel, seed: int, file_key: int, rows
             # depend on its length.
             labels, p, ranks, ints, empty = labels[:n], p[:n], ranks[:n], ints[:n], empty[:n]
             max_int_digits = max(1, len(str(int(np.abs(ints).max())))) + 1
-            out = np.empty(n * (2 + NUM_DENSE * (1 + max_int_digits) + NUM_SPARSE * 9), np.uint8)
-            nbytes = _format_rows(labels, ints, empty, ranks, model.token_keys, _HEX, out)
+            out = np.empty(n * (2 + NUM_DENSE * (1 + max_int_digits) + NUM_SPARSE * token_bytes), np.uint8)
+            nbytes = _format_rows(labels, ints, empty, ranks, model.token_keys, _HEX, out, tail_keys)
             f.write(memoryview(out[:nbytes]))
             all_labels.append(labels)
             all_p.append(p)
@@ -379,7 +517,8 @@ def _write_probes(path: Path, model: _PlantedModel, seed: int, slot: int, ranks:
     drawn[:, slot] = np.repeat(ranks, per_id)
     logit += model.effects[slot][drawn[:, slot]] - old + model.bias
     out = np.empty(len(drawn) * (2 + NUM_DENSE * 22 + NUM_SPARSE * 9), np.uint8)
-    nbytes = _format_rows(np.zeros(len(drawn), np.int8), ints, empty, drawn, model.token_keys, _HEX, out)
+    nbytes = _format_rows(np.zeros(len(drawn), np.int8), ints, empty, drawn, model.token_keys, _HEX, out,
+                          _tail_keys(None))
     # _format_rows writes a label first: drop it and its tab from every line.
     lines = bytes(out[:nbytes]).split(b"\n")[:-1]
     path.write_bytes(b"".join(line[2:] + b"\n" for line in lines))
@@ -418,12 +557,15 @@ def _plant_drift(out: Path, model: _PlantedModel, seed: int, drift: Drift, rows:
 
 
 def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
-               seed: int = 0, gzip: bool = False, drift: Optional[Drift] = None) -> SynthSummary:
+               seed: int = 0, gzip: bool = False, drift: Optional[Drift] = None,
+               ids: Optional[int] = None) -> SynthSummary:
     """Write train.tsv, eval.tsv (``.tsv.gz`` with ``gzip``) and oracle.json.
 
     ``eval_rows`` defaults to rows // 10, at least 10,000. The eval file is
     drawn from the same planted model as the train file, with its own
-    random streams (after the drift, with ``drift``: see `Drift`).
+    random streams (after the drift, with ``drift``: see `Drift`). ``ids``:
+    about this many distinct IDs in the training file (`Tail`; ValueError
+    naming --ids when ``rows`` cannot hold them).
     """
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
@@ -437,11 +579,15 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
     suffix = ".tsv.gz" if gzip else ".tsv"
     train_path, eval_path = out / f"train{suffix}", out / f"eval{suffix}"
     model = _build_model(seed)
+    tail = plan_tail(model, rows, ids, seed) if ids is not None else None
+    if tail is not None:
+        model.bias = _calibrated_bias(model, _stream(seed, 3, 1), tail)
     planted = _plant_drift(out, model, seed, drift, rows) if drift is not None else None
     shifts = (planted["slot"], np.asarray(planted["ranks"]), drift.shift) if drift is not None else None
     train_labels, train_p = _write_file(train_path, model, seed, 1, rows, gzip,
-                                        (drift.at_row, *shifts) if shifts else None)
-    eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip, (0, *shifts) if shifts else None)
+                                        (drift.at_row, *shifts) if shifts else None, tail)
+    eval_labels, eval_p = _write_file(eval_path, model, seed, 2, eval_rows, gzip, (0, *shifts) if shifts else None,
+                                      tail)
     oracle = binary_metrics(eval_labels, eval_p)
     oracle_auc, oracle_logloss = oracle["auc"], oracle["logloss"]
     ctr = float(train_labels.mean())
@@ -459,6 +605,7 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
         "oracle_auc_train": round(binary_metrics(train_labels, train_p)["auc"], 6),
         **model.describe(),
         **({"drift": planted} if planted is not None else {}),
+        **({"ids": tail.describe()} if tail is not None else {}),
     }
     oracle_path = out / "oracle.json"
     oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")

@@ -173,3 +173,35 @@ def test_a_planted_drift_in_the_multitask_data_changes_its_items_labels_from_its
     assert not {categories[i] for i in planted["ids"]} & {categories[i] for i in planted["control_ids"]}
     with pytest.raises(ValueError, match="only 40000 rows"):
         synthesize_multitask(tmp_path / "x", rows=rows, drift=ItemDrift(at_row=rows))
+
+
+def test_ids_gives_the_training_file_about_that_many_distinct_ids(tmp_path):
+    """--ids: rare IDs (16 hex digits) drawn beside the large slots' planted ones; the file holds about the
+    distinct IDs asked for, the parser reads it, the oracle is the true probabilities' AUC, and the default
+    generator's rows are untouched (the tail draws only where it is asked for)."""
+    summary = synthesize(tmp_path / "wide", rows=60_000, eval_rows=10_000, seed=7, ids=300_000)
+    tail = summary.extra["ids"]
+    train = read_all(tmp_path / "wide" / "train.tsv")
+    distinct = sum(len(np.unique(train["ids"][train["present"][:, s], s])) for s in range(NUM_SPARSE))
+    assert distinct == pytest.approx(300_000, rel=0.05)
+    assert tail["target_distinct_ids"] == 300_000 and 0 < tail["tail_share"] <= 0.9
+    assert 0.5 < summary.oracle_auc < 1 and summary.ctr == pytest.approx(0.25, abs=0.03)
+    lines = (tmp_path / "wide" / "train.tsv").read_text().splitlines()[:200]
+    tokens = [tok for line in lines for tok in line.split("\t")[1 + NUM_DENSE:] if tok]
+    assert any(len(t) == 16 for t in tokens) and all(re.fullmatch(r"[0-9a-f]{8}|[0-9a-f]{16}", t) for t in tokens)
+    wide_slots = set(tail["tail_slots"])
+    assert all(len(tok) == 8 for line in lines for s, tok in enumerate(line.split("\t")[1 + NUM_DENSE:])
+               if tok and s not in wide_slots)
+    again = synthesize(tmp_path / "again", rows=60_000, eval_rows=10_000, seed=7, ids=300_000)
+    assert (tmp_path / "again" / "train.tsv").read_bytes() == (tmp_path / "wide" / "train.tsv").read_bytes()
+    assert again.oracle_auc == summary.oracle_auc
+
+
+@pytest.mark.parametrize("ids, says", [(10**9, r"--ids 1,000,000,000: 60,000 training rows hold at most about "
+                                                r"[\d,]+ distinct IDs .* raise --rows to at least [\d,]+"),
+                                       (10, r"--ids 10: the planted model alone shows about [\d,]+ distinct IDs"),
+                                       (2 * 10**9, r"--ids 2,000,000,000: must be in 1..1,000,000,000")])
+def test_ids_that_the_rows_cannot_hold_name_the_option_and_the_limit(tmp_path, ids, says):
+    with pytest.raises(ValueError, match=says):
+        synthesize(tmp_path, rows=60_000, ids=ids)
+    assert not (tmp_path / "train.tsv").exists()
