@@ -224,7 +224,8 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
         store.dumped = int(step)
     _log.info("ps shard checkpoint written", directory=str(final), step=step, delta=manifest["delta"],
               chain=chain, seconds=round(time.monotonic() - started, 3),
-              rows={d: t["num_rows"] for d, t in tables.items()}, bytes=dump_bytes(manifest))
+              rows={d: t["num_rows"] for d, t in tables.items()}, bytes=dump_bytes(manifest),
+              longest_lock_hold_ms=round(max(s.longest_hold_s for s in store_by_dim.values()) * 1e3, 2))
     return manifest
 
 

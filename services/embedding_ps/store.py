@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,7 +29,7 @@ from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
 from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
-                                               create_files, file_dtype, file_nbytes, lock_directory)
+                                               create_files, file_dtype, file_nbytes, lock_directory, prefault)
 
 __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 
@@ -97,6 +98,9 @@ class EmbeddingStore(L.StoreLifecycle):
         # its first checkpoint is full (`dumped` is None until a dump completes).
         marks = np.zeros(c.capacity, np.uint8)
         self._marks = [marks[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
+        self.longest_hold_s = 0.0
+        """The longest a stripe's lock was held for one batch of the last `stream_rows` (what a request may
+        have waited for it)."""
         self.dumped: int | None = None
         """Step of the last checkpoint dump of this store whose changes since are all marked (None: none, or
         something changed rows unmarked: a restore, a failed dump). Set by services/embedding_ps/checkpoint.py."""
@@ -133,6 +137,8 @@ class EmbeddingStore(L.StoreLifecycle):
                 maps = create_files(directory, layout)
             store = cls(directory, layout, maps, lock_fd)
             store.created = created  # no files were there: a first start, or a lost store (lives.py)
+            if not created:
+                prefault(maps, directory)
         except BaseException:
             os.close(lock_fd)
             raise
@@ -379,6 +385,7 @@ class EmbeddingStore(L.StoreLifecycle):
         copied row's mark is cleared.
         """
         lock_rows = max(1, min(lock_rows, chunk_rows))
+        self.longest_hold_s = 0.0
         width, ttl = self.config.row_width, self.config.uses_ttl
         out_keys = np.empty(chunk_rows, np.uint64)
         out_values = np.empty((chunk_rows, width), np.float32)
@@ -400,8 +407,10 @@ class EmbeddingStore(L.StoreLifecycle):
                     yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
                     filled = 0
                 with self._locks[s]:
+                    held = time.perf_counter()
                     filled += K.copy_rows(batch, keys, values, touched, marks, out_keys, out_values, out_touched,
                                           filled)
+                    self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
         if filled:
             yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -268,7 +270,9 @@ def lock_directory(directory: Path) -> int:
 
 
 def _map_file(path: Path, nbytes: int, *, create: bool) -> mmap.mmap:
-    """MAP_SHARED mapping of a file, pre-faulted (MAP_POPULATE) so the hot path takes no page faults."""
+    """MAP_SHARED mapping of a file; a new one pre-faulted (MAP_POPULATE) so the hot path takes no page faults.
+    An existing one (a restarted PS re-attaching) is not: mapping 15 GiB so takes 1.2 s, all of it before the
+    shard serves again; `prefault` does it behind the first requests instead."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
     try:
         if create:
@@ -280,10 +284,38 @@ def _map_file(path: Path, nbytes: int, *, create: bool) -> mmap.mmap:
                     raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for {path}: {exc.strerror}") from exc
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, expected {nbytes} (truncated or foreign file)")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if create else 0)
         return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault a range's pages in, writable, as MAP_POPULATE does at mapping time."""
+PREFAULT_CHUNK = 16 << 20
+"""Bytes per madvise call: each holds the GIL (about 1.3 ms a call at 15 GiB in 1.2 s)."""
+
+
+def prefault(maps: dict[str, mmap.mmap], directory: Path) -> threading.Thread:
+    """Fault the re-attached files' pages in on a daemon thread, chunk by chunk, while the store serves; stops
+    at the first chunk that fails (a closed map, a kernel without MADV_POPULATE_WRITE: pages then fault in as
+    requests touch them, as they would have anyway)."""
+    def run() -> None:
+        started, done = time.perf_counter(), 0
+        try:
+            for mm in list(maps.values()):
+                for start in range(0, len(mm), PREFAULT_CHUNK):
+                    mm.madvise(MADV_POPULATE_WRITE, start, min(PREFAULT_CHUNK, len(mm) - start))
+                    done += min(PREFAULT_CHUNK, len(mm) - start)
+        except (ValueError, OSError) as exc:  # closed, or not supported
+            _log.info("store prefault stopped", directory=str(directory), bytes=done, reason=str(exc))
+            return
+        _log.info("store prefaulted", directory=str(directory), bytes=done,
+                  seconds=round(time.perf_counter() - started, 3))
+
+    thread = threading.Thread(target=run, name="store-prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 def attach_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap] | None:

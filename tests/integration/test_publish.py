@@ -26,13 +26,12 @@ STEPS = 50
 
 
 def _checkpoint_rows(step_dir, dim):
-    keys, rows = [], []
-    for shard in sorted((step_dir / "ps").iterdir()):
-        k = np.load(shard / f"dim{dim}.keys.npy")
-        v = np.load(shard / f"dim{dim}.values.npy")
-        keys.append(k)
-        rows.append(v[:, :dim])
-    keys, rows = np.concatenate(keys), np.concatenate(rows)
+    """Every row of width `dim` a checkpoint holds (its chain followed), sorted by key."""
+    from services.embedding_ps.checkpoint import read_embeddings
+
+    _, tables = read_embeddings(step_dir)
+    keys = np.concatenate([np.asarray(k) for _, d, k, _ in tables if d == dim])
+    rows = np.concatenate([np.asarray(r) for _, d, _, r in tables if d == dim])
     order = np.argsort(keys)
     return keys[order], rows[order]
 
