@@ -131,12 +131,15 @@ class Trainer:
 
     def between(self, lo: float, hi: float) -> dict:
         """Latencies of calls that overlapped [lo, hi]."""
-        seconds = np.array([s for t, s in self.latencies if t <= hi and t + s >= lo])
-        if seconds.size == 0:
+        calls = [(t, s) for t, s in self.latencies if t <= hi and t + s >= lo]
+        if not calls:
             return {"calls": 0}
+        seconds = np.array([s for _, s in calls])
+        slowest = sorted(calls, key=lambda c: -c[1])[:3]
         return {"calls": int(seconds.size), "p50_ms": round(float(np.median(seconds)) * 1e3, 2),
                 "p99_ms": round(float(np.quantile(seconds, 0.99)) * 1e3, 2),
-                "max_ms": round(float(seconds.max()) * 1e3, 2)}
+                "max_ms": round(float(seconds.max()) * 1e3, 2),
+                "slowest": [{"at_s": round(t - lo, 3), "ms": round(s * 1e3, 2)} for t, s in slowest]}
 
 
 def fill(store: EmbeddingStore, rows: int, batch: int = 1 << 20) -> float:

@@ -122,6 +122,11 @@ def _write_npy(path: Path, array: np.ndarray) -> dict:
         writer.write(memoryview(array).cast("B"))
         f.flush()
         os.fsync(f.fileno())
+        # Written and durable: drop it from the page cache. A dump of a large table would otherwise fill the
+        # host's memory with cache the PS never reads again, and the kernel would reclaim it from under
+        # everything else (measured at 100M rows: lookups stalled up to 350 ms, a restarted process re-read
+        # its libraries from disk).
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha.hexdigest()}
 
 

@@ -74,6 +74,8 @@ class EmbeddingStore(L.StoreLifecycle):
         self._layout = layout
         self._maps = maps
         self._lock_fd = lock_fd
+        self._closing = threading.Event()  # tells a prefault thread (store_files.prefault) to let go of the maps
+        self._prefault: threading.Thread | None = None
         self._arrays = {name: np.frombuffer(mm, dtype=file_dtype(name)).reshape(layout.shape(name))
                         for name, mm in maps.items()}
         c = self.config
@@ -138,7 +140,7 @@ class EmbeddingStore(L.StoreLifecycle):
             store = cls(directory, layout, maps, lock_fd)
             store.created = created  # no files were there: a first start, or a lost store (lives.py)
             if not created:
-                prefault(maps, directory)
+                store._prefault = prefault(maps, directory, store._closing)
         except BaseException:
             os.close(lock_fd)
             raise
@@ -167,6 +169,9 @@ class EmbeddingStore(L.StoreLifecycle):
         """Flush and unmap. The caller must have stopped using the store from other threads."""
         if not self._maps:
             return
+        self._closing.set()
+        if self._prefault is not None:
+            self._prefault.join()  # at most one chunk's madvise: then no view of the maps is left
         self.flush()
         self._stripes = []
         self._arrays = {}
@@ -394,8 +399,10 @@ class EmbeddingStore(L.StoreLifecycle):
         for s, (_, keys, prev, _, values, hdr) in enumerate(self._stripes):
             touched, marks = self._life[s][0], self._marks[s]
             with self._locks[s]:
+                held = time.perf_counter()
                 used = int(hdr[K.F_USED])  # live rows occupy slots [0, used): so do their links
                 links, ends = prev[:used].copy(), hdr.copy()
+                self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
             order = np.empty(used, np.int32)
             order = order[:K.lru_order(links, ends, order)]
             del links
