@@ -432,7 +432,11 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                                                  "ID's effect, in logits (parquet: to both tasks')."),
                ids: Optional[float] = typer.Option(None, "--ids", help="tsv: about this many distinct IDs in the "
                                                    "training file (up to 1e9; e.g. 1e8 in 3e7 rows): rare IDs "
-                                                   "drawn beside each large slot's planted ones.")):
+                                                   "drawn beside each large slot's planted ones."),
+               tail_share: Optional[float] = typer.Option(None, "--tail-share", help="With --ids: the share of "
+                                                          "the large slots' occurrences that are rare IDs, fixed "
+                                                          "(their vocabulary sized to --ids instead): data sets "
+                                                          "of other --ids with the same IDs per batch.")):
     """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
     started = time.monotonic()
     if format == "parquet":
@@ -459,7 +463,7 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
     drift = None if drift_at is None else Drift(at_row=drift_at, slot=drift_slot, ids=drift_ids, shift=drift_shift)
     try:
         summary = synthesize(out, rows=rows, eval_rows=eval_rows, seed=seed, gzip=gzip, drift=drift,
-                             ids=None if ids is None else int(ids))
+                             ids=None if ids is None else int(ids), tail_share=tail_share)
     except ValueError as exc:
         _fail(str(exc))
     typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {summary.oracle_auc:.4f}")

@@ -188,13 +188,18 @@ def _head_distinct(model: "_PlantedModel", rows: int, share: float, slots: tuple
     return total
 
 
-def plan_tail(model: "_PlantedModel", rows: int, ids: int, seed: int) -> Tail:
+def plan_tail(model: "_PlantedModel", rows: int, ids: int, seed: int, share: Optional[float] = None) -> Tail:
     """The tail that gives `rows` training rows about `ids` distinct IDs, or ValueError naming --ids and the
-    limit that `rows` sets."""
+    limit that `rows` sets. `share` (--tail-share): the share of the large slots' occurrences the tail takes,
+    fixed, its vocabulary sized to give `ids` instead: so that data sets of different `ids` have the same
+    distinct IDs per batch (a table of 10M rows against one of 100M at the same work per batch)."""
     if not 0 < ids <= MAX_IDS:
         raise ValueError(f"--ids {ids:,}: must be in 1..{MAX_IDS:,}")
     slots = tuple(int(s) for s in np.flatnonzero(model.cardinalities >= WIDE_MIN_CARDINALITY))
     draws = sum(rows * (1 - model.missing_rates[s]) for s in slots)  # occurrences of the wide slots
+    keys = tuple(int(k) for k in _stream(seed, 5).integers(0, 1 << 62, len(slots)))
+    if share is not None:
+        return _tail_of_share(model, rows, ids, slots, draws, share, keys)
     # m uniform draws from V = TAIL_OVERSIZE * D IDs show D = V (1 - e^(-m/V)) distinct: m = V * rate
     rate = -math.log(1 - 1 / TAIL_OVERSIZE)
     new_per_draw = 1 / (TAIL_OVERSIZE * rate)  # distinct tail IDs per tail draw (0.72 at TAIL_OVERSIZE 2)
@@ -213,8 +218,28 @@ def plan_tail(model: "_PlantedModel", rows: int, ids: int, seed: int) -> Tail:
                          f"{rows:,} rows; ask for more, or leave --ids out")
     tail_draws = draws * share / len(slots)
     size = max(1, round(tail_draws / rate))
-    keys = tuple(int(k) for k in _stream(seed, 5).integers(0, 1 << 62, len(slots)))
     return Tail(ids=ids, slots=slots, share=share, size=size, keys=keys, head_distinct=int(head))
+
+
+def _tail_of_share(model: "_PlantedModel", rows: int, ids: int, slots: tuple[int, ...], draws: float,
+                   share: float, keys: tuple[int, ...]) -> Tail:
+    """`plan_tail` with the tail's share fixed: the vocabulary V per slot whose m draws show the distinct IDs
+    asked for, V (1 - e^(-m/V)) = D (bisection: the left side grows with V towards m)."""
+    if not 0 < share <= MAX_TAIL_SHARE:
+        raise ValueError(f"--tail-share {share}: must be in (0, {MAX_TAIL_SHARE}]")
+    head = _head_distinct(model, rows, share, slots)
+    m = draws * share / len(slots)
+    wanted = (ids - head) / len(slots)
+    if wanted <= 0 or wanted >= 0.99 * m:
+        most = int(head + 0.99 * m * len(slots))
+        raise ValueError(f"--ids {ids:,} with --tail-share {share}: {rows:,} training rows show between about "
+                         f"{int(head):,} and {most:,} distinct IDs at that share; choose --ids in that range, or "
+                         f"another --tail-share")
+    lo, hi = wanted, wanted * 1e6
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * -math.expm1(-m / mid) < wanted else (lo, mid)
+    return Tail(ids=ids, slots=slots, share=share, size=max(1, round(hi)), keys=keys, head_distinct=int(head))
 
 
 _GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
@@ -558,15 +583,18 @@ def _plant_drift(out: Path, model: _PlantedModel, seed: int, drift: Drift, rows:
 
 def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
                seed: int = 0, gzip: bool = False, drift: Optional[Drift] = None,
-               ids: Optional[int] = None) -> SynthSummary:
+               ids: Optional[int] = None, tail_share: Optional[float] = None) -> SynthSummary:
     """Write train.tsv, eval.tsv (``.tsv.gz`` with ``gzip``) and oracle.json.
 
     ``eval_rows`` defaults to rows // 10, at least 10,000. The eval file is
     drawn from the same planted model as the train file, with its own
     random streams (after the drift, with ``drift``: see `Drift`). ``ids``:
     about this many distinct IDs in the training file (`Tail`; ValueError
-    naming --ids when ``rows`` cannot hold them).
+    naming --ids when ``rows`` cannot hold them); ``tail_share`` fixes the
+    rare IDs' share of the large slots (`plan_tail`).
     """
+    if tail_share is not None and ids is None:
+        raise ValueError("--tail-share: only with --ids (the share of the rare IDs that make up --ids)")
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     if eval_rows is None:
@@ -579,7 +607,7 @@ def synthesize(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None =
     suffix = ".tsv.gz" if gzip else ".tsv"
     train_path, eval_path = out / f"train{suffix}", out / f"eval{suffix}"
     model = _build_model(seed)
-    tail = plan_tail(model, rows, ids, seed) if ids is not None else None
+    tail = plan_tail(model, rows, ids, seed, tail_share) if ids is not None else None
     if tail is not None:
         model.bias = _calibrated_bias(model, _stream(seed, 3, 1), tail)
     planted = _plant_drift(out, model, seed, drift, rows) if drift is not None else None

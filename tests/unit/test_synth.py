@@ -205,3 +205,24 @@ def test_ids_that_the_rows_cannot_hold_name_the_option_and_the_limit(tmp_path, i
     with pytest.raises(ValueError, match=says):
         synthesize(tmp_path, rows=60_000, ids=ids)
     assert not (tmp_path / "train.tsv").exists()
+
+
+def test_a_fixed_tail_share_gives_other_ids_the_same_ids_per_batch(tmp_path):
+    """--tail-share: two data sets of 150k and 250k distinct IDs at one share draw as many rare IDs per row, so
+    a batch (of 512 rows: far fewer rare IDs than either vocabulary) holds about as many distinct IDs; each file
+    holds about the distinct IDs asked for."""
+    def per_batch_and_total(ids: int) -> tuple[float, int]:
+        synthesize(tmp_path / str(ids), rows=60_000, eval_rows=10_000, seed=7, ids=ids, tail_share=0.5)
+        train = read_all(tmp_path / str(ids) / "train.tsv")
+        batch = [len(np.unique(train["ids"][:512][train["present"][:512, s], s])) for s in range(NUM_SPARSE)]
+        total = sum(len(np.unique(train["ids"][train["present"][:, s], s])) for s in range(NUM_SPARSE))
+        return sum(batch), total
+
+    small, small_total = per_batch_and_total(150_000)
+    large, large_total = per_batch_and_total(250_000)
+    assert small == pytest.approx(large, rel=0.03)
+    assert small_total == pytest.approx(150_000, rel=0.05) and large_total == pytest.approx(250_000, rel=0.05)
+    with pytest.raises(ValueError, match=r"--ids 10,000,000 with --tail-share 0.5: 60,000 training rows show"):
+        synthesize(tmp_path / "x", rows=60_000, ids=10_000_000, tail_share=0.5)
+    with pytest.raises(ValueError, match="--tail-share: only with --ids"):
+        synthesize(tmp_path / "y", rows=60_000, tail_share=0.5)
