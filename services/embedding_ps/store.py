@@ -381,11 +381,12 @@ class EmbeddingStore(L.StoreLifecycle):
         Stripe by stripe: the stripe's LRU links are copied under its lock (4 bytes a slot) and walked without
         it; then its rows are copied in that order, `lock_rows` at a time, each batch under the stripe's lock
         alone, so a lookup or update waits at most one batch's copy and other stripes never wait. Extra memory:
-        the chunk buffers plus 13 bytes per slot of one stripe (`checkpoint.dump_memory_bytes`). Each row is copied whole, as it is at its batch's
-        copy; a row changed after its batch was copied is marked again and goes into the next delta. Rows
-        inserted into a stripe after its links were copied are left for the next dump (still marked), and a row
-        evicted and inserted again meanwhile may be copied twice (its newer copy comes later: a restore keeps
-        it). Order within a stripe is least to most recently used, as `load_rows` then restores it.
+        the chunk buffers plus 13 bytes per slot of one stripe (`checkpoint.dump_memory_bytes`). Each row is
+        copied whole, as it is at its batch's copy; a row changed after its batch was copied is marked again
+        and goes into the next delta. Rows inserted into a stripe after its links were copied are left for the
+        next dump (still marked), and a row evicted and inserted again meanwhile may be copied twice (its newer
+        copy comes later: a restore keeps it). Order within a stripe is least to most recently used, as
+        `load_rows` then restores it.
         `changed_only`: only rows marked as changed (updated or inserted) since the previous stream; every
         copied row's mark is cleared.
         """
