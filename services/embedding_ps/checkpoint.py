@@ -155,10 +155,12 @@ def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: 
 
 
 def _chain_before(job_root: Path, name: str, store_by_dim: dict[int, EmbeddingStore], base: int | None,
-                  full_every: int) -> list[int]:
+                  step: int, full_every: int) -> list[int]:
     """The chain a delta on checkpoint `base` continues ([]: this dump must be full; see the module's
-    docstring for when)."""
-    if base is None or full_every <= 1 or any(store.dumped != base for store in store_by_dim.values()):
+    docstring for when). A dump of the base's own step (a final checkpoint of the step an interval one
+    wrote) is full: it replaces the directory a delta would build on."""
+    if base is None or base >= step or full_every <= 1 \
+            or any(store.dumped != base for store in store_by_dim.values()):
         return []
     path = checkpoints.step_dir(job_root, base) / PS_SUBDIR / name
     try:
@@ -193,7 +195,7 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
     root = Path(directory) / PS_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
     name = shard_dir_name(shard, num_shards)
-    chain = [*_chain_before(Path(directory).parent, name, store_by_dim, base, full_every), int(step)]
+    chain = [*_chain_before(Path(directory).parent, name, store_by_dim, base, int(step), full_every), int(step)]
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     started = time.monotonic()

@@ -132,6 +132,7 @@ def test_a_dump_is_full_when_the_chain_is_long_most_rows_changed_or_changes_are_
     assert dump(src, root, 6, 4, full_every=3)["chain"] == [6]  # the job names a base this shard did not dump
     train(src, np.arange(1, 11, dtype=np.uint64), seed=5)
     assert dump(src, root, 7, 6, full_every=1)["chain"] == [7]  # full_every 1: always full
+    assert dump(src, root, 7, 7)["chain"] == [7]  # the base's own step again (a final checkpoint): full
     src[4].load_rows(np.array([5], np.uint64), np.zeros((1, 8), np.float32))  # a restore: changes unmarked
     assert src[4].dumped is None
     assert dump(src, root, 8, 7)["chain"] == [8]
