@@ -241,7 +241,7 @@ def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
     out["full"] = {"seconds": round(ended - started, 2), "rows": full["tables"][str(args.dim)]["num_rows"],
                    "bytes": dump_bytes(full), "extra_private_bytes": extra,
                    "during": trainer.between(started, ended),
-                   "longest_lock_hold_ms": round(store.longest_hold_s * 1e3, 2)}
+                   "longest_lock_hold_ms": round(store.longest_hold_s * 1e3, 2), "copies": dict(store.dump_copies)}
     out["outside"] = trainer.between(warm, started)
     for _ in range(args.delta_steps):
         trainer.step()

@@ -82,8 +82,9 @@ _SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _CHUNK_BYTES = 16 << 20  # read size when hashing
 CHUNK_BYTES = 64 << 20
 """A dump's part: rows copied and written together (the dump's buffer)."""
-LOCK_ROWS = 1 << 14
-"""Rows copied per hold of a stripe's lock: what a lookup or update of that stripe may wait for."""
+COPY_ROWS = 1 << 13
+"""Rows a dump copies at once from a stripe (without its lock: `EmbeddingStore.stream_rows`). A copy that a
+request overlapped is taken again, so shorter copies are discarded less often."""
 _PART_FILES = ("keys", "values", "touched")  # touched: only with a TTL
 
 
@@ -136,7 +137,7 @@ def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: 
     parts, rows = [], 0
     chunk_rows = max(1, chunk_bytes // row_bytes(config))
     for i, (keys, values, touched) in enumerate(store.stream_rows(changed_only=delta, chunk_rows=chunk_rows,
-                                                                   lock_rows=LOCK_ROWS)):
+                                                                   batch_rows=COPY_ROWS)):
         part = {"rows": int(keys.shape[0]), "keys": _write_npy(into / f"dim{dim}.{i:05d}.keys.npy", keys),
                 "values": _write_npy(into / f"dim{dim}.{i:05d}.values.npy", values)}
         if touched is not None:
@@ -232,7 +233,8 @@ def dump_shard(store_by_dim: dict[int, EmbeddingStore], directory: str | Path, *
     _log.info("ps shard checkpoint written", directory=str(final), step=step, delta=manifest["delta"],
               chain=chain, seconds=round(time.monotonic() - started, 3),
               rows={d: t["num_rows"] for d, t in tables.items()}, bytes=dump_bytes(manifest),
-              longest_lock_hold_ms=round(max(s.longest_hold_s for s in store_by_dim.values()) * 1e3, 2))
+              longest_lock_hold_ms=round(max(s.longest_hold_s for s in store_by_dim.values()) * 1e3, 2),
+              copies={k: sum(s.dump_copies[k] for s in store_by_dim.values()) for k in ("copies", "retries", "locked")})
     return manifest
 
 

@@ -805,8 +805,9 @@ def mark_newest(nxt, hdr, n, marks):
 def copy_rows(order, keys, values, touched, marks, out_keys, out_values, out_touched, at):
     """Copy the live rows of slots `order` into out_*[at:], clearing their marks; returns how many were live.
 
-    A checkpoint's chunk, under the stripe's lock: a slot emptied since `order` was taken is skipped, and a
-    slot that changed owner is copied with its new key (each row whole, as it is now)."""
+    A checkpoint's chunk, taken without the stripe's lock and kept only if no mutating call overlapped it
+    (`EmbeddingStore._unchanged`): a slot emptied since `order` was taken is skipped, and a slot that changed
+    owner is copied with its new key (each row whole, as it is now)."""
     n = at
     width = values.shape[1]
     stamp = touched.shape[0] > 0

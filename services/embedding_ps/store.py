@@ -58,6 +58,12 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     return out
 
 
+COPY_TRIES = 8
+"""Copies of one batch a dump discards (a request changed the stripe meanwhile) before it takes the lock."""
+COPY_BACKOFF_S = 0.0005
+"""The pause before a discarded copy is taken again: the overlapping request's kernel is about this long."""
+
+
 class EmbeddingStore(L.StoreLifecycle):
     """Array-based LRU embedding table in shared memory; thread-safe, one process at a time.
 
@@ -86,6 +92,10 @@ class EmbeddingStore(L.StoreLifecycle):
         self._admit_key = np.uint64(K.mix_seed(c.seed, _ADMIT_SALT))
         self._admit_threshold = -1 if c.ps.admit_probability >= 1.0 else int(c.ps.admit_probability * 2.0**53)
         self._locks = [threading.Lock() for _ in range(c.num_stripes)]
+        # Per stripe: a sequence number that a mutating call makes odd while it runs and even again after it
+        # (under the stripe's lock). A checkpoint copies rows WITHOUT the lock and keeps a copy only if the
+        # number was even and unchanged across it (a seqlock), so no request ever waits for a dump's copy.
+        self._seqs = np.zeros(c.num_stripes, np.int64)
         self._scratch = threading.local()
         # Per stripe: which call last refreshed each row (dedups LRU moves within a call).
         # Private memory: it means nothing after the call, so it is not part of the files.
@@ -101,8 +111,11 @@ class EmbeddingStore(L.StoreLifecycle):
         marks = np.zeros(c.capacity, np.uint8)
         self._marks = [marks[a:b] for a, b in zip(layout.bases, layout.bases[1:])]
         self.longest_hold_s = 0.0
-        """The longest a stripe's lock was held for one batch of the last `stream_rows` (what a request may
-        have waited for it)."""
+        """The longest the last `stream_rows` held a stripe's lock (0.0 when every copy was taken without it):
+        what a lookup or update may have waited for the dump."""
+        self.dump_copies = {"copies": 0, "retries": 0, "locked": 0}
+        """The last `stream_rows`'s copies: taken without a lock, retried after a request changed the stripe
+        meanwhile, and taken under the stripe's lock after `COPY_TRIES` retries."""
         self.dumped: int | None = None
         """Step of the last checkpoint dump of this store whose changes since are all marked (None: none, or
         something changed rows unmarked: a restore, a failed dump). Set by services/embedding_ps/checkpoint.py."""
@@ -226,13 +239,37 @@ class EmbeddingStore(L.StoreLifecycle):
         return total
 
     def _call(self, s: int, bounds: list[int], fn: Callable[[int, int, int], int], mutates: bool) -> int:
-        hdr = self._stripes[s][5]
-        if mutates:
-            hdr[K.F_DIRTY] = 1
-        result = fn(s, bounds[s], bounds[s + 1])
-        if mutates:  # left set if fn raised: the next open rebuilds the stripe
-            hdr[K.F_DIRTY] = 0
+        if not mutates:
+            return fn(s, bounds[s], bounds[s + 1]) or 0
+        hdr, seqs = self._stripes[s][5], self._seqs
+        hdr[K.F_DIRTY] = 1
+        seqs[s] += 1  # odd: a copy taken meanwhile is discarded (stream_rows)
+        try:
+            result = fn(s, bounds[s], bounds[s + 1])
+        finally:
+            seqs[s] += 1
+        hdr[K.F_DIRTY] = 0  # left set if fn raised: the next open rebuilds the stripe
         return result or 0
+
+    def _unchanged(self, s: int, copy: Callable[[], int]) -> int:
+        """Run `copy()` (a read of stripe s) without its lock until no mutating call overlapped it; returns its
+        result. After COPY_TRIES overlaps, runs it under the lock (counted, and its hold timed)."""
+        seqs, counts = self._seqs, self.dump_copies
+        counts["copies"] += 1
+        for _ in range(COPY_TRIES):
+            before = int(seqs[s])
+            if before & 1 == 0:
+                result = copy()
+                if int(seqs[s]) == before:
+                    return result
+            counts["retries"] += 1
+            time.sleep(COPY_BACKOFF_S)
+        counts["locked"] += 1
+        with self._locks[s]:
+            held = time.perf_counter()
+            result = copy()
+            self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
+        return result
 
     def _head_moves_of(self, s: int, n: int) -> np.ndarray:
         """Stripe s's move counter (caller holds its lock), restarted with its stamps before n more
@@ -374,24 +411,27 @@ class EmbeddingStore(L.StoreLifecycle):
         return np.concatenate(keys_out), np.concatenate(values_out), touched
 
     def stream_rows(self, *, changed_only: bool = False, chunk_rows: int = 1 << 19,
-                    lock_rows: int = 1 << 15) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+                    batch_rows: int = 1 << 15) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         """A checkpoint's copy of the live rows, in chunks of at most `chunk_rows`: (keys, values with state,
         touched or None without a TTL), each a view of a buffer that the next chunk overwrites (write it first).
 
-        Stripe by stripe: the stripe's LRU links are copied under its lock (4 bytes a slot) and walked without
-        it; then its rows are copied in that order, `lock_rows` at a time, each batch under the stripe's lock
-        alone, so a lookup or update waits at most one batch's copy and other stripes never wait. Extra memory:
-        the chunk buffers plus 13 bytes per slot of one stripe (`checkpoint.dump_memory_bytes`). Each row is
-        copied whole, as it is at its batch's copy; a row changed after its batch was copied is marked again
-        and goes into the next delta. Rows inserted into a stripe after its links were copied are left for the
-        next dump (still marked), and a row evicted and inserted again meanwhile may be copied twice (its newer
-        copy comes later: a restore keeps it). Order within a stripe is least to most recently used, as
-        `load_rows` then restores it.
+        Stripe by stripe: the stripe's LRU links are copied (4 bytes a slot) and walked; then its rows are
+        copied in that order, `batch_rows` at a time. No copy takes the stripe's lock: each is kept only if no
+        mutating call overlapped it and is taken again otherwise (`_unchanged`, a seqlock; after COPY_TRIES
+        overlaps, under the lock), so lookups and updates never wait for the dump, and every copy is a state
+        the stripe was in. Extra memory: the chunk buffers plus 13 bytes per slot of one stripe
+        (`checkpoint.dump_memory_bytes`). Each row is copied whole, as it is at its batch's copy; a row changed
+        after its batch was copied is marked again and goes into the next delta. Rows inserted into a stripe
+        after its links were copied are left for the next dump (still marked), and a row evicted and inserted
+        again meanwhile may be copied twice (its newer copy comes later: a restore keeps it). Order within a
+        stripe is least to most recently used, as `load_rows` then restores it.
         `changed_only`: only rows marked as changed (updated or inserted) since the previous stream; every
-        copied row's mark is cleared.
+        copied row's mark is cleared (a discarded copy's clears are made again by the copy that is kept, which
+        holds those rows as the overlapping request left them).
         """
-        lock_rows = max(1, min(lock_rows, chunk_rows))
+        batch_rows = max(1, min(batch_rows, chunk_rows))
         self.longest_hold_s = 0.0
+        self.dump_copies = dict.fromkeys(self.dump_copies, 0)
         width, ttl = self.config.row_width, self.config.uses_ttl
         out_keys = np.empty(chunk_rows, np.uint64)
         out_values = np.empty((chunk_rows, width), np.float32)
@@ -399,28 +439,35 @@ class EmbeddingStore(L.StoreLifecycle):
         filled = 0
         for s, (_, keys, prev, _, values, hdr) in enumerate(self._stripes):
             touched, marks = self._life[s][0], self._marks[s]
-            with self._locks[s]:
-                held = time.perf_counter()
-                used = int(hdr[K.F_USED])  # live rows occupy slots [0, used): so do their links
-                links, ends = prev[:used].copy(), hdr.copy()
-                self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
-            order = np.empty(used, np.int32)
+            links, ends = self._links_of(s)
+            order = np.empty(links.shape[0], np.int32)
             order = order[:K.lru_order(links, ends, order)]
             del links
             if changed_only:
                 order = order[marks[order] != 0]  # read without the lock: a mark set later stays for the next
-            for a in range(0, order.shape[0], lock_rows):
-                batch = order[a:a + lock_rows]
+            for a in range(0, order.shape[0], batch_rows):
+                batch = order[a:a + batch_rows]
                 if filled + batch.shape[0] > chunk_rows:
                     yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
                     filled = 0
-                with self._locks[s]:
-                    held = time.perf_counter()
-                    filled += K.copy_rows(batch, keys, values, touched, marks, out_keys, out_values, out_touched,
-                                          filled)
-                    self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
+                at = filled
+                filled += self._unchanged(s, lambda: K.copy_rows(batch, keys, values, touched, marks, out_keys,
+                                                                 out_values, out_touched, at))
         if filled:
             yield out_keys[:filled], out_values[:filled], out_touched[:filled] if ttl else None
+
+    def _links_of(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stripe s's LRU links of its live slots and its header, copied together (`_unchanged`)."""
+        prev, hdr = self._stripes[s][2], self._stripes[s][5]
+        copied: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def copy() -> int:
+            used = int(hdr[K.F_USED])  # live rows occupy slots [0, used): so do their links
+            copied[:] = [(prev[:used].copy(), hdr.copy())]
+            return used
+
+        self._unchanged(s, copy)
+        return copied[0]
 
     def changed_rows(self) -> int:
         """Live rows marked as changed since the last checkpoint copied them (read without locks)."""
