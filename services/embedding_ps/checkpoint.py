@@ -13,11 +13,12 @@ On the embedding PS (and the `hybridrec checkpoint inspect` CLI, and export). La
                                                           sketch, with admit_after > 1
 
 Streaming. A dump never copies a table: `EmbeddingStore.stream_rows` hands
-out one chunk of rows at a time, each copied under one stripe's lock in
-batches, and the chunk is written (and hashed) before the next is copied. The
-extra memory is one chunk plus a stripe's LRU links (`dump_memory_bytes`),
-whatever the table's size, and a lookup or update waits at most one batch's
-copy. Shards dump independently, each when asked.
+out one chunk of rows at a time, copied from one stripe in batches without its
+lock (a batch that a request overlapped is copied again), and the chunk is
+written (and hashed) before the next is copied. The extra memory is one chunk
+plus a stripe's LRU links (`dump_memory_bytes`), whatever the table's size,
+and no lookup or update waits for the dump. Shards dump independently, each
+when asked.
 
 Consistency. Every update the shard applied before the dump began is in it;
 an update applied while it runs is in it or in the next dump, row by row (each
@@ -102,15 +103,18 @@ def dump_memory_bytes(config: StoreConfig, chunk_bytes: int = CHUNK_BYTES) -> in
     """The most memory a dump of a store of `config` adds to its PS: the chunk buffers, plus a stripe's copied
     links, LRU order and changed subset (4 bytes each per slot) and a mark test (1 byte per slot). What
     `hybridrec plan` counts for checkpoints."""
-    chunk_rows = max(1, chunk_bytes // row_bytes(config))
     stripe_slots = -(-config.capacity // config.num_stripes)
-    return chunk_rows * row_bytes(config) + 13 * stripe_slots
+    return _chunk_rows(config, chunk_bytes) * row_bytes(config) + 13 * stripe_slots
+
+
+def _chunk_rows(config: StoreConfig, chunk_bytes: int) -> int:
+    """Rows of one dump part (at least one)."""
+    return max(1, chunk_bytes // row_bytes(config))
 
 
 def dump_bytes(manifest: dict) -> int:
     """Bytes of a dump's row files (its parts and sketches; the manifest aside)."""
-    return sum(e["bytes"] for t in manifest["tables"].values()
-               for e in [*(f for p in t["parts"] for f in _files_of(p)), *([t["sketch"]] if "sketch" in t else [])])
+    return sum(e["bytes"] for t in manifest["tables"].values() for e in _table_files(t))
 
 
 def _write_npy(path: Path, array: np.ndarray) -> dict:
@@ -135,7 +139,7 @@ def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: 
     """Stream one store's rows (all, or those changed since its last dump) into part files; the table's entry."""
     config, dim = store.config, store.config.dim
     parts, rows = [], 0
-    chunk_rows = max(1, chunk_bytes // row_bytes(config))
+    chunk_rows = _chunk_rows(config, chunk_bytes)
     for i, (keys, values, touched) in enumerate(store.stream_rows(changed_only=delta, chunk_rows=chunk_rows,
                                                                    batch_rows=COPY_ROWS)):
         part = {"rows": int(keys.shape[0]), "keys": _write_npy(into / f"dim{dim}.{i:05d}.keys.npy", keys),
@@ -249,6 +253,11 @@ def _ps_root(directory: str | Path) -> Path:
 def _files_of(part: dict) -> list[dict]:
     """The file entries of one part of a table."""
     return [part[name] for name in _PART_FILES if name in part]
+
+
+def _table_files(table: dict) -> list[dict]:
+    """The file entries of a table in a dump: every part's, then its sketch's if it has one."""
+    return [f for p in table["parts"] for f in _files_of(p)] + ([table["sketch"]] if "sketch" in table else [])
 
 
 def _check_entry(entry, where: str, bad) -> None:
@@ -440,8 +449,7 @@ def _check_chain(chain: list[tuple[Path, dict]], store_by_dim: dict[int, Embeddi
             if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",
                              dim=dim, checkpoint=table["optimizer"], configured=spec.model_dump(mode="json"))
-            for entry in [e for p in table["parts"] for e in _files_of(p)] + ([table["sketch"]] if "sketch" in table
-                                                                              else []):
+            for entry in _table_files(table):
                 _verify_file(path / entry["file"], entry)
             _open_sketch(path, table, dim)
             for part in table["parts"]:
