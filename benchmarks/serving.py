@@ -149,6 +149,43 @@ class BareServer(Process):
         grpc.channel_ready_future(grpc.insecure_channel(self.address)).result(timeout=60)
 
 
+class TritonServer(Process):
+    """`hybridrec serve inference --engine triton`'s server (services/inference/triton_server.py) on a bundle."""
+
+    def __init__(self, bundle: Path, log: Path, *sets: str):
+        from hybridrec.inference_config import load_inference_config
+        from services.inference.triton_server import TritonProcess
+
+        settings = load_inference_config(None, values={"bundle": str(bundle), "model_name": MODEL,
+                                                       "grpc_port": _free_port(), "http_port": _free_port()},
+                                         overrides=list(sets))
+        self.triton = TritonProcess(settings, log_path=log)
+        self.triton.wait_ready()
+        self.proc = self.triton.proc
+        self.address = f"127.0.0.1:{settings.grpc_port}"
+
+    def stop(self) -> None:
+        self.triton.stop()
+
+
+def triton_form(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Named inputs as the Triton engine takes them (services/inference/triton_repository.py): every input
+    with the batch dimension first; a list feature's flat values padded to [n, L] beside its [n, 1] lengths."""
+    n = inputs["dense"].shape[0]
+    out = {}
+    for name, value in inputs.items():
+        if name.endswith("__lengths"):
+            continue
+        lengths = inputs.get(name + "__lengths")
+        if lengths is not None:
+            padded = np.zeros((n, int(lengths.max())), value.dtype)
+            padded[np.arange(padded.shape[1])[None, :] < lengths[:, None]] = value
+            out[name], out[name + "__lengths"] = padded, lengths.reshape(n, 1)
+        else:
+            out[name] = value if value.ndim == 2 else value.reshape(n, 1)
+    return out
+
+
 class Server(Process):
     def __init__(self, bundle: Path, log: Path, *sets: str):
         self.port = _free_port()
@@ -390,7 +427,8 @@ def h2load_model(server: "Server", payloads: dict[str, bytes], requests: int) ->
 
 
 def h2load_figures(tmp: Path, args) -> dict:
-    """The request-path figures: the README model at batch 1 (a TSV line) and the multi-task example at 1 and 16 rows."""
+    """The request-path figures of both engines (built-in, Triton): the README model at batch 1 (a TSV line) and
+    the multi-task example at 1 and 16 rows."""
     from tests.inference_util import criteo_lines, tokens_for
 
     hidden = yaml.safe_load((REPO / "examples/criteo_synth.yaml").read_text())["model"]["kwargs"]["hidden"]
@@ -403,26 +441,43 @@ def h2load_figures(tmp: Path, args) -> dict:
     rows.raw_input_contents.append(struct.pack("<I", len(line)) + line)
     mmoe = tmp / "mmoe"
     make_config_bundle(mmoe, REPO / "examples/multitask_parquet.yaml", vocabulary=args.rows_per_feature)
+    multi = {"batch1": din_inputs(1, args.rows_per_feature, seed=1), "batch16": din_inputs(16, args.rows_per_feature,
+                                                                                           seed=16)}
     result: dict = {}
-    for name, bundle, payloads in (
-            ("readme_dnn", criteo, {"batch1_rows": rows.SerializeToString()}),
-            ("multitask_mmoe", mmoe, {"batch1": named_request_bytes(din_inputs(1, args.rows_per_feature, seed=1)),
-                                      "batch16": named_request_bytes(din_inputs(16, args.rows_per_feature,
-                                                                                seed=16))})):
-        server = Server(bundle, tmp / f"{name}.log", f"torch_threads={args.torch_threads}")
-        try:
-            result[name] = h2load_model(server, payloads, args.requests)
-        finally:
-            server.stop()
-    readme, multi = result["readme_dnn"], result["multitask_mmoe"]
+    for engine, server_of in (("builtin", Server), ("triton", TritonServer)):
+        rows.inputs[0].shape[:] = [1] if engine == "builtin" else [1, 1]
+        named = (lambda x: x) if engine == "builtin" else triton_form
+        result[engine] = {}
+        for name, bundle, payloads in (
+                ("readme_dnn", criteo, {"batch1_rows": rows.SerializeToString()}),
+                ("multitask_mmoe", mmoe, {k: named_request_bytes(named(v)) for k, v in multi.items()})):
+            server = server_of(bundle, tmp / f"{engine}-{name}.log", f"torch_threads={args.torch_threads}")
+            try:
+                result[engine][name] = h2load_model(server, payloads, args.requests)
+            finally:
+                server.stop()
+    builtin, triton = result["builtin"], result["triton"]
+    readme, multi = builtin["readme_dnn"], builtin["multitask_mmoe"]
+    t_readme, t_multi = triton["readme_dnn"], triton["multitask_mmoe"]
     result["targets"] = {
-        "readme_batch1_mean<=1.5x_empty_call": readme["ratios"]["batch1_rows_mean_vs_empty_call"] <= 1.5,
-        "readme_batch1_mean_ms<=0.5": readme["batch1_rows"]["mean_ms"] <= 0.5,
-        "multitask_batch16_p99_ms<=2": multi["batch16"]["p99_ms"] <= 2.0,
-        "multitask_batch16_mean<=2x_empty_call": multi["ratios"]["batch16_mean_vs_empty_call"] <= 2.0,
-        "readme_in_flight16>=4x_sequential": readme["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
-        "multitask_in_flight16>=4x_sequential": multi["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
+        "builtin": {
+            "readme_batch1_mean<=1.5x_empty_call": readme["ratios"]["batch1_rows_mean_vs_empty_call"] <= 1.5,
+            "readme_batch1_mean_ms<=0.5": readme["batch1_rows"]["mean_ms"] <= 0.5,
+            "multitask_batch16_p99_ms<=2": multi["batch16"]["p99_ms"] <= 2.0,
+            "multitask_batch16_mean<=2x_empty_call": multi["ratios"]["batch16_mean_vs_empty_call"] <= 2.0,
+            "readme_in_flight16>=4x_sequential": readme["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
+            "multitask_in_flight16>=4x_sequential": multi["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0},
+        "triton": {
+            "readme_batch1_mean_ms<=0.7": t_readme["batch1_rows"]["mean_ms"] <= 0.7,
+            "readme_in_flight16_req_per_s>=5000": t_readme["batch1_rows_in_flight16"]["requests_per_s"] >= 5000,
+            "readme_in_flight16>=4x_sequential": t_readme["ratios"]["in_flight16_vs_sequential_rate"] >= 4.0,
+            "multitask_batch16_p99_ms<=2": t_multi["batch16"]["p99_ms"] <= 2.0},
     }
+    result["triton_vs_builtin"] = {
+        "readme_batch1_mean": t_readme["batch1_rows"]["mean_ms"] / readme["batch1_rows"]["mean_ms"],
+        "readme_in_flight16_rate": (t_readme["batch1_rows_in_flight16"]["requests_per_s"]
+                                    / readme["batch1_rows_in_flight16"]["requests_per_s"]),
+        "multitask_batch16_p99": t_multi["batch16"]["p99_ms"] / multi["batch16"]["p99_ms"]}
     return result
 
 

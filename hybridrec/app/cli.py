@@ -363,7 +363,12 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
                                                           "directory (publish.dir) to follow: serve the newest "
                                                           "version, swap in each new one."),
                     ps: Optional[list[str]] = typer.Option(None, "--ps", help="A read-only PS shard HOST:PORT to "
-                                                           "look embeddings up in (repeatable, shard order).")):
+                                                           "look embeddings up in (repeatable, shard order)."),
+                    engine: str = typer.Option("builtin", "--engine", help="'builtin' (Python gRPC and REST) or "
+                                               "'triton' (Triton's front end on the bundle; docs/serving.md)."),
+                    tritonserver: Optional[str] = typer.Option(None, "--tritonserver", help="With --engine triton: "
+                                                               "the tritonserver binary (default: on PATH, else "
+                                                               "the nvidia-pytriton wheel's).")):
     """The Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle or a job's versions."""
     from hybridrec.inference_config import load_inference_config
     from services.inference import server
@@ -375,6 +380,17 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
                                                  "ps": ps or None})
     except ConfigError as exc:
         _fail(str(exc))
+    if engine not in ("builtin", "triton"):
+        _fail(f"--engine is 'builtin' or 'triton', not {engine!r}")
+    if engine == "triton":
+        from services.inference import triton_server
+
+        try:
+            raise typer.Exit(triton_server.serve(settings, tritonserver))
+        except (ConfigError, RuntimeError, FileExistsError) as exc:
+            _fail(str(exc))
+    if tritonserver is not None:
+        _fail("--tritonserver is for --engine triton")
     _run_service(server.serve(settings))
 
 
@@ -638,9 +654,17 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
                                                         "or a checkpoint directory."),
            out: Optional[Path] = typer.Option(None, "--out", help="Bundle directory to create (must not exist)."),
            inspect: Optional[Path] = typer.Option(None, "--inspect", metavar="BUNDLE",
-                                                  help="Verify BUNDLE and print its manifest as JSON instead.")):
+                                                  help="Verify BUNDLE and print its manifest as JSON instead."),
+           triton: Optional[Path] = typer.Option(None, "--triton", metavar="REPO",
+                                                 help="Also write a Triton model repository serving the bundle "
+                                                      "(with SOURCE a bundle and no --out: only the repository)."),
+           model_name: str = typer.Option("hybridrec", "--model-name", help="With --triton: the model's name.")):
     """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
     from hybridrec.bundle import BundleError, read_manifest, verify
+
+    if triton is not None and source is not None and out is None:
+        _triton_repository(source, triton, model_name)
+        return
 
     if inspect is not None:
         if source is not None or out is not None:
@@ -667,6 +691,26 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
     rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
     typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "
                f"{manifest.num_shards} shard(s), rows {rows or 'none'}, {size / 2**20:.1f} MiB")
+    if triton is not None:
+        _triton_repository(out, triton, model_name)
+
+
+def _triton_repository(bundle: Path, repo: Path, model_name: str) -> None:
+    """`export --triton`: the Triton model repository of a bundle (services/inference/triton_repository.py)."""
+    from hybridrec.bundle import BundleError
+    from hybridrec.inference_config import load_inference_config
+    from services.inference.triton_repository import write_repository
+
+    try:
+        settings = load_inference_config(None, values={"bundle": str(bundle), "model_name": model_name})
+        model_dir = write_repository(bundle, repo, settings)
+    except (BundleError, ConfigError, FileExistsError) as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{exc.filename or repo}: {exc.strerror or exc}")
+    typer.echo(f"wrote the Triton model repository {repo} (model {model_dir.name}, from {bundle}); serve it with "
+               f"tritonserver --model-repository {repo}, or hybridrec serve inference --engine triton --bundle "
+               f"{bundle}")
 
 
 @app.command()

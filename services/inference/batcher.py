@@ -187,14 +187,10 @@ class Batcher:
             p.future.set_exception(exc)
 
     async def run(self, model: LoadedModel, parts: list[Samples]) -> np.ndarray:
-        """Probabilities of `parts` merged, by `model`: the forward path of every micro-batch."""
+        """Probabilities of `parts` merged, by `model`: a small micro-batch on the event loop's thread, a larger
+        one's forward on the compute thread."""
         samples = Samples.concat(parts)
-        if samples.columns is not None and model.takes_columns and len(samples) <= self.inline_max_rows:
-            return await model.forward_columns(samples.dense, *samples.columns)
-        dense = samples.dense
-        uniq, bags = model.pooler.from_bags(samples.bags)
-        bags.rows = await model.table.lookup(uniq)
-        if len(samples) <= self.inline_max_rows:
-            return model.forward(np.ascontiguousarray(dense), bags)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, model.forward,
-                                                                np.ascontiguousarray(dense), bags)
+        return await model.predict(samples, compute=None if len(samples) <= self.inline_max_rows else self._compute)
+
+    async def _compute(self, fn, *args) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

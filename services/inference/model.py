@@ -17,7 +17,7 @@ import asyncio
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,11 @@ from hybridrec.models import build_model, feature_infos
 from hybridrec.pooling import PooledEmbeddings, Pooler
 from hybridrec.sharding import split_by_shard
 from services.inference.compiled import CompiledDense
+
+if TYPE_CHECKING:
+    from services.inference.inputs import Samples
+
+T = TypeVar("T")
 
 
 class Table(Protocol):
@@ -119,6 +124,22 @@ class LoadedModel:
             probs = probs[:, 0]
         return probs
 
+    async def predict(self, samples: "Samples", *,
+                      compute: Callable[..., Awaitable[np.ndarray]] | None = None) -> np.ndarray:
+        """float32 probabilities of `samples` (any input form): the lookup, pooling and forward of every
+        micro-batch, whoever batched it. `compute(fn, *args)` runs the forward elsewhere (the batcher's compute
+        thread); None: here, and samples of scalar features are looked up as columns (`forward_columns`).
+        With a local table nothing here waits for I/O, so a caller without an event loop can drive it to the
+        end at once (`run_now`)."""
+        if compute is None and samples.columns is not None and self.takes_columns:
+            return await self.forward_columns(samples.dense, *samples.columns)
+        uniq, bags = self.pooler.from_bags(samples.bags)
+        bags.rows = await self.table.lookup(uniq)
+        dense = np.ascontiguousarray(samples.dense)
+        if compute is None:
+            return self.forward(dense, bags)
+        return await compute(self.forward, dense, bags)
+
     @functools.cached_property
     def takes_columns(self) -> bool:
         """Whether `forward_columns` can answer: the compiled forward over scalar features of one width."""
@@ -140,6 +161,17 @@ class LoadedModel:
         pooled.blocks.append((tuple(self.pooler.names), block))
         probs = self.compiled(np.ascontiguousarray(dense), pooled)
         return probs[:, 0] if probs.ndim == 2 and probs.shape[1] == 1 else probs
+
+
+def run_now(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never waits (`LoadedModel.predict` on a local table), driven without an
+    event loop: the Triton backend's path, where an event loop's turn would cost more than the lookup."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("run_now: the coroutine waited for I/O (a remote table needs an event loop)")
 
 
 class ModelSource(Protocol):

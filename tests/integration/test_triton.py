@@ -1,0 +1,147 @@
+"""Every model that trains, served by a real `tritonserver` (the nvidia-pytriton wheel's, started as
+`hybridrec serve inference --engine triton` starts it): a stock tritonclient builds each request from the
+model's metadata alone, over gRPC and over REST, and the answers equal hybridrec's own request path (the
+eager forward `hybridrec predict` runs) within 1e-5; a malformed request gets INVALID_ARGUMENT naming the
+problem and the server keeps answering."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from hybridrec.app.ports import free_port
+from hybridrec.inference_config import InferenceConfig
+from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
+from services.inference.model import load_model, run_now
+from services.inference.triton_server import TritonProcess
+from tests.inference_util import make_bundle, make_config_bundle
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VOCABULARY = 500
+
+
+def _dlrm_config(tmp_path):
+    config = yaml.safe_load((REPO_ROOT / "examples/criteo_synth.yaml").read_text())
+    config["model"] = {"path": "hybridrec.models:DLRM", "kwargs": {"bottom": [32, 16], "top": [64, 32]}}
+    path = tmp_path / "dlrm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=["readme", "dlrm", "din", "multitask"])
+def served(request, tmp_path_factory):
+    """(bundle, client-side model name, gRPC address, HTTP address) of a running Triton on one model."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    bundle = tmp / "bundle"
+    if request.param == "readme":
+        make_bundle(bundle, rows_per_feature=VOCABULARY)
+    elif request.param == "dlrm":
+        make_config_bundle(bundle, _dlrm_config(tmp), vocabulary=VOCABULARY)
+    else:
+        example = {"din": "din_parquet.yaml", "multitask": "multitask_parquet.yaml"}[request.param]
+        make_config_bundle(bundle, REPO_ROOT / "examples" / example, vocabulary=VOCABULARY)
+    settings = InferenceConfig(bundle=str(bundle), model_name=request.param, grpc_port=free_port(),
+                               http_port=free_port())
+    triton = TritonProcess(settings, work=tmp / "triton")
+    try:
+        triton.wait_ready()
+        yield bundle, request.param, f"127.0.0.1:{settings.grpc_port}", f"127.0.0.1:{settings.http_port}"
+    finally:
+        triton.stop()
+
+
+def _request_from_metadata(metadata: dict, n: int, seed: int) -> dict[str, np.ndarray]:
+    """One value per input of the named form (the features by name and `dense`; not `ids`, `rows`, nor the
+    dense columns `dense` stands for), shaped and typed from the metadata alone: the batch dimension n, a
+    ragged one a random width with lengths within it; integer IDs drawn from the tables' vocabulary."""
+    rng = np.random.default_rng(seed)
+    inputs = {i["name"]: i for i in metadata["inputs"]}
+    chosen = {}
+    for name, spec in inputs.items():
+        dims = [int(x) for x in spec["shape"]]
+        if name in ("ids", "rows") or name.endswith(LENGTHS_SUFFIX) or (spec["datatype"] == "FP32"
+                                                                         and dims[1:] == [1]):
+            continue
+        shape = [n if k == 0 else (int(rng.integers(1, 9)) if d == -1 else d) for k, d in enumerate(dims)]
+        if spec["datatype"] == "FP32":
+            chosen[name] = rng.random(shape, dtype=np.float32)
+        elif spec["datatype"] == "BYTES":
+            chosen[name] = rng.integers(0, VOCABULARY, shape).astype(str).astype(np.object_)
+        else:
+            chosen[name] = rng.integers(0, VOCABULARY, shape).astype(np.int64)
+        if name + LENGTHS_SUFFIX in inputs:
+            chosen[name + LENGTHS_SUFFIX] = rng.integers(0, shape[1] + 1, (n, 1)).astype(np.int64)
+    return chosen
+
+
+def _expected(bundle, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """hybridrec's own answer to the same samples: the built-in server's decoder on the flat form and the
+    eager forward (no ONNX Runtime), as `hybridrec predict` answers."""
+    model = load_model(bundle, compile=False)
+    tensors = []
+    for name, array in arrays.items():
+        if name.endswith(LENGTHS_SUFFIX):
+            continue
+        lengths = arrays.get(name + LENGTHS_SUFFIX)
+        if lengths is not None:
+            lengths = lengths.reshape(-1)
+            flat = array[np.arange(array.shape[1])[None, :] < lengths[:, None]]
+            tensors += [Tensor(name, "INT64", flat.shape, flat), Tensor(name + LENGTHS_SUFFIX, "INT64",
+                                                                        lengths.shape, lengths)]
+        elif array.dtype == np.object_:
+            tensors.append(Tensor(name, "BYTES", (array.shape[0],), [v.encode() for v in array.reshape(-1)]))
+        elif name == "dense":
+            tensors.append(Tensor(name, "FP32", array.shape, array.reshape(-1)))
+        else:
+            datatype = "FP32" if array.dtype == np.float32 else "INT64"
+            tensors.append(Tensor(name, datatype, (array.shape[0],), array.reshape(-1)))
+    samples = InputDecoder(model.manifest, 4096).decode(tensors)
+    return run_now(model.predict(samples)).reshape(len(samples), -1)
+
+
+def _infer(module, client, name: str, arrays: dict[str, np.ndarray], outputs: list[str]):
+    inputs = []
+    for key, array in arrays.items():
+        datatype = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}.get(array.dtype, "BYTES")
+        tensor = module.InferInput(key, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer(name, inputs, outputs=[module.InferRequestedOutput(o) for o in outputs])
+    return {o: result.as_numpy(o) for o in outputs}
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_triton_answers_as_hybridrec_over_grpc_and_rest(served, n):
+    bundle, name, grpc_address, http_address = served
+    clients = [(grpcclient, grpcclient.InferenceServerClient(grpc_address)),
+               (httpclient, httpclient.InferenceServerClient(http_address))]
+    metadata = clients[1][1].get_model_metadata(name)
+    outputs = [o["name"] for o in metadata["outputs"]]
+    arrays = _request_from_metadata(metadata, n, seed=n)
+    expected = _expected(bundle, arrays)
+    for module, client in clients:
+        got = _infer(module, client, name, arrays, outputs)
+        assert got["probability"].shape == expected.shape
+        np.testing.assert_allclose(got["probability"], expected, atol=1e-5, rtol=0)
+        for k, task in enumerate(outputs[1:]):  # one output per named task: its column
+            np.testing.assert_allclose(got[task][:, 0], expected[:, k], atol=1e-5, rtol=0)
+
+
+def test_a_malformed_request_is_refused_by_name_and_the_server_keeps_answering(served):
+    bundle, name, grpc_address, _ = served
+    client = grpcclient.InferenceServerClient(grpc_address)
+    metadata = client.get_model_metadata(name, as_json=True)
+    arrays = _request_from_metadata(metadata, 2, seed=3)
+    arrays["dense"] = np.full_like(arrays["dense"], np.nan)
+    with pytest.raises(InferenceServerException) as refused:
+        _infer(grpcclient, client, name, arrays, ["probability"])
+    assert "NaN" in refused.value.message()
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    arrays = _request_from_metadata(metadata, 2, seed=4)
+    got = _infer(grpcclient, client, name, arrays, ["probability"])
+    np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
