@@ -386,9 +386,10 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
         from services.inference import triton_server
 
         try:
-            raise typer.Exit(triton_server.serve(settings, tritonserver))
+            status = triton_server.serve(settings, tritonserver)
         except (ConfigError, RuntimeError, FileExistsError) as exc:
             _fail(str(exc))
+        raise typer.Exit(status)
     if tritonserver is not None:
         _fail("--tritonserver is for --engine triton")
     _run_service(server.serve(settings))

@@ -135,8 +135,9 @@ class TritonProcess:
     """A running `tritonserver` serving one hybridrec model; `stop()` ends it (SIGTERM, then SIGKILL)."""
 
     def __init__(self, settings: InferenceConfig, *, tritonserver: str | None = None, work: Path | None = None,
-                 log_path: Path | None = None):
-        if settings.bundle is None:
+                 log_path: Path | None = None, repository: Path | None = None):
+        """`repository`: serve this one (`export --triton`'s) instead of writing one for `settings.bundle`."""
+        if settings.bundle is None and repository is None:
             raise ConfigError("--engine triton serves a bundle (--bundle); --follow is not supported by it yet")
         if settings.ps:
             raise ConfigError("--engine triton looks rows up in the bundle's own tables; --ps is not supported by it")
@@ -144,9 +145,15 @@ class TritonProcess:
             raise ConfigError("--engine triton needs fixed ports: grpc_port and http_port may not be 0")
         self.settings = settings
         self.work = work or Path(tempfile.mkdtemp(prefix="hybridrec-triton-"))
-        self.install = find_tritonserver(tritonserver, self.work)
-        self.repo = self.work / "models"
-        write_repository(Path(settings.bundle), self.repo, settings, link=True)
+        try:
+            self.install = find_tritonserver(tritonserver, self.work)
+            self.repo = repository or self.work / "models"
+            if repository is None:
+                write_repository(Path(settings.bundle), self.repo, settings, link=True)
+        except BaseException:
+            if work is None:
+                shutil.rmtree(self.work, ignore_errors=True)
+            raise
         self.log_path = log_path or self.work / "tritonserver.log"
         self.proc = subprocess.Popen(command(self.install, self.repo, settings), stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, env={**os.environ, **self.install.env})

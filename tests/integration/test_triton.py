@@ -5,9 +5,14 @@ eager forward `hybridrec predict` runs) within 1e-5; a malformed request gets IN
 problem and the server keeps answering."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -145,3 +150,91 @@ def test_a_malformed_request_is_refused_by_name_and_the_server_keeps_answering(s
     arrays = _request_from_metadata(metadata, 2, seed=4)
     got = _infer(grpcclient, client, name, arrays, ["probability"])
     np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
+
+
+HYBRIDREC = [sys.executable, "-m", "hybridrec"]
+
+
+def test_serve_inference_engine_triton_answers_and_stops_cleanly_on_sigterm(tmp_path):
+    """The CLI as a user runs it: `hybridrec serve inference --engine triton` serves the bundle until SIGTERM,
+    then stops Triton and exits 0, leaving no tritonserver behind."""
+    bundle = tmp_path / "bundle"
+    make_bundle(bundle, rows_per_feature=VOCABULARY)
+    grpc_port, http_port = free_port(), free_port()
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(HYBRIDREC + ["serve", "inference", "--engine", "triton", "--bundle", str(bundle),
+                                         "--set", f"grpc_port={grpc_port}", "--set", f"http_port={http_port}"],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+        deadline = time.monotonic() + 180
+        while not _ready(client, "hybridrec"):
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        metadata = client.get_model_metadata("hybridrec")
+        arrays = _request_from_metadata(metadata, 4, seed=5)
+        got = _infer(httpclient, client, "hybridrec", arrays, ["probability"])
+        np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
+        servers = _tritonservers(grpc_port)
+        assert len(servers) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in servers)
+
+
+def test_export_triton_writes_a_repository_that_tritonserver_serves(tmp_path):
+    bundle = tmp_path / "bundle"
+    make_config_bundle(bundle, REPO_ROOT / "examples/din_parquet.yaml", vocabulary=VOCABULARY)
+    repo = tmp_path / "repo"
+    out = subprocess.run(HYBRIDREC + ["export", "--triton", str(repo), "--model-name", "din", str(bundle)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    config = (repo / "din" / "config.pbtxt").read_text()
+    assert 'backend: "python"' in config and "allow_ragged_batch: true" in config
+    assert (repo / "din" / "1" / "bundle" / "manifest.json").is_file()  # hard-linked files, not a link
+    assert not (repo / "din" / "1" / "bundle").is_symlink()
+    settings = InferenceConfig(bundle=str(bundle), model_name="din", grpc_port=free_port(), http_port=free_port())
+    triton = TritonProcess(settings, work=tmp_path / "triton", repository=repo)
+    try:
+        triton.wait_ready()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        metadata = client.get_model_metadata("din", as_json=True)
+        arrays = _request_from_metadata(metadata, 3, seed=6)
+        got = _infer(grpcclient, client, "din", arrays, ["probability"])
+        np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
+    finally:
+        triton.stop()
+    again = subprocess.run(HYBRIDREC + ["export", "--triton", str(repo), "--model-name", "din", str(bundle)],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--follow", "versions"], "--follow is not supported"),
+    (["--bundle", "B", "--tritonserver", "/nonexistent/tritonserver"], "not an executable file"),
+    (["--bundle", "B", "--engine", "onnx"], "--engine is 'builtin' or 'triton'"),
+])
+def test_serve_engine_triton_refuses_what_it_cannot_do_by_name(tmp_path, args, message):
+    bundle = tmp_path / "B"
+    make_bundle(bundle, rows_per_feature=10)
+    (tmp_path / "versions").mkdir()
+    argv = ["serve", "inference", "--engine", "triton", *args] if "--engine" not in args else \
+        ["serve", "inference", *args]
+    out = subprocess.run(HYBRIDREC + argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def _ready(client, name: str) -> bool:
+    try:
+        return client.is_model_ready(name)
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
+def _tritonservers(grpc_port: int) -> list[int]:
+    """PIDs of tritonserver processes serving on `grpc_port`."""
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0].endswith("tritonserver")
+            and f"--grpc-port={grpc_port}" in p.info["cmdline"]]
