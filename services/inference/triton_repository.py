@@ -108,13 +108,13 @@ def config_pbtxt(manifest: BundleManifest, settings: InferenceConfig, *, outputs
     return "\n".join(lines) + "\n"
 
 
-def default_instances() -> int:
-    """One Python-backend instance per two cores (Triton's own threads need the rest), at least one."""
-    return max(1, (os.cpu_count() or 1) // 2)
+def instances_of(settings: InferenceConfig) -> int:
+    """Python-backend instances: `triton_instances`, or one per core (at most 8): an instance answers one batch
+    at a time, and its requests' Python work is most of their cost."""
+    return settings.triton_instances or max(1, min(os.cpu_count() or 1, 8))
 
 
-def write_repository(bundle: Path, repo: Path, settings: InferenceConfig, *, link: bool = False,
-                     instances: int | None = None) -> Path:
+def write_repository(bundle: Path, repo: Path, settings: InferenceConfig, *, link: bool = False) -> Path:
     """Write `repo` (created if missing; the model's directory must not exist) serving `bundle`; returns the
     model's directory. `link`: the version holds a symbolic link to the bundle instead of its files."""
     from services.inference.core import task_names
@@ -129,7 +129,7 @@ def write_repository(bundle: Path, repo: Path, settings: InferenceConfig, *, lin
     version_dir.mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, settings, outputs=model.outputs,
                                                          tasks=task_names(model),
-                                                         instances=instances or default_instances()))
+                                                         instances=instances_of(settings)))
     (version_dir / "model.py").write_text(MODEL_PY)
     if link:
         (version_dir / "bundle").symlink_to(bundle.resolve(), target_is_directory=True)
