@@ -2,7 +2,9 @@
 # Build the local base image for machines that cannot pull from a registry
 # (this one, an air-gapped cluster's build host): Debian bookworm "minbase"
 # made with debootstrap from Debian's archive, plus python3 (3.11, the
-# version the wheelhouse is built for), python3-venv, ca-certificates and
+# version the wheelhouse is built for), python3-venv, libpython3.11 (the
+# interpreter Triton's Python backend embeds: `serve inference --engine
+# triton`), ca-certificates and
 # nats-server (the NATS JetStream broker of online training: the compose
 # profile `online` and deploy/k8s/components/online run it from this image),
 # turned into an image with `docker import`.
@@ -26,7 +28,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=${BUILD_DIR:-$here/.build}/base-rootfs
 # What debootstrap adds to minbase. Changing this list makes the next run
 # rebuild an existing image (see the label below).
-INCLUDE=python3,python3-venv,ca-certificates,nats-server
+INCLUDE=python3,python3-venv,libpython3.11,ca-certificates,nats-server
 LABEL=org.hybridrec.base
 want="$SUITE minbase $INCLUDE"
 

@@ -65,6 +65,16 @@ else
     quiet_pip wheel --quiet --no-deps --wheel-dir "$wheels/app" "$src"
 fi
 
+# Triton's server for `serve inference --engine triton` (the nvidia-pytriton wheel, installed --no-deps:
+# its metadata pins numpy below 2) and numpy below 2 for its Python backend alone
+# (services/inference/triton_server.py BACKEND_SITE): installed apart from deps/ by the Dockerfile.
+mkdir -p "$wheels/triton"
+if ! ls "$wheels"/triton/nvidia_pytriton-0.7.0-*.whl "$wheels"/triton/numpy-1.*.whl >/dev/null 2>&1; then
+    say "fetching the Triton server wheel and numpy<2 for its backend"
+    quiet_pip download --quiet --no-deps --only-binary :all: --dest "$wheels/triton" \
+        nvidia-pytriton==0.7.0 "numpy<2"
+fi
+
 if ls "$wheels"/deps/torch-*.whl | grep -qv '+cpu'; then
     say "WARNING: the torch wheel is not a +cpu build; the image will carry CUDA libraries:"
     ls "$wheels"/deps/torch-*.whl >&2

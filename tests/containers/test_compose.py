@@ -134,10 +134,13 @@ def http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, 
         return exc.code, {"error": exc.read().decode(errors="replace")}
 
 
-def serve_and_predict(compose, project, env, docker_client) -> str:
-    """`--profile serve up -d inference` on the trained project's volumes; a prediction over REST."""
+def serve_and_predict(compose, project, env, docker_client, engine: str = "builtin") -> str:
+    """`--profile serve up -d inference` on the trained project's volumes with `engine` (HYBRIDREC_ENGINE); a
+    prediction over REST. Triton's layout puts the batch dimension first everywhere (`rows` [n, 1], answers
+    [n, 1]) and numbers an export version 1 (Triton's versions start at 1)."""
     http_port = free_port()
-    env = {**env, "HYBRIDREC_HTTP_PORT": str(http_port), "HYBRIDREC_GRPC_PORT": str(free_port())}
+    env = {**env, "HYBRIDREC_HTTP_PORT": str(http_port), "HYBRIDREC_GRPC_PORT": str(free_port()),
+           "HYBRIDREC_ENGINE": engine}
     serve = [*compose, "-p", project, "--profile", "serve"]
     started = time.monotonic()
     proc = subprocess.run([*serve, "up", "-d", "inference"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -155,23 +158,25 @@ def serve_and_predict(compose, project, env, docker_client) -> str:
         if status == 200:
             break
         time.sleep(1)
-    assert status == 200 and ready == {"ready": True}, f"not ready: {status} {ready}\n{logs()}"
+    assert status == 200, f"{engine}: not ready: {status} {ready}\n{logs()}"
     ready_s = time.monotonic() - started
+    triton = engine == "triton"
+    shape, version = ([len(ROWS), 1], "1") if triton else ([len(ROWS)], "0")  # an export is version 0
     status, answer = http(f"{base}/v2/models/hybridrec/infer",
-                          {"inputs": [{"name": "rows", "datatype": "BYTES", "shape": [len(ROWS)], "data": ROWS}]})
-    assert status == 200, f"{status} {answer}\n{logs()}"
-    assert answer["model_name"] == "hybridrec" and answer["model_version"] == "0", answer  # an export is version 0
+                          {"inputs": [{"name": "rows", "datatype": "BYTES", "shape": shape, "data": ROWS}]})
+    assert status == 200, f"{engine}: {status} {answer}\n{logs()}"
+    assert answer["model_name"] == "hybridrec" and answer["model_version"] == version, answer
     [output] = answer["outputs"]
-    assert output["name"] == "probability" and output["shape"] == [len(ROWS)], answer
+    assert output["name"] == "probability" and output["shape"] == shape, answer
     assert all(0.0 < p < 1.0 for p in output["data"]), answer
     status, metadata = http(f"{base}/v2/models/hybridrec")
-    assert status == 200 and metadata["versions"] == ["0"], metadata
-    # The compose healthcheck (grpc.health.v1 on the gRPC port) turns healthy too.
+    assert status == 200 and metadata["versions"] == [version], metadata
+    # The compose healthcheck (/v2/health/ready) turns healthy too.
     [container] = docker_client.containers.list(filters={"label": [f"com.docker.compose.project={project}",
                                                                     "com.docker.compose.service=inference"]})
     health = wait_healthy(container)
-    assert health == "healthy", f"inference container health {health}\n{logs()}"
-    return f"served: ready {ready_s:.0f}s after `up` (export included), probabilities {output['data']}"
+    assert health == "healthy", f"{engine}: inference container health {health}\n{logs()}"
+    return f"served by {engine}: ready {ready_s:.0f}s after `up` (export included), probabilities {output['data']}"
 
 
 @pytest.mark.parametrize("flavor", ["v2"])  # the file profile with Compose v2; the online one with 1.29 (below)
@@ -194,8 +199,9 @@ def test_compose_trains_the_synthetic_example(flavor, docker_client, image, tmp_
         assert summary["oracle_auc"] is not None, f"no oracle_auc although synth wrote oracle.json\n{output}"
         wall = [line for line in proc.stderr.splitlines() if "compose run took" in line]
         print(f"compose {flavor}: AUC {summary['auc']:.4f}; {wall[-1] if wall else ''}")
-        served = serve_and_predict(compose, project, env, docker_client)  # ~20 s more than training alone
-        print(f"compose {flavor}: {served}")
+        for engine in ("builtin", "triton"):  # ~20 s each more than training alone
+            served = serve_and_predict(compose, project, env, docker_client, engine)
+            print(f"compose {flavor}: {served}")
     finally:
         subprocess.run([*compose, "-p", project, "--profile", "serve", "down", "--volumes", "--remove-orphans"],
                        cwd=REPO, env=env, capture_output=True, timeout=300)

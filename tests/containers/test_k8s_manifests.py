@@ -555,9 +555,10 @@ def test_network_policies_open_inference_to_the_namespace_only(serving, serving_
     assert not _allowed(policies, client, pods["nn-worker"], 29500)
 
 
-@pytest.fixture(scope="module")
-def kserve() -> dict[str, dict]:
-    docs = [d for d in yaml.safe_load_all((K8S / "kserve" / "inference-service.yaml").read_text()) if d]
+@pytest.fixture(scope="module", params=["inference-service.yaml", "triton.yaml"])
+def kserve(request) -> dict[str, dict]:
+    """The KServe examples: the built-in server's, and Triton's (`serve inference --engine triton`)."""
+    docs = [d for d in yaml.safe_load_all((K8S / "kserve" / request.param).read_text()) if d]
     return {d["kind"]: d for d in docs}
 
 
@@ -572,8 +573,10 @@ def test_kserve_example_structure(kserve, base):
     assert "v2" in runtime["spec"]["protocolVersions"]
     [container] = runtime["spec"]["containers"]
     assert container["name"] == "kserve-container"  # the container KServe routes to and mounts /mnt/models in
-    assert container["args"][:4] == ["serve", "inference", "--bundle", "/mnt/models"]
-    settings = settings_of(container["args"])
+    args = container["args"]
+    engine = ["--engine", "triton"] if "--engine" in args else []
+    assert args[:4 + len(engine)] == ["serve", "inference", *engine, "--bundle", "/mnt/models"]
+    settings = settings_of(args)
     assert settings["host"] == "0.0.0.0" and settings["model_name"] == "{{.Name}}"
     assert [p["containerPort"] for p in container["ports"]] == [int(settings["http_port"])] == [8080]
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": 8080}
