@@ -20,6 +20,7 @@ from hybridrec.config import FeatureKind
 from services.inference.core import OUTPUT, task_names
 from services.inference.inputs import DTYPES, LENGTHS_SUFFIX, BadInput, InputDecoder, Samples, Tensor
 from services.inference.model import load_model, run_now
+from services.inference.triton_repository import VERSION_FILE
 
 try:  # present in the backend stub; absent where hybridrec only imports this module to test its helpers
     import triton_python_backend_utils as pb_utils
@@ -76,13 +77,16 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
+        version_dir = Path(args["model_repository"]) / args["model_version"]
         threads = int(params.get("torch_threads", "0"))
         if threads:
             import torch
             torch.set_num_threads(threads)
-        self.model = load_model(bundle, check=params.get("verify_bundle", "1") == "1",
-                                compile=params.get("compile_dense", "1") == "1")
+        check, compile = params.get("verify_bundle", "1") == "1", params.get("compile_dense", "1") == "1"
+        if (version_dir / VERSION_FILE).is_file():
+            self.model = _followed(json.loads((version_dir / VERSION_FILE).read_text()), check, compile)
+        else:
+            self.model = load_model(version_dir / "bundle", check=check, compile=compile)
         self.decoder = InputDecoder(self.model.manifest, int(params.get("max_request_rows", "4096")))
         self.lists = {f.name for f in self.model.manifest.features if f.kind == FeatureKind.LIST}
         self.tasks = task_names(self.model)
@@ -120,6 +124,16 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         pass
+
+
+def _followed(spec: dict, check: bool, compile: bool):
+    """A published version of a training job (`triton_repository.add_followed_version`), loaded as the built-in
+    server's follower loads one: the full snapshot and the deltas up to it, merged, with its dense module."""
+    from hybridrec.versions import load_version
+    from services.inference.follow import build_dense, inference_model
+
+    snapshot = load_version(spec["versions"], int(spec["version"]), check=check)
+    return inference_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state), compile=compile)
 
 
 def _datatype(array: np.ndarray) -> str:

@@ -19,6 +19,7 @@ max(v, 1) (an export is version 0).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ TRITON_TYPES = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT
                 "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP16": "TYPE_FP16", "FP32": "TYPE_FP32",
                 "FP64": "TYPE_FP64"}
 """Open Inference Protocol datatype -> Triton's model-config type."""
+
+VERSION_FILE = "version.json"
+"""In a followed version's directory: {"versions": the job's versions directory, "version": its number}."""
 
 MODEL_PY = '''"""hybridrec's request path in Triton's Python backend (written by hybridrec; see
 services/inference/triton_backend.py)."""
@@ -117,25 +121,44 @@ def instances_of(settings: InferenceConfig) -> int:
 def write_repository(bundle: Path, repo: Path, settings: InferenceConfig, *, link: bool = False) -> Path:
     """Write `repo` (created if missing; the model's directory must not exist) serving `bundle`; returns the
     model's directory. `link`: the version holds a symbolic link to the bundle instead of its files."""
-    from services.inference.core import task_names
     from services.inference.model import load_model
 
     manifest = read_manifest(bundle)
-    model = load_model(bundle, check=settings.verify_bundle)  # outputs and task names, as the built-in server
-    model_dir = repo / settings.model_name
-    if model_dir.exists():
-        raise FileExistsError(f"{model_dir} exists: give a new repository or model name")
+    model_dir = write_model(repo, settings, load_model(bundle, check=settings.verify_bundle))
     version_dir = model_dir / str(triton_version(manifest))
-    version_dir.mkdir(parents=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, settings, outputs=model.outputs,
-                                                         tasks=task_names(model),
-                                                         instances=instances_of(settings)))
+    version_dir.mkdir()
     (version_dir / "model.py").write_text(MODEL_PY)
     if link:
         (version_dir / "bundle").symlink_to(bundle.resolve(), target_is_directory=True)
     else:
         shutil.copytree(bundle, version_dir / "bundle", copy_function=_link_or_copy)
     return model_dir
+
+
+def write_model(repo: Path, settings: InferenceConfig, model) -> Path:
+    """The model's directory with its config.pbtxt, for the inputs and outputs of `model` (a `LoadedModel`:
+    how many outputs and which tasks, as the built-in server answers them); FileExistsError if it exists."""
+    from services.inference.core import task_names
+
+    model_dir = repo / settings.model_name
+    if model_dir.exists():
+        raise FileExistsError(f"{model_dir} exists: give a new repository or model name")
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(model.manifest, settings, outputs=model.outputs,
+                                                         tasks=task_names(model), instances=instances_of(settings)))
+    return model_dir
+
+
+def add_followed_version(model_dir: Path, versions: Path, number: int) -> Path:
+    """Version `number` of a training job's versions directory as Triton's version `number`: model.py and a
+    `version.json` naming it; the backend loads it as the built-in server's follower does (its full snapshot
+    and the deltas up to it, merged; `hybridrec.versions.load_version`)."""
+    version_dir = model_dir / str(number)
+    version_dir.mkdir()
+    (version_dir / "model.py").write_text(MODEL_PY)
+    (version_dir / VERSION_FILE).write_text(json.dumps({"versions": str(Path(versions).resolve()),
+                                                        "version": number}) + "\n")
+    return version_dir
 
 
 def _link_or_copy(src: str, dst: str) -> None:

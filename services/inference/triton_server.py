@@ -30,7 +30,8 @@ from pathlib import Path
 from hybridrec import log
 from hybridrec.config import ConfigError
 from hybridrec.inference_config import InferenceConfig
-from services.inference.triton_repository import write_repository
+from hybridrec.versions import Follower, list_versions
+from services.inference.triton_repository import add_followed_version, write_model, write_repository
 
 READY_TIMEOUT_S = 300.0
 BACKEND_SITE = Path(sys.prefix) / "triton-backend-site"
@@ -113,9 +114,12 @@ def find_tritonserver(explicit: str | None, work: Path) -> TritonInstall:
 
 
 def command(install: TritonInstall, repo: Path, settings: InferenceConfig) -> list[str]:
-    """tritonserver's command line: the built-in server's host and ports, the repository, nothing else."""
+    """tritonserver's command line: the built-in server's host and ports, the repository; with `follow`, model
+    control through the repository API (versions are loaded as they are published)."""
     args = [str(install.binary), f"--model-repository={repo}", f"--grpc-address={settings.host}",
             f"--grpc-port={settings.grpc_port}", "--exit-on-error=true", "--strict-readiness=true"]
+    if settings.follow is not None:
+        args += ["--model-control-mode=explicit", f"--load-model={settings.model_name}"]
     if settings.http_port is None:
         args.append("--allow-http=false")
     else:
@@ -137,8 +141,9 @@ class TritonProcess:
     def __init__(self, settings: InferenceConfig, *, tritonserver: str | None = None, work: Path | None = None,
                  log_path: Path | None = None, repository: Path | None = None):
         """`repository`: serve this one (`export --triton`'s) instead of writing one for `settings.bundle`."""
-        if settings.bundle is None and repository is None:
-            raise ConfigError("--engine triton serves a bundle (--bundle); --follow is not supported by it yet")
+        if settings.follow is not None and settings.http_port is None:
+            raise ConfigError("--engine triton --follow loads each version through Triton's REST repository API: "
+                              "http_port may not be null")
         if settings.ps:
             raise ConfigError("--engine triton looks rows up in the bundle's own tables; --ps is not supported by it")
         if settings.grpc_port == 0 or settings.http_port == 0:
@@ -148,7 +153,11 @@ class TritonProcess:
         try:
             self.install = find_tritonserver(tritonserver, self.work)
             self.repo = repository or self.work / "models"
-            if repository is None:
+            self.served = 0  # with follow: the version Triton serves
+            self.skipped: dict[int, str] = {}
+            if settings.follow is not None:
+                self._first_version()
+            elif repository is None:
                 write_repository(Path(settings.bundle), self.repo, settings, link=True)
         except BaseException:
             if work is None:
@@ -157,6 +166,67 @@ class TritonProcess:
         self.log_path = log_path or self.work / "tritonserver.log"
         self.proc = subprocess.Popen(command(self.install, self.repo, settings), stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, env={**os.environ, **self.install.env})
+
+    # -- following a training job's versions -----------------------------------------------------
+    def _first_version(self) -> None:
+        """Wait (up to `follow_wait_s`) for a version that loads, as the built-in server's follower does, and
+        write the model with it: its config from that version, the version for Triton to load first."""
+        from services.inference.follow import build_dense, inference_model
+
+        s = self.settings
+        follower = Follower(Path(s.follow), check=s.verify_bundle,
+                            build=lambda snap: inference_model(snap, build_dense(snap.manifest, snap.dense_state),
+                                                               compile=False))
+        deadline = time.monotonic() + s.follow_wait_s
+        while follower.poll() is None:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"--follow {s.follow}: no complete version within follow_wait_s "
+                                  f"({s.follow_wait_s:g} s)")
+            time.sleep(s.follow_poll_s)
+        self.skipped.update(follower.skipped)
+        model_dir = write_model(self.repo, s, follower.built)
+        add_followed_version(model_dir, Path(s.follow), follower.current.version)
+        self.served = follower.current.version
+
+    def poll_versions(self) -> int | None:
+        """Load the newest complete version newer than the one served, if any: Triton loads it beside the
+        served one and retires that once the new one is ready (its version policy keeps the latest), so no
+        request fails during the swap. A version Triton cannot load is skipped for good, logged, and the
+        served one stays. Returns the version swapped in, or None."""
+        versions, _ = list_versions(Path(self.settings.follow))
+        newer = [v.version for v in versions if v.version > self.served and v.version not in self.skipped]
+        if not newer:
+            return None
+        target = max(newer)
+        model_dir = self.repo / self.settings.model_name
+        add_followed_version(model_dir, Path(self.settings.follow), target)
+        error = self._load()
+        if error is not None:
+            self.skipped[target] = error
+            shutil.rmtree(model_dir / str(target), ignore_errors=True)
+            log.get().warning("version_skipped", version=target, reason=error)
+            self._load()  # the served version again, should Triton have let it go
+            return None
+        for old in model_dir.iterdir():
+            if old.is_dir() and old.name.isdigit() and int(old.name) < target:
+                shutil.rmtree(old, ignore_errors=True)
+        log.get().info("version_swapped", engine="triton", version=target, previous=self.served)
+        self.served = target
+        return target
+
+    def _load(self) -> str | None:
+        """Ask Triton to (re)load the model from its directory; None on success, else Triton's error."""
+        s = self.settings
+        host = "127.0.0.1" if s.host in ("0.0.0.0", "") else s.host
+        request = urllib.request.Request(f"http://{host}:{s.http_port}/v2/repository/models/{s.model_name}/load",
+                                         data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=READY_TIMEOUT_S):
+                return None
+        except urllib.error.HTTPError as exc:
+            return exc.read().decode(errors="replace") or str(exc)
+        except (urllib.error.URLError, OSError) as exc:
+            return str(exc)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until the model answers ready (over REST, or over gRPC without it); RuntimeError with Triton's log
@@ -221,7 +291,9 @@ def serve(settings: InferenceConfig, tritonserver: str | None = None) -> int:
                     http_port=settings.http_port, tritonserver=str(triton.install.binary),
                     repository=str(triton.repo), log=str(triton.log_path))
         while not stopping and triton.proc.poll() is None:
-            time.sleep(0.2)
+            if settings.follow is not None:
+                triton.poll_versions()
+            time.sleep(settings.follow_poll_s if settings.follow is not None else 0.2)
         if triton.proc.poll() is not None:
             logger.error("tritonserver_exited", status=triton.proc.returncode, log=triton.log_tail())
     finally:

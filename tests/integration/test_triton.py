@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,13 +111,7 @@ def _expected(bundle, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _infer(module, client, name: str, arrays: dict[str, np.ndarray], outputs: list[str]):
-    inputs = []
-    for key, array in arrays.items():
-        datatype = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}.get(array.dtype, "BYTES")
-        tensor = module.InferInput(key, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    result = client.infer(name, inputs, outputs=[module.InferRequestedOutput(o) for o in outputs])
+    result = client.infer(name, _inputs(module, arrays), outputs=[module.InferRequestedOutput(o) for o in outputs])
     return {o: result.as_numpy(o) for o in outputs}
 
 
@@ -212,7 +207,8 @@ def test_export_triton_writes_a_repository_that_tritonserver_serves(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--follow", "versions"], "--follow is not supported"),
+    (["--bundle", "B", "--ps", "127.0.0.1:1"], "--ps is not supported"),
+    (["--follow", "versions", "--set", "http_port=null"], "http_port may not be null"),
     (["--bundle", "B", "--tritonserver", "/nonexistent/tritonserver"], "not an executable file"),
     (["--bundle", "B", "--engine", "onnx"], "--engine is 'builtin' or 'triton'"),
 ])
@@ -238,3 +234,72 @@ def _tritonservers(grpc_port: int) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"])
             if p.info["cmdline"] and p.info["cmdline"][0].endswith("tritonserver")
             and f"--grpc-port={grpc_port}" in p.info["cmdline"]]
+
+
+def test_follow_swaps_in_each_version_without_a_failed_request_and_skips_a_broken_one(tmp_path):
+    """`--engine triton --follow`: each new version is loaded by Triton beside the served one, which it retires
+    once the new one is ready; a client sending requests throughout sees no error and versions only growing,
+    and the last version answers as hybridrec's own eager forward of it. A version that does not load is
+    skipped; the served one keeps answering."""
+    from hybridrec.versions import load_version
+    from services.inference.follow import build_dense, inference_model
+    from tests.unit.test_follow import write
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "versions"
+    write(root, 1, rng)
+    settings = InferenceConfig(follow=str(root), model_name="live", grpc_port=free_port(), http_port=free_port())
+    triton = TritonProcess(settings, work=tmp_path / "triton")
+    ids = np.stack([np.arange(1, 9, dtype=np.uint64),
+                    (np.uint64(1) << np.uint64(56)) + np.arange(1, 9, dtype=np.uint64)], axis=1)  # C1, C2
+    dense = np.random.default_rng(1).random((8, 3), dtype=np.float32)
+    seen, answers, errors, stop, first = [], [], [], threading.Event(), threading.Event()
+
+    def client() -> None:
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        while not stop.is_set():
+            try:
+                result = c.infer("live", _inputs(grpcclient, {"ids": ids, "dense": dense}))
+                seen.append(int(result.get_response().model_version))
+                answers.append(result.as_numpy("probability"))
+            except InferenceServerException as exc:
+                errors.append(str(exc))
+            first.set()
+
+    thread = threading.Thread(target=client)
+    try:
+        triton.wait_ready()
+        thread.start()
+        assert first.wait(60)
+        for version, base in ((2, None), (3, 2)):
+            write(root, version, rng, base=base)
+            assert triton.poll_versions() == version
+        answered = len(seen)
+        bad = write(root, 4, rng, base=3)
+        (bad / "dense.pt").write_bytes(b"not a tensor file")
+        assert triton.poll_versions() is None and 4 in triton.skipped and triton.served == 3
+        deadline = time.monotonic() + 30
+        while len(seen) < answered + 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        triton.stop()
+    assert errors == [] and len(seen) >= answered + 20
+    assert seen == sorted(seen) and seen[-1] == 3 and {1, 3} <= set(seen)
+    snapshot = load_version(root, 3)
+    model = inference_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state), compile=False)
+    samples = InputDecoder(model.manifest, 64).decode([Tensor("ids", "UINT64", ids.shape, ids.reshape(-1)),
+                                                       Tensor("dense", "FP32", dense.shape, dense.reshape(-1))])
+    np.testing.assert_allclose(answers[-1], run_now(model.predict(samples)).reshape(-1, 1), atol=1e-5, rtol=0)
+
+
+def _inputs(module, arrays: dict[str, np.ndarray]) -> list:
+    out = []
+    for key, array in arrays.items():
+        datatype = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64",
+                    np.dtype(np.uint64): "UINT64"}.get(array.dtype, "BYTES")
+        tensor = module.InferInput(key, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
