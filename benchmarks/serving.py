@@ -435,21 +435,26 @@ def h2load_figures(tmp: Path, args) -> dict:
     tokens = tokens_for()
     criteo = tmp / "criteo"
     make_bundle(criteo, hidden=hidden, rows_per_feature=args.rows_per_feature, num_shards=2, tokens=tokens)
-    line = criteo_lines(tokens, 1)[0].encode()
-    rows = oip.ModelInferRequest(model_name=MODEL)
-    rows.inputs.add(name="rows", datatype="BYTES", shape=[1])
-    rows.raw_input_contents.append(struct.pack("<I", len(line)) + line)
+    lines = [line.encode() for line in criteo_lines(tokens, 16)]
+
+    def rows_request(n: int, engine: str) -> bytes:
+        """n TSV lines in `rows`: [n] for the built-in server, [n, 1] for Triton."""
+        request = oip.ModelInferRequest(model_name=MODEL)
+        request.inputs.add(name="rows", datatype="BYTES", shape=[n] if engine == "builtin" else [n, 1])
+        request.raw_input_contents.append(b"".join(struct.pack("<I", len(x)) + x for x in lines[:n]))
+        return request.SerializeToString()
+
     mmoe = tmp / "mmoe"
     make_config_bundle(mmoe, REPO / "examples/multitask_parquet.yaml", vocabulary=args.rows_per_feature)
     multi = {"batch1": din_inputs(1, args.rows_per_feature, seed=1), "batch16": din_inputs(16, args.rows_per_feature,
                                                                                            seed=16)}
     result: dict = {}
     for engine, server_of in (("builtin", Server), ("triton", TritonServer)):
-        rows.inputs[0].shape[:] = [1] if engine == "builtin" else [1, 1]
         named = (lambda x: x) if engine == "builtin" else triton_form
         result[engine] = {}
         for name, bundle, payloads in (
-                ("readme_dnn", criteo, {"batch1_rows": rows.SerializeToString()}),
+                ("readme_dnn", criteo, {"batch1_rows": rows_request(1, engine),
+                                        "batch16_rows": rows_request(16, engine)}),
                 ("multitask_mmoe", mmoe, {k: named_request_bytes(named(v)) for k, v in multi.items()})):
             server = server_of(bundle, tmp / f"{engine}-{name}.log", f"torch_threads={args.torch_threads}")
             try:
