@@ -100,7 +100,9 @@ def find_tritonserver(explicit: str | None, work: Path) -> TritonInstall:
     backend.mkdir(parents=True, exist_ok=True)
     for item in (root / "tritonserver" / "backends" / "python").iterdir():
         (backend / item.name).symlink_to(item)
-    shutil.copy(stub, backend / "triton_python_backend_stub")  # the backend runs the stub found beside itself
+    # The backend runs the stub found beside itself. A link, not a copy: the work directory may be on a
+    # noexec mount (a container's /tmp tmpfs), while the link's target, in site-packages, may be executed.
+    (backend / "triton_python_backend_stub").symlink_to(stub)
     libs = root.parent / "nvidia_pytriton.libs"
     env = dict(site_env)
     own = []

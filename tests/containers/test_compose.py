@@ -129,7 +129,8 @@ def http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, 
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
+            content = response.read()  # Triton answers /v2/health/ready with an empty body
+            return response.status, json.loads(content) if content else {}
     except urllib.error.HTTPError as exc:
         return exc.code, {"error": exc.read().decode(errors="replace")}
 

@@ -2,7 +2,11 @@
 `hybridrec serve inference --engine triton` starts it): a stock tritonclient builds each request from the
 model's metadata alone, over gRPC and over REST, and the answers equal hybridrec's own request path (the
 eager forward `hybridrec predict` runs) within 1e-5; a malformed request gets INVALID_ARGUMENT naming the
-problem and the server keeps answering."""
+problem and the server keeps answering.
+
+tritonclient.grpc cannot be imported beside hybridrec's own OIP protobuf code (both declare the package
+`inference`), so the gRPC client runs as a script in its own process (triton_grpc_client.py); the REST
+client runs here."""
 from __future__ import annotations
 
 import signal
@@ -12,10 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+import json
+
 import numpy as np
 import psutil
 import pytest
-import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
@@ -52,7 +57,7 @@ def served(request, tmp_path_factory):
         example = {"din": "din_parquet.yaml", "multitask": "multitask_parquet.yaml"}[request.param]
         make_config_bundle(bundle, REPO_ROOT / "examples" / example, vocabulary=VOCABULARY)
     settings = InferenceConfig(bundle=str(bundle), model_name=request.param, grpc_port=free_port(),
-                               http_port=free_port())
+                               http_port=free_port(), triton_instances=1)  # one model load, not one per core
     triton = TritonProcess(settings, work=tmp / "triton")
     try:
         triton.wait_ready()
@@ -77,7 +82,7 @@ def _request_from_metadata(metadata: dict, n: int, seed: int) -> dict[str, np.nd
         if spec["datatype"] == "FP32":
             chosen[name] = rng.random(shape, dtype=np.float32)
         elif spec["datatype"] == "BYTES":
-            chosen[name] = rng.integers(0, VOCABULARY, shape).astype(str).astype(np.object_)
+            chosen[name] = rng.integers(0, VOCABULARY, shape).astype(str)
         else:
             chosen[name] = rng.integers(0, VOCABULARY, shape).astype(np.int64)
         if name + LENGTHS_SUFFIX in inputs:
@@ -99,7 +104,7 @@ def _expected(bundle, arrays: dict[str, np.ndarray]) -> np.ndarray:
             flat = array[np.arange(array.shape[1])[None, :] < lengths[:, None]]
             tensors += [Tensor(name, "INT64", flat.shape, flat), Tensor(name + LENGTHS_SUFFIX, "INT64",
                                                                         lengths.shape, lengths)]
-        elif array.dtype == np.object_:
+        elif array.dtype.kind == "U":
             tensors.append(Tensor(name, "BYTES", (array.shape[0],), [v.encode() for v in array.reshape(-1)]))
         elif name == "dense":
             tensors.append(Tensor(name, "FP32", array.shape, array.reshape(-1)))
@@ -110,40 +115,55 @@ def _expected(bundle, arrays: dict[str, np.ndarray]) -> np.ndarray:
     return run_now(model.predict(samples)).reshape(len(samples), -1)
 
 
-def _infer(module, client, name: str, arrays: dict[str, np.ndarray], outputs: list[str]):
-    result = client.infer(name, _inputs(module, arrays), outputs=[module.InferRequestedOutput(o) for o in outputs])
+def _infer(client, name: str, arrays: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    """REST, in this process."""
+    result = client.infer(name, _inputs(arrays), outputs=[httpclient.InferRequestedOutput(o) for o in outputs])
     return {o: result.as_numpy(o) for o in outputs}
 
 
+def _infer_grpc(address: str, name: str, arrays: dict[str, np.ndarray], outputs: list[str], tmp: Path) -> dict:
+    """gRPC, from triton_grpc_client.py in its own process: {"version", "outputs"} or {"status", "message"}."""
+    request = tmp / f"request-{len(list(tmp.glob('request-*.npz')))}.npz"
+    np.savez(request, **arrays)
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_grpc_client.py")), str(request),
+                          address, name, ",".join(outputs)], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    if "outputs" in answer:
+        answer["outputs"] = {o: np.asarray(v, np.float32) for o, v in answer["outputs"].items()}
+    return answer
+
+
 @pytest.mark.parametrize("n", [1, 16])
-def test_triton_answers_as_hybridrec_over_grpc_and_rest(served, n):
+def test_triton_answers_as_hybridrec_over_grpc_and_rest(served, n, tmp_path):
     bundle, name, grpc_address, http_address = served
-    clients = [(grpcclient, grpcclient.InferenceServerClient(grpc_address)),
-               (httpclient, httpclient.InferenceServerClient(http_address))]
-    metadata = clients[1][1].get_model_metadata(name)
+    client = httpclient.InferenceServerClient(http_address)
+    metadata = client.get_model_metadata(name)
     outputs = [o["name"] for o in metadata["outputs"]]
     arrays = _request_from_metadata(metadata, n, seed=n)
     expected = _expected(bundle, arrays)
-    for module, client in clients:
-        got = _infer(module, client, name, arrays, outputs)
+    over_grpc = _infer_grpc(grpc_address, name, arrays, outputs, tmp_path)
+    for got in (_infer(client, name, arrays, outputs), over_grpc["outputs"]):
         assert got["probability"].shape == expected.shape
         np.testing.assert_allclose(got["probability"], expected, atol=1e-5, rtol=0)
         for k, task in enumerate(outputs[1:]):  # one output per named task: its column
             np.testing.assert_allclose(got[task][:, 0], expected[:, k], atol=1e-5, rtol=0)
 
 
-def test_a_malformed_request_is_refused_by_name_and_the_server_keeps_answering(served):
-    bundle, name, grpc_address, _ = served
-    client = grpcclient.InferenceServerClient(grpc_address)
-    metadata = client.get_model_metadata(name, as_json=True)
+def test_a_malformed_request_is_refused_by_name_and_the_server_keeps_answering(served, tmp_path):
+    bundle, name, grpc_address, http_address = served
+    client = httpclient.InferenceServerClient(http_address)
+    metadata = client.get_model_metadata(name)
     arrays = _request_from_metadata(metadata, 2, seed=3)
     arrays["dense"] = np.full_like(arrays["dense"], np.nan)
-    with pytest.raises(InferenceServerException) as refused:
-        _infer(grpcclient, client, name, arrays, ["probability"])
-    assert "NaN" in refused.value.message()
-    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    refused = _infer_grpc(grpc_address, name, arrays, ["probability"], tmp_path)
+    assert refused["status"] == "StatusCode.INVALID_ARGUMENT" and "NaN" in refused["message"], refused
+    with pytest.raises(InferenceServerException) as over_rest:
+        _infer(client, name, arrays, ["probability"])
+    assert over_rest.value.status() == "400" and "NaN" in over_rest.value.message()
     arrays = _request_from_metadata(metadata, 2, seed=4)
-    got = _infer(grpcclient, client, name, arrays, ["probability"])
+    got = _infer_grpc(grpc_address, name, arrays, ["probability"], tmp_path)["outputs"]
     np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
 
 
@@ -169,7 +189,7 @@ def test_serve_inference_engine_triton_answers_and_stops_cleanly_on_sigterm(tmp_
             time.sleep(0.2)
         metadata = client.get_model_metadata("hybridrec")
         arrays = _request_from_metadata(metadata, 4, seed=5)
-        got = _infer(httpclient, client, "hybridrec", arrays, ["probability"])
+        got = _infer(client, "hybridrec", arrays, ["probability"])
         np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
         servers = _tritonservers(grpc_port)
         assert len(servers) == 1
@@ -194,10 +214,10 @@ def test_export_triton_writes_a_repository_that_tritonserver_serves(tmp_path):
     triton = TritonProcess(settings, work=tmp_path / "triton", repository=repo)
     try:
         triton.wait_ready()
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
-        metadata = client.get_model_metadata("din", as_json=True)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{settings.http_port}")
+        metadata = client.get_model_metadata("din")
         arrays = _request_from_metadata(metadata, 3, seed=6)
-        got = _infer(grpcclient, client, "din", arrays, ["probability"])
+        got = _infer(client, "din", arrays, ["probability"])
         np.testing.assert_allclose(got["probability"], _expected(bundle, arrays), atol=1e-5, rtol=0)
     finally:
         triton.stop()
@@ -256,11 +276,11 @@ def test_follow_swaps_in_each_version_without_a_failed_request_and_skips_a_broke
     seen, answers, errors, stop, first = [], [], [], threading.Event(), threading.Event()
 
     def client() -> None:
-        c = grpcclient.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{settings.http_port}")
         while not stop.is_set():
             try:
-                result = c.infer("live", _inputs(grpcclient, {"ids": ids, "dense": dense}))
-                seen.append(int(result.get_response().model_version))
+                result = c.infer("live", _inputs({"ids": ids, "dense": dense}))
+                seen.append(int(result.get_response()["model_version"]))
                 answers.append(result.as_numpy("probability"))
             except InferenceServerException as exc:
                 errors.append(str(exc))
@@ -294,12 +314,15 @@ def test_follow_swaps_in_each_version_without_a_failed_request_and_skips_a_broke
     np.testing.assert_allclose(answers[-1], run_now(model.predict(samples)).reshape(-1, 1), atol=1e-5, rtol=0)
 
 
-def _inputs(module, arrays: dict[str, np.ndarray]) -> list:
+def _inputs(arrays: dict[str, np.ndarray]) -> list:
+    """REST input tensors: text arrays as BYTES."""
     out = []
     for key, array in arrays.items():
+        if array.dtype.kind == "U":
+            array = np.vectorize(str.encode, otypes=[np.object_])(array)
         datatype = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64",
                     np.dtype(np.uint64): "UINT64"}.get(array.dtype, "BYTES")
-        tensor = module.InferInput(key, list(array.shape), datatype)
+        tensor = httpclient.InferInput(key, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         out.append(tensor)
     return out

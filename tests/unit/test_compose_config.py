@@ -131,7 +131,8 @@ def test_export_reads_the_checkpoints_the_nn_workers_write_and_inference_reads_i
     assert f"hybridrec export {root} --out /models/bundle.new" in script, script
     assert "models:/models" in export["volumes"] and "models:/models:ro" in inference["volumes"]
     command = inference["command"]
-    assert command[:4] == ["serve", "inference", "--bundle", "/models/bundle"], command
+    assert command[:6] == ["serve", "inference", "--engine", "${HYBRIDREC_ENGINE:-builtin}", "--bundle",
+                           "/models/bundle"], command
     assert inference["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
     assert "models" in compose["volumes"]
 
@@ -147,8 +148,9 @@ def test_inference_publishes_on_loopback_only_and_checks_its_health(compose):
         assert host.startswith("127.0.0.1:"), port
         published[int(container_port)] = host
     assert set(published) == {int(settings["http_port"]), int(settings["grpc_port"])}
-    test = inference["healthcheck"]["test"]
-    assert test[:3] == ["CMD", "hybridrec", "health"] and test[3] == f"127.0.0.1:{settings['grpc_port']}", test
+    test = inference["healthcheck"]["test"]  # REST readiness, which both engines (builtin, triton) answer
+    assert test[:3] == ["CMD", "python", "-c"], test
+    assert f"'http://127.0.0.1:{settings['http_port']}/v2/health/ready'" in test[3], test
 
 
 def test_named_volumes_mount_over_directories_the_image_gives_the_service_user(compose):
