@@ -34,6 +34,7 @@ from hybridrec.versions import Follower, list_versions
 from services.inference.triton_repository import add_followed_version, write_model, write_repository
 
 READY_TIMEOUT_S = 300.0
+EXIT_TIMEOUT_S = 5
 BACKEND_SITE = Path(sys.prefix) / "triton-backend-site"
 """numpy below 2 for Triton's Python backend, put first on its path: the wheel's backend stub was built against
 numpy 1, and under numpy 2 every tensor it hands over reads each element as the first (BYTES included). Made
@@ -119,7 +120,10 @@ def command(install: TritonInstall, repo: Path, settings: InferenceConfig) -> li
     """tritonserver's command line: the built-in server's host and ports, the repository; with `follow`, model
     control through the repository API (versions are loaded as they are published)."""
     args = [str(install.binary), f"--model-repository={repo}", f"--grpc-address={settings.host}",
-            f"--grpc-port={settings.grpc_port}", "--exit-on-error=true", "--strict-readiness=true"]
+            f"--grpc-port={settings.grpc_port}", "--exit-on-error=true", "--strict-readiness=true",
+            # On SIGTERM, requests in flight get EXIT_TIMEOUT_S to finish; Triton's default (30 s) also waits
+            # that long for every idle keep-alive connection a client left open.
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
     if settings.follow is not None:
         args += ["--model-control-mode=explicit", f"--load-model={settings.model_name}"]
     if settings.http_port is None:
