@@ -45,7 +45,7 @@ TEMPLATES_KEPT = 4
 
 
 @dataclass(frozen=True)
-class Slot:
+class FlatInput:
     """One entry of the flat signature: a width's block of pooled features, or a sequence feature."""
 
     names: tuple[str, ...]
@@ -55,7 +55,7 @@ class Slot:
 class _Flat(torch.nn.Module):
     """The model over flat tensors: rebuilds the `PooledEmbeddings` it was trained with, then the sigmoid."""
 
-    def __init__(self, model: torch.nn.Module, slots: list[Slot]):
+    def __init__(self, model: torch.nn.Module, slots: list[FlatInput]):
         super().__init__()
         self.model, self.slots = model, slots
 
@@ -74,18 +74,18 @@ class _Flat(torch.nn.Module):
         return torch.sigmoid(self.model(dense, pooled).float())
 
 
-def slots_of(pooled: PooledEmbeddings) -> list[Slot]:
+def slots_of(pooled: PooledEmbeddings) -> list[FlatInput]:
     """The flat signature of what the pooler gives: its blocks, then each other feature (a sequence, or a
     pooled feature outside any block, as a block of one)."""
-    slots = [Slot(tuple(names), False) for names, _ in pooled.blocks]
+    slots = [FlatInput(tuple(names), False) for names, _ in pooled.blocks]
     in_blocks = {name for slot in slots for name in slot.names}
     for name, value in pooled.items():
         if name not in in_blocks:
-            slots.append(Slot((name,), isinstance(value, SeqEmbedding)))
+            slots.append(FlatInput((name,), isinstance(value, SeqEmbedding)))
     return slots
 
 
-def flat_inputs(slots: list[Slot], pooled: PooledEmbeddings) -> list[torch.Tensor]:
+def flat_inputs(slots: list[FlatInput], pooled: PooledEmbeddings) -> list[torch.Tensor]:
     blocks = {names: block for names, block in pooled.blocks}
     out = []
     for slot in slots:
@@ -100,7 +100,7 @@ class CompiledDense:
     """One version's dense forward in ONNX Runtime: `__call__(dense, pooled)` gives float32 probabilities,
     shaped as the model answers its logits."""
 
-    def __init__(self, session, slots: list[Slot], names: list[str], reweighted: bool = False):
+    def __init__(self, session, slots: list[FlatInput], names: list[str], reweighted: bool = False):
         """Use `build`."""
         self.session, self.slots, self.names = session, slots, names
         self._outputs = [o.name for o in session.get_outputs()]
@@ -142,7 +142,7 @@ class CompiledDense:
         return compiled
 
     @classmethod
-    def _export(cls, model: torch.nn.Module, slots: list[Slot], pooled: PooledEmbeddings,
+    def _export(cls, model: torch.nn.Module, slots: list[FlatInput], pooled: PooledEmbeddings,
                 num_dense: int, key: str) -> "CompiledDense":
         example = _random_inputs(slots, pooled, num_dense, rows=2, seed=0)
         names = [f"in{i}" for i in range(len(example) - 1)]
@@ -208,7 +208,7 @@ def _session(graph: bytes):
     return onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
-def _architecture(model: torch.nn.Module, slots: list[Slot], num_dense: int) -> str:
+def _architecture(model: torch.nn.Module, slots: list[FlatInput], num_dense: int) -> str:
     """What must match for one export to serve another version: the model's class and structure (its repr:
     layers and their sizes), the flat signature, and every weight's name, shape and dtype."""
     weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in _Flat(model, slots).state_dict().items()]
@@ -229,7 +229,7 @@ class _Templates:
             while len(self._graphs) > TEMPLATES_KEPT:
                 del self._graphs[next(iter(self._graphs))]
 
-    def reweight(self, key: str, model: torch.nn.Module, slots: list[Slot]) -> CompiledDense | None:
+    def reweight(self, key: str, model: torch.nn.Module, slots: list[FlatInput]) -> CompiledDense | None:
         """`model` in a session of the graph exported for its architecture, with its own weights; None when
         there is none (or ONNX Runtime refuses it: the caller exports afresh). Still to be checked (`_differs`)."""
         with self._lock:
@@ -265,7 +265,7 @@ def _cannot(precision: str) -> str | None:
     return None
 
 
-def _random_inputs(slots: list[Slot], pooled: PooledEmbeddings, num_dense: int, *, rows: int,
+def _random_inputs(slots: list[FlatInput], pooled: PooledEmbeddings, num_dense: int, *, rows: int,
                    seed: int) -> list[torch.Tensor]:
     """Inputs of the flat signature shaped like `pooled`'s but `rows` long, with random values (sequences
     of random lengths, empty ones included)."""

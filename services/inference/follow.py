@@ -26,8 +26,8 @@ import torch
 
 from hybridrec import log
 from hybridrec.bundle import BundleManifest, EmbeddingTable
-from hybridrec.models import build_model, feature_infos
 from hybridrec.versions import Follower, Snapshot, version_age_s
+from services.inference.model import build_dense
 
 POLL_S = 0.5
 
@@ -43,17 +43,6 @@ class FollowedModel:
     table: EmbeddingTable
     published: float
     """Unix time the version was published."""
-
-
-def build_dense(manifest: BundleManifest, state: dict[str, Any]) -> torch.nn.Module:
-    """The bundle's dense module with its weights, in eval mode and without gradients."""
-    module = build_model(manifest.model.path, feature_infos(manifest.features),
-                         manifest.num_dense, manifest.model.kwargs,
-                         num_tasks=manifest.num_tasks)
-    module.load_state_dict(state)
-    module.eval()
-    module.requires_grad_(False)
-    return module
 
 
 def inference_model(snapshot: Snapshot, dense: torch.nn.Module, *, compile: bool = True) -> Any:

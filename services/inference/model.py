@@ -190,6 +190,8 @@ class StaticSource:
 
 
 def build_dense(manifest: BundleManifest, state_dict: dict) -> torch.nn.Module:
+    """The bundle's (or a published version's) dense module with its weights, in eval mode, without gradients:
+    what every way of serving runs (an export, a followed version, Triton's backend)."""
     model = build_model(manifest.model.path, feature_infos(manifest.features),
                         manifest.num_dense, manifest.model.kwargs,
                         num_tasks=manifest.num_tasks)

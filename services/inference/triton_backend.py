@@ -130,7 +130,8 @@ def _followed(spec: dict, check: bool, compile: bool):
     """A published version of a training job (`triton_repository.add_followed_version`), loaded as the built-in
     server's follower loads one: the full snapshot and the deltas up to it, merged, with its dense module."""
     from hybridrec.versions import load_version
-    from services.inference.follow import build_dense, inference_model
+    from services.inference.follow import inference_model
+    from services.inference.model import build_dense
 
     snapshot = load_version(spec["versions"], int(spec["version"]), check=check)
     return inference_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state), compile=compile)

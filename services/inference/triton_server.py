@@ -177,7 +177,8 @@ class TritonProcess:
     def _first_version(self) -> None:
         """Wait (up to `follow_wait_s`) for a version that loads, as the built-in server's follower does, and
         write the model with it: its config from that version, the version for Triton to load first."""
-        from services.inference.follow import build_dense, inference_model
+        from services.inference.follow import inference_model
+        from services.inference.model import build_dense
 
         s = self.settings
         follower = Follower(Path(s.follow), check=s.verify_bundle,

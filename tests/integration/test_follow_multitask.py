@@ -27,7 +27,8 @@ from hybridrec.config import load_config
 from hybridrec.app.ports import free_port
 from hybridrec.app.synth_parquet import synthesize_multitask
 from hybridrec.versions import list_versions, load_version
-from services.inference.follow import build_dense, inference_model
+from services.inference.follow import inference_model
+from services.inference.model import build_dense
 from services.inference.inputs import InputDecoder, Tensor
 from tests.conftest import HYBRIDREC, REPO
 from tests.integration import test_parquet_examples as named

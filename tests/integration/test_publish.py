@@ -17,7 +17,8 @@ import torch
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.app.ports import free_port
 from hybridrec.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
-from services.inference.follow import FollowSource, _default_make_model, build_dense
+from services.inference.follow import FollowSource, _default_make_model
+from services.inference.model import build_dense
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

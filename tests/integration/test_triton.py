@@ -262,7 +262,8 @@ def test_follow_swaps_in_each_version_without_a_failed_request_and_skips_a_broke
     and the last version answers as hybridrec's own eager forward of it. A version that does not load is
     skipped; the served one keeps answering."""
     from hybridrec.versions import load_version
-    from services.inference.follow import build_dense, inference_model
+    from services.inference.follow import inference_model
+    from services.inference.model import build_dense
     from tests.unit.test_follow import write
 
     rng = np.random.default_rng(0)
