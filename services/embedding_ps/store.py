@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -57,6 +57,8 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     K.init_rows_kernel(ids, out, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal", float(scale))
     return out
 
+
+T = TypeVar("T")
 
 COPY_TRIES = 8
 """Copies of one batch a dump discards (a request changed the stripe meanwhile) before it takes the lock."""
@@ -251,7 +253,7 @@ class EmbeddingStore(L.StoreLifecycle):
         hdr[K.F_DIRTY] = 0  # left set if fn raised: the next open rebuilds the stripe
         return result or 0
 
-    def _unchanged(self, s: int, copy: Callable[[], int]) -> int:
+    def _unchanged(self, s: int, copy: Callable[[], T]) -> T:
         """Run `copy()` (a read of stripe s) without its lock until no mutating call overlapped it; returns its
         result. After COPY_TRIES overlaps, runs it under the lock (counted, and its hold timed)."""
         seqs, counts = self._seqs, self.dump_copies
@@ -459,15 +461,8 @@ class EmbeddingStore(L.StoreLifecycle):
     def _links_of(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         """Stripe s's LRU links of its live slots and its header, copied together (`_unchanged`)."""
         prev, hdr = self._stripes[s][2], self._stripes[s][5]
-        copied: list[tuple[np.ndarray, np.ndarray]] = []
-
-        def copy() -> int:
-            used = int(hdr[K.F_USED])  # live rows occupy slots [0, used): so do their links
-            copied[:] = [(prev[:used].copy(), hdr.copy())]
-            return used
-
-        self._unchanged(s, copy)
-        return copied[0]
+        # live rows occupy slots [0, used): so do their links
+        return self._unchanged(s, lambda: (prev[:int(hdr[K.F_USED])].copy(), hdr.copy()))
 
     def changed_rows(self) -> int:
         """Live rows marked as changed since the last checkpoint copied them (read without locks)."""

@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrec.bundle import BundleManifest, read_manifest
+from hybridrec.bundle import BundleManifest
 from hybridrec.config import FeatureKind
 from hybridrec.inference_config import InferenceConfig
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder
@@ -123,9 +123,9 @@ def write_repository(bundle: Path, repo: Path, settings: InferenceConfig, *, lin
     model's directory. `link`: the version holds a symbolic link to the bundle instead of its files."""
     from services.inference.model import load_model
 
-    manifest = read_manifest(bundle)
-    model_dir = write_model(repo, settings, load_model(bundle, check=settings.verify_bundle))
-    version_dir = model_dir / str(triton_version(manifest))
+    model = load_model(bundle, check=settings.verify_bundle)
+    model_dir = write_model(repo, settings, model)
+    version_dir = model_dir / str(triton_version(model.manifest))
     version_dir.mkdir()
     (version_dir / "model.py").write_text(MODEL_PY)
     if link:

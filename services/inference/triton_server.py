@@ -221,11 +221,15 @@ class TritonProcess:
         self.served = target
         return target
 
-    def _load(self) -> str | None:
-        """Ask Triton to (re)load the model from its directory; None on success, else Triton's error."""
+    def _rest_url(self, path: str) -> str:
+        """Triton's REST endpoint `/v2/<path>` as this process reaches it (loopback for a wildcard address)."""
         s = self.settings
         host = "127.0.0.1" if s.host in ("0.0.0.0", "") else s.host
-        request = urllib.request.Request(f"http://{host}:{s.http_port}/v2/repository/models/{s.model_name}/load",
+        return f"http://{host}:{s.http_port}/v2/{path}"
+
+    def _load(self) -> str | None:
+        """Ask Triton to (re)load the model from its directory; None on success, else Triton's error."""
+        request = urllib.request.Request(self._rest_url(f"repository/models/{self.settings.model_name}/load"),
                                          data=b"{}", method="POST", headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=READY_TIMEOUT_S):
@@ -249,10 +253,8 @@ class TritonProcess:
     def _ready(self) -> bool:
         s = self.settings
         if s.http_port is not None:
-            host = "127.0.0.1" if s.host in ("0.0.0.0", "") else s.host
             try:
-                with urllib.request.urlopen(f"http://{host}:{s.http_port}/v2/models/{s.model_name}/ready",
-                                            timeout=1.0) as reply:
+                with urllib.request.urlopen(self._rest_url(f"models/{s.model_name}/ready"), timeout=1.0) as reply:
                     return reply.status == 200
             except (urllib.error.URLError, OSError):
                 return False
