@@ -411,6 +411,18 @@ class LifecycleConfig(_Model):
                 own.ttl_s if own.ttl_s is not None else self.ttl_s)
 
 
+class TierConfig(_Model):
+    """A disk tier under each store (docs/architecture.md#disk-tier): the store's memory holds the recently used
+    rows, a file on disk every row it evicted, so a table larger than the PS's memory forgets nothing."""
+
+    dir: str
+    """Directory on a disk (not tmpfs) of the tier's files (`shard-NNNNN/dim-D/`); each store's tier is
+    preallocated sparse, so this filesystem must have room for `capacity` rows of every width."""
+    capacity: Annotated[int, Field(gt=0)]
+    """Rows per shard per embedding width the disk tier holds: every distinct ID the shard may see. Must be
+    larger than `ps.capacity` (the rows in memory)."""
+
+
 class PSConfig(_Model):
     """The embedding parameter server: one store per embedding width on every shard."""
 
@@ -439,6 +451,24 @@ class PSConfig(_Model):
     shard's on PS 0); every update is applied on both before it is acknowledged, and a shard that loses its
     store copies it back from its backup, losing nothing (services/embedding_ps/replica.py). Doubles the PS
     memory; needs at least two PS shards."""
+    tier: TierConfig | None = None
+    """A disk tier under the stores (None: memory only, and a row evicted past `capacity` is forgotten)."""
+
+    @model_validator(mode="after")
+    def _tier_fits(self) -> "PSConfig":
+        if self.tier is None:
+            return self
+        if self.tier.capacity <= self.capacity:
+            raise ValueError(f"ps.tier.capacity ({self.tier.capacity}) must be larger than ps.capacity "
+                             f"({self.capacity}), the rows kept in memory")
+        life = self.lifecycle
+        if life.ttl_steps is not None or life.ttl_s is not None or any(
+                t.ttl_steps is not None or t.ttl_s is not None for t in life.tables.values()):
+            raise ValueError("ps.tier cannot be used with ps.lifecycle TTLs (ttl_steps, ttl_s) yet: rows on disk "
+                             "carry no update time")
+        if self.replicas > 1:
+            raise ValueError("ps.tier cannot be used with ps.replicas: 2 yet (a backup copies rows in memory only)")
+        return self
 
 
 class TLSConfig(_Model):

@@ -288,6 +288,29 @@ class TableLifecycle(BaseModel):
     """Gradients of IDs without a row (not admitted, expired or evicted), dropped by the PS."""
 
 
+class DiskTierSummary(BaseModel):
+    """The PS stores' two tiers at the end of the run (ps.tier), summed over shards and widths."""
+
+    memory_rows: int
+    """Rows in the stores' memory."""
+    memory_bytes: int
+    """Bytes of the stores' memory files."""
+    disk_rows: int
+    """Records on the disk tiers (a row in memory may have an older record there)."""
+    disk_bytes: int
+    """Bytes of those records."""
+    memory_hit_rate: float | None
+    """IDs of training lookups found in memory, over all of them (None: no training lookup)."""
+    fills: int
+    """Rows training lookups read back from disk instead of initialising them."""
+    writebacks: int
+    """Rows memory evicted to disk."""
+    overflows: int
+    """Rows evicted when a disk tier was full (ps.tier.capacity too small): the only rows a tier forgets."""
+    disk_updates: int
+    """Gradients applied to rows on disk (evicted between their lookup and their update)."""
+
+
 class Phases(BaseModel):
     """Where the run's time went: seconds since launch (t = 0) of each phase boundary, on the launcher's clock.
 
@@ -375,6 +398,8 @@ class RunSummary(BaseModel):
     lifecycle: dict[int, TableLifecycle] | None = None
     """Per table (feature group) with any activity: rows admitted, rejected and expired, gradients dropped
     (docs/architecture.md#embedding-lifecycle); None when a shard did not answer."""
+    disk_tier: DiskTierSummary | None = None
+    """Both tiers of the PS stores with ps.tier (None: no disk tier, or a shard did not answer)."""
     staleness: Staleness
     exposed_wait_per_step_s: float | None = None
     """Mean seconds per training step (over steps and ranks) an NN worker's step loop waited for

@@ -805,6 +805,9 @@ def _echo_plan(result: dict, planner) -> None:
     typer.echo(f"private per shard: {h(private['stamps_and_marks'])} of stamps and change marks, "
                f"{h(private['checkpoint_buffers'])} of checkpoint buffers while a dump runs")
     typer.echo(f"memory per shard: {h(result['per_shard_memory_bytes'])}   total: {h(result['total_memory_bytes'])}")
+    if result.get("per_shard_disk_bytes"):
+        typer.echo(f"disk tier per shard: {result['disk_rows_per_shard']:,} rows, {h(result['per_shard_disk_bytes'])}"
+                   f" at full capacity   total: {h(result['total_disk_bytes'])}")
     if "hosts" in result:
         typer.echo(f"hosts of {h(result['host_bytes'])}: {result['hosts']:,} ({result['shards_per_host']} "
                    f"shard(s) each)")

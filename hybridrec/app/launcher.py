@@ -128,7 +128,10 @@ def resolve(config: Config, run_dir: Path) -> Config:
         cluster[kind.cluster_key] = [f"127.0.0.1:{free_port()}" for _ in getattr(config.cluster, kind.cluster_key)]
     cluster["rendezvous"] = f"127.0.0.1:{free_port()}"
     cluster["bind_host"] = "127.0.0.1"
-    tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / f"run-{os.getpid()}-{int(time.time())}")
+    run_name = f"run-{os.getpid()}-{int(time.time())}"
+    tree["ps"]["shm_dir"] = str(Path(config.ps.shm_dir) / run_name)
+    if config.ps.tier is not None:  # the disk tier is the stores' too: private to the run, removed with them
+        tree["ps"]["tier"]["dir"] = str(Path(config.ps.tier.dir) / run_name)
     tree["output"]["dir"] = str(run_dir)
     if not config.checkpoint.dir:  # always: the final checkpoint makes a finished run exportable
         tree["checkpoint"]["dir"] = str(run_dir / "checkpoints")
@@ -173,7 +176,8 @@ class LocalCluster:
         forkserver = forkserver or ForkServers(run_dir / "logs")
         forkserver.configure(config_path)
         if not config.ps.keep_shm:
-            forkserver.clean_up_on_death(config.ps.shm_dir)
+            for path in _store_dirs(config):
+                forkserver.clean_up_on_death(path)
         return cls(config, run_dir, procs, forkserver=forkserver)
 
     def start(self) -> None:
@@ -455,9 +459,15 @@ class LocalCluster:
                 _signal(popen, signal.SIGKILL)
                 popen.wait()
         if not self.config.ps.keep_shm:
-            shutil.rmtree(self.config.ps.shm_dir, ignore_errors=True)
+            for path in _store_dirs(self.config):
+                shutil.rmtree(path, ignore_errors=True)
         if self.forkserver is not None:
             self.forkserver.close()
+
+
+def _store_dirs(config: Config) -> list[str]:
+    """The run's PS store directories, removed when it ends unless ps.keep_shm: shared memory and disk tier."""
+    return [config.ps.shm_dir, *([config.ps.tier.dir] if config.ps.tier is not None else [])]
 
 
 def _fork_order(proc: ServiceProcess) -> tuple[bool, bool]:

@@ -29,6 +29,7 @@ from services.embedding_ps.kernels import MAX_STRIPE_ROWS
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
+from services.embedding_ps.tier import planned_bytes as planned_disk_bytes
 
 MAX_STRIPES = 1024
 """ps.num_stripes' limit: with MAX_STRIPE_ROWS rows a stripe, the most rows one store of a shard can hold."""
@@ -97,14 +98,19 @@ def _plan_stores(configs: list[StoreConfig], shards: int) -> dict:
         for name, nbytes in parts.items():
             per_shard[name] = per_shard.get(name, 0) + nbytes
         stores.append({"dim": config.dim, "rows_per_shard": config.capacity, "per_shard_bytes": sum(parts.values()),
-                       "stripes": config.num_stripes, "row_bytes_in_checkpoints": row_bytes(config)})
+                       "stripes": config.num_stripes, "row_bytes_in_checkpoints": row_bytes(config),
+                       "disk_rows_per_shard": config.ps.tier.capacity if config.ps.tier else 0,
+                       "disk_bytes_per_shard": planned_disk_bytes(config)})
     private = {"stamps_and_marks": sum(PRIVATE_BYTES_PER_SLOT * c.capacity for c in configs),
                "checkpoint_buffers": max(dump_memory_bytes(c) for c in configs)}
     shard_bytes = sum(per_shard.values())
     memory = shard_bytes + sum(private.values())
+    disk = sum(s["disk_bytes_per_shard"] for s in stores)
     return {"shards": shards, "rows_per_shard": sum(c.capacity for c in configs), "per_shard_bytes": shard_bytes,
             "per_shard_parts": per_shard, "per_shard_private": private, "per_shard_memory_bytes": memory,
             "stores": stores, "total_bytes": shard_bytes * shards, "total_memory_bytes": memory * shards,
+            "per_shard_disk_bytes": disk, "total_disk_bytes": disk * shards,
+            "disk_rows_per_shard": sum(s["disk_rows_per_shard"] for s in stores),
             "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * c.capacity for c in configs)}
 
 
@@ -196,11 +202,18 @@ def free_bytes(path: str | Path) -> int:
 
 def check_fits(config: Config, *, host: str, memory_bytes: int, shm_free_bytes: int) -> None:
     """ConfigError naming the host, the widths and the bytes unless every PS shard of `config` on this host (a
-    local run: all of them) fits its memory, and their store files the free space under ps.shm_dir."""
+    local run: all of them) fits its memory, their store files the free space under ps.shm_dir, and their disk
+    tiers (ps.tier) the free space under ps.tier.dir."""
     try:
         result = plan_config(config)
     except ValueError as exc:  # a stripe over its row limit (store_files.StoreConfig)
         raise ConfigError(f"ps.capacity, ps.num_stripes: {exc}") from None
+    if config.ps.tier is not None:
+        free = free_bytes(config.ps.tier.dir)
+        if result["total_disk_bytes"] > free:
+            raise ConfigError(f"ps.tier.capacity: {result['shards']} PS shard(s) of {config.ps.tier.capacity:,} rows "
+                              f"per width on disk need {result['total_disk_bytes']:,} bytes under {config.ps.tier.dir}"
+                              f" ({human(result['total_disk_bytes'])}); it has {free:,} bytes free")
     shards = result["shards"]
     widths = ", ".join(f"width {s['dim']}: {human(s['per_shard_bytes'])} of files" for s in result["stores"])
     need, files = result["total_memory_bytes"], result["total_bytes"]

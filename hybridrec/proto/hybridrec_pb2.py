@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhybridrec.proto\x12\thybridrec\"\x07\n\x05\x46rame\"\x07\n\x05\x45mpty\"\x1b\n\tFloatList\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xc0\x01\n\x0cServiceStats\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.hybridrec.ServiceStats.ValuesEntry\x12*\n\x08recovery\x18\x04 \x01(\x0b\x32\x18.hybridrec.RecoveryStats\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"o\n\x0eTableLifecycle\x12\r\n\x05group\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x03\x12\x10\n\x08rejected\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x03\x12\x19\n\x11\x64ropped_gradients\x18\x05 \x01(\x03\"\xe2\x02\n\rRecoveryStats\x12\x19\n\x11\x62\x61tches_recovered\x18\x01 \x01(\x03\x12\x1f\n\x17unapplied_train_batches\x18\x02 \x01(\x03\x12\x1c\n\x14updates_deduplicated\x18\x03 \x01(\x03\x12@\n\rrows_by_width\x18\x04 \x03(\x0b\x32).hybridrec.RecoveryStats.RowsByWidthEntry\x12)\n\x06tables\x18\x05 \x03(\x0b\x32\x19.hybridrec.TableLifecycle\x12\x0c\n\x04life\x18\x06 \x01(\x04\x12$\n\x06losses\x18\x07 \x03(\x0b\x32\x14.hybridrec.ShardLoss\x12\"\n\x04\x61\x63ks\x18\x08 \x03(\x0b\x32\x14.hybridrec.ShardAcks\x1a\x32\n\x10RowsByWidthEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"t\n\tShardLoss\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04life\x18\x02 \x01(\x04\x12\x1d\n\x15\x61pplied_at_checkpoint\x18\x03 \x01(\x03\x12\x15\n\rrestored_step\x18\x04 \x01(\x03\x12\x14\n\x0c\x66rom_replica\x18\x05 \x01(\x08\"9\n\tShardAcks\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04life\x18\x02 \x01(\x04\x12\x0f\n\x07updates\x18\x03 \x01(\x03\"K\n\x11\x43heckpointRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\x04\x62\x61se\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_base\"K\n\x0f\x43heckpointReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x63hain\x18\x03 \x03(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"E\n\x0ePublishRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\"<\n\rPublishedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xb4\x01\n\x0cPublishReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\'\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x18.hybridrec.PublishedFile\x12;\n\x0brows_by_dim\x18\x03 \x03(\x0b\x32&.hybridrec.PublishReply.RowsByDimEntry\x1a\x30\n\x0eRowsByDimEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x97\x01\n\x0eTrainingStatus\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x17\n\x0fsamples_per_sec\x18\x05 \x01(\x01\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x11\n\ttrain_auc\x18\x07 \x01(\x01\x12\x0f\n\x07train_s\x18\x08 \x01(\x01\x32\xd2\x03\n\x0b\x45mbeddingPS\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Update\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats\x12\x46\n\nCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12J\n\x0eLoadCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12=\n\x07Publish\x12\x19.hybridrec.PublishRequest\x1a\x17.hybridrec.PublishReply\x12/\n\tReplicate\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12/\n\tPullShard\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame2\xd8\x01\n\x0f\x45mbeddingWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x33\n\rPushGradients\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2\xd5\x01\n\x08NNWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12.\n\x08Received\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x35\n\x06Status\x12\x10.hybridrec.Empty\x1a\x19.hybridrec.TrainingStatus\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2@\n\nDataLoader\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhybridrec.proto\x12\thybridrec\"\x07\n\x05\x46rame\"\x07\n\x05\x45mpty\"\x1b\n\tFloatList\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xc0\x01\n\x0cServiceStats\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.hybridrec.ServiceStats.ValuesEntry\x12*\n\x08recovery\x18\x04 \x01(\x0b\x32\x18.hybridrec.RecoveryStats\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"o\n\x0eTableLifecycle\x12\r\n\x05group\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x03\x12\x10\n\x08rejected\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x03\x12\x19\n\x11\x64ropped_gradients\x18\x05 \x01(\x03\"\x86\x03\n\rRecoveryStats\x12\x19\n\x11\x62\x61tches_recovered\x18\x01 \x01(\x03\x12\x1f\n\x17unapplied_train_batches\x18\x02 \x01(\x03\x12\x1c\n\x14updates_deduplicated\x18\x03 \x01(\x03\x12@\n\rrows_by_width\x18\x04 \x03(\x0b\x32).hybridrec.RecoveryStats.RowsByWidthEntry\x12)\n\x06tables\x18\x05 \x03(\x0b\x32\x19.hybridrec.TableLifecycle\x12\x0c\n\x04life\x18\x06 \x01(\x04\x12$\n\x06losses\x18\x07 \x03(\x0b\x32\x14.hybridrec.ShardLoss\x12\"\n\x04\x61\x63ks\x18\x08 \x03(\x0b\x32\x14.hybridrec.ShardAcks\x12\"\n\x04tier\x18\t \x01(\x0b\x32\x14.hybridrec.TierStats\x1a\x32\n\x10RowsByWidthEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xca\x01\n\tTierStats\x12\x13\n\x0bmemory_rows\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\x12\x11\n\tdisk_rows\x18\x03 \x01(\x03\x12\x12\n\ndisk_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07lookups\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\r\n\x05\x66ills\x18\x07 \x01(\x03\x12\x12\n\nwritebacks\x18\x08 \x01(\x03\x12\x11\n\toverflows\x18\t \x01(\x03\x12\x14\n\x0c\x64isk_updates\x18\n \x01(\x03\"t\n\tShardLoss\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04life\x18\x02 \x01(\x04\x12\x1d\n\x15\x61pplied_at_checkpoint\x18\x03 \x01(\x03\x12\x15\n\rrestored_step\x18\x04 \x01(\x03\x12\x14\n\x0c\x66rom_replica\x18\x05 \x01(\x08\"9\n\tShardAcks\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04life\x18\x02 \x01(\x04\x12\x0f\n\x07updates\x18\x03 \x01(\x03\"K\n\x11\x43heckpointRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\x04\x62\x61se\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_base\"K\n\x0f\x43heckpointReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x63hain\x18\x03 \x03(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"E\n\x0ePublishRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\"<\n\rPublishedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xb4\x01\n\x0cPublishReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\'\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x18.hybridrec.PublishedFile\x12;\n\x0brows_by_dim\x18\x03 \x03(\x0b\x32&.hybridrec.PublishReply.RowsByDimEntry\x1a\x30\n\x0eRowsByDimEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x97\x01\n\x0eTrainingStatus\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x17\n\x0fsamples_per_sec\x18\x05 \x01(\x01\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x11\n\ttrain_auc\x18\x07 \x01(\x01\x12\x0f\n\x07train_s\x18\x08 \x01(\x01\x32\xd2\x03\n\x0b\x45mbeddingPS\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Update\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats\x12\x46\n\nCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12J\n\x0eLoadCheckpoint\x12\x1c.hybridrec.CheckpointRequest\x1a\x1a.hybridrec.CheckpointReply\x12=\n\x07Publish\x12\x19.hybridrec.PublishRequest\x1a\x17.hybridrec.PublishReply\x12/\n\tReplicate\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12/\n\tPullShard\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame2\xd8\x01\n\x0f\x45mbeddingWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12,\n\x06Lookup\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x33\n\rPushGradients\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2\xd5\x01\n\x08NNWorker\x12.\n\x08PutBatch\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12.\n\x08Received\x12\x10.hybridrec.Frame\x1a\x10.hybridrec.Frame\x12\x35\n\x06Status\x12\x10.hybridrec.Empty\x1a\x19.hybridrec.TrainingStatus\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStats2@\n\nDataLoader\x12\x32\n\x05Stats\x12\x10.hybridrec.Empty\x1a\x17.hybridrec.ServiceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,33 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLELIFECYCLE']._serialized_start=272
   _globals['_TABLELIFECYCLE']._serialized_end=383
   _globals['_RECOVERYSTATS']._serialized_start=386
-  _globals['_RECOVERYSTATS']._serialized_end=740
-  _globals['_RECOVERYSTATS_ROWSBYWIDTHENTRY']._serialized_start=690
-  _globals['_RECOVERYSTATS_ROWSBYWIDTHENTRY']._serialized_end=740
-  _globals['_SHARDLOSS']._serialized_start=742
-  _globals['_SHARDLOSS']._serialized_end=858
-  _globals['_SHARDACKS']._serialized_start=860
-  _globals['_SHARDACKS']._serialized_end=917
-  _globals['_CHECKPOINTREQUEST']._serialized_start=919
-  _globals['_CHECKPOINTREQUEST']._serialized_end=994
-  _globals['_CHECKPOINTREPLY']._serialized_start=996
-  _globals['_CHECKPOINTREPLY']._serialized_end=1071
-  _globals['_PUBLISHREQUEST']._serialized_start=1073
-  _globals['_PUBLISHREQUEST']._serialized_end=1142
-  _globals['_PUBLISHEDFILE']._serialized_start=1144
-  _globals['_PUBLISHEDFILE']._serialized_end=1204
-  _globals['_PUBLISHREPLY']._serialized_start=1207
-  _globals['_PUBLISHREPLY']._serialized_end=1387
-  _globals['_PUBLISHREPLY_ROWSBYDIMENTRY']._serialized_start=1339
-  _globals['_PUBLISHREPLY_ROWSBYDIMENTRY']._serialized_end=1387
-  _globals['_TRAININGSTATUS']._serialized_start=1390
-  _globals['_TRAININGSTATUS']._serialized_end=1541
-  _globals['_EMBEDDINGPS']._serialized_start=1544
-  _globals['_EMBEDDINGPS']._serialized_end=2010
-  _globals['_EMBEDDINGWORKER']._serialized_start=2013
-  _globals['_EMBEDDINGWORKER']._serialized_end=2229
-  _globals['_NNWORKER']._serialized_start=2232
-  _globals['_NNWORKER']._serialized_end=2445
-  _globals['_DATALOADER']._serialized_start=2447
-  _globals['_DATALOADER']._serialized_end=2511
+  _globals['_RECOVERYSTATS']._serialized_end=776
+  _globals['_RECOVERYSTATS_ROWSBYWIDTHENTRY']._serialized_start=726
+  _globals['_RECOVERYSTATS_ROWSBYWIDTHENTRY']._serialized_end=776
+  _globals['_TIERSTATS']._serialized_start=779
+  _globals['_TIERSTATS']._serialized_end=981
+  _globals['_SHARDLOSS']._serialized_start=983
+  _globals['_SHARDLOSS']._serialized_end=1099
+  _globals['_SHARDACKS']._serialized_start=1101
+  _globals['_SHARDACKS']._serialized_end=1158
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1160
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1235
+  _globals['_CHECKPOINTREPLY']._serialized_start=1237
+  _globals['_CHECKPOINTREPLY']._serialized_end=1312
+  _globals['_PUBLISHREQUEST']._serialized_start=1314
+  _globals['_PUBLISHREQUEST']._serialized_end=1383
+  _globals['_PUBLISHEDFILE']._serialized_start=1385
+  _globals['_PUBLISHEDFILE']._serialized_end=1445
+  _globals['_PUBLISHREPLY']._serialized_start=1448
+  _globals['_PUBLISHREPLY']._serialized_end=1628
+  _globals['_PUBLISHREPLY_ROWSBYDIMENTRY']._serialized_start=1580
+  _globals['_PUBLISHREPLY_ROWSBYDIMENTRY']._serialized_end=1628
+  _globals['_TRAININGSTATUS']._serialized_start=1631
+  _globals['_TRAININGSTATUS']._serialized_end=1782
+  _globals['_EMBEDDINGPS']._serialized_start=1785
+  _globals['_EMBEDDINGPS']._serialized_end=2251
+  _globals['_EMBEDDINGWORKER']._serialized_start=2254
+  _globals['_EMBEDDINGWORKER']._serialized_end=2470
+  _globals['_NNWORKER']._serialized_start=2473
+  _globals['_NNWORKER']._serialized_end=2686
+  _globals['_DATALOADER']._serialized_start=2688
+  _globals['_DATALOADER']._serialized_end=2752
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class TableLifecycle(_message.Message):
     def __init__(self, group: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., dropped_gradients: _Optional[int] = ...) -> None: ...
 
 class RecoveryStats(_message.Message):
-    __slots__ = ("batches_recovered", "unapplied_train_batches", "updates_deduplicated", "rows_by_width", "tables", "life", "losses", "acks")
+    __slots__ = ("batches_recovered", "unapplied_train_batches", "updates_deduplicated", "rows_by_width", "tables", "life", "losses", "acks", "tier")
     class RowsByWidthEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RecoveryStats(_message.Message):
     LIFE_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     batches_recovered: int
     unapplied_train_batches: int
     updates_deduplicated: int
@@ -78,7 +79,32 @@ class RecoveryStats(_message.Message):
     life: int
     losses: _containers.RepeatedCompositeFieldContainer[ShardLoss]
     acks: _containers.RepeatedCompositeFieldContainer[ShardAcks]
-    def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ..., life: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[ShardLoss, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[ShardAcks, _Mapping]]] = ...) -> None: ...
+    tier: TierStats
+    def __init__(self, batches_recovered: _Optional[int] = ..., unapplied_train_batches: _Optional[int] = ..., updates_deduplicated: _Optional[int] = ..., rows_by_width: _Optional[_Mapping[int, int]] = ..., tables: _Optional[_Iterable[_Union[TableLifecycle, _Mapping]]] = ..., life: _Optional[int] = ..., losses: _Optional[_Iterable[_Union[ShardLoss, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[ShardAcks, _Mapping]]] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("memory_rows", "memory_bytes", "disk_rows", "disk_bytes", "lookups", "misses", "fills", "writebacks", "overflows", "disk_updates")
+    MEMORY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    FILLS_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACKS_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    memory_rows: int
+    memory_bytes: int
+    disk_rows: int
+    disk_bytes: int
+    lookups: int
+    misses: int
+    fills: int
+    writebacks: int
+    overflows: int
+    disk_updates: int
+    def __init__(self, memory_rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., disk_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., misses: _Optional[int] = ..., fills: _Optional[int] = ..., writebacks: _Optional[int] = ..., overflows: _Optional[int] = ..., disk_updates: _Optional[int] = ...) -> None: ...
 
 class ShardLoss(_message.Message):
     __slots__ = ("shard", "life", "applied_at_checkpoint", "restored_step", "from_replica")

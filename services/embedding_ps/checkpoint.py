@@ -176,7 +176,7 @@ def _chain_before(job_root: Path, name: str, store_by_dim: dict[int, EmbeddingSt
     if manifest["step"] != base or len(manifest["chain"]) >= full_every:
         return []
     changed = sum(store.changed_rows() for store in store_by_dim.values())
-    if 2 * changed > sum(store.num_rows for store in store_by_dim.values()):
+    if 2 * changed > sum(store.table_rows for store in store_by_dim.values()):
         return []  # a delta of over half the table: a full dump restores faster and costs about as much
     return list(manifest["chain"])
 

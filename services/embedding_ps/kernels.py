@@ -354,6 +354,181 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
     hdr[F_INSERTS] += 1
 
 
+# ---------------------------------------------------------------- disk tier
+# A stripe's region of the disk tier (services/embedding_ps/tier.py) comes as one tuple `tier`:
+# (tkeys (pages, 512) uint64, tvals (pages, 1024) float32: two views of the same 4 KiB pages; thdr: the
+# stripe's counters (TF_*); tmarks: one uint8 per record, 1 when it changed since a checkpoint copied it;
+# per_page: records per page). A page holds its records' keys first, stored as key + 1 so that the zeros of a
+# new sparse file read as empty, then their rows: record r's row is tvals[p, 2 * per_page + r * width:...].
+# A key's home page is a hash of it; a full page sends it to the next (linear probing by page). Records are
+# never deleted, so a probe ends at the first page with an empty record. A store without a tier passes
+# zero pages: every tier kernel then finds nothing and writes nothing.
+TF_ROWS = 0          # records in the stripe's region
+TF_LIMIT = 1         # records the region may hold (ps.tier.capacity / num_stripes)
+TF_FILLS = 2         # rows a training lookup read back from disk instead of initialising them
+TF_WRITEBACKS = 3    # evicted rows written to disk
+TF_OVERFLOWS = 4     # evicted rows lost because the region was full (ps.tier.capacity too small)
+TF_DISK_UPDATES = 5  # gradients applied to rows on disk (evicted between their lookup and their update)
+TF_DISK_READS = 6    # read-only lookups answered from disk
+TF_LOOKUPS = 7       # IDs of training lookups
+TF_MISSES = 8        # distinct IDs of training lookups not in memory (filled from disk or new)
+TIER_FIELDS = 16
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_find(tkeys, per_page, key):
+    """(found, page, record) of `key` in a region; not found: where it would go ((-1, -1) when the region
+    is full or has no pages)."""
+    pages = tkeys.shape[0]
+    if pages == 0:
+        return False, -1, -1
+    stored = key + np.uint64(1)
+    p = np.int64((key_hash(key) >> _U32) % np.uint64(pages))
+    for _ in range(pages):
+        for r in range(per_page):
+            k = tkeys[p, r]
+            if k == stored:
+                return True, p, r
+            if k == 0:
+                return False, p, r
+        p += 1
+        if p == pages:
+            p = 0
+    return False, -1, -1
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_get(tier, key, dst, i, n, width):
+    """dst[i, :n] = the first n values of `key`'s row (`width` values) on disk; False when it has none."""
+    tkeys, tvals, _, _, per_page = tier
+    found, p, r = _tier_find(tkeys, per_page, key)
+    if not found:
+        return False
+    base = 2 * per_page + r * width
+    for d in range(n):
+        dst[i, d] = tvals[p, base + d]
+    return True
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_put(tier, key, src, s, width):
+    """Write row src[s] (`width` values) as `key`'s record on disk: the row before a new record's key (a crash
+    leaves no key with a half-written row). False, counted, when the region is full."""
+    tkeys, tvals, thdr, tmarks, per_page = tier
+    found, p, r = _tier_find(tkeys, per_page, key)
+    if p < 0 or (not found and thdr[TF_ROWS] >= thdr[TF_LIMIT]):
+        thdr[TF_OVERFLOWS] += 1
+        return False
+    base = 2 * per_page + r * width
+    for d in range(width):
+        tvals[p, base + d] = src[s, d]
+    if not found:
+        tkeys[p, r] = key + np.uint64(1)
+        thdr[TF_ROWS] += 1
+    tmarks[p * per_page + r] = 1
+    thdr[TF_WRITEBACKS] += 1
+    return True
+
+
+@njit(inline="always", error_model="numpy")
+def _evict_slot(keys, prev, nxt, values, hdr, tier):
+    """`_take_slot`, writing an evicted row to the disk tier first (before its key is cleared)."""
+    if hdr[F_USED] == keys.shape[0] and tier[0].shape[0] > 0:
+        victim = hdr[F_TAIL]
+        _tier_put(tier, keys[victim], values, victim, values.shape[1])
+    return _take_slot(keys, prev, nxt, hdr)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, tier, victims, out):
+    """The home pages (region-local) of the IDs not in memory (slots[j] < 0) and, with `victims`, of as many
+    rows at the LRU tail as those IDs could evict: the pages a lookup will read or write, so that the caller
+    can ask the kernel to read them all at once (tier.DiskTier.advise). Returns how many it wrote into out."""
+    tkeys = tier[0]
+    pages = np.uint64(tkeys.shape[0])
+    n = 0
+    for j in range(lo, hi):
+        if slots[j] < 0 and n < out.shape[0]:
+            out[n] = np.int64((key_hash(ids[perm[j]]) >> _U32) % pages)
+            n += 1
+    if victims:
+        evicting = n - (keys.shape[0] - hdr[F_USED])
+        s = hdr[F_TAIL]
+        while evicting > 0 and s >= 0 and n < out.shape[0]:
+            out[n] = np.int64((key_hash(keys[s]) >> _U32) % pages)
+            n += 1
+            evicting -= 1
+            s = prev[s]
+    return n
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def tier_gather(ids, perm, lo, hi, slots, tier, rows, gperm, where):
+    """For `update`: the rows on disk of the IDs not in memory (slots[j] == -1) into rows[k], their gradient's
+    position into gperm[k] and their record into where[k]; their slots[j] become -2 (applied on disk).
+    Returns k, the rows gathered."""
+    tkeys, tvals, _, _, per_page = tier
+    width = rows.shape[1]
+    k = 0
+    for j in range(lo, hi):
+        if slots[j] != -1:
+            continue
+        found, p, r = _tier_find(tkeys, per_page, ids[perm[j]])
+        if not found:
+            continue
+        base = 2 * per_page + r * width
+        for d in range(width):
+            rows[k, d] = tvals[p, base + d]
+        gperm[k] = perm[j]
+        where[k] = p * per_page + r
+        slots[j] = -2
+        k += 1
+    return k
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def tier_scatter(tier, rows, where, k):
+    """Write back the first k rows `tier_gather` took (after the optimizer step), marking them changed."""
+    _, tvals, thdr, tmarks, per_page = tier
+    width = rows.shape[1]
+    for i in range(k):
+        p, r = where[i] // per_page, where[i] % per_page
+        base = 2 * per_page + r * width
+        for d in range(width):
+            tvals[p, base + d] = rows[i, d]
+        tmarks[where[i]] = 1
+    thdr[TF_DISK_UPDATES] += k
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def copy_tier_rows(tier, first, last, index, keys, changed_only, clear, out_keys, out_values, at):
+    """Copy the records of pages [first, last) whose key is not in memory (memory holds the newer row) into
+    out_*[at:], only changed ones with `changed_only` (their pages alone are read); `clear`: clear the marks
+    of those copied (a checkpoint's copy). Returns how many."""
+    tkeys, tvals, _, tmarks, per_page = tier
+    width = out_values.shape[1]
+    n = at
+    for p in range(first, last):
+        for r in range(per_page):
+            m = p * per_page + r
+            if changed_only and tmarks[m] == 0:
+                continue
+            stored = tkeys[p, r]
+            if stored == 0:
+                break
+            key = stored - np.uint64(1)
+            if _find(index, keys, key, key_hash(key))[0] >= 0:
+                continue
+            out_keys[n] = key
+            base = 2 * per_page + r * width
+            for d in range(width):
+                out_values[n, d] = tvals[p, base + d]
+            if clear:
+                tmarks[m] = 0
+            n += 1
+    return n - at
+
+
 @njit(inline="always", error_model="numpy")
 def group_of(key):
     """Feature group (table) of an ID: its top 8 bits (hybridrec/ids.py)."""
@@ -420,7 +595,7 @@ def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
 @njit(nogil=True, cache=True, error_model="numpy")
 def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, head_moves,
                   train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                  touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
+                  touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
 
     Hits are resolved, copied and refreshed in separate passes (each pass's
@@ -445,6 +620,8 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     53-bit draw is below it. Before that draw, an ID of a table whose
     admit_after[group] > 1 is counted in `sketch` and admitted only once its
     count reaches that threshold.
+    With a disk tier (`tier`, see _tier_find), an ID not in memory is read from disk: a training lookup moves
+    its row (with its optimizer state) into memory, where it then evicts a row to disk; a read-only one copies it.
     """
     dim = out.shape[1]
     _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values)
@@ -480,18 +657,22 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     if not train:
         for j in range(lo, hi):
             if slots[j] < 0:
-                _zero_row(out, perm[j])
-                hdr[F_READ_MISSES] += 1
+                if _tier_get(tier, ids[perm[j]], out, perm[j], dim, values.shape[1]):
+                    tier[2][TF_DISK_READS] += 1
+                else:
+                    _zero_row(out, perm[j])
+                    hdr[F_READ_MISSES] += 1
         return
+    tier[2][TF_LOOKUPS] += hi - lo
     head_moves[0] = _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
                                admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                               touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms)
+                               touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
                    admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms):
+                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
 
     Done in batches rather than ID by ID, so that the random index accesses of
@@ -499,8 +680,10 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
     overlap: (1) pick the distinct admitted new keys, in order of first
     occurrence (a small local hash set dedups them); (2) take that many slots:
     free ones, then the LRU tail's, removing the evicted keys from the index;
-    (3) write each new row, then publish its key; (4) index and link the new
-    rows; (5) copy them out. The result is the same as inserting one by one.
+    (3) write each new row (its row on disk, with a disk tier, else its initial
+    one), then publish its key; (4) index and link the new rows; (5) copy them
+    out. The result is the same as inserting one by one. An ID with a row on
+    disk was admitted before: it is not counted or drawn again.
     Returns the stripe's move count `moves` (see lookup_stripe) after the inserts.
     """
     dim = out.shape[1]
@@ -529,12 +712,14 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
             slots[j] = -2 - local_pos[b]
             continue
         g = group_of(key)
-        if admit_after[g] > 1 and _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
+        if (admit_after[g] > 1 or admit_threshold >= 0) and _tier_find(tier[0], tier[4], key)[0]:
+            pass  # admitted when it was first inserted: its row is on disk
+        elif admit_after[g] > 1 and _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
             slots[j] = -1  # not seen often enough yet: reads zeros, its gradient will be dropped
             hdr[F_ADMISSION_DROPS] += 1
             tables[g, T_REJECTED] += 1
             continue
-        if admit_threshold >= 0 or key == EMPTY_KEY:  # each occurrence of a new ID gets a draw
+        elif admit_threshold >= 0 or key == EMPTY_KEY:  # each occurrence of a new ID gets a draw
             draw = fmix64(key ^ admit_key ^ fmix64(np.uint64(hdr[F_ADMIT_DRAWS])))
             hdr[F_ADMIT_DRAWS] += 1
             if key == EMPTY_KEY or np.int64(draw >> _U11) >= admit_threshold:
@@ -551,19 +736,29 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
     # within this call; they are served from a scratch row and counted as such.
     ghosts = max(0, n - cap)
     width = values.shape[1]
+    thdr = tier[2]
     ghost_rows = np.empty((ghosts, width), np.float32)
-    for q in range(ghosts):
-        _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+    for q in range(ghosts):  # on disk they go straight back there
+        if _tier_get(tier, new_keys[q], ghost_rows, q, width, width):
+            thdr[TF_FILLS] += 1
+        else:
+            _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+        if tier[0].shape[0] > 0:
+            _tier_put(tier, new_keys[q], ghost_rows, q, width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
+    thdr[TF_MISSES] += n
     for q in range(n):
         tables[group_of(new_keys[q]), T_ADMITTED] += 1
     new_slots = np.empty(n, np.int32)
-    for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail
-        new_slots[q] = _take_slot(keys, prev, nxt, hdr)
+    for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail (to disk, with a tier)
+        new_slots[q] = _evict_slot(keys, prev, nxt, values, hdr, tier)
     for q in range(ghosts, n):  # (3) rows are complete before their key is published (crash ordering)
         s = new_slots[q]
-        _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+        if _tier_get(tier, new_keys[q], values, s, width, width):
+            thdr[TF_FILLS] += 1
+        else:
+            _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
         if touched.shape[0] > 0:  # a new row counts as updated now (TTL)
             touched[s, 0] = now_clock
             touched[s, 1] = now_ms
@@ -596,8 +791,9 @@ def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def load_stripe(new_keys, new_values, new_touched, perm, lo, hi, index, keys, prev, nxt, values, hdr, touched):
-    """Insert rows verbatim (checkpoint restore); an existing key is overwritten and refreshed.
+def load_stripe(new_keys, new_values, new_touched, perm, lo, hi, index, keys, prev, nxt, values, hdr, touched, tier):
+    """Insert rows verbatim (checkpoint restore); an existing key is overwritten and refreshed. With a disk
+    tier, an evicted row goes to disk, and a row loaded into memory shadows its older copy there.
 
     `new_touched` (n, 2): each row's last update (store clock, unix ms), kept when the store has a TTL."""
     for j in range(lo, hi):
@@ -609,7 +805,7 @@ def load_stripe(new_keys, new_values, new_touched, perm, lo, hi, index, keys, pr
             _touch(prev, nxt, hdr, s)
         else:
             _sweep_stale(index, keys, hdr)  # before taking a slot: every slot in use holds its key
-            s = _take_slot(keys, prev, nxt, hdr)
+            s = _evict_slot(keys, prev, nxt, values, hdr, tier)
             _copy_row(values, s, new_values, i, values.shape[1])
             _insert(index, keys, prev, nxt, hdr, key, s)
         if touched.shape[0] > 0:
@@ -630,7 +826,7 @@ def after_update_stripe(ids, perm, lo, hi, slots, touched, tables, now_clock, no
     stamp = touched.shape[0] > 0
     for j in range(lo, hi):
         s = slots[j]
-        if s < 0:
+        if s == -1:  # -2: applied to its row on disk (tier_gather)
             tables[group_of(ids[perm[j]]), T_DROPPED] += 1
         elif stamp:
             touched[s, 0] = now_clock

@@ -78,9 +78,17 @@ def backup_dir(config: Config, shard: int) -> Path:
 
 
 def open_stores_in(directory: Path, config: Config) -> dict[int, EmbeddingStore]:
-    """One store per width under `directory` (a shard's own directory, or a backup's)."""
-    return {dim: EmbeddingStore.open(directory / f"dim-{dim}", StoreConfig.from_config(config, dim))
-            for dim in config.dims}
+    """One store per width under `directory` (a shard's own directory, or a backup's); none left open when one
+    cannot be opened."""
+    stores: dict[int, EmbeddingStore] = {}
+    try:
+        for dim in config.dims:
+            stores[dim] = EmbeddingStore.open(directory / f"dim-{dim}", StoreConfig.from_config(config, dim))
+    except BaseException:
+        for store in stores.values():
+            store.close()
+        raise
+    return stores
 
 
 def check_job(theirs: str, ours: str, what: str) -> None:

@@ -36,6 +36,7 @@ from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.replica import Backup, Primary, backup_of, backup_host, open_stores_in, \
     restore_from_backup, row_widths
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
+from services.embedding_ps.tier import CorruptTier
 
 
 def shard_dir(config: Config, shard: int) -> Path:
@@ -73,7 +74,10 @@ def warm_up(config: Config) -> None:
     with tempfile.TemporaryDirectory(prefix=f"{WARM_UP_PREFIX}{os.getpid()}-", dir=scratch_root) as scratch:
         for dim in config.dims:
             full = StoreConfig.from_config(config, dim)
-            small = dataclasses.replace(full, ps=full.ps.model_copy(update={"capacity": 64, "num_stripes": 2}))
+            tier = full.ps.tier and full.ps.tier.model_copy(update={"dir": str(Path(scratch) / "tier"),
+                                                                    "capacity": 256})
+            small = dataclasses.replace(full, ps=full.ps.model_copy(update={"capacity": 64, "num_stripes": 2,
+                                                                             "tier": tier}))
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)
@@ -102,8 +106,19 @@ def open_shard(config: Config, shard: int) -> tuple[dict[int, EmbeddingStore], A
 
     Returns the stores, the record and the lives of the shard lost during the job. Without checkpoint.dir and
     checkpoint.job_id there is nothing to know the job by: the files are opened as they are."""
-    stores, applied = open_stores(config, shard), open_applied(config, shard)
     root, job = config.checkpoint.dir, config.checkpoint.job_id
+    try:
+        stores = open_stores(config, shard)
+    except CorruptTier as exc:
+        if not (root and job):
+            raise  # nothing to restore from: refused, naming the file
+        # Its memory store is opened beside it and would be served with rows missing: the shard starts over and
+        # restores from its checkpoints, as after a lost host (the loss is recorded and counted below).
+        log.get().error("ps_disk_tier_corrupt", shard=shard, error=str(exc), restores="from the newest checkpoint")
+        shutil.rmtree(shard_dir(config, shard), ignore_errors=True)
+        shutil.rmtree(Path(config.ps.tier.dir) / shard_dir(config, shard).name, ignore_errors=True)
+        stores = open_stores(config, shard)
+    applied = open_applied(config, shard)
     if not (root and job):
         return stores, applied, []
     known = lives.read(root, shard, job)
@@ -196,6 +211,20 @@ def _observed(task: asyncio.Task) -> None:
         log.get().warning("update_failed", error=str(task.exception()))
 
 
+def _tier_stats(stores: dict[int, dict]) -> pb.TierStats | None:
+    """Both tiers of the shard's stores, summed over widths (None without a disk tier)."""
+    tiers = [(st, st["tier"]) for st in stores.values() if st["tier"] is not None]
+    if not tiers:
+        return None
+    return pb.TierStats(memory_rows=sum(st["rows"] for st, _ in tiers),
+                        memory_bytes=sum(st["shm_bytes"] for st, _ in tiers),
+                        disk_rows=sum(t["rows"] for _, t in tiers), disk_bytes=sum(t["bytes"] for _, t in tiers),
+                        lookups=sum(t["lookups"] for _, t in tiers), misses=sum(t["misses"] for _, t in tiers),
+                        fills=sum(t["fills"] for _, t in tiers), writebacks=sum(t["writebacks"] for _, t in tiers),
+                        overflows=sum(t["overflows"] for _, t in tiers),
+                        disk_updates=sum(t["disk_updates"] for _, t in tiers))
+
+
 def _tables(stores: dict[int, dict]) -> dict[int, dict[str, int]]:
     """The lifecycle counters per table (feature group), summed over the stores of every width."""
     tables: dict[int, dict[str, int]] = {}
@@ -251,6 +280,16 @@ class EmbeddingPSServicer:
                            f"dim{dim}_admission_drops_total": st["admission_drops"],
                            f"dim{dim}_missing_updates_total": st["missing_updates"],
                            f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"]})
+            if st["tier"] is not None:  # the disk tier (ps.tier)
+                t = st["tier"]
+                values.update({f"dim{dim}_disk_rows": t["rows"], f"dim{dim}_disk_bytes": t["bytes"],
+                               f"dim{dim}_disk_fills_total": t["fills"],
+                               f"dim{dim}_disk_writebacks_total": t["writebacks"],
+                               f"dim{dim}_disk_overflows_total": t["overflows"],
+                               f"dim{dim}_disk_updates_total": t["disk_updates"],
+                               f"dim{dim}_disk_reads_total": t["disk_reads"],
+                               f"dim{dim}_tier_lookups_total": t["lookups"],
+                               f"dim{dim}_tier_misses_total": t["misses"]})
         for group, counters in _tables(stores).items():  # the lifecycle's counters per table (feature group)
             values.update({f"table{group}_{name}_total": float(count) for name, count in counters.items()})
         if self.primary is not None:
@@ -372,7 +411,8 @@ class EmbeddingPSServicer:
                                 rows_by_width={dim: int(st["rows"]) for dim, st in stores.items()},
                                 tables=[pb.TableLifecycle(group=g, **c) for g, c in sorted(_tables(stores).items())],
                                 life=self.applied.life,
-                                losses=[pb.ShardLoss(shard=self.shard, **loss.model_dump()) for loss in self.losses])
+                                losses=[pb.ShardLoss(shard=self.shard, **loss.model_dump()) for loss in self.losses],
+                                tier=_tier_stats(stores))
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         from services.embedding_ps import checkpoint

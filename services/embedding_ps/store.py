@@ -28,6 +28,7 @@ from hybridrec import log
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
+from services.embedding_ps import tier as T
 from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory, prefault)
 
@@ -58,7 +59,13 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     return out
 
 
-T = TypeVar("T")
+T_ = TypeVar("T_")
+
+
+def tier_dir_of(directory: Path, config: StoreConfig) -> Path:
+    """Where the disk tier of the store in `directory` (`<ps.shm_dir>/shard-NNNNN/dim-D`) lives: the same two
+    names under ps.tier.dir."""
+    return Path(config.ps.tier.dir) / directory.parent.name / directory.name
 
 COPY_TRIES = 8
 """Copies of one batch a dump discards (a request changed the stripe meanwhile) before it takes the lock."""
@@ -77,6 +84,8 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def __init__(self, directory: Path, layout: Layout, maps: dict[str, mmap.mmap], lock_fd: int) -> None:
         self.directory = directory
+        self.tier: T.DiskTier | None = None
+        """The disk tier under the memory (ps.tier), opened by `open`; None: memory only."""
         self.created = False
         self.config = layout.config
         self._layout = layout
@@ -137,11 +146,14 @@ class EmbeddingStore(L.StoreLifecycle):
 
     # ------------------------------------------------------------ open / close
     @classmethod
-    def open(cls, directory: str | Path, config: StoreConfig) -> "EmbeddingStore":
-        """Create the store's files in `directory`, or re-attach to the ones there.
+    def open(cls, directory: str | Path, config: StoreConfig, *, tier_dir: str | Path | None = None
+             ) -> "EmbeddingStore":
+        """Create the store's files in `directory`, or re-attach to the ones there; with ps.tier, its disk tier
+        too, in `tier_dir` (default: `tier_dir_of`). A store created afresh starts a fresh tier.
 
         Raises ValueError naming the field when existing files were made for
-        another config, RuntimeError when another process has the store open.
+        another config, RuntimeError when another process has the store open,
+        tier.CorruptTier when its disk tier cannot be trusted.
         Dirty stripes (a crash mid-mutation) are rebuilt from `keys`.
         """
         directory = Path(directory)
@@ -160,6 +172,9 @@ class EmbeddingStore(L.StoreLifecycle):
             os.close(lock_fd)
             raise
         try:
+            if config.ps.tier is not None:
+                store.tier = T.DiskTier.open(tier_dir if tier_dir is not None else tier_dir_of(directory, config),
+                                             config, fresh=store.created)
             store._recover()
         except BaseException:
             store.close()
@@ -176,9 +191,11 @@ class EmbeddingStore(L.StoreLifecycle):
                 _log.warning("rebuilt dirty stripe from keys", directory=str(self.directory), stripe=s, rows=rows)
 
     def flush(self) -> None:
-        """msync every file (matters when the directory is on disk rather than tmpfs)."""
+        """msync every file (matters when the directory is on disk rather than tmpfs), and the disk tier's."""
         for mm in self._maps.values():
             mm.flush()
+        if self.tier is not None:
+            self.tier.flush()
 
     def close(self) -> None:
         """Flush and unmap. The caller must have stopped using the store from other threads."""
@@ -188,6 +205,8 @@ class EmbeddingStore(L.StoreLifecycle):
         if self._prefault is not None:
             self._prefault.join()  # at most one chunk's madvise: then no view of the maps is left
         self.flush()
+        if self.tier is not None:
+            self.tier.close()
         self._stripes = []
         self._arrays = {}
         for mm in self._maps.values():
@@ -253,7 +272,7 @@ class EmbeddingStore(L.StoreLifecycle):
         hdr[K.F_DIRTY] = 0  # left set if fn raised: the next open rebuilds the stripe
         return result or 0
 
-    def _unchanged(self, s: int, copy: Callable[[], T]) -> T:
+    def _unchanged(self, s: int, copy: Callable[[], T_]) -> T_:
         """Run `copy()` (a read of stripe s) without its lock until no mutating call overlapped it; returns its
         result. After COPY_TRIES overlaps, runs it under the lock (counted, and its hold timed)."""
         seqs, counts = self._seqs, self.dump_copies
@@ -272,6 +291,20 @@ class EmbeddingStore(L.StoreLifecycle):
             result = copy()
             self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
         return result
+
+    def _region(self, s: int) -> tuple:
+        """Stripe s's part of the disk tier as the kernels take it (zero pages without one)."""
+        return self.tier.region(s) if self.tier is not None else T.no_region()
+
+    def _advise_tier(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
+                     train: bool) -> None:
+        """Have the kernel read, all at once, the disk pages a lookup of stripe s is about to touch: those of its
+        IDs not in memory and, training, of the rows they will evict (tier.py says why)."""
+        _, keys, prev, _, _, hdr = self._stripes[s]
+        K.resolve_stripe(ids, perm, lo, hi, slots, self._stripes[s][0], keys)
+        pages = np.empty(2 * (hi - lo), np.int64)
+        n = K.tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, self._region(s), bool(train), pages)
+        self.tier.advise(s, pages, n)
 
     def _head_moves_of(self, s: int, n: int) -> np.ndarray:
         """Stripe s's move counter (caller holds its lock), restarted with its stamps before n more
@@ -309,9 +342,12 @@ class EmbeddingStore(L.StoreLifecycle):
         def run(s: int, lo: int, hi: int) -> int:
             hdr = self._stripes[s][5]
             inserts = hdr[K.F_INSERTS]
+            if self.tier is not None:
+                self._advise_tier(s, ids, perm, lo, hi, slots, train)
             K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s],
                             self._head_moves_of(s, hi - lo),
-                            bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life)
+                            bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life,
+                            self._region(s))
             if hdr[K.F_INSERTS] != inserts:  # new rows: at the LRU head, where the kernel pushed them last
                 K.mark_newest(self._stripes[s][3], hdr, hdr[K.F_INSERTS] - inserts, self._marks[s])
             return 0
@@ -343,6 +379,8 @@ class EmbeddingStore(L.StoreLifecycle):
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim)
             K.mark_slots(slots, lo, hi, self._marks[s])
+            if self.tier is not None and applied < hi - lo:
+                applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads)
             hdr[K.F_MISSING_UPDATES] += hi - lo - applied
             if stamp or applied < hi - lo:  # rows' update times (TTL); dropped gradients per table
                 touched, _, tables = self._life[s]
@@ -350,6 +388,20 @@ class EmbeddingStore(L.StoreLifecycle):
             return applied
 
         return self._run_stripes(offsets, run, mutates=True)
+
+    def _update_on_disk(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
+                        grads: np.ndarray) -> int:
+        """Apply the gradients of IDs that left memory since their lookup to their rows on disk (evicted in
+        between: with a tier, no gradient is dropped for it); returns how many."""
+        region, width = self._region(s), self.config.row_width
+        rows = np.empty((hi - lo, width), np.float32)
+        gperm, where = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int64)
+        k = K.tier_gather(ids, perm, lo, hi, slots, region, rows, gperm, where)
+        if k:
+            O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows,
+                           O.optimizer_code(self.config.optimizer), self._hp, self.config.dim)
+            K.tier_scatter(region, rows, where, np.int64(k))
+        return k
 
     def peek(self, ids: np.ndarray, *, state: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
@@ -370,6 +422,12 @@ class EmbeddingStore(L.StoreLifecycle):
             hit = where >= 0
             out[at[hit]] = values[where[hit], :dim]
             found[at[hit]] = True
+            if self.tier is not None and not hit.all():  # the rows on disk (read only: nothing changes)
+                rows = np.empty((hi - lo, self.config.row_width), np.float32)
+                gperm, records = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int64)
+                k = K.tier_gather(ids, perm, lo, hi, slots, self._region(s), rows, gperm, records)
+                out[gperm[:k]] = rows[:k, :dim]
+                found[gperm[:k]] = True
             return 0
 
         self._run_stripes(offsets, run, mutates=False)
@@ -403,7 +461,14 @@ class EmbeddingStore(L.StoreLifecycle):
         stream instead (`stream_rows`)."""
         keys_out, values_out, touched_out = [], [], []
         with self._all_locks():
-            for (_, keys, prev, _, values, hdr), (touched, _, _) in zip(self._stripes, self._life):
+            for s, ((index, keys, prev, _, values, hdr), (touched, _, _)) in enumerate(zip(self._stripes, self._life)):
+                if self.tier is not None:  # the rows only on disk first: older than any in memory
+                    region = self._region(s)
+                    on_disk = int(region[2][K.TF_ROWS])
+                    out_k, out_v = np.empty(on_disk, np.uint64), np.empty((on_disk, values.shape[1]), np.float32)
+                    n = K.copy_tier_rows(region, 0, region[0].shape[0], index, keys, False, False, out_k, out_v, 0)
+                    keys_out.append(out_k[:n])
+                    values_out.append(out_v[:n])
                 order = np.empty(int(hdr[K.F_USED]), np.int64)
                 order = order[:K.lru_order(prev, hdr, order)]
                 keys_out.append(keys[order])
@@ -432,6 +497,8 @@ class EmbeddingStore(L.StoreLifecycle):
         holds those rows as the overlapping request left them).
         """
         batch_rows = max(1, min(batch_rows, chunk_rows))
+        if self.tier is not None and chunk_rows < self.tier.layout.per_page:
+            raise ValueError(f"chunk_rows ({chunk_rows}) must hold a disk tier page's {self.tier.layout.per_page} rows")
         self.longest_hold_s = 0.0
         self.dump_copies = dict.fromkeys(self.dump_copies, 0)
         width, ttl = self.config.row_width, self.config.uses_ttl
@@ -439,7 +506,18 @@ class EmbeddingStore(L.StoreLifecycle):
         out_values = np.empty((chunk_rows, width), np.float32)
         out_touched = np.empty((chunk_rows if ttl else 0, 2), np.int64)
         filled = 0
-        for s, (_, keys, prev, _, values, hdr) in enumerate(self._stripes):
+        for s, (index, keys, prev, _, values, hdr) in enumerate(self._stripes):
+            if self.tier is not None:  # the rows only on disk first: a restore loads them before the newer ones
+                region, per_page = self._region(s), self.tier.layout.per_page
+                pages, step = region[0].shape[0], max(1, batch_rows // per_page)
+                for first in range(0, pages, step):
+                    last = min(first + step, pages)
+                    if filled + (last - first) * per_page > chunk_rows:
+                        yield out_keys[:filled], out_values[:filled], None
+                        filled = 0
+                    at = filled
+                    filled += self._unchanged(s, lambda: K.copy_tier_rows(
+                        region, first, last, index, keys, changed_only, True, out_keys, out_values, at))
             touched, marks = self._life[s][0], self._marks[s]
             links, ends = self._links_of(s)
             order = np.empty(links.shape[0], np.int32)
@@ -465,8 +543,11 @@ class EmbeddingStore(L.StoreLifecycle):
         return self._unchanged(s, lambda: (prev[:int(hdr[K.F_USED])].copy(), hdr.copy()))
 
     def changed_rows(self) -> int:
-        """Live rows marked as changed since the last checkpoint copied them (read without locks)."""
-        return sum(int(np.count_nonzero(m[:int(hdr[K.F_USED])])) for m, (*_, hdr) in zip(self._marks, self._stripes))
+        """Live rows marked as changed since the last checkpoint copied them, in memory and on disk (read
+        without locks)."""
+        on_disk = sum(int(np.count_nonzero(self._region(s)[3])) for s in range(len(self._stripes))) if self.tier else 0
+        return on_disk + sum(int(np.count_nonzero(m[:int(hdr[K.F_USED])]))
+                             for m, (*_, hdr) in zip(self._marks, self._stripes))
 
     def load_rows(self, keys: np.ndarray, values: np.ndarray, touched: np.ndarray | None = None) -> None:
         """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts.
@@ -493,7 +574,7 @@ class EmbeddingStore(L.StoreLifecycle):
         self.dumped = None  # rows change without marks: the next checkpoint must be full
 
         def run(s: int, lo: int, hi: int) -> int:
-            K.load_stripe(keys, values, touched, perm, lo, hi, *self._stripes[s], self._life[s][0])
+            K.load_stripe(keys, values, touched, perm, lo, hi, *self._stripes[s], self._life[s][0], self._region(s))
             self._head_moves_of(s, 0)[0] += hi - lo  # its moves to the head count too (their rows keep old stamps)
             return 0
 
@@ -519,6 +600,11 @@ class EmbeddingStore(L.StoreLifecycle):
         """Live rows (no lock: a snapshot)."""
         return sum(int(hdr[K.F_USED]) for *_, hdr in self._stripes)
 
+    @property
+    def table_rows(self) -> int:
+        """Rows in memory plus records on disk (a row in both counts twice: an upper bound of the table)."""
+        return self.num_rows + (self.tier.num_rows if self.tier is not None else 0)
+
     def stats(self) -> dict:
         """Counters summed over stripes (read without locks: a snapshot, not a transaction)."""
         rows = np.stack([hdr for *_, hdr in self._stripes]).sum(axis=0)
@@ -535,5 +621,6 @@ class EmbeddingStore(L.StoreLifecycle):
             "clock": self.clock, "sketch_bytes": file_nbytes(self._layout, "sketch") if self.config.uses_sketch else 0,
             "sketch_halvings": int(rows[K.F_SKETCH_HALVINGS]) // self.config.num_stripes,
             "tables": self.table_stats(),
+            "tier": self.tier.stats() if self.tier is not None else None,
         }
 

@@ -19,7 +19,8 @@ from hybridrec import log, rpc
 from hybridrec.config import Config
 from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
 from hybridrec.proto import pb
-from hybridrec.summary import PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle, TaskMetrics
+from hybridrec.summary import (DiskTierSummary, PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle,
+                               TaskMetrics)
 from services.nn_worker.distributed import control_group
 from services.nn_worker.progressive import ProgressiveWindow, WindowMetrics, task_metrics
 from services.nn_worker.trainer import Trainer
@@ -150,10 +151,10 @@ def store_losses(workers: list[pb.RecoveryStats] | None, shards: list[pb.Recover
 
 
 def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
-    """`updates_deduplicated`, `ps_rows` and per-table `lifecycle` of the summary from every PS shard's
+    """`updates_deduplicated`, `ps_rows`, per-table `lifecycle` and `disk_tier` of the summary from every PS shard's
     `RecoveryStats` (None: a shard did not answer)."""
     if shards is None:
-        return {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None}
+        return {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None, "disk_tier": None}
     tables: dict[int, dict[str, int]] = {}
     for shard in shards:
         for table in shard.tables:
@@ -162,7 +163,18 @@ def ps_totals(shards: list[pb.RecoveryStats] | None) -> dict:
                 counters[name] = counters.get(name, 0) + int(getattr(table, name))
     return {"updates_deduplicated": sum(s.updates_deduplicated for s in shards),
             "ps_rows": sum(sum(s.rows_by_width.values()) for s in shards),
-            "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())}}
+            "lifecycle": {g: TableLifecycle(**c) for g, c in sorted(tables.items())},
+            "disk_tier": disk_tier_totals(shards)}
+
+
+def disk_tier_totals(shards: list[pb.RecoveryStats]) -> DiskTierSummary | None:
+    """The summary's `disk_tier`: every shard's TierStats summed (None: no shard has a disk tier)."""
+    tiers = [s.tier for s in shards if s.HasField("tier")]
+    if not tiers:
+        return None
+    total = {f: sum(getattr(t, f) for t in tiers) for f in pb.TierStats.DESCRIPTOR.fields_by_name}
+    lookups, misses = total.pop("lookups"), total.pop("misses")
+    return DiskTierSummary(**total, memory_hit_rate=round(1 - misses / lookups, 6) if lookups else None)
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,

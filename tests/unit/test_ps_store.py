@@ -501,7 +501,8 @@ def test_kernels_release_the_gil(open_store):
     have; this checks the property it rests on: no GIL held in the kernels.)
     """
     for kernel in (K.partition, K.lookup_stripe, K.resolve_stripe, K.load_stripe, K.rebuild_stripe,
-                   K.check_stripe, O.apply_stripe, K.after_update_stripe, K.expire_stripe, K.sketch_counts_stripe):
+                   K.check_stripe, O.apply_stripe, K.after_update_stripe, K.expire_stripe, K.sketch_counts_stripe,
+                   K.tier_pages, K.tier_gather, K.tier_scatter, K.copy_tier_rows):
         assert kernel.targetoptions.get("nogil"), kernel
     store = open_store(config(capacity=1 << 20, num_stripes=1, dim=16))
     batch = np.arange(1 << 20, dtype=np.uint64)
