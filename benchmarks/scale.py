@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import signal
@@ -48,14 +49,15 @@ from hybridrec import rpc  # noqa: E402
 from hybridrec.app.forkserver import ForkServer  # noqa: E402
 from hybridrec.app.ports import free_port  # noqa: E402
 from hybridrec.frames import PSLookup  # noqa: E402
-from hybridrec.config import Config  # noqa: E402
+from hybridrec.config import Config, TierConfig  # noqa: E402
 from hybridrec.rpc import is_serving  # noqa: E402
 from hybridrec.sharding import shard_of  # noqa: E402
 from services.embedding_ps.checkpoint import (CHUNK_BYTES, dump_bytes, dump_memory_bytes,  # noqa: E402
                                               dump_shard, load_shard, row_bytes)
 from services.embedding_ps.replica import open_stores_in  # noqa: E402
 from services.embedding_ps.server import shard_dir  # noqa: E402
-from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
+from services.embedding_ps import kernels as K  # noqa: E402
+from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows  # noqa: E402
 
 SLACK_BYTES = 16 << 20
 LOOKUP_IDS = 72_000
@@ -278,6 +280,121 @@ def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- the disk tier (ps.tier)
+class ZipfBatches:
+    """Batches of `unique` distinct IDs in [1, rows], Zipf-ranked (ID = rank; ranks past the table wrap over it),
+    each drawn afresh: a table is touched all over, as training touches it."""
+
+    def __init__(self, rows: int, unique: int, exponent: float, seed: int) -> None:
+        self.rows, self.unique, self.exponent = rows, unique, exponent
+        self.rng = np.random.default_rng(seed)
+        self.draws = unique
+
+    def __next__(self) -> np.ndarray:
+        while True:
+            ids = np.unique((self.rng.zipf(self.exponent, self.draws) - 1) % self.rows + 1).astype(np.uint64)
+            if ids.size >= self.unique:
+                return self.rng.permutation(ids)[:self.unique]
+            self.draws = int(self.draws * 1.2 * self.unique / max(ids.size, 1)) + 1
+
+
+def generated_rows(store: EmbeddingStore, ids: np.ndarray) -> np.ndarray:
+    """Rows (embedding and optimizer state) as the store would create them for `ids`."""
+    c = store.config
+    values = np.zeros((ids.size, c.row_width), np.float32)
+    values[:, :c.dim] = init_rows(ids, dim=c.dim, seed=c.seed, distribution=c.ps.init.distribution,
+                                  scale=c.ps.init.scale)
+    values[:, c.dim:] = c.optimizer.initial_accumulator_value
+    return values
+
+
+def prefill(store: EmbeddingStore, hot: int, rows: int, chunk: int = 1 << 22) -> dict:
+    """IDs 1..hot into memory (`load_rows`), hot+1..rows onto the disk tier in file order (`load_cold`): a
+    table of `rows` rows as if trained, the most used in memory. Returns its seconds per part."""
+    started = time.perf_counter()
+    for lo in range(1, hot + 1, chunk):
+        ids = np.arange(lo, min(lo + chunk, hot + 1), dtype=np.uint64)
+        store.load_rows(ids, generated_rows(store, ids))
+    in_memory = time.perf_counter() - started
+    if rows > hot:
+        cold = np.arange(hot + 1, rows + 1, dtype=np.uint64)
+        pages = np.empty(cold.size, np.int64)
+        K.tier_home_pages(cold, store.config.num_stripes, store.tier.layout.pages_per_stripe, pages)
+        order = np.argsort(pages, kind="stable")
+        del pages
+        for lo in range(0, cold.size, chunk):
+            ids = cold[order[lo:lo + chunk]]
+            store.load_cold(ids, generated_rows(store, ids))
+        del order, cold
+    store.flush()
+    return {"memory_s": round(in_memory, 1), "disk_s": round(time.perf_counter() - started - in_memory, 1)}
+
+
+def train_flat_out(store: EmbeddingStore, batches: ZipfBatches, seconds: float) -> dict:
+    """Look up and update fresh batches until the calls took `seconds`: steps per second of the store's calls
+    (drawing a batch is not timed), and what the process read from disk meanwhile."""
+    grads = np.full((batches.unique, store.config.dim), 0.01, np.float32)
+    io = Path("/proc/self/io")
+    read0 = int(io.read_text().split("read_bytes: ")[1].split()[0])
+    steps, busy = 0, 0.0
+    while busy < seconds:
+        ids = next(batches)
+        started = time.perf_counter()
+        store.lookup(ids, train=True)
+        store.update(ids, grads)
+        busy += time.perf_counter() - started
+        steps += 1
+    read = int(io.read_text().split("read_bytes: ")[1].split()[0]) - read0
+    return {"steps": steps, "seconds": round(busy, 2), "steps_per_s": round(steps / busy, 3),
+            "disk_read_mb_per_s": round(read / busy / 1e6, 1)}
+
+
+def tier_store_config(rows: int, memory: int, dim: int, stripes: int, disk: Path) -> StoreConfig:
+    base = store_config(memory, dim, stripes)
+    return dataclasses.replace(base, ps=base.ps.model_copy(update={"tier": TierConfig(dir=str(disk),
+                                                                                       capacity=int(rows * 1.02))}))
+
+
+def measure_tier(args, shm: Path, disk: Path) -> dict:
+    """A table of --tier-rows rows, --memory-share of it in memory over a disk tier, trained flat out with
+    Zipf batches of --unique distinct IDs; against a table of --baseline-rows that fits in memory, trained
+    with the same distinct IDs per batch. Each: prefilled, --warm-up seconds trained, then --window measured."""
+    dim, stripes = args.dim, args.stripes
+    memory = int(args.tier_rows * args.memory_share)
+    out = {"rows": args.tier_rows, "memory_rows": memory, "baseline_rows": args.baseline_rows, "zipf": args.zipf,
+           "unique_ids_per_batch": args.unique}
+    with EmbeddingStore.open(shm / "baseline", store_config(args.baseline_rows, dim, stripes)) as base:
+        started = time.perf_counter()
+        for lo in range(1, args.baseline_rows + 1, 1 << 22):
+            ids = np.arange(lo, min(lo + (1 << 22), args.baseline_rows + 1), dtype=np.uint64)
+            base.load_rows(ids, generated_rows(base, ids))
+        out["baseline_prefill_s"] = round(time.perf_counter() - started, 1)
+        batches = ZipfBatches(args.baseline_rows, args.unique, args.zipf, seed=1)
+        train_flat_out(base, batches, args.warm_up)
+        out["baseline"] = train_flat_out(base, batches, args.window)
+        out["baseline"]["shm_bytes"] = base.shm_bytes
+    shutil.rmtree(shm / "baseline")
+    config = tier_store_config(args.tier_rows, memory, dim, stripes, disk)
+    with EmbeddingStore.open(shm / "shard-00000" / f"dim-{dim}", config) as store:
+        out["prefill"] = prefill(store, memory, args.tier_rows)
+        out["prefill"]["disk_rows"] = store.tier.num_rows
+        batches = ZipfBatches(args.tier_rows, args.unique, args.zipf, seed=1)
+        out["cold_share_of_ids"] = round(float(np.mean([np.mean(next(batches) > memory) for _ in range(8)])), 4)
+        warm = train_flat_out(store, batches, args.warm_up)
+        before = store.tier.stats()
+        out["tiered"] = train_flat_out(store, batches, args.window)
+        after = store.tier.stats()
+        out["tiered"] |= {k: after[k] - before[k] for k in ("fills", "writebacks", "overflows", "disk_updates",
+                                                              "lookups", "misses")}
+        out["tiered"]["memory_hit_rate"] = round(1 - out["tiered"]["misses"] / max(1, out["tiered"]["lookups"]), 4)
+        out["tiered"] |= {"warm_up_steps_per_s": warm["steps_per_s"], "shm_bytes": store.shm_bytes,
+                          "disk_file_bytes": store.tier.layout.nbytes, "disk_rows": after["rows"],
+                          "disk_row_bytes": after["bytes"], "dropped_gradients": store.stats()["missing_updates"]}
+        out["table_bytes"] = args.tier_rows * 4 * config.row_width
+    out["ratio"] = round(out["tiered"]["steps_per_s"] / out["baseline"]["steps_per_s"], 3)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000, 100_000_000])
@@ -295,7 +412,16 @@ def main() -> int:
     parser.add_argument("--ps-restart", action="store_true",
                         help="also time a real PS on the filled store: its start, and its restart after SIGKILL")
     parser.add_argument("--out", default=None)
+    tier = parser.add_argument_group("the disk tier (--tier-rows: this case alone)")
+    tier.add_argument("--tier-rows", type=int, default=None, help="rows of the table over a disk tier")
+    tier.add_argument("--memory-share", type=float, default=0.25, help="share of them in memory (ps.capacity)")
+    tier.add_argument("--baseline-rows", type=int, default=40_000_000, help="rows of the in-memory table")
+    tier.add_argument("--tier-dir", default="/var/tmp", help="a directory on disk for the tier")
+    tier.add_argument("--zipf", type=float, default=1.1, help="exponent of the batches' ID ranks")
+    tier.add_argument("--warm-up", type=float, default=20.0, help="seconds trained before the window")
     args = parser.parse_args()
+    if args.tier_rows is not None:
+        return tier_main(args)
     if args.quick:
         args.rows, args.window, args.delta_steps, args.unique = [400_000], 1.0, 5, 5_000
         args.chunk_bytes = 8 << 20
@@ -325,6 +451,30 @@ def main() -> int:
     print(text)
     ok = all(c["dump_within_bound"] and c["restore_bit_for_bit"] and c["delta_within_1_1x"] for c in checks)
     return 0 if ok or not args.quick else 1
+
+
+def tier_main(args) -> int:
+    if args.quick:
+        args.tier_rows, args.baseline_rows, args.unique = 400_000, 100_000, 5_000
+        args.window, args.warm_up = 2.0, 1.0
+    shm = Path(tempfile.mkdtemp(prefix="hybridrec-scale-", dir=args.shm_dir))
+    disk = Path(tempfile.mkdtemp(prefix="hybridrec-scale-tier-", dir=args.tier_dir))
+    try:
+        with EmbeddingStore.open(shm / "warm" / "dim", tier_store_config(2000, 500, args.dim, 2, disk / "warm")) as w:
+            prefill(w, 500, 2000)  # the kernels compiled before anything is measured
+            train_flat_out(w, ZipfBatches(2000, 100, args.zipf, seed=0), 0.1)
+        shutil.rmtree(disk / "warm")
+        result = measure_tier(args, shm, disk)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    report = {"benchmark": "scale", "case": "disk tier", "quick": args.quick, "results": [result]}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    t = result["tiered"]
+    return 0 if t["overflows"] == 0 and t["dropped_gradients"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -463,6 +463,33 @@ def tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, tier, victims, out):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
+def tier_home_pages(ids, num_stripes, pages_per_stripe, out):
+    """out[i] = the disk tier page (of the whole file) where ids[i]'s record goes first: its stripe's region,
+    its home page there. Sorting rows by it makes a bulk load write the file in order."""
+    for i in range(ids.shape[0]):
+        h = key_hash(ids[i])
+        out[i] = stripe_of_hash(h, num_stripes) * pages_per_stripe + np.int64((h >> _U32) % np.uint64(pages_per_stripe))
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def load_cold_stripe(new_keys, new_values, perm, lo, hi, index, keys, values, tier):
+    """Insert rows straight into the disk tier (`EmbeddingStore.load_cold`); a key in memory has its row
+    overwritten there instead (memory shadows the disk). Returns the rows that went to disk."""
+    width = values.shape[1]
+    n = 0
+    for j in range(lo, hi):
+        i = perm[j]
+        key = new_keys[i]
+        s = _find(index, keys, key, key_hash(key))[0]
+        if s >= 0:
+            _copy_row(values, s, new_values, i, width)
+        elif _tier_put(tier, key, new_values, i, width):
+            n += 1
+    tier[2][TF_WRITEBACKS] -= n  # a load, not an eviction
+    return n
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
 def tier_gather(ids, perm, lo, hi, slots, tier, rows, gperm, where):
     """For `update`: the rows on disk of the IDs not in memory (slots[j] == -1) into rows[k], their gradient's
     position into gperm[k] and their record into where[k]; their slots[j] become -2 (applied on disk).
@@ -518,6 +545,8 @@ def copy_tier_rows(tier, first, last, index, keys, changed_only, clear, out_keys
                 break
             key = stored - np.uint64(1)
             if _find(index, keys, key, key_hash(key))[0] >= 0:
+                if clear:  # its newer row in memory is marked (a fill marks it) and copied by the memory pass
+                    tmarks[m] = 0
                 continue
             out_keys[n] = key
             base = 2 * per_page + r * width

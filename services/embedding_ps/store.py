@@ -549,11 +549,7 @@ class EmbeddingStore(L.StoreLifecycle):
         return on_disk + sum(int(np.count_nonzero(m[:int(hdr[K.F_USED])]))
                              for m, (*_, hdr) in zip(self._marks, self._stripes))
 
-    def load_rows(self, keys: np.ndarray, values: np.ndarray, touched: np.ndarray | None = None) -> None:
-        """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts.
-
-        `touched` (n, 2) int64: the rows' last updates (store clock, unix ms) as `snapshot` gave them;
-        None: they count as updated now. Ignored by a store without a TTL."""
+    def _checked_rows(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = as_ids(keys, "keys")
         shape = (keys.shape[0], self.config.row_width)
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != shape:
@@ -561,7 +557,38 @@ class EmbeddingStore(L.StoreLifecycle):
             raise ValueError(f"values must be float32 of shape {shape} (dim + optimizer state), got {desc}")
         if np.any(keys == K.EMPTY_KEY):
             raise ValueError(f"key {int(K.EMPTY_KEY):#x} is reserved for empty slots and cannot be stored")
-        values = np.require(values, requirements=["C", "W"])
+        return keys, np.require(values, requirements=["C", "W"])
+
+    def load_cold(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """Insert rows as the table's coldest, straight into the disk tier (a restore's or a prefill's rows
+        beyond what memory holds), sorted so that the file is written in order: a bulk load at disk speed
+        where `load_rows` would evict each to a random page. A key in memory has its row overwritten there.
+        Returns the rows written to disk (fewer: the tier was full, counted as overflows)."""
+        if self.tier is None:
+            raise ValueError(f"embedding store {self.directory} has no disk tier (ps.tier) to load rows into")
+        keys, values = self._checked_rows(keys, values)
+        pages = np.empty(keys.shape[0], np.int64)
+        K.tier_home_pages(keys, self.config.num_stripes, self.tier.layout.pages_per_stripe, pages)
+        if np.any(pages[1:] < pages[:-1]):  # a caller may have sorted them already (a prefill)
+            order = np.argsort(pages, kind="stable")
+            keys, values = keys[order], values[order]
+        perm = np.empty(keys.shape[0], np.int32)
+        offsets = K.partition(keys, self.config.num_stripes, perm)  # stable: each stripe's rows stay in page order
+        self.dumped = None  # rows change without marks in memory: the next checkpoint must be full
+
+        def run(s: int, lo: int, hi: int) -> int:
+            index, skeys, _, _, svalues, _ = self._stripes[s]
+            return K.load_cold_stripe(keys, values, perm, lo, hi, index, skeys, svalues, self._region(s))
+
+        return self._run_stripes(offsets, run, mutates=True)
+
+    def load_rows(self, keys: np.ndarray, values: np.ndarray, touched: np.ndarray | None = None) -> None:
+        """Insert rows verbatim (checkpoint restore); present keys are overwritten; a full stripe evicts (to the
+        disk tier, with one).
+
+        `touched` (n, 2) int64: the rows' last updates (store clock, unix ms) as `snapshot` gave them;
+        None: they count as updated now. Ignored by a store without a TTL."""
+        keys, values = self._checked_rows(keys, values)
         if touched is None:
             touched = np.empty((keys.shape[0], 2), np.int64)
             touched[:, 0], touched[:, 1] = self.clock, L.wall_ms()
