@@ -51,8 +51,11 @@ MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
 LAYOUT_VERSION = 3
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
 (H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS,
- H_SKETCH_COLS, H_SKETCH_DEPTH, H_TTL, H_CLOCK) = range(13)
+ H_SKETCH_COLS, H_SKETCH_DEPTH, H_TTL, H_CLOCK, H_TIER) = range(14)
 # H_CLOCK: updates the store applied (`EmbeddingStore.tick`), the unit of step TTLs; survives restarts.
+# H_TIER: 1 when the store has a disk tier (ps.tier): its memory is then not the whole table, and re-attaching it
+# without its tier (or a tier to a store made without one) would serve a table with rows missing. Stores made
+# before this field read 0 there: without a tier, as they were.
 GLOBAL_FIELDS = 16
 DATA_FILES = {"index": np.int32, "keys": np.uint64, "prev": np.int32, "next": np.int32, "values": np.float32,
               "tables": np.int64, "sketch": np.uint8, "touched": np.int64}
@@ -233,7 +236,8 @@ class Layout:
                 H_SKETCH_COLS: ("sketch columns per stripe (ps.lifecycle.sketch_width / num_stripes, 0: no sketch)",
                                 c.sketch_cols),
                 H_SKETCH_DEPTH: ("sketch depth (0: no sketch)", c.sketch_depth),
-                H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl))}
+                H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl)),
+                H_TIER: ("disk tier (1: ps.tier)", int(c.ps.tier is not None))}
 
 
 def as_ids(ids: np.ndarray, what: str) -> np.ndarray:

@@ -149,6 +149,9 @@ class DiskTier:
         if described.exists():
             _check(described, layout)
             return cls._map(directory, layout, create=False)
+        if not fresh:  # the memory it was made with is here, with the rows it evicted gone
+            raise CorruptTier(f"disk tier {directory} is missing (or was never completed) under a store that "
+                              f"has one: the rows it held are gone")
         _check_room(directory, layout)
         return cls._map(directory, layout, create=True)
 

@@ -136,6 +136,32 @@ def test_kill_minus_9_mid_run(fault_config, undisturbed, tmp_path, service):
         assert result["updates_deduplicated"] is not None
 
 
+def test_a_ps_over_a_disk_tier_killed_mid_run_reopens_both_tiers_and_loses_nothing(fault_config, undisturbed,
+                                                                                  tmp_path):
+    """ps.tier with a quarter of each shard's table in memory: a PS killed with SIGKILL re-attaches its memory,
+    reopens its disk tier and serves again; nothing is skipped, lost or dropped, and the run learns as the
+    all-in-memory one did (the tier forgets no row)."""
+    quarter = undisturbed["ps_rows"] // 2 // 4  # two shards
+    tree = yaml.safe_load(fault_config.read_text())
+    tree["ps"] = {**tree.get("ps", {}), "capacity": quarter,
+                  "tier": {"dir": str(tmp_path / "disk"), "capacity": 4_000_000}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    result = _run(config, tmp_path / "run", kill="embedding_ps")
+    (recovery,) = result["recoveries"]
+    assert (recovery["service"], recovery["exit_code"], recovery["action"]) == ("embedding_ps", -9, "restart")
+    assert 0 < recovery["seconds"] < 60, recovery
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert all(t["dropped_gradients"] == 0 for t in (result["lifecycle"] or {}).values()), result["lifecycle"]
+    tier = result["disk_tier"]
+    assert tier["overflows"] == 0 and tier["fills"] > 0 and tier["memory_rows"] <= 2 * quarter, tier
+    assert result["samples"] == undisturbed["samples"]
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
+    created = [line for line in (tmp_path / "run" / "logs" / "embedding_ps-0.log").read_text().splitlines()
+               if "created disk tier" in line and str(tmp_path / "disk") in line]
+    assert len(created) == 1, created  # created once (not a warm-up's scratch tier); the restart reopened it
+
+
 def test_a_receiver_killed_mid_run_is_replaced_and_loses_nothing(fault_config, undisturbed, tmp_path):
     """`training.receiver`: rank 0's receiver process SIGKILLed mid-run. The NN worker starts another and sends it
     every call the dead one had not answered (lookups and pushes are both safe to repeat): the NN worker itself

@@ -213,13 +213,16 @@ def test_a_tier_left_by_another_table_is_refused_naming_the_difference(tmp_path,
         DiskTier.open(tmp_path / "disk" / "shard-00000" / "t", cfg(tmp_path, 64, **change), fresh=False)
 
 
-@pytest.mark.parametrize("damage", ["description", "truncated", "counters"])
+@pytest.mark.parametrize("damage", ["description", "truncated", "counters", "missing"])
 def test_a_corrupt_tier_is_refused_at_open(tmp_path, stores, damage):
     store = stores("t", cfg(tmp_path, 64))
     train(store, 5)
     store.close()
     tier = tmp_path / "disk" / "shard-00000" / "t"
-    if damage == "description":
+    if damage == "missing":  # the disk was wiped, the memory (shared memory) kept
+        import shutil
+        shutil.rmtree(tier)
+    elif damage == "description":
         (tier / "tier.json").write_text("{not json")
     elif damage == "truncated":
         os.truncate(tier / "rows.bin", 4096)
@@ -230,6 +233,14 @@ def test_a_corrupt_tier_is_refused_at_open(tmp_path, stores, damage):
         del counters
     with pytest.raises(CorruptTier):
         EmbeddingStore.open(tmp_path / "shm" / "shard-00000" / "t", cfg(tmp_path, 64))
+
+
+def test_turning_the_tier_on_or_off_for_an_existing_store_is_refused(tmp_path, stores):
+    store = stores("t", cfg(tmp_path, 64, tier_capacity=None))
+    store.lookup(np.arange(1, 50, dtype=np.uint64), train=True)
+    store.close()
+    with pytest.raises(ValueError, match="created with disk tier .*=0, but the config asks for disk tier .*=1"):
+        stores("t", cfg(tmp_path, 64))
 
 
 def test_a_store_created_afresh_does_not_reattach_an_old_tier(tmp_path, stores):
