@@ -17,7 +17,7 @@ running stale machine code after that module is edited. (The optimizer
 arithmetic in optimizers.py calls nothing from here.)
 
 Crash safety relies on the order of writes when a slot changes owner
-(see `_take_slot` / `_insert_misses`): a slot's key is cleared before its row is
+(see `_take_slot` / `insert_misses`): a slot's key is cleared before its row is
 rewritten and set only once the row is complete, so a stripe rebuilt from
 `keys` after a crash never pairs a key with a half-written row.
 """
@@ -624,7 +624,7 @@ def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
 @njit(nogil=True, cache=True, error_model="numpy")
 def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, head_moves,
                   train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                  touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier):
+                  touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier, defer):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
 
     Hits are resolved, copied and refreshed in separate passes (each pass's
@@ -651,6 +651,9 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     count reaches that threshold.
     With a disk tier (`tier`, see _tier_find), an ID not in memory is read from disk: a training lookup moves
     its row (with its optimizer state) into memory, where it then evicts a row to disk; a read-only one copies it.
+    `defer`: stop after the hits, leaving the IDs not in memory (slots[j] < 0) to `insert_misses` (training) or
+    `read_misses`, so that the caller can first have the kernel read the disk pages they need
+    (`tier_pages`); head_moves[0] then holds the move count they continue from.
     """
     dim = out.shape[1]
     _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values)
@@ -683,23 +686,34 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 head = s
         hdr[F_HEAD] = head
         hdr[F_TAIL] = tail
-    if not train:
-        for j in range(lo, hi):
-            if slots[j] < 0:
-                if _tier_get(tier, ids[perm[j]], out, perm[j], dim, values.shape[1]):
-                    tier[2][TF_DISK_READS] += 1
-                else:
-                    _zero_row(out, perm[j])
-                    hdr[F_READ_MISSES] += 1
-        return
-    tier[2][TF_LOOKUPS] += hi - lo
-    head_moves[0] = _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
-                               admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                               touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier)
+        tier[2][TF_LOOKUPS] += hi - lo
+    if defer:
+        head_moves[0] = moves
+    elif not train:
+        read_misses(ids, perm, lo, hi, slots, out, hdr, values.shape[1], tier)
+    else:
+        head_moves[0] = insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps,
+                                      moves, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                                      touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms,
+                                      tier)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
+def read_misses(ids, perm, lo, hi, slots, out, hdr, width, tier):
+    """A read-only lookup's IDs not in memory (slots[j] < 0): their rows on disk (`width` values a row), or
+    zeros, counted as read misses."""
+    dim = out.shape[1]
+    for j in range(lo, hi):
+        if slots[j] < 0:
+            if _tier_get(tier, ids[perm[j]], out, perm[j], dim, width):
+                tier[2][TF_DISK_READS] += 1
+            else:
+                _zero_row(out, perm[j])
+                hdr[F_READ_MISSES] += 1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
                    admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
                    touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).

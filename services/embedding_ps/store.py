@@ -298,10 +298,10 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def _advise_tier(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
                      train: bool) -> None:
-        """Have the kernel read, all at once, the disk pages a lookup of stripe s is about to touch: those of its
-        IDs not in memory and, training, of the rows they will evict (tier.py says why)."""
+        """Have the kernel read, all at once, the disk pages a lookup of stripe s is about to touch (its hits
+        resolved in `slots`): those of its IDs not in memory and, training, of the rows they will evict (tier.py
+        says why)."""
         _, keys, prev, _, _, hdr = self._stripes[s]
-        K.resolve_stripe(ids, perm, lo, hi, slots, self._stripes[s][0], keys)
         pages = np.empty(2 * (hi - lo), np.int64)
         n = K.tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, self._region(s), bool(train), pages)
         self.tier.advise(s, pages, n)
@@ -340,14 +340,20 @@ class EmbeddingStore(L.StoreLifecycle):
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
-            hdr = self._stripes[s][5]
+            hdr, region, tiered = self._stripes[s][5], self._region(s), self.tier is not None
             inserts = hdr[K.F_INSERTS]
-            if self.tier is not None:
-                self._advise_tier(s, ids, perm, lo, hi, slots, train)
-            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s],
-                            self._head_moves_of(s, hi - lo),
+            moves = self._head_moves_of(s, hi - lo)
+            K.lookup_stripe(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s], moves,
                             bool(train), self._admit_threshold, self._admit_key, *init, *self._life[s], *life,
-                            self._region(s))
+                            region, tiered)
+            if tiered:  # the IDs not in memory: their disk pages read at once, then their rows
+                self._advise_tier(s, ids, perm, lo, hi, slots, train)
+                if train:
+                    moves[0] = K.insert_misses(ids, perm, lo, hi, slots, out, *self._stripes[s], self._stamps[s],
+                                               moves[0], self._admit_threshold, self._admit_key, *init,
+                                               *self._life[s], *life, region)
+                else:
+                    K.read_misses(ids, perm, lo, hi, slots, out, hdr, c.row_width, region)
             if hdr[K.F_INSERTS] != inserts:  # new rows: at the LRU head, where the kernel pushed them last
                 K.mark_newest(self._stripes[s][3], hdr, hdr[K.F_INSERTS] - inserts, self._marks[s])
             return 0
