@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
@@ -356,10 +356,14 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
 
 # ---------------------------------------------------------------- disk tier
 # A stripe's region of the disk tier (services/embedding_ps/tier.py) comes as one tuple `tier`:
-# (tkeys (pages, 512) uint64, tvals (pages, 1024) float32: two views of the same 4 KiB pages; thdr: the
-# stripe's counters (TF_*); tmarks: one uint8 per record, 1 when it changed since a checkpoint copied it;
-# per_page: records per page). A page holds its records' keys first, stored as key + 1 so that the zeros of a
-# new sparse file read as empty, then their rows: record r's row is tvals[p, 2 * per_page + r * width:...].
+# (tkeys (pages, 512) uint64, tvals (pages, 1024) float32: two read-only views of the same 4 KiB pages; thdr:
+# the stripe's counters (TF_*); tmarks: one uint8 per record, 1 when it changed since a checkpoint copied it;
+# per_page: records per page; fd: the file, written with pwrite; first: the region's first page in the file;
+# scratch: one uint64, a key on its way to pwrite). A page holds its records' keys first, stored as key + 1 so
+# that the zeros of a new sparse file read as empty, then their rows: record r's row is
+# tvals[p, 2 * per_page + r * width:...]. Writes go through pwrite, never through the mapping: the kernel
+# write-protects a mapped page each time it writes it back, and in a VM the TLB shootdown that takes cost a
+# quarter of two cores under training (profiled); the page cache keeps reads and writes coherent.
 # A key's home page is a hash of it; a full page sends it to the next (linear probing by page). Records are
 # never deleted, so a probe ends at the first page with an empty record. A store without a tier passes
 # zero pages: every tier kernel then finds nothing and writes nothing.
@@ -372,7 +376,31 @@ TF_DISK_UPDATES = 5  # gradients applied to rows on disk (evicted between their 
 TF_DISK_READS = 6    # read-only lookups answered from disk
 TF_LOOKUPS = 7       # IDs of training lookups
 TF_MISSES = 8        # distinct IDs of training lookups not in memory (filled from disk or new)
+TF_WRITE_ERRORS = 9  # pwrites that failed (an I/O error, a full disk): the store raises after the call
 TIER_FIELDS = 16
+PAGE_BYTES = 4096
+POSIX_FADV_WILLNEED = 3
+# libc by symbol name, so that the kernels calling them stay cacheable (a ctypes pointer is per process).
+_pwrite = types.ExternalFunction("pwrite", types.int64(types.int32, types.uint64, types.uint64, types.int64))
+_fadvise = types.ExternalFunction("posix_fadvise", types.int32(types.int32, types.int64, types.int64, types.int32))
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_write(tier, p, offset, address, nbytes):
+    """pwrite nbytes at `address` to byte `offset` of region page p; False, counted, when it fails."""
+    fd, first = tier[5], tier[6]
+    at = (first + p) * PAGE_BYTES + offset
+    if _pwrite(fd, np.uint64(address), np.uint64(nbytes), at) != nbytes:
+        tier[2][TF_WRITE_ERRORS] += 1
+        return False
+    return True
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_write_row(tier, p, r, src, s, width):
+    """Record r of region page p gets row src[s] (`width` float32, C-contiguous)."""
+    per_page = tier[4]
+    return _tier_write(tier, p, (2 * per_page + r * width) * 4, src.ctypes.data + s * src.strides[0], width * 4)
 
 
 @njit(inline="always", error_model="numpy")
@@ -400,7 +428,7 @@ def _tier_find(tkeys, per_page, key):
 @njit(inline="always", error_model="numpy")
 def _tier_get(tier, key, dst, i, n, width):
     """dst[i, :n] = the first n values of `key`'s row (`width` values) on disk; False when it has none."""
-    tkeys, tvals, _, _, per_page = tier
+    tkeys, tvals, per_page = tier[0], tier[1], tier[4]
     found, p, r = _tier_find(tkeys, per_page, key)
     if not found:
         return False
@@ -414,16 +442,17 @@ def _tier_get(tier, key, dst, i, n, width):
 def _tier_put(tier, key, src, s, width):
     """Write row src[s] (`width` values) as `key`'s record on disk: the row before a new record's key (a crash
     leaves no key with a half-written row). False, counted, when the region is full."""
-    tkeys, tvals, thdr, tmarks, per_page = tier
+    tkeys, thdr, tmarks, per_page, scratch = tier[0], tier[2], tier[3], tier[4], tier[7]
     found, p, r = _tier_find(tkeys, per_page, key)
     if p < 0 or (not found and thdr[TF_ROWS] >= thdr[TF_LIMIT]):
         thdr[TF_OVERFLOWS] += 1
         return False
-    base = 2 * per_page + r * width
-    for d in range(width):
-        tvals[p, base + d] = src[s, d]
+    if not _tier_write_row(tier, p, r, src, s, width):
+        return False
     if not found:
-        tkeys[p, r] = key + np.uint64(1)
+        scratch[0] = key + np.uint64(1)
+        if not _tier_write(tier, p, r * 8, scratch.ctypes.data, 8):
+            return False
         thdr[TF_ROWS] += 1
     tmarks[p * per_page + r] = 1
     thdr[TF_WRITEBACKS] += 1
@@ -440,22 +469,26 @@ def _evict_slot(keys, prev, nxt, values, hdr, tier):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, tier, victims, out):
-    """The home pages (region-local) of the IDs not in memory (slots[j] < 0) and, with `victims`, of as many
-    rows at the LRU tail as those IDs could evict: the pages a lookup will read or write, so that the caller
-    can ask the kernel to read them all at once (tier.DiskTier.advise). Returns how many it wrote into out."""
-    tkeys = tier[0]
-    pages = np.uint64(tkeys.shape[0])
+def advise_pages(ids, perm, lo, hi, slots, keys, prev, hdr, tier, victims):
+    """Ask the kernel to read, in the background and all at once, the home pages of the IDs not in memory
+    (slots[j] < 0) and, with `victims`, of as many rows at the LRU tail as those IDs could evict: the pages a
+    lookup is about to read or write (posix_fadvise WILLNEED; tier.py says why). Returns how many."""
+    pages = np.uint64(tier[0].shape[0])
+    if pages == 0:
+        return 0
+    fd, first = tier[5], tier[6]
     n = 0
     for j in range(lo, hi):
-        if slots[j] < 0 and n < out.shape[0]:
-            out[n] = np.int64((key_hash(ids[perm[j]]) >> _U32) % pages)
+        if slots[j] < 0:
+            p = np.int64((key_hash(ids[perm[j]]) >> _U32) % pages)
+            _fadvise(fd, (first + p) * PAGE_BYTES, PAGE_BYTES, POSIX_FADV_WILLNEED)
             n += 1
     if victims:
         evicting = n - (keys.shape[0] - hdr[F_USED])
         s = hdr[F_TAIL]
-        while evicting > 0 and s >= 0 and n < out.shape[0]:
-            out[n] = np.int64((key_hash(keys[s]) >> _U32) % pages)
+        while evicting > 0 and s >= 0:
+            p = np.int64((key_hash(keys[s]) >> _U32) % pages)
+            _fadvise(fd, (first + p) * PAGE_BYTES, PAGE_BYTES, POSIX_FADV_WILLNEED)
             n += 1
             evicting -= 1
             s = prev[s]
@@ -494,7 +527,7 @@ def tier_gather(ids, perm, lo, hi, slots, tier, rows, gperm, where):
     """For `update`: the rows on disk of the IDs not in memory (slots[j] == -1) into rows[k], their gradient's
     position into gperm[k] and their record into where[k]; their slots[j] become -2 (applied on disk).
     Returns k, the rows gathered."""
-    tkeys, tvals, _, _, per_page = tier
+    tkeys, tvals, per_page = tier[0], tier[1], tier[4]
     width = rows.shape[1]
     k = 0
     for j in range(lo, hi):
@@ -516,14 +549,11 @@ def tier_gather(ids, perm, lo, hi, slots, tier, rows, gperm, where):
 @njit(nogil=True, cache=True, error_model="numpy")
 def tier_scatter(tier, rows, where, k):
     """Write back the first k rows `tier_gather` took (after the optimizer step), marking them changed."""
-    _, tvals, thdr, tmarks, per_page = tier
+    thdr, tmarks, per_page = tier[2], tier[3], tier[4]
     width = rows.shape[1]
     for i in range(k):
-        p, r = where[i] // per_page, where[i] % per_page
-        base = 2 * per_page + r * width
-        for d in range(width):
-            tvals[p, base + d] = rows[i, d]
-        tmarks[where[i]] = 1
+        if _tier_write_row(tier, where[i] // per_page, where[i] % per_page, rows, i, width):
+            tmarks[where[i]] = 1
     thdr[TF_DISK_UPDATES] += k
 
 
@@ -532,7 +562,7 @@ def copy_tier_rows(tier, first, last, index, keys, changed_only, clear, out_keys
     """Copy the records of pages [first, last) whose key is not in memory (memory holds the newer row) into
     out_*[at:], only changed ones with `changed_only` (their pages alone are read); `clear`: clear the marks
     of those copied (a checkpoint's copy). Returns how many."""
-    tkeys, tvals, _, tmarks, per_page = tier
+    tkeys, tvals, tmarks, per_page = tier[0], tier[1], tier[3], tier[4]
     width = out_values.shape[1]
     n = at
     for p in range(first, last):

@@ -263,6 +263,7 @@ class EmbeddingStore(L.StoreLifecycle):
         if not mutates:
             return fn(s, bounds[s], bounds[s + 1]) or 0
         hdr, seqs = self._stripes[s][5], self._seqs
+        failed = int(self.tier.counters[s, K.TF_WRITE_ERRORS]) if self.tier is not None else 0
         hdr[K.F_DIRTY] = 1
         seqs[s] += 1  # odd: a copy taken meanwhile is discarded (stream_rows)
         try:
@@ -270,6 +271,8 @@ class EmbeddingStore(L.StoreLifecycle):
         finally:
             seqs[s] += 1
         hdr[K.F_DIRTY] = 0  # left set if fn raised: the next open rebuilds the stripe
+        if self.tier is not None:
+            self.tier.check_writes(s, failed)
         return result or 0
 
     def _unchanged(self, s: int, copy: Callable[[], T_]) -> T_:
@@ -302,9 +305,7 @@ class EmbeddingStore(L.StoreLifecycle):
         resolved in `slots`): those of its IDs not in memory and, training, of the rows they will evict (tier.py
         says why)."""
         _, keys, prev, _, _, hdr = self._stripes[s]
-        pages = np.empty(2 * (hi - lo), np.int64)
-        n = K.tier_pages(ids, perm, lo, hi, slots, keys, prev, hdr, self._region(s), bool(train), pages)
-        self.tier.advise(s, pages, n)
+        K.advise_pages(ids, perm, lo, hi, slots, keys, prev, hdr, self._region(s), bool(train))
 
     def _head_moves_of(self, s: int, n: int) -> np.ndarray:
         """Stripe s's move counter (caller holds its lock), restarted with its stamps before n more

@@ -17,9 +17,14 @@ then one page read. A random page fault reads 128 KiB around it (readahead)
 and costs ~1 ms, so the mapping is advised MADV_RANDOM, and before a lookup
 takes its rows the store asks the kernel for all their pages at once
 (`advise`, posix_fadvise WILLNEED from a numba kernel, without the GIL): the
-reads then run in parallel, ~13 us a page instead of ~60. An evicted row is a
-memory write into its page (read in by the same advice); the kernel writes
+reads then run in parallel, ~13 us a page instead of ~60. The mapping is
+read-only: an evicted row is written with pwrite into its page (read in by
+the same advice), so the page cache holds it at once and the kernel writes
 dirty pages back to disk in the background, in batches, off the lookup path.
+Writing through a shared mapping instead made every writeback write-protect
+the page again, with a TLB shootdown across the cores: profiled in a job,
+those interrupts took a quarter of both cores. The kernels call pwrite and
+posix_fadvise by symbol (numba ExternalFunction), so they stay cached.
 
 RocksDB (`rocksdict`) and LMDB were the alternatives: both take one Python
 object per key and per value at their API, so a lookup of 10k rows not in
@@ -37,7 +42,6 @@ checkpoints, which cover both tiers (services/embedding_ps/checkpoint.py).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -46,19 +50,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
 from hybridrec import log
 from services.embedding_ps import kernels as K
 
 _log = log.get(__name__)
 
-PAGE_BYTES = 4096
+PAGE_BYTES = K.PAGE_BYTES
 LOAD = 0.85
 """Records in use per record of the file at full capacity: a probe then rarely leaves its home page."""
 MAGIC = "hybridrec-disk-tier"
 VERSION = 1
-POSIX_FADV_WILLNEED = 3
 
 
 class CorruptTier(ValueError):
@@ -104,16 +106,6 @@ def planned_bytes(config) -> int:
     return TierLayout.of(config).nbytes if config.ps.tier is not None else 0
 
 
-_fadvise = ctypes.CDLL(None, use_errno=True).posix_fadvise
-_fadvise.argtypes, _fadvise.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int), ctypes.c_int
-
-
-@njit(nogil=True)  # not cache=True: it calls libc through ctypes, whose address differs per process
-def _advise(fd, first_page, pages, n):
-    for i in range(n):
-        _fadvise(fd, (first_page + pages[i]) * PAGE_BYTES, PAGE_BYTES, POSIX_FADV_WILLNEED)
-
-
 class DiskTier:
     """The disk tier of one store: its mapped pages and counters, handed to the kernels per stripe (`region`)."""
 
@@ -127,7 +119,8 @@ class DiskTier:
         # Per record: 1 when it changed since a checkpoint copied it (process memory, like the store's marks).
         marks = np.zeros(layout.pages * per_page, np.uint8)
         self._regions = [(keys[s * pps:(s + 1) * pps], vals[s * pps:(s + 1) * pps], self.counters[s],
-                          marks[s * pps * per_page:(s + 1) * pps * per_page], np.int64(per_page))
+                          marks[s * pps * per_page:(s + 1) * pps * per_page], np.int64(per_page), np.int32(fd),
+                          np.int64(s * pps), np.zeros(1, np.uint64))
                          for s in range(layout.num_stripes)]
 
     # ------------------------------------------------------------ open / close
@@ -170,7 +163,8 @@ class DiskTier:
                     raise CorruptTier(f"disk tier {directory}: {path.name} has {have} bytes, expected {size}")
         fd = os.open(rows_path, os.O_RDWR)
         try:
-            rows = mmap.mmap(fd, layout.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # read-only: rows are written with pwrite (kernels._tier_write says why)
+            rows = mmap.mmap(fd, layout.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             rows.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not 128 KiB around it
             with open(header_path, "r+b") as f:
                 header = mmap.mmap(f.fileno(), header_bytes)
@@ -214,11 +208,13 @@ class DiskTier:
         """Stripe s's part of the tier, as the kernels take it (kernels._tier_find)."""
         return self._regions[s]
 
-    def advise(self, s: int, pages: np.ndarray, n: int) -> None:
-        """Ask the kernel to read the first n of stripe s's pages `pages` (region-local) in the background:
-        all at once, so that the lookup's page faults that follow find them read."""
-        if n:
-            _advise(self._fd, np.int64(s * self.layout.pages_per_stripe), pages, np.int64(n))
+    def check_writes(self, s: int, before: int) -> None:
+        """Raise OSError when a write to stripe s's region failed since its counter read `before` (a full disk,
+        an I/O error): the rows it held are lost, and the call that lost them must not be acknowledged."""
+        failed = int(self.counters[s, K.TF_WRITE_ERRORS]) - before
+        if failed:
+            raise OSError(f"disk tier {self.directory}: {failed} write(s) failed (disk full or I/O error); "
+                          f"the rows they held are lost")
 
     def stats(self) -> dict:
         """Counters summed over stripes (read without locks) and sizes."""
@@ -229,6 +225,7 @@ class DiskTier:
                 "bytes": disk_rows * (8 + 4 * self.layout.row_width), "file_bytes": self.layout.nbytes,
                 "fills": int(c[K.TF_FILLS]), "writebacks": int(c[K.TF_WRITEBACKS]),
                 "overflows": int(c[K.TF_OVERFLOWS]), "disk_updates": int(c[K.TF_DISK_UPDATES]),
+                "write_errors": int(c[K.TF_WRITE_ERRORS]),
                 "disk_reads": int(c[K.TF_DISK_READS]), "lookups": lookups, "misses": int(c[K.TF_MISSES]),
                 "memory_hit_rate": round(1.0 - int(c[K.TF_MISSES]) / lookups, 6) if lookups else None}
 
@@ -243,8 +240,15 @@ def no_region() -> tuple:
     return _NO_REGION
 
 
-_NO_REGION = (np.zeros((0, PAGE_BYTES // 8), np.uint64), np.zeros((0, PAGE_BYTES // 4), np.float32),
-              np.zeros(K.TIER_FIELDS, np.int64), np.zeros(0, np.uint8), np.int64(1))
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)  # as the tier's own views are: one numba type for both
+    return a
+
+
+_NO_REGION = (_read_only(np.zeros((0, PAGE_BYTES // 8), np.uint64)),
+              _read_only(np.zeros((0, PAGE_BYTES // 4), np.float32)),
+              np.zeros(K.TIER_FIELDS, np.int64), np.zeros(0, np.uint8), np.int64(1), np.int32(-1), np.int64(0),
+              np.zeros(1, np.uint64))
 
 
 def _check(described: Path, layout: TierLayout) -> None:

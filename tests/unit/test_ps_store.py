@@ -502,7 +502,7 @@ def test_kernels_release_the_gil(open_store):
     """
     for kernel in (K.partition, K.lookup_stripe, K.resolve_stripe, K.load_stripe, K.rebuild_stripe,
                    K.check_stripe, O.apply_stripe, K.after_update_stripe, K.expire_stripe, K.sketch_counts_stripe,
-                   K.tier_pages, K.tier_gather, K.tier_scatter, K.copy_tier_rows, K.insert_misses, K.read_misses,
+                   K.advise_pages, K.tier_gather, K.tier_scatter, K.copy_tier_rows, K.insert_misses, K.read_misses,
                    K.load_cold_stripe, K.tier_home_pages):
         assert kernel.targetoptions.get("nogil"), kernel
     store = open_store(config(capacity=1 << 20, num_stripes=1, dim=16))
