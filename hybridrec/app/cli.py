@@ -803,7 +803,9 @@ def _echo_plan(result: dict, planner) -> None:
     private = result["per_shard_private"]
     typer.echo(f"store files per shard: {h(result['per_shard_bytes'])}   total: {h(result['total_bytes'])}")
     typer.echo(f"private per shard: {h(private['stamps_and_marks'])} of stamps and change marks, "
-               f"{h(private['checkpoint_buffers'])} of checkpoint buffers while a dump runs")
+               f"{h(private['checkpoint_buffers'])} of checkpoint buffers while a dump runs"
+               + (f", {h(private['disk_tier_marks'])} of the disk tier's change marks"
+                  if private.get("disk_tier_marks") else ""))
     typer.echo(f"memory per shard: {h(result['per_shard_memory_bytes'])}   total: {h(result['total_memory_bytes'])}")
     if result.get("per_shard_disk_bytes"):
         typer.echo(f"disk tier per shard: {result['disk_rows_per_shard']:,} rows, {h(result['per_shard_disk_bytes'])}"

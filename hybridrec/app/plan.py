@@ -30,6 +30,7 @@ from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 from services.embedding_ps.tier import planned_bytes as planned_disk_bytes
+from services.embedding_ps.tier import planned_marks as planned_disk_marks
 
 MAX_STRIPES = 1024
 """ps.num_stripes' limit: with MAX_STRIPE_ROWS rows a stripe, the most rows one store of a shard can hold."""
@@ -103,6 +104,8 @@ def _plan_stores(configs: list[StoreConfig], shards: int) -> dict:
                        "disk_bytes_per_shard": planned_disk_bytes(config)})
     private = {"stamps_and_marks": sum(PRIVATE_BYTES_PER_SLOT * c.capacity for c in configs),
                "checkpoint_buffers": max(dump_memory_bytes(c) for c in configs)}
+    if any(c.ps.tier is not None for c in configs):  # one change mark per disk record
+        private["disk_tier_marks"] = sum(planned_disk_marks(c) for c in configs)
     shard_bytes = sum(per_shard.values())
     memory = shard_bytes + sum(private.values())
     disk = sum(s["disk_bytes_per_shard"] for s in stores)
@@ -111,7 +114,12 @@ def _plan_stores(configs: list[StoreConfig], shards: int) -> dict:
             "stores": stores, "total_bytes": shard_bytes * shards, "total_memory_bytes": memory * shards,
             "per_shard_disk_bytes": disk, "total_disk_bytes": disk * shards,
             "disk_rows_per_shard": sum(s["disk_rows_per_shard"] for s in stores),
-            "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * c.capacity for c in configs)}
+            "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * table_rows(c) for c in configs)}
+
+
+def table_rows(config: StoreConfig) -> int:
+    """The rows a shard's store of `config` may hold in all: its disk tier's capacity, or its memory's."""
+    return config.ps.tier.capacity if config.ps.tier is not None else config.capacity
 
 
 def checkpoint_bytes(result: dict, *, changed: float, interval_s: float) -> dict:

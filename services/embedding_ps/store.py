@@ -28,9 +28,9 @@ from hybridrec import log
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
-from services.embedding_ps import tier as T
 from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory, prefault)
+from services.embedding_ps.tier import DiskTier, no_region
 
 __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 
@@ -59,18 +59,18 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     return out
 
 
-T_ = TypeVar("T_")
+T = TypeVar("T")
+
+COPY_TRIES = 8
+"""Copies of one batch a dump discards (a request changed the stripe meanwhile) before it takes the lock."""
+COPY_BACKOFF_S = 0.0005
+"""The pause before a discarded copy is taken again: the overlapping request's kernel is about this long."""
 
 
 def tier_dir_of(directory: Path, config: StoreConfig) -> Path:
     """Where the disk tier of the store in `directory` (`<ps.shm_dir>/shard-NNNNN/dim-D`) lives: the same two
     names under ps.tier.dir."""
     return Path(config.ps.tier.dir) / directory.parent.name / directory.name
-
-COPY_TRIES = 8
-"""Copies of one batch a dump discards (a request changed the stripe meanwhile) before it takes the lock."""
-COPY_BACKOFF_S = 0.0005
-"""The pause before a discarded copy is taken again: the overlapping request's kernel is about this long."""
 
 
 class EmbeddingStore(L.StoreLifecycle):
@@ -84,7 +84,7 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def __init__(self, directory: Path, layout: Layout, maps: dict[str, mmap.mmap], lock_fd: int) -> None:
         self.directory = directory
-        self.tier: T.DiskTier | None = None
+        self.tier: DiskTier | None = None
         """The disk tier under the memory (ps.tier), opened by `open`; None: memory only."""
         self.created = False
         self.config = layout.config
@@ -173,7 +173,7 @@ class EmbeddingStore(L.StoreLifecycle):
             raise
         try:
             if config.ps.tier is not None:
-                store.tier = T.DiskTier.open(tier_dir if tier_dir is not None else tier_dir_of(directory, config),
+                store.tier = DiskTier.open(tier_dir if tier_dir is not None else tier_dir_of(directory, config),
                                              config, fresh=store.created)
             store._recover()
         except BaseException:
@@ -275,7 +275,7 @@ class EmbeddingStore(L.StoreLifecycle):
             self.tier.check_writes(s, failed)
         return result or 0
 
-    def _unchanged(self, s: int, copy: Callable[[], T_]) -> T_:
+    def _unchanged(self, s: int, copy: Callable[[], T]) -> T:
         """Run `copy()` (a read of stripe s) without its lock until no mutating call overlapped it; returns its
         result. After COPY_TRIES overlaps, runs it under the lock (counted, and its hold timed)."""
         seqs, counts = self._seqs, self.dump_copies
@@ -297,7 +297,7 @@ class EmbeddingStore(L.StoreLifecycle):
 
     def _region(self, s: int) -> tuple:
         """Stripe s's part of the disk tier as the kernels take it (zero pages without one)."""
-        return self.tier.region(s) if self.tier is not None else T.no_region()
+        return self.tier.region(s) if self.tier is not None else no_region()
 
     def _advise_tier(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
                      train: bool) -> None:

@@ -106,6 +106,14 @@ def planned_bytes(config) -> int:
     return TierLayout.of(config).nbytes if config.ps.tier is not None else 0
 
 
+def planned_marks(config) -> int:
+    """Process memory of a store's tier: one change mark per record (0 without a tier)."""
+    if config.ps.tier is None:
+        return 0
+    layout = TierLayout.of(config)
+    return layout.pages * layout.per_page
+
+
 class DiskTier:
     """The disk tier of one store: its mapped pages and counters, handed to the kernels per stripe (`region`)."""
 

@@ -1,4 +1,4 @@
-"""The disk tier end to end (issue: tables larger than the machine): `hybridrec run` with a PS whose memory holds a
+"""The disk tier end to end (docs/architecture.md#disk-tier): `hybridrec run` with a PS whose memory holds a
 quarter of the table, over a disk tier, trains to the end, loses nothing, and leaves exactly the rows of the same
 job whose table fits in memory (one NN worker, sync: a deterministic job)."""
 from __future__ import annotations

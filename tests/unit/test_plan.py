@@ -100,3 +100,34 @@ def test_a_local_run_that_cannot_hold_its_capacity_is_refused_naming_host_width_
     shards = int(re.search(r"ps\.capacity: (\d+) PS shard", message)[1])
     fits = plan_tables([Table(most * shards, 16)], optimizer="adagrad", shards=shards, num_stripes=64)
     assert 0 < most < 400_000_000 and fits["total_memory_bytes"] <= host_memory_bytes()
+
+
+def _tier_config(tmp_path, tier_capacity: int):
+    from hybridrec.config import Config
+
+    return Config.model_validate({
+        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 16}],
+        "optimizer": {"embedding": {"name": "adagrad"}},
+        "ps": {"capacity": 1_000_000, "tier": {"dir": str(tmp_path / "disk"), "capacity": tier_capacity}},
+        "cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]}})
+
+
+def test_a_disk_tier_is_planned_on_disk_and_its_marks_in_memory(tmp_path):
+    """The tier's file at full capacity, its change marks as private memory, checkpoints of the whole table."""
+    from hybridrec.app.plan import plan_config
+    from services.embedding_ps.tier import TierLayout
+
+    plan = plan_config(_tier_config(tmp_path, 8_000_000))
+    layout = TierLayout.of(StoreConfig.from_config(_tier_config(tmp_path, 8_000_000), 16))
+    assert plan["per_shard_disk_bytes"] == layout.nbytes and plan["total_disk_bytes"] == 2 * layout.nbytes
+    assert plan["disk_rows_per_shard"] == 8_000_000 and layout.nbytes >= 8_000_000 * (8 + 32 * 4)
+    assert plan["per_shard_private"]["disk_tier_marks"] == layout.pages * layout.per_page
+    assert plan["full_checkpoint_bytes_per_shard"] == 8_000_000 * (8 + 32 * 4)  # the table, not the memory
+
+
+def test_a_disk_tier_without_room_is_refused_before_start_naming_key_path_and_bytes(tmp_path):
+    from hybridrec.app.plan import check_fits
+    from hybridrec.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ps.tier.capacity: 2 PS shard\(s\) .* need [\d,]+ bytes under .*disk"):
+        check_fits(_tier_config(tmp_path, 10**13 // 128), host="here", memory_bytes=1 << 40, shm_free_bytes=1 << 40)
