@@ -8,7 +8,7 @@ PS's memory forgets nothing, and `ps.capacity` only decides how much of it is
 served at memory speed.
 
 Design (measured on this project's machines; docs/benchmarks.md#disk-tier):
-the tier is the store's own file, `rows.bin`, mapped MAP_SHARED on a disk,
+the tier is the store's own file, `records.bin`, mapped MAP_SHARED on a disk,
 with the kernel's page cache as the cache between memory and disk. It is an
 open-addressing hash table of 4 KiB pages: a key's home page is a hash of it,
 a page holds `per_page` records (keys first, then rows; see kernels._tier_find)
@@ -34,7 +34,7 @@ newer row in memory shadows it), so no tombstones are needed.
 
 Files in the tier's directory: `tier.json` (what the tier was made for;
 refused at open when the config asks for another), `header.bin` (int64
-counters per stripe, kernels.TF_*), `rows.bin` (the pages; stripe s owns an
+counters per stripe, kernels.TF_*), `records.bin` (the pages; stripe s owns an
 equal run of them, guarded by its memory stripe's lock). A SIGKILLed PS loses
 nothing here: its writes are in the page cache, which the kernel writes back.
 A lost host loses the tier with the memory: the shard restores from its
@@ -97,7 +97,7 @@ class TierLayout:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of rows.bin (sparse on creation; all of them in use at full capacity)."""
+        """Bytes of records.bin (sparse on creation; all of them in use at full capacity)."""
         return self.pages * PAGE_BYTES
 
 
@@ -158,7 +158,7 @@ class DiskTier:
 
     @classmethod
     def _map(cls, directory: Path, layout: TierLayout, *, create: bool) -> "DiskTier":
-        rows_path, header_path = directory / "rows.bin", directory / "header.bin"
+        rows_path, header_path = directory / "records.bin", directory / "header.bin"
         header_bytes = layout.num_stripes * K.TIER_FIELDS * 8
         if create:
             for path, size in ((rows_path, layout.nbytes), (header_path, header_bytes)):

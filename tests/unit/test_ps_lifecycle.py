@@ -326,7 +326,9 @@ def test_ps_service_counts_per_table_ticks_per_update_and_sweeps(tmp_path):
             assert totals["lifecycle"][1].model_dump() == {"admitted": 20, "rejected": 20, "expired": 0,
                                                           "dropped_gradients": 20}
             assert totals["lifecycle"][2].expired == 10
-            assert ps_totals(None) == {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None}
+            assert totals["disk_tier"] is None  # no ps.tier
+            assert ps_totals(None) == {"updates_deduplicated": None, "ps_rows": None, "lifecycle": None,
+                                       "disk_tier": None}
 
         asyncio.run(scenario())
     finally:

@@ -225,7 +225,7 @@ def test_a_corrupt_tier_is_refused_at_open(tmp_path, stores, damage):
     elif damage == "description":
         (tier / "tier.json").write_text("{not json")
     elif damage == "truncated":
-        os.truncate(tier / "rows.bin", 4096)
+        os.truncate(tier / "records.bin", 4096)
     else:
         counters = np.memmap(tier / "header.bin", np.int64, mode="r+")
         counters[K.TF_ROWS] = -5
