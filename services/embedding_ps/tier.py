@@ -16,21 +16,22 @@ and a full page sends a key to the next. One lookup of a row not in memory is
 then one page read. A random page fault reads 128 KiB around it (readahead)
 and costs ~1 ms, so the mapping is advised MADV_RANDOM, and before a lookup
 takes its rows the store asks the kernel for all their pages at once
-(`advise`, posix_fadvise WILLNEED from a numba kernel, without the GIL): the
+(kernels.advise_pages: posix_fadvise WILLNEED, without the GIL): the
 reads then run in parallel, ~13 us a page instead of ~60. The mapping is
 read-only: an evicted row is written with pwrite into its page (read in by
 the same advice), so the page cache holds it at once and the kernel writes
 dirty pages back to disk in the background, in batches, off the lookup path.
 Writing through a shared mapping instead made every writeback write-protect
-the page again, with a TLB shootdown across the cores: profiled in a job,
-those interrupts took a quarter of both cores. The kernels call pwrite and
+the page again, with a TLB shootdown across the cores: in a store benchmark
+those interrupts took a quarter of both cores' samples, and pwrite also turns
+a full disk into an error instead of a SIGBUS. The kernels call pwrite and
 posix_fadvise by symbol (numba ExternalFunction), so they stay cached.
 
-RocksDB (`rocksdict`) and LMDB were the alternatives: both take one Python
-object per key and per value at their API, so a lookup of 10k rows not in
-memory would loop over IDs in Python, and both add a second cache beside the
-page cache. Records are never deleted (an ID on disk keeps its record; the
-newer row in memory shadows it), so no tombstones are needed.
+RocksDB (`rocksdict`) and LMDB were the alternatives (benchmarks/tier_stores.py):
+both take one Python object per key and per value at their API, so a batch
+is built and split in Python, and reading a row from the page cache cost
+7-10x the tier's kernels. Records are never deleted (an ID on disk keeps its
+record; the newer row in memory shadows it), so no tombstones are needed.
 
 Files in the tier's directory: `tier.json` (what the tier was made for;
 refused at open when the config asks for another), `header.bin` (int64
