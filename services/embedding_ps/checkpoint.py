@@ -491,7 +491,9 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
                 keys, values, touched = _open_part(path, part, dim, dim + table["state_width"])
                 mine = slice(None) if own else np.flatnonzero(np.asarray(shard_of(np.asarray(keys))) == shard)
                 keys = np.ascontiguousarray(keys[mine])
-                if len(keys):
+                if len(keys) and store.tier is not None:  # onto disk in file order; memory warms as it trains
+                    store.load_cold(keys, np.ascontiguousarray(values[mine]))
+                elif len(keys):
                     store.load_rows(keys, np.ascontiguousarray(values[mine]),
                                     None if touched is None else np.ascontiguousarray(touched[mine]))
                 rows[dim] += len(keys)
@@ -504,7 +506,7 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
                          checkpoint=[sk.shape for sk in sketches], store=own_sketch.shape)
         else:
             store.merge_sketch(sketches)
-        if store.stats()["evictions"] > evictions[dim]:
+        if store.stats()["evictions"] > evictions[dim] and store.tier is None:
             _log.warning("checkpoint holds more rows than the store's capacity; the oldest were evicted",
                          dim=dim, rows=rows[dim], capacity=store.config.capacity)
     step = found[0][1]["step"]

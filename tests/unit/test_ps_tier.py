@@ -134,6 +134,10 @@ def test_checkpoints_cover_both_tiers_and_restore_into_either_kind_of_store(tmp_
         load_shard(checkpoints.step_dir(root, 20), {DIM: dst}, shard=0, num_shards=1,
                    shard_of=lambda ids: shard_of(ids, 1))
         assert table(dst) == want, name
+        if dst.tier is not None:  # restored onto disk in file order, not through memory's evictions
+            assert dst.stats()["rows"] == 0 and dst.stats()["tier"]["writebacks"] == 0
+            train(dst, 3)  # and it trains on, filling memory from disk
+            assert dst.stats()["tier"]["fills"] > 0
 
 
 def test_load_cold_writes_rows_to_disk_and_keeps_memory_rows_newest(tmp_path, stores):
