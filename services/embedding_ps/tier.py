@@ -30,7 +30,7 @@ posix_fadvise by symbol (numba ExternalFunction), so they stay cached.
 RocksDB (`rocksdict`) and LMDB were the alternatives (benchmarks/tier_stores.py):
 both take one Python object per key and per value at their API, so a batch
 is built and split in Python, and reading a row from the page cache cost
-7-10x the tier's kernels. Records are never deleted (an ID on disk keeps its
+7-9x the tier's kernels. Records are never deleted (an ID on disk keeps its
 record; the newer row in memory shadows it), so no tombstones are needed.
 
 Files in the tier's directory: `tier.json` (what the tier was made for;
