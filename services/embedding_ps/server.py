@@ -87,6 +87,11 @@ def warm_up(config: Config) -> None:
                 store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
                 for _ in store.stream_rows(changed_only=True):  # a checkpoint's kernels
                     pass
+                if store.tier is not None:  # a restore's bulk load; an update and a read of rows on disk
+                    more = np.arange(100, 200, dtype=np.uint64)
+                    store.load_cold(more, np.zeros((more.size, small.row_width), np.float32))
+                    store.update(more, np.zeros((more.size, dim), np.float32))
+                    store.peek(more, state=True)
             finally:
                 store.close()
 
