@@ -57,6 +57,7 @@ from services.embedding_ps.checkpoint import (CHUNK_BYTES, dump_bytes, dump_memo
 from services.embedding_ps.replica import open_stores_in  # noqa: E402
 from services.embedding_ps.server import shard_dir  # noqa: E402
 from services.embedding_ps import kernels as K  # noqa: E402
+from services.embedding_ps.optimizers import accumulator_width  # noqa: E402
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows  # noqa: E402
 
 SLACK_BYTES = 16 << 20
@@ -299,12 +300,13 @@ class ZipfBatches:
 
 
 def generated_rows(store: EmbeddingStore, ids: np.ndarray) -> np.ndarray:
-    """Rows (embedding and optimizer state) as the store would create them for `ids`."""
+    """Rows (embedding and optimizer state) as the store would create them for `ids`: the initial embedding,
+    the optimizer's accumulators at their initial value and the rest of its state at zero."""
     c = store.config
     values = np.zeros((ids.size, c.row_width), np.float32)
     values[:, :c.dim] = init_rows(ids, dim=c.dim, seed=c.seed, distribution=c.ps.init.distribution,
                                   scale=c.ps.init.scale)
-    values[:, c.dim:] = c.optimizer.initial_accumulator_value
+    values[:, c.dim:c.dim + accumulator_width(c.optimizer, c.dim)] = c.optimizer.initial_accumulator_value
     return values
 
 
@@ -364,11 +366,7 @@ def measure_tier(args, shm: Path, disk: Path) -> dict:
     out = {"rows": args.tier_rows, "memory_rows": memory, "baseline_rows": args.baseline_rows, "zipf": args.zipf,
            "unique_ids_per_batch": args.unique}
     with EmbeddingStore.open(shm / "baseline", store_config(args.baseline_rows, dim, stripes)) as base:
-        started = time.perf_counter()
-        for lo in range(1, args.baseline_rows + 1, 1 << 22):
-            ids = np.arange(lo, min(lo + (1 << 22), args.baseline_rows + 1), dtype=np.uint64)
-            base.load_rows(ids, generated_rows(base, ids))
-        out["baseline_prefill_s"] = round(time.perf_counter() - started, 1)
+        out["baseline_prefill_s"] = prefill(base, args.baseline_rows, args.baseline_rows)["memory_s"]
         batches = ZipfBatches(args.baseline_rows, args.unique, args.zipf, seed=1)
         train_flat_out(base, batches, args.warm_up)
         out["baseline"] = train_flat_out(base, batches, args.window)

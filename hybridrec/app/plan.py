@@ -114,10 +114,10 @@ def _plan_stores(configs: list[StoreConfig], shards: int) -> dict:
             "stores": stores, "total_bytes": shard_bytes * shards, "total_memory_bytes": memory * shards,
             "per_shard_disk_bytes": disk, "total_disk_bytes": disk * shards,
             "disk_rows_per_shard": sum(s["disk_rows_per_shard"] for s in stores),
-            "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * table_rows(c) for c in configs)}
+            "full_checkpoint_bytes_per_shard": sum(row_bytes(c) * table_capacity(c) for c in configs)}
 
 
-def table_rows(config: StoreConfig) -> int:
+def table_capacity(config: StoreConfig) -> int:
     """The rows a shard's store of `config` may hold in all: its disk tier's capacity, or its memory's."""
     return config.ps.tier.capacity if config.ps.tier is not None else config.capacity
 

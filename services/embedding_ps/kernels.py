@@ -386,6 +386,18 @@ _fadvise = types.ExternalFunction("posix_fadvise", types.int32(types.int32, type
 
 
 @njit(inline="always", error_model="numpy")
+def _tier_home(h, pages):
+    """The home page of a key of hash h in a region of `pages` pages (hash bits the stripe and index do not use)."""
+    return np.int64((h >> _U32) % np.uint64(pages))
+
+
+@njit(inline="always", error_model="numpy")
+def _tier_base(per_page, r, width):
+    """Float offset of record r's row in its page: after the page's per_page keys (two floats each)."""
+    return 2 * per_page + r * width
+
+
+@njit(inline="always", error_model="numpy")
 def _tier_write(tier, p, offset, address, nbytes):
     """pwrite nbytes at `address` to byte `offset` of region page p; False, counted, when it fails."""
     fd, first = tier[5], tier[6]
@@ -400,21 +412,22 @@ def _tier_write(tier, p, offset, address, nbytes):
 def _tier_write_row(tier, p, r, src, s, width):
     """Record r of region page p gets row src[s] (`width` float32, C-contiguous)."""
     per_page = tier[4]
-    return _tier_write(tier, p, (2 * per_page + r * width) * 4, src.ctypes.data + s * src.strides[0], width * 4)
+    return _tier_write(tier, p, _tier_base(per_page, r, width) * 4, src.ctypes.data + s * src.strides[0], width * 4)
 
 
 @njit(inline="always", error_model="numpy")
-def _tier_find(tkeys, per_page, key):
+def _tier_probe(tkeys, per_page, key, cur, buf):
     """(found, page, record) of `key` in a region; not found: where it would go ((-1, -1) when the region
-    is full or has no pages)."""
+    is full or has no pages). Page `cur` is read from `buf` instead of the file (a page being rewritten whole:
+    `load_cold_stripe`); cur = -1 reads every page from the file."""
     pages = tkeys.shape[0]
     if pages == 0:
         return False, -1, -1
     stored = key + np.uint64(1)
-    p = np.int64((key_hash(key) >> _U32) % np.uint64(pages))
+    p = _tier_home(key_hash(key), pages)
     for _ in range(pages):
         for r in range(per_page):
-            k = tkeys[p, r]
+            k = buf[r] if p == cur else tkeys[p, r]
             if k == stored:
                 return True, p, r
             if k == 0:
@@ -426,13 +439,19 @@ def _tier_find(tkeys, per_page, key):
 
 
 @njit(inline="always", error_model="numpy")
+def _tier_find(tkeys, per_page, key):
+    """`_tier_probe` reading every page from the file."""
+    return _tier_probe(tkeys, per_page, key, -1, tkeys[:, 0])
+
+
+@njit(inline="always", error_model="numpy")
 def _tier_get(tier, key, dst, i, n, width):
     """dst[i, :n] = the first n values of `key`'s row (`width` values) on disk; False when it has none."""
     tkeys, tvals, per_page = tier[0], tier[1], tier[4]
     found, p, r = _tier_find(tkeys, per_page, key)
     if not found:
         return False
-    base = 2 * per_page + r * width
+    base = _tier_base(per_page, r, width)
     for d in range(n):
         dst[i, d] = tvals[p, base + d]
     return True
@@ -441,8 +460,11 @@ def _tier_get(tier, key, dst, i, n, width):
 @njit(inline="always", error_model="numpy")
 def _tier_put(tier, key, src, s, width):
     """Write row src[s] (`width` values) as `key`'s record on disk: the row before a new record's key (a crash
-    leaves no key with a half-written row). False, counted, when the region is full."""
+    leaves no key with a half-written row). False, counted, when the region is full; False, not counted, for
+    a store without a tier (zero pages)."""
     tkeys, thdr, tmarks, per_page, scratch = tier[0], tier[2], tier[3], tier[4], tier[7]
+    if tkeys.shape[0] == 0:
+        return False
     found, p, r = _tier_find(tkeys, per_page, key)
     if p < 0 or (not found and thdr[TF_ROWS] >= thdr[TF_LIMIT]):
         thdr[TF_OVERFLOWS] += 1
@@ -462,7 +484,7 @@ def _tier_put(tier, key, src, s, width):
 @njit(inline="always", error_model="numpy")
 def _evict_slot(keys, prev, nxt, values, hdr, tier):
     """`_take_slot`, writing an evicted row to the disk tier first (before its key is cleared)."""
-    if hdr[F_USED] == keys.shape[0] and tier[0].shape[0] > 0:
+    if hdr[F_USED] == keys.shape[0]:
         victim = hdr[F_TAIL]
         _tier_put(tier, keys[victim], values, victim, values.shape[1])
     return _take_slot(keys, prev, nxt, hdr)
@@ -473,21 +495,21 @@ def advise_pages(ids, perm, lo, hi, slots, keys, prev, hdr, tier, victims):
     """Ask the kernel to read, in the background and all at once, the home pages of the IDs not in memory
     (slots[j] < 0) and, with `victims`, of as many rows at the LRU tail as those IDs could evict: the pages a
     lookup is about to read or write (posix_fadvise WILLNEED; tier.py says why). Returns how many."""
-    pages = np.uint64(tier[0].shape[0])
+    pages = tier[0].shape[0]
     if pages == 0:
         return 0
     fd, first = tier[5], tier[6]
     n = 0
     for j in range(lo, hi):
         if slots[j] < 0:
-            p = np.int64((key_hash(ids[perm[j]]) >> _U32) % pages)
+            p = _tier_home(key_hash(ids[perm[j]]), pages)
             _fadvise(fd, (first + p) * PAGE_BYTES, PAGE_BYTES, POSIX_FADV_WILLNEED)
             n += 1
     if victims:
         evicting = n - (keys.shape[0] - hdr[F_USED])
         s = hdr[F_TAIL]
         while evicting > 0 and s >= 0:
-            p = np.int64((key_hash(keys[s]) >> _U32) % pages)
+            p = _tier_home(key_hash(keys[s]), pages)
             _fadvise(fd, (first + p) * PAGE_BYTES, PAGE_BYTES, POSIX_FADV_WILLNEED)
             n += 1
             evicting -= 1
@@ -501,7 +523,7 @@ def tier_home_pages(ids, num_stripes, pages_per_stripe, out):
     its home page there. Sorting rows by it makes a bulk load write the file in order."""
     for i in range(ids.shape[0]):
         h = key_hash(ids[i])
-        out[i] = stripe_of_hash(h, num_stripes) * pages_per_stripe + np.int64((h >> _U32) % np.uint64(pages_per_stripe))
+        out[i] = stripe_of_hash(h, num_stripes) * pages_per_stripe + _tier_home(h, pages_per_stripe)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -512,8 +534,7 @@ def load_cold_stripe(new_keys, new_values, perm, lo, hi, index, keys, values, ti
     The rows come sorted by page: each page is copied once into a 4 KiB buffer, takes all the rows bound for
     it, and is written back with one pwrite (two system calls a row made a 187.5M-row prefill take 429 s).
     A page written whole by one call is never seen half-written by a process that outlives this one."""
-    tkeys, tvals, thdr, tmarks, per_page = tier[0], tier[1], tier[2], tier[3], tier[4]
-    pages = tkeys.shape[0]
+    tkeys, thdr, tmarks, per_page = tier[0], tier[2], tier[3], tier[4]
     width = values.shape[1]
     buf_keys = np.zeros(PAGE_BYTES // 8, np.uint64)  # the page being filled
     buf_vals = buf_keys.view(np.float32)
@@ -526,20 +547,8 @@ def load_cold_stripe(new_keys, new_values, perm, lo, hi, index, keys, values, ti
         if s >= 0:
             _copy_row(values, s, new_values, i, width)
             continue
-        stored = key + np.uint64(1)
-        p = np.int64((key_hash(key) >> _U32) % np.uint64(pages)) if pages else -1
-        r = -1
-        found = False
-        for _ in range(pages):  # the probe of _tier_find, reading the buffer for the page it holds
-            for q in range(per_page):
-                k = buf_keys[q] if p == cur else tkeys[p, q]
-                if k == stored or k == 0:
-                    found, r = k == stored, q
-                    break
-            if r >= 0:
-                break
-            p = p + 1 if p + 1 < pages else 0
-        if r < 0 or (not found and thdr[TF_ROWS] >= thdr[TF_LIMIT]):
+        found, p, r = _tier_probe(tkeys, per_page, key, cur, buf_keys)
+        if p < 0 or (not found and thdr[TF_ROWS] >= thdr[TF_LIMIT]):
             thdr[TF_OVERFLOWS] += 1
             continue
         if p != cur:
@@ -548,11 +557,11 @@ def load_cold_stripe(new_keys, new_values, perm, lo, hi, index, keys, values, ti
             for d in range(PAGE_BYTES // 8):
                 buf_keys[d] = tkeys[p, d]
             cur = p
-        base = 2 * per_page + r * width
+        base = _tier_base(per_page, r, width)
         for d in range(width):
             buf_vals[base + d] = new_values[i, d]
         if not found:
-            buf_keys[r] = stored
+            buf_keys[r] = key + np.uint64(1)
             thdr[TF_ROWS] += 1
         tmarks[p * per_page + r] = 1
         n += 1
@@ -575,7 +584,7 @@ def tier_gather(ids, perm, lo, hi, slots, tier, rows, gperm, where):
         found, p, r = _tier_find(tkeys, per_page, ids[perm[j]])
         if not found:
             continue
-        base = 2 * per_page + r * width
+        base = _tier_base(per_page, r, width)
         for d in range(width):
             rows[k, d] = tvals[p, base + d]
         gperm[k] = perm[j]
@@ -618,7 +627,7 @@ def copy_tier_rows(tier, first, last, index, keys, changed_only, clear, out_keys
                     tmarks[m] = 0
                 continue
             out_keys[n] = key
-            base = 2 * per_page + r * width
+            base = _tier_base(per_page, r, width)
             for d in range(width):
                 out_values[n, d] = tvals[p, base + d]
             if clear:
@@ -722,7 +731,7 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     its row (with its optimizer state) into memory, where it then evicts a row to disk; a read-only one copies it.
     `defer`: stop after the hits, leaving the IDs not in memory (slots[j] < 0) to `insert_misses` (training) or
     `read_misses`, so that the caller can first have the kernel read the disk pages they need
-    (`tier_pages`); head_moves[0] then holds the move count they continue from.
+    (`advise_pages`); head_moves[0] then holds the move count they continue from.
     """
     dim = out.shape[1]
     _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values)
@@ -855,8 +864,7 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
             thdr[TF_FILLS] += 1
         else:
             _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
-        if tier[0].shape[0] > 0:
-            _tier_put(tier, new_keys[q], ghost_rows, q, width)
+        _tier_put(tier, new_keys[q], ghost_rows, q, width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
     thdr[TF_MISSES] += n

@@ -35,7 +35,7 @@ from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard
 from services.embedding_ps.replica import Backup, Primary, backup_of, backup_host, open_stores_in, \
     restore_from_backup, row_widths
-from services.embedding_ps.store import EmbeddingStore, StoreConfig
+from services.embedding_ps.store import EmbeddingStore, StoreConfig, shard_tier_dir
 from services.embedding_ps.tier import CorruptTier
 
 
@@ -121,7 +121,7 @@ def open_shard(config: Config, shard: int) -> tuple[dict[int, EmbeddingStore], A
         # restores from its checkpoints, as after a lost host (the loss is recorded and counted below).
         log.get().error("ps_disk_tier_corrupt", shard=shard, error=str(exc), restores="from the newest checkpoint")
         shutil.rmtree(shard_dir(config, shard), ignore_errors=True)
-        shutil.rmtree(Path(config.ps.tier.dir) / shard_dir(config, shard).name, ignore_errors=True)
+        shutil.rmtree(shard_tier_dir(shard_dir(config, shard), config), ignore_errors=True)
         stores = open_stores(config, shard)
     applied = open_applied(config, shard)
     if not (root and job):

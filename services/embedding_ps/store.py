@@ -25,6 +25,7 @@ from typing import Callable, Iterator, TypeVar
 import numpy as np
 
 from hybridrec import log
+from hybridrec.config import Config
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
@@ -67,10 +68,16 @@ COPY_BACKOFF_S = 0.0005
 """The pause before a discarded copy is taken again: the overlapping request's kernel is about this long."""
 
 
+def shard_tier_dir(shard_directory: Path, config: StoreConfig | Config) -> Path:
+    """Where the disk tiers of the stores of the shard in `shard_directory` (`<ps.shm_dir>/shard-NNNNN`) live:
+    the same name under ps.tier.dir."""
+    return Path(config.ps.tier.dir) / shard_directory.name
+
+
 def tier_dir_of(directory: Path, config: StoreConfig) -> Path:
-    """Where the disk tier of the store in `directory` (`<ps.shm_dir>/shard-NNNNN/dim-D`) lives: the same two
-    names under ps.tier.dir."""
-    return Path(config.ps.tier.dir) / directory.parent.name / directory.name
+    """Where the disk tier of the store in `directory` (`<ps.shm_dir>/shard-NNNNN/dim-D`) lives: its shard's
+    `shard_tier_dir`, then the same name."""
+    return shard_tier_dir(directory.parent, config) / directory.name
 
 
 class EmbeddingStore(L.StoreLifecycle):
@@ -396,18 +403,24 @@ class EmbeddingStore(L.StoreLifecycle):
 
         return self._run_stripes(offsets, run, mutates=True)
 
+    def _gather_from_disk(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int,
+                          slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(rows with state, their positions in `ids`, their records, k) of the first k IDs of stripe s not in
+        memory (slots[j] == -1) that have a row on disk (`kernels.tier_gather`)."""
+        rows = np.empty((hi - lo, self.config.row_width), np.float32)
+        gperm, where = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int64)
+        k = K.tier_gather(ids, perm, lo, hi, slots, self._region(s), rows, gperm, where)
+        return rows, gperm, where, k
+
     def _update_on_disk(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
                         grads: np.ndarray) -> int:
         """Apply the gradients of IDs that left memory since their lookup to their rows on disk (evicted in
         between: with a tier, no gradient is dropped for it); returns how many."""
-        region, width = self._region(s), self.config.row_width
-        rows = np.empty((hi - lo, width), np.float32)
-        gperm, where = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int64)
-        k = K.tier_gather(ids, perm, lo, hi, slots, region, rows, gperm, where)
+        rows, gperm, where, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
         if k:
             O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows,
                            O.optimizer_code(self.config.optimizer), self._hp, self.config.dim)
-            K.tier_scatter(region, rows, where, np.int64(k))
+            K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
 
     def peek(self, ids: np.ndarray, *, state: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -430,9 +443,7 @@ class EmbeddingStore(L.StoreLifecycle):
             out[at[hit]] = values[where[hit], :dim]
             found[at[hit]] = True
             if self.tier is not None and not hit.all():  # the rows on disk (read only: nothing changes)
-                rows = np.empty((hi - lo, self.config.row_width), np.float32)
-                gperm, records = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int64)
-                k = K.tier_gather(ids, perm, lo, hi, slots, self._region(s), rows, gperm, records)
+                rows, gperm, _, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
                 out[gperm[:k]] = rows[:k, :dim]
                 found[gperm[:k]] = True
             return 0

@@ -84,22 +84,42 @@ class TierLayout:
     def of(cls, config) -> "TierLayout":
         """The layout `config` (a StoreConfig with ps.tier set) asks for."""
         width, stripes = config.row_width, config.num_stripes
-        per_page = PAGE_BYTES // (8 + 4 * width)
+        per_page = PAGE_BYTES // record_bytes(width)
         if per_page < 1:
             raise ValueError(f"ps.tier: a row of {width} float32 values does not fit a {PAGE_BYTES}-byte page")
-        limit = -(-config.ps.tier.capacity // stripes)
+        limit = _stripe_limit(config.ps.tier.capacity, stripes)
         return cls(dim=config.dim, row_width=width, optimizer=config.optimizer.name.value, num_stripes=stripes,
                    capacity=config.ps.tier.capacity, per_page=per_page,
                    pages_per_stripe=max(1, -(-int(limit / LOAD) // per_page)))
+
+    @property
+    def limit_per_stripe(self) -> int:
+        """Records a stripe's region may hold: its share of the capacity (the rest of its pages keep probes
+        short)."""
+        return _stripe_limit(self.capacity, self.num_stripes)
 
     @property
     def pages(self) -> int:
         return self.pages_per_stripe * self.num_stripes
 
     @property
+    def records(self) -> int:
+        """Record places in the file (each with a change mark in process memory)."""
+        return self.pages * self.per_page
+
+    @property
     def nbytes(self) -> int:
         """Bytes of records.bin (sparse on creation; all of them in use at full capacity)."""
         return self.pages * PAGE_BYTES
+
+
+def _stripe_limit(capacity: int, stripes: int) -> int:
+    return -(-capacity // stripes)
+
+
+def record_bytes(row_width: int) -> int:
+    """Bytes of one record: its key and its row (embedding and optimizer state)."""
+    return 8 + 4 * row_width
 
 
 def planned_bytes(config) -> int:
@@ -111,8 +131,7 @@ def planned_marks(config) -> int:
     """Process memory of a store's tier: one change mark per record (0 without a tier)."""
     if config.ps.tier is None:
         return 0
-    layout = TierLayout.of(config)
-    return layout.pages * layout.per_page
+    return TierLayout.of(config).records
 
 
 class DiskTier:
@@ -126,7 +145,7 @@ class DiskTier:
         vals = np.frombuffer(rows, np.float32).reshape(layout.pages, PAGE_BYTES // 4)
         self.counters = np.frombuffer(header, np.int64).reshape(layout.num_stripes, K.TIER_FIELDS)
         # Per record: 1 when it changed since a checkpoint copied it (process memory, like the store's marks).
-        marks = np.zeros(layout.pages * per_page, np.uint8)
+        marks = np.zeros(layout.records, np.uint8)
         self._regions = [(keys[s * pps:(s + 1) * pps], vals[s * pps:(s + 1) * pps], self.counters[s],
                           marks[s * pps * per_page:(s + 1) * pps * per_page], np.int64(per_page), np.int32(fd),
                           np.int64(s * pps), np.zeros(1, np.uint64))
@@ -182,8 +201,7 @@ class DiskTier:
             raise
         tier = cls(directory, layout, fd, rows, header)
         if create:
-            limit = -(-layout.capacity // layout.num_stripes)
-            tier.counters[:, K.TF_LIMIT] = limit
+            tier.counters[:, K.TF_LIMIT] = layout.limit_per_stripe
             header.flush()
             tmp = directory / "tier.json.tmp"
             tmp.write_text(json.dumps({"magic": MAGIC, "version": VERSION, **asdict(layout)}, indent=1))
@@ -196,7 +214,8 @@ class DiskTier:
         return tier
 
     def flush(self) -> None:
-        self._rows.flush()
+        """Write the records (written with pwrite, through the file) and the counters to disk."""
+        os.fsync(self._fd)
         self._header.flush()
 
     def close(self) -> None:
@@ -231,7 +250,7 @@ class DiskTier:
         lookups = int(c[K.TF_LOOKUPS])
         disk_rows = int(c[K.TF_ROWS])
         return {"dir": str(self.directory), "capacity": self.layout.capacity, "rows": disk_rows,
-                "bytes": disk_rows * (8 + 4 * self.layout.row_width), "file_bytes": self.layout.nbytes,
+                "bytes": disk_rows * record_bytes(self.layout.row_width), "file_bytes": self.layout.nbytes,
                 "fills": int(c[K.TF_FILLS]), "writebacks": int(c[K.TF_WRITEBACKS]),
                 "overflows": int(c[K.TF_OVERFLOWS]), "disk_updates": int(c[K.TF_DISK_UPDATES]),
                 "write_errors": int(c[K.TF_WRITE_ERRORS]),
