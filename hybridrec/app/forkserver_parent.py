@@ -141,7 +141,7 @@ class Parent:
 
     def _warm_up(self) -> None:
         if not self.warmed and self.config_path is not None:
-            self._load(lambda: warm_up_ps(self.config_path), "ps kernels")
+            self.load(lambda: warm_up_ps(self.config_path), "ps kernels")
             self.warmed = True
 
     def _next_line(self) -> bytes | None:
@@ -160,7 +160,7 @@ class Parent:
         return line
 
     @staticmethod
-    def _load(what, name: str) -> None:
+    def load(what, name: str) -> None:
         started = time.monotonic()
         what()
         gc.collect()
@@ -302,7 +302,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)  # PDEATHSIG: the closed pipe ends the loop, then the janitor
     replies = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing the imports print may land in the reply pipe
-    Parent._load(preload_dense if dense else preload_base, "dense" if dense else "base")
+    Parent.load(preload_dense if dense else preload_base, "dense" if dense else "base")
     replies.write(json.dumps({"ready": round(time.monotonic() - started, 3)}).encode() + b"\n")
     replies.flush()
     Parent(sys.stdin.fileno(), replies).serve()

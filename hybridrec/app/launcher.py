@@ -206,20 +206,20 @@ class LocalCluster:
         return {**os.environ, **FORK_ENV}
 
     @staticmethod
-    def _argv(proc: ServiceProcess) -> list[str]:
+    def argv(proc: ServiceProcess) -> list[str]:
         metrics_port = proc.metrics_address.rsplit(":", 1)[1]
         return ["serve", proc.service, "--config", str(proc.config_path), "--replica", str(proc.replica), "--set",
                 f"cluster.metrics_port={metrics_port}"]
 
     def _submit(self, proc: ServiceProcess) -> None:
         try:
-            self.forkserver.submit(self._argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
+            self.forkserver.submit(self.argv(proc), proc.log_path, env=self._env(), cpus=proc.cpus)
         except ForkServerError as exc:
             raise LaunchError(str(exc)) from None
 
     def _collect(self, proc: ServiceProcess) -> Forked:
         try:
-            forked = self.forkserver.collect(self._argv(proc))
+            forked = self.forkserver.collect(self.argv(proc))
         except ForkServerError as exc:
             raise LaunchError(f"{exc}; last lines of its logs:\n" + "\n".join(
                 tail(path) for path in self.forkserver.log_paths)) from None
@@ -236,7 +236,7 @@ class LocalCluster:
             self._submit(proc)
             proc.popen = self._collect(proc)
             return
-        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *self._argv(proc)]
+        cmd = [*proc.prefix, sys.executable, "-m", "hybridrec", *self.argv(proc)]
         with open(proc.log_path, "ab") as out:  # appended: a restarted service keeps its earlier lines
             proc.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           env=self._env(), preexec_fn=functools.partial(die_with_parent, proc.cpus),
@@ -473,7 +473,7 @@ def _store_dirs(config: Config) -> list[str]:
 def _fork_order(proc: ServiceProcess) -> tuple[bool, bool]:
     """Light before dense (`LocalCluster.start`), and PS shards last of the light: the parent compiles their
     kernels first."""
-    return needs_dense(LocalCluster._argv(proc)), proc.service == "embedding_ps"
+    return needs_dense(LocalCluster.argv(proc)), proc.service == "embedding_ps"
 
 
 def _signal(popen: subprocess.Popen, sig: signal.Signals) -> None:

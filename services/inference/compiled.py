@@ -132,7 +132,7 @@ class CompiledDense:
             if compiled is not None and compiled._answers_as(model, pooled, num_dense):
                 return compiled
             try:
-                compiled = cls._export(model, slots, pooled, num_dense, key)
+                compiled = cls.export(model, slots, pooled, num_dense, key)
                 why = compiled._differs(model, pooled, num_dense)
             except Exception as exc:  # noqa: BLE001 - any exporter or runtime refusal: the eager path serves
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -142,7 +142,7 @@ class CompiledDense:
         return compiled
 
     @classmethod
-    def _export(cls, model: torch.nn.Module, slots: list[FlatInput], pooled: PooledEmbeddings,
+    def export(cls, model: torch.nn.Module, slots: list[FlatInput], pooled: PooledEmbeddings,
                 num_dense: int, key: str) -> "CompiledDense":
         example = _random_inputs(slots, pooled, num_dense, rows=2, seed=0)
         names = [f"in{i}" for i in range(len(example) - 1)]
@@ -194,7 +194,7 @@ def warm_up() -> None:
             return self.linear(dense).squeeze(-1)
 
     if _cannot("fp32") is None:
-        one = CompiledDense._export(_One().eval(), [], PooledEmbeddings(), 2, key="warm-up")
+        one = CompiledDense.export(_One().eval(), [], PooledEmbeddings(), 2, key="warm-up")
         one(np.zeros((1, 2), np.float32), PooledEmbeddings())
 
 

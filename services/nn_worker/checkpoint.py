@@ -53,7 +53,7 @@ MAX_OVERHEAD = 0.05
 """Time checkpoints take at most this share of training: the interval stretches with their duration."""
 UNCOUNTED = -1
 """A rank's sample count in the position gather while it is not yet the job's: a replacement that has not
-taken a batch or end of every loader (`Trainer.take_over`). An interval checkpoint is then postponed to the next
+taken a batch or end of every loader (`Ledger.take_over`). An interval checkpoint is then postponed to the next
 interval rather than written with too few samples."""
 
 

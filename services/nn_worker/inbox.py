@@ -14,7 +14,7 @@ data. Each loader deals its batches evenly to the ranks (its k-th batch to rank
 k mod N), so every rank meets each loader's end at the same step, and a loader
 whose end has been taken leaves the turn on every rank alike. The order's state
 is the count of batches taken per loader, which a checkpoint (each loader's
-`seq`) and a hand-over to a replacement (`Trainer.loader_steps`) carry.
+`seq`) and a hand-over to a replacement (`Ledger.loader_steps`) carry.
 
 Evaluation batches are not dealt evenly and no collective meets them, so they
 are taken in whatever order they arrive: waiting on one loader while another

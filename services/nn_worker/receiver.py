@@ -68,11 +68,11 @@ class Receiver:
         self.tasks: set[asyncio.Task] = set()
         self.server: grpc.aio.Server | None = None
         self.health = None
-        self.ended = asyncio.Event()
+        self.trainer_gone = asyncio.Event()  # the trainer closed its end of the socket: this process stops
 
     # -- messages from the trainer ------------------------------------------------------------------
     def on_readable(self) -> None:
-        self.reader.drain(self.on_message, self.ended.set)
+        self.reader.drain(self.on_message, self.trainer_gone.set)
 
     def on_message(self, message: Message, fds: list[int]) -> None:
         if message.op == link.SLOT:
@@ -225,7 +225,7 @@ async def run(sock: socket.socket, config: Config, replica: int) -> None:
     loop = asyncio.get_running_loop()
     loop.add_reader(sock.fileno(), receiver.on_readable)
     try:
-        await receiver.ended.wait()
+        await receiver.trainer_gone.wait()
     finally:
         loop.remove_reader(sock.fileno())
         receiver.writer.close()

@@ -11,7 +11,6 @@ import asyncio
 import os
 import secrets
 import time
-from collections import deque
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,7 @@ import torch
 
 from hybridrec import checkpoints, log
 from hybridrec.config import AUTO, Config, Mode
-from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
+from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
 from hybridrec.models import build_model, feature_infos
 from hybridrec.proto import pb
 from hybridrec import rpc
@@ -29,6 +28,7 @@ from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
+from services.nn_worker.ledger import Ledger
 from services.nn_worker.link import ReceiverLink
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
@@ -37,28 +37,21 @@ from services.nn_worker.routing import EmbeddingWorkers
 from services.nn_worker.trainer import Collaborators, Trainer, make_dense_optimizer
 
 
-MARKS_KEPT = 256
-"""Recent training batches whose ends a rank remembers for a restarted data loader: far more than the ranks
-can drift apart (each holds at most its inbox and prefetch ahead of the group's step)."""
-
 RECOVERABLE_MODES = (Mode.HYBRID, Mode.SYNC)
 """Modes whose group survives losing a rank: the replicas are identical after every step (DDP), so any
 survivor's state is the group's. (async and shadow average replicas on their own schedule.)"""
 
 
 class NNWorkerServicer:
-    def __init__(self, config: Config, replica: int, inbox: Inbox):
-        self.config, self.replica, self.inbox = config, replica, inbox
-        self.trainer: Trainer | None = None
+    def __init__(self, config: Config, replica: int, inbox: Inbox, ledger: Ledger):
+        """`ledger`: this rank's place in each data loader's stream, shared with the trainer, which opens it once
+        the group's state is known (`Ledger.opened`)."""
+        self.config, self.replica, self.inbox, self.ledger = config, replica, inbox, ledger
+        self.trainer: Trainer | None = None  # for its progress (Status, Stats) once it exists
         self.link: ReceiverLink | None = None  # with training.receiver
         self.phase = "starting"
-        loaders = inbox.loaders
-        # Per data loader: its streams are numbered each on its own.
-        self.last_received = [{phase: -1 for phase in PHASES} for _ in range(loaders)]
-        self.ended: list[set[str]] = [set() for _ in range(loaders)]
         self.duplicates = 0
         self.eval_metrics: dict[str, float] = {}  # rank 0, after evaluation: eval_auc_<task>, eval_logloss_<task>
-        self.marks: list[deque[tuple[int, tuple[int, ...], int]]] = [deque(maxlen=MARKS_KEPT) for _ in range(loaders)]
         self.incarnation = secrets.randbits(62) | 1  # this process, in every reply to a loader (never 0)
         self.told_past_training: set[int] = set()  # loaders this rank has answered that it finished training
         self.all_told = asyncio.Event()
@@ -76,80 +69,41 @@ class NNWorkerServicer:
 
         A batch counts as received only once it is in the inbox: a call cut off while waiting for room (its
         loader died) leaves no trace, and a restarted loader sends that batch again."""
-        if not self._fresh(item):
+        if not self.ledger.is_fresh(item):
             self.duplicates += 1
         else:
             await self.inbox.put(item)
-            self._taken(item)
+            self.ledger.received(item)
         return self._consumed(item.loader)
 
     def admit_now(self, item: DenseBatch | EndOfPhase) -> Consumed | None:
         """`admit` where it need not wait (the loader's queue has room, or `item` is a duplicate); None, and
         nothing done, where it must. The receiver's batches take this path first: no coroutine per batch on
         the trainer's event loop (services/nn_worker/link.py)."""
-        if not self._fresh(item):
+        if not self.ledger.is_fresh(item):
             self.duplicates += 1
         elif self.inbox.put_nowait(item):
-            self._taken(item)
+            self.ledger.received(item)
         else:
             return None
         return self._consumed(item.loader)
 
-    def _fresh(self, item: DenseBatch | EndOfPhase) -> bool:
-        """Whether `item` is new to this rank; raises for a training batch out of order (`_check_in_order`)."""
-        if isinstance(item, EndOfPhase):
-            return item.phase not in self.ended[item.loader]
-        if item.phase == "train":
-            self._check_in_order(item)
-        return item.seq > self.last_received[item.loader][item.phase]
-
-    def _taken(self, item: DenseBatch | EndOfPhase) -> None:
-        """`item` is in the inbox: received, and on a training batch, where its loader resumes after it."""
-        loader = item.loader
-        if isinstance(item, EndOfPhase):
-            self.ended[loader].add(item.phase)
-            return
-        self.last_received[loader][item.phase] = max(item.seq, self.last_received[loader][item.phase])
-        if item.phase == "train" and len(item.position) == POSITION_FIELDS:
-            self.marks[loader].append((item.seq, item.position, item.rows_before + item.labels.shape[0]))
-
-    def _check_in_order(self, item: DenseBatch) -> None:
-        """Refuse a training batch that comes before the ones this rank's share is missing.
-
-        A replacement of a lost rank owes the batches its predecessor had received but not trained. The
-        loader sends them again after a call that failed; but a loader that sent nothing while the rank was
-        replaced (a quiet stream) has no failed call, and its next new batch would arrive first.
-        FAILED_PRECONDITION makes it send its unconfirmed frames again, oldest first (`delivery.deliver`).
-        Before the trainer exists the rank cannot tell: UNAVAILABLE, which the loader waits out."""
-        if self.trainer is None:
-            raise rpc.Unavailable("the NN worker is still joining its group")
-        expected = self._held(item.loader) + self.trainer.env.world_size  # the next batch of its share
-        if item.seq > expected:
-            raise rpc.FailedPrecondition(
-                f"NN worker rank {self.replica} got training batch {item.seq} of data loader {item.loader}'s "
-                f"stream while it holds none from batch {expected}: send the unconfirmed batches again, oldest first")
-
-    def _held(self, loader: int) -> int:
-        """The last training batch of `loader`'s stream this rank holds: received into its inbox, or trained by
-        the group when this process took over (a replacement, or a restored checkpoint); it got every earlier
-        batch of its share."""
-        return max(self.last_received[loader]["train"], self.trainer.next_seq[loader] - self.trainer.env.world_size)
-
     def _consumed(self, loader: int) -> Consumed:
-        consumed = self.trainer.consumed[loader] if self.trainer else Consumed()
+        consumed = self.ledger.consumed(loader)
         return Consumed(consumed.phase, consumed.through, self.incarnation)
 
     async def Received(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """How far this rank holds each phase's stream of the data loader the request names, for a (re)started
         loader: what it received, or what the group had trained when this process took over (a replacement, or
         a restored checkpoint)."""
-        if self.trainer is None:
+        if not self.ledger.opened:
             raise rpc.Unavailable("the NN worker is still joining its group")
         loader = Received.loader_of(request, self.inbox.loaders)
-        through = {"train": self._held(loader), "eval": self.last_received[loader]["eval"]}
+        state = self.ledger.loaders[loader]
+        through = {"train": self.ledger.held(loader), "eval": state.received["eval"]}
         past_training = self.phase in ("eval", "done")
-        ended = set(self.ended[loader]) | ({"train"} if past_training else set())
-        reply = Received(through, frozenset(ended), list(self.marks[loader]), loader, self.incarnation,
+        ended = set(state.ended) | ({"train"} if past_training else set())
+        reply = Received(through, frozenset(ended), list(state.marks), loader, self.incarnation,
                          past_training).encode()
         if past_training:
             self.told_past_training.add(loader)
@@ -236,7 +190,8 @@ async def _serve(config: Config, replica: int) -> None:
     torch.set_num_threads(torch_threads(config))
     torch.manual_seed(config.training.seed)
     inbox = Inbox(len(config.cluster.dataloader), maxsize=config.training.prefetch + 2)
-    servicer = NNWorkerServicer(config, replica, inbox)
+    ledger = Ledger(replica, world_size, len(config.cluster.dataloader))
+    servicer = NNWorkerServicer(config, replica, inbox, ledger)
     host.add(servicer, servicer.stats)
 
     workers = link if link is not None else EmbeddingWorkers(config)
@@ -261,17 +216,18 @@ async def _serve(config: Config, replica: int) -> None:
     trainer = Trainer(config, env, model, workers.lookup, workers.push, inbox, compute, Collaborators(
         checkpointer=checkpointer, publisher=publisher,
         membership=membership if config.training.mode in RECOVERABLE_MODES else None),
-        outgoing=link.outgoing if link is not None else None)
+        outgoing=link.outgoing if link is not None else None, ledger=ledger)
     plan = await trainer.setup(plan)
     if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
         manifest = await checkpointer.restore(trainer)
-        trainer.resume_at([0] * trainer.loaders if manifest is None
-                          else [seq // world_size for seq, _ in manifest.streams()])
+        ledger.resume_at([0] * len(ledger) if manifest is None
+                         else [seq // world_size for seq, _ in manifest.streams()])
     else:
         host.log.warning("replaced_a_lost_rank", step=plan.step, source=plan.source, generation=plan.generation)
     if publisher is not None:
         publisher.start_clock()  # its time interval counts from here, after set-up and restore
     servicer.trainer = trainer
+    ledger.open()  # the group's state is known: batches can be placed in its streams from here
     await rpc.wait_until_serving(config.cluster.embedding_workers, timeout_s=config.cluster.start_timeout_s,
                                  what="embedding workers")
     await host.set_serving(True)

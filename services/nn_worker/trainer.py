@@ -33,7 +33,7 @@ from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
 from hybridrec.service import at_work
 from hybridrec.config import Config, Mode
-from hybridrec.frames import Applied, Consumed, DenseBatch, EndOfPhase, Gradients
+from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.compute import ComputeThread
@@ -41,6 +41,7 @@ from services.nn_worker.distributed import DenseSync, DistEnv, barrier
 from services.nn_worker.feed import DeviceFeed, ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
+from services.nn_worker.ledger import Ledger, Order
 from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost, Looked
@@ -74,9 +75,11 @@ class Collaborators:
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
                  inbox: Inbox, compute: ComputeThread, collaborators: Collaborators = Collaborators(),
-                 outgoing: Callable[[], Any] | None = None):
+                 outgoing: Callable[[], Any] | None = None, ledger: Ledger | None = None):
         """`outgoing`: with a receiver process, a free shared-memory slot for a step's gradient frame
-        (`ReceiverLink.outgoing`): the compute thread writes the frame there, `push` sends it."""
+        (`ReceiverLink.outgoing`): the compute thread writes the frame there, `push` sends it. `ledger`: this
+        rank's place in each data loader's stream, shared with the servicer that receives the batches (a fresh
+        one when None: tests)."""
         self.config, self.env = config, env
         self.training = config.training
         self.lookup, self.push, self.inbox, self.outgoing = lookup, push, inbox, outgoing
@@ -97,16 +100,8 @@ class Trainer:
                                              config.num_tasks)
         self._auc_at = -1  # the window's `seen` when train_auc was last computed
         self.membership = collaborators.membership
-        # Per data loader (cluster.dataloader), whose streams are numbered each on its own:
-        self.loaders = len(config.cluster.dataloader)
-        self.consumed = [Consumed("train", -1)] * self.loaders  # what PutBatch replies: the loader forgets up to here
-        self._trained_through = [-1] * self.loaders  # the last batch of each stream it trained or settled
-        self._unacked: list[set[int]] = [set() for _ in range(self.loaders)]  # trained, update not acknowledged
-        self.next_seq = [env.rank] * self.loaders  # this rank's next training batch of each (r gets r, r+N, ...)
-        self.loader_steps = [0] * self.loaders  # steps the group trained on each loader's batches (every rank alike)
-        self._ended: dict[str, dict[int, EndOfPhase]] = {"train": {}, "eval": {}}  # each phase's ends taken
-        self._uncounted: set[int] = set()  # a replacement: loaders whose batches its predecessor trained are not
-        # yet in its sample count (each added from its next batch's `rows_before`, or its end's `rows_sent`)
+        self.ledger = ledger if ledger is not None else Ledger(env.rank, env.world_size,
+                                                               len(config.cluster.dataloader))
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
         self.num_tasks = config.num_tasks
         weights = self.training.task_weights or [1.0] * self.num_tasks
@@ -132,18 +127,6 @@ class Trainer:
                 self.log.warning("group_failed", step=self.stats.steps, error=failure_line(exc))
                 plan = await self.on_compute(self.membership.join, None)
 
-    def resume_at(self, loader_steps: list[int]) -> None:
-        """The group's state is `loader_steps[l]` steps on loader l's batches, for each l: this rank's next
-        training batch of that loader's stream is loader_steps[l]*N + rank."""
-        if len(loader_steps) != self.loaders:
-            raise ValueError(f"the group's state has {len(loader_steps)} data loaders' streams, this job "
-                             f"{self.loaders} (cluster.dataloader)")
-        self.loader_steps = list(loader_steps)
-        self.next_seq = [steps * self.env.world_size + self.env.rank for steps in loader_steps]
-        self._trained_through = [seq - 1 for seq in self.next_seq]
-        for loader in range(self.loaders):
-            self._confirm(loader)
-
     def restore_counters(self, manifest: JobManifest) -> None:
         """Take the counters of the checkpoint the group was just restored from (`Checkpointer.restore`, which
         loaded the model and optimizer). Its samples and training time are the job's: rank 0 carries them (the
@@ -160,7 +143,7 @@ class Trainer:
         rebuilt on the new group."""
         stats = self.stats
         handed = hand_over(self.model, self.optimizer, {**{k: getattr(stats, k) for k in STATS_FIELDS},
-                                                        "loader_steps": self.loader_steps}, stats.wall_s, plan.source)
+                                                        "loader_steps": self.ledger.loader_steps}, stats.wall_s, plan.source)
         if self.env.rank in plan.joined_fresh:  # a replacement takes over its predecessor's share and place
             loader_steps = [int(n) for n in handed.stats.pop("loader_steps")]
             for key, value in handed.stats.items():
@@ -170,21 +153,12 @@ class Trainer:
         self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
 
     def take_over(self, loader_steps: list[int]) -> None:
-        """A replacement of a lost rank: the group's state is `loader_steps` (`resume_at`), and its predecessor's
-        place in each loader's stream is taken without confirming or counting what it did not see.
-
-        It confirms only what it received: the predecessor may have trained batches whose embedding updates
-        died with it (pushed, or not, before the kill). Confirming the group's state would let the loaders
-        forget them unsent; instead they are sent again, oldest first, and each is confirmed once it is settled
-        (`_settle`). The source's sample count is not its predecessor's: this rank's share is counted from the
-        streams (rank 0 holds the restored job total: checkpoint.py), loader by loader as their frames are
-        taken (`_count_predecessor`)."""
-        self.resume_at(loader_steps)
-        self._trained_through = [-1] * self.loaders
-        for loader in range(self.loaders):
-            self._confirm(loader)
+        """A replacement of a lost rank: its predecessor's place in each loader's stream (`Ledger.take_over`:
+        confirming only what it received, so the loaders send again what the predecessor still owed). The
+        source's sample count is not its predecessor's: this rank's share is counted from the streams (rank 0
+        holds the restored job total: checkpoint.py), loader by loader as their frames are taken (`_take`)."""
+        self.ledger.take_over(loader_steps)
         self.stats.samples = self.stats.restored_samples if self.env.rank == 0 else 0
-        self._uncounted = set(range(self.loaders))
 
     _SKIP = object()
 
@@ -276,15 +250,15 @@ class Trainer:
 
         Training: from the loader `inbox.next_loader` names (the order every rank follows), after dropping what
         the group trained already (`_in_sequence`); evaluation: from whichever loader has one first."""
-        ended = self._ended[phase]
+        ended = self.ledger.ends_taken[phase]
         while True:
             if phase == "train":
-                loader = next_loader(self.next_seq, set(ended))
+                loader = next_loader(self.ledger.next_seqs, set(ended))
                 if loader is None:
                     return None
                 item = await self.inbox.get(loader)
             else:
-                live = [loader for loader in range(self.loaders) if loader not in ended]
+                live = [loader for loader in range(len(self.ledger)) if loader not in ended]
                 if not live:
                     return None
                 item = await self.inbox.get_any(live)
@@ -294,69 +268,37 @@ class Trainer:
                                    f"{phase} batches")
             if isinstance(item, EndOfPhase):
                 if phase == "train":
-                    self._check_end(item)
-                    self._count_predecessor(item.loader, item.rows_sent)  # it trained all of them
+                    self.ledger.check_end(item)
+                    self.stats.samples += self.ledger.count_predecessor(item.loader, item.rows_sent)  # all trained
                 ended[item.loader] = item
                 continue
             if phase == "train":
                 if not self._in_sequence(item):
                     continue
-                self._count_predecessor(item.loader, item.rows_before)
+                # A replacement counts its predecessor's share with the first batch or end it takes of a loader,
+                # as they are taken, in stream order: a loader's last batch and its end can be taken before
+                # that batch is trained.
+                self.stats.samples += self.ledger.count_predecessor(item.loader, item.rows_before)
             return item
 
     @property
     def samples_counted(self) -> bool:
-        """Whether this rank's sample count is its share of the job's: False for a replacement until it has
-        counted its predecessor's share of every loader's stream (an interval checkpoint waits for it)."""
-        return not self._uncounted
-
-    def _count_predecessor(self, loader: int, rows: int) -> None:
-        """A replacement: count the `rows` of `loader`'s stream its predecessor's share held (the group trained
-        them) with the first batch or end it takes of that loader. Both are counted here, as they are taken, in
-        stream order: a loader's last batch and its end can be taken before that batch is trained."""
-        if loader in self._uncounted:
-            self._uncounted.discard(loader)
-            self.stats.samples += rows
-
-    def _check_end(self, end: EndOfPhase) -> None:
-        """A loader's end of training comes after every batch of this rank's share, or the rank is behind it."""
-        expected = self.next_seq[end.loader] - self.env.rank
-        if end.end_seq >= 0 and end.end_seq != expected:
-            raise RuntimeError(
-                f"NN worker rank {self.env.rank} got the end of data loader {end.loader}'s training stream at "
-                f"batch {end.end_seq} while at batch {self.next_seq[end.loader]} of it: the data loader is "
-                f"{'ahead of' if end.end_seq > expected else 'behind'} the group's state (every NN worker was lost "
-                f"and the group went back to a checkpoint) — restart the data loaders with the group")
-
-    def _confirm(self, loader: int) -> None:
-        """What PutBatch replies to `loader`: it forgets a batch once it is trained *and* its embedding update
-        is acknowledged, so a replacement of this rank is sent again what its predecessor still owed."""
-        unacked = self._unacked[loader]
-        through = min(unacked) - self.env.world_size if unacked else self._trained_through[loader]
-        self.consumed[loader] = Consumed("train", through)
+        """`Ledger.samples_counted`: for the checkpointer, which postpones an interval checkpoint until then."""
+        return self.ledger.samples_counted
 
     def _in_sequence(self, batch: DenseBatch) -> bool:
         """False for a re-sent batch the group trained already (its update is settled in the background, see
         `_settle`); raises on a gap in the stream."""
-        loader = batch.loader
-        if batch.seq < self.next_seq[loader]:
+        if self.ledger.take(batch) is Order.SETTLE:
             self.stats.replayed_dropped += 1
             # Trained in a group step by this rank's predecessor, which may have died before its own
             # `batch_trained` line: with HYBRIDREC_LOG_LEVEL=DEBUG an audit finds every batch in one of the two.
-            self.log.debug("batch_settled", loader=loader, seq=batch.seq, batch_ref=batch.batch_ref,
+            self.log.debug("batch_settled", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
                            rows=int(batch.labels.shape[0]), position=list(batch.position))
-            self._unacked[loader].add(batch.seq)  # confirmed once its update is settled, not before
-            self._trained_through[loader] = max(self._trained_through[loader], batch.seq)
             task = asyncio.ensure_future(self._settle(batch))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
             return False
-        if batch.seq > self.next_seq[loader]:
-            raise RuntimeError(
-                f"NN worker rank {self.env.rank} expected training batch {self.next_seq[loader]} of data loader "
-                f"{loader}'s stream and got {batch.seq}: the data loader is ahead of the group's state (every NN "
-                f"worker was lost and the group went back to a checkpoint) — restart the data loaders with the group")
-        self.next_seq[loader] += self.env.world_size
         return True
 
     async def train(self) -> dict:
@@ -384,8 +326,7 @@ class Trainer:
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
             finally:
-                self._unacked[loader].discard(seq)
-                self._confirm(loader)
+                self.ledger.acknowledged(loader, seq)
                 counts["acked"] += 1
                 self.in_flight = counts["issued"] - counts["acked"]
                 permits.release()
@@ -394,7 +335,7 @@ class Trainer:
         checkpointer = self.checkpointer
         # Per loader, the (seq, position) of its newest batch trained: where its stream resumes.
         last = list(checkpointer.resumed_at) if checkpointer is not None else []
-        last += [(-1, (0, 0, 0, 0))] * (self.loaders - len(last))
+        last += [(-1, (0, 0, 0, 0))] * (len(self.ledger) - len(last))
         async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
             async for batch, pending in batches:
                 last[batch.loader] = (batch.seq, tuple(batch.position))
@@ -412,13 +353,10 @@ class Trainer:
                 step = await self.collective(self._train_step, batch, emb, lost, out)
                 looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
                 self.stats.compute_s += time.perf_counter() - computed
-                self.loader_steps[batch.loader] += 1
                 self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
                                rows=int(batch.labels.shape[0]), position=list(batch.position),
                                lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
-                self._trained_through[batch.loader] = batch.seq
-                self._unacked[batch.loader].add(batch.seq)
-                self._confirm(batch.loader)
+                self.ledger.trained(batch)
                 task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.loader, batch.seq,
                                                   batch.labels))
                 pushes.add(task)
@@ -495,9 +433,7 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - it stays owed: the end-of-run count reports it as lost
             self.log.warning("update_replay_failed", batch_ref=batch.batch_ref, error=str(exc))
         finally:
-            self._unacked[batch.loader].discard(batch.seq)
-            if self.consumed[batch.loader].phase == "train":
-                self._confirm(batch.loader)
+            self.ledger.settled(batch.loader, batch.seq)
 
     def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
@@ -608,7 +544,7 @@ class Trainer:
                 preds.append(await self.on_compute(self._predict, batch, emb))
                 looked.release()
                 labels.append(np.array(batch.labels))
-                self.consumed[batch.loader] = Consumed("eval", batch.seq)
+                self.ledger.predicted(batch.loader, batch.seq)
         empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)
         cat = lambda xs: np.concatenate(xs) if xs else empty  # noqa: E731
         return cat(preds), cat(labels), end

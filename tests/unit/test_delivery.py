@@ -14,7 +14,7 @@ from hybridrec import rpc
 from hybridrec.app.ports import free_port
 from hybridrec.frames import Consumed
 from services.dataloader.delivery import DeliveryGap, Window, deliver
-from services.nn_worker.server import NNWorkerServicer
+from services.nn_worker.ledger import Ledger
 
 PUT = "/test.Rank/PutBatch"
 
@@ -95,25 +95,25 @@ def test_a_rank_that_refuses_the_oldest_unconfirmed_frame_is_a_real_gap():
     assert rank.received == []
 
 
-def _servicer(next_seq: int, world_size: int = 2, trainer: bool = True) -> NNWorkerServicer:
-    servicer = NNWorkerServicer.__new__(NNWorkerServicer)
-    servicer.replica = 0
-    servicer.last_received = [{"train": -1, "eval": -1}]
-    servicer.trainer = SimpleNamespace(next_seq=[next_seq], env=SimpleNamespace(world_size=world_size)) \
-        if trainer else None
-    return servicer
+def _ledger(next_seq: int, world_size: int = 2, opened: bool = True) -> Ledger:
+    """Rank 0's ledger of one loader's stream, the group's state putting its next training batch at `next_seq`."""
+    ledger = Ledger(0, world_size, 1)
+    ledger.resume_at([next_seq // world_size])
+    if opened:
+        ledger.open()
+    return ledger
 
 
 def test_an_nn_worker_refuses_a_training_batch_past_the_next_of_its_share():
-    servicer = _servicer(next_seq=12)
+    ledger = _ledger(next_seq=12)
     batch = lambda seq: SimpleNamespace(loader=0, seq=seq)  # noqa: E731
-    servicer._check_in_order(batch(12))  # the next one
-    servicer._check_in_order(batch(10))  # one trained already: re-sent, dropped later as a duplicate
+    ledger.check_in_order(batch(12))  # the next one
+    ledger.check_in_order(batch(10))  # one trained already: re-sent, dropped later as a duplicate
     with pytest.raises(rpc.FailedPrecondition, match="got training batch 14 .* holds none from batch 12"):
-        servicer._check_in_order(batch(14))
-    servicer.last_received[0]["train"] = 12  # 12 is in its inbox: 14 is next
-    servicer._check_in_order(batch(14))
+        ledger.check_in_order(batch(14))
+    ledger.loaders[0].received["train"] = 12  # 12 is in its inbox: 14 is next
+    ledger.check_in_order(batch(14))
     with pytest.raises(rpc.FailedPrecondition):
-        servicer._check_in_order(batch(16))
+        ledger.check_in_order(batch(16))
     with pytest.raises(rpc.Unavailable):  # still joining its group: it cannot tell, the loader waits
-        _servicer(next_seq=0, trainer=False)._check_in_order(batch(0))
+        _ledger(next_seq=0, opened=False).check_in_order(batch(0))

@@ -1,4 +1,4 @@
-"""A replacement NN worker confirms to its data loader only what it was sent (services/nn_worker/trainer.py):
+"""A replacement NN worker confirms to its data loader only what it was sent (services/nn_worker/ledger.py):
 the batches its predecessor trained but whose embedding updates died with it must reach it again, so a loader
 may forget a batch only once the replacement has settled it (or trained a later one)."""
 from __future__ import annotations
@@ -40,13 +40,13 @@ def test_a_replacement_confirms_what_it_settled_not_the_groups_state():
             raise BatchLost(f"batch {ref} is not held")
 
         trainer = _replacement(applied_already)
-        assert trainer.consumed[0].through == -1  # not 12: the loader keeps every frame it has not re-sent
+        assert trainer.ledger.consumed(0).through == -1  # not 12: the loader keeps every frame it has not re-sent
         for seq in (0, 2, 4):  # the loader's window, sent again oldest first
             assert not trainer._in_sequence(_batch(seq))
-            assert trainer.consumed[0].through == max(seq - 2, -1)  # this one confirmed only once settled
+            assert trainer.ledger.consumed(0).through == max(seq - 2, -1)  # this one confirmed only once settled
             await asyncio.gather(*trainer._replays)
-            assert trainer.consumed[0].through == seq
-        assert trainer.consumed[0].through == 4  # 6..12 not yet re-sent: still owed, still kept by the loader
+            assert trainer.ledger.consumed(0).through == seq
+        assert trainer.ledger.consumed(0).through == 4  # 6..12 not yet re-sent: still owed, still kept by the loader
         assert trainer._in_sequence(_batch(14))  # the first batch of its own
         assert trainer.stats.replayed_dropped == 3
 
