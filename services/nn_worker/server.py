@@ -34,7 +34,8 @@ from services.nn_worker.membership import Fingerprint, Membership, failure_line,
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
 from services.nn_worker.routing import EmbeddingWorkers
-from services.nn_worker.trainer import Collaborators, Trainer, make_dense_optimizer
+from services.nn_worker.step import make_dense_optimizer
+from services.nn_worker.trainer import Collaborators, Trainer
 
 
 RECOVERABLE_MODES = (Mode.HYBRID, Mode.SYNC)

@@ -1,6 +1,6 @@
 """On the NN worker: the training loop of the hybrid algorithm (docs/architecture.md#one-training-batch, steps 3–6).
 
-Two coroutines share the event loop and one compute thread does the math:
+Two coroutines share the event loop and one compute thread does the math (`StepMath`, step.py):
 
 * the prefetcher takes dense batches as the data loaders deliver them (from
   several loaders in the one order every rank follows: inbox.py) and starts
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybridrec import log
 from hybridrec.checkpoints import JobManifest
@@ -38,7 +37,7 @@ from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import DenseSync, DistEnv, barrier
-from services.nn_worker.feed import DeviceFeed, ready
+from services.nn_worker.feed import ready
 from services.nn_worker.handover import STATS_FIELDS, hand_over
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 from services.nn_worker.ledger import Ledger, Order
@@ -46,6 +45,7 @@ from services.nn_worker.membership import Membership, Plan, failure_line, is_gro
 from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost, Looked
 from services.nn_worker.stats import TrainStats
+from services.nn_worker.step import StepMath, StepOutput, make_dense_optimizer
 
 if TYPE_CHECKING:
     from services.nn_worker.checkpoint import Checkpointer
@@ -87,13 +87,10 @@ class Trainer:
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
         self.pooler = Pooler(config.features, self.values)
-        self.feed = DeviceFeed(env.device, overlap=self.training.overlap_copies)
-        self.model = model.to(env.device)
-        self.sync: DenseSync | None = None
+        self.math = StepMath(model, env, self.training, config.num_tasks, self.pooler)
         self.checkpointer = collaborators.checkpointer
         self.publisher = collaborators.publisher
         self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
-        self.optimizer: torch.optim.Optimizer | None = None
         self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
         self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
         self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size),
@@ -103,9 +100,15 @@ class Trainer:
         self.ledger = ledger if ledger is not None else Ledger(env.rank, env.world_size,
                                                                len(config.cluster.dataloader))
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
-        self.num_tasks = config.num_tasks
-        weights = self.training.task_weights or [1.0] * self.num_tasks
-        self.task_weights = torch.tensor(weights, dtype=torch.float32, device=env.device)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The dense model (`StepMath` owns it), for the checkpointer and the final save."""
+        return self.math.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.math.optimizer
 
     async def setup(self, plan: Plan) -> Plan:
         """Build the optimizer and wrap the model for dense synchronisation (collectives: on the compute thread).
@@ -113,13 +116,13 @@ class Trainer:
         With a source in the plan (this process replaces a lost rank), take the model, optimizer and step from
         it; without one, every rank starts alike (and the server then restores the newest checkpoint). Returns
         the plan the group finally formed on (another round if a peer was lost meanwhile)."""
-        self.optimizer = make_dense_optimizer(self.model, self.config)
+        self.math.optimizer = make_dense_optimizer(self.model, self.config)
         while True:
             try:
                 if plan.source is not None:
                     await self.on_compute(self._adopt, plan)
                 else:
-                    self.sync = await self.on_compute(DenseSync, self.model, self.env, self.training)
+                    self.math.sync = await self.on_compute(DenseSync, self.model, self.env, self.training)
                 return plan
             except Exception as exc:  # noqa: BLE001 - a peer was lost while the group formed: join again
                 if self.membership is None or not is_group_failure(exc):
@@ -150,7 +153,7 @@ class Trainer:
                 setattr(stats, key, type(getattr(stats, key))(value))
             stats.wall_offset, stats.started = handed.wall_s, None
             self.take_over(loader_steps)
-        self.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
+        self.math.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
 
     def take_over(self, loader_steps: list[int]) -> None:
         """A replacement of a lost rank: its predecessor's place in each loader's stream (`Ledger.take_over`:
@@ -230,7 +233,7 @@ class Trainer:
                     lookup = asyncio.ensure_future(self.lookup(item.batch_ref, item.labels.shape[0]))
                     await ready.put((item, lookup))
                 if end is not None:
-                    end.update(merge_ends(self._ended[phase]))
+                    end.update(merge_ends(self.ledger.ends_taken[phase]))
                 await ready.put(None)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 await ready.put(exc)
@@ -246,7 +249,7 @@ class Trainer:
                 fetch.cancel()
 
     async def _take(self, phase: str) -> DenseBatch | None:
-        """The phase's next batch, None once every data loader's end of it is taken (`_ended`).
+        """The phase's next batch, None once every data loader's end of it is taken (`Ledger.ends_taken`).
 
         Training: from the loader `inbox.next_loader` names (the order every rank follows), after dropping what
         the group trained already (`_in_sequence`); evaluation: from whichever loader has one first."""
@@ -375,7 +378,7 @@ class Trainer:
                     await self.publisher.maybe_publish(self.stats.steps)
         if pushes or self._replays:
             await asyncio.gather(*pushes, *self._replays)
-        await self.on_compute(self.sync.finish)
+        await self.on_compute(self.math.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
             await checkpointer.finish(self, self.stats.steps, last)
@@ -422,7 +425,7 @@ class Trainer:
             looked = await self.lookup(batch.batch_ref, batch.labels.shape[0])
             try:
                 emb = self._decode(looked, batch.labels.shape[0])
-                grads = await self.on_compute(self._embedding_gradients, batch, emb)
+                grads = await self.on_compute(self.math.embedding_gradients, batch, emb)
             finally:
                 looked.release()
             await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).packed(self.values))
@@ -435,79 +438,20 @@ class Trainer:
         finally:
             self.ledger.settled(batch.loader, batch.seq)
 
-    def _embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
-        """Compute thread: the batch's loss gradients with respect to its embedding rows only. The dense
-        parameters are frozen meanwhile, so no gradient reaches them (nor DDP's hooks on them)."""
-        dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
-        leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for param in params:
-            param.requires_grad_(False)
-        try:
-            with self._autocast():
-                logits = self._logits(self.model(dense, embeddings))
-            loss = self._loss(logits, labels)
-            wanted = list(leaves.values())
-            grads = torch.autograd.grad(loss, wanted, allow_unused=True)
-        finally:
-            for param in params:
-                param.requires_grad_(True)
-        host, event = self.feed.to_host({dim: g if g is not None else torch.zeros_like(leaf)
-                                         for (dim, leaf), g in zip(leaves.items(), grads)})
-        if event is not None:
-            event.synchronize()  # a rare path (a replayed update): not worth overlapping
-        return {dim: t.numpy() for dim, t in host.items()}
-
     def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, lost: bool = False,
-                    out: Any = None) -> "StepOutput":
-        """Compute thread: one step (of weight 0 for a `lost` batch: every rank runs the same collectives). On a
-        GPU it returns once the step is queued (its gradients and loss reach the host behind
-        `StepOutput.event`; `push` records them), so the next batch's copy overlaps this step's kernels. On
-        the CPU it records its loss and predictions itself (`_record`, while they are in this core's cache,
-        off the event loop), and with a receiver's slot `out` writes the gradient frame there."""
+                    out: Any = None) -> StepOutput:
+        """Compute thread: one step (`StepMath.train`), counted. On the CPU it records its loss and predictions
+        itself (`_record`, while they are in this core's cache, off the event loop); on a GPU `push` records
+        them once they reach the host."""
         cpu_started = time.thread_time()
-        dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
-        leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
-        with self._autocast():
-            logits = self._logits(self.sync.module(dense, embeddings))
-        loss = self._loss(logits, labels) * (0.0 if lost else 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        step = self.math.train(batch, emb, self.stats.steps + 1, lost, out)
         self.stats.steps += 1
-        self.sync.after_step(self.stats.steps)
-        # The gradients are quantised where they are (on a GPU: half the bytes come back), and the logits go to
-        # the host with them, not before the backward: the progressive window takes them when they are there
-        # (`_record`), so nothing here waits for the device.
-        packed = Gradients.pack_tensors(self.values, {
-            dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()})
-        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **packed})
-        written = None
-        if out is not None and event is None:
-            written = Gradients.encode_packed_into(out.writable, batch.batch_ref,
-                                                   {key: host[key].numpy() for key in packed})
-        step = StepOutput(host, event, tuple(packed), out, written)
-        if event is None:
+        if step.event is None:
             self._record(step, batch.labels, lost)
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
         return step
 
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The model's output as (B,) logits with one task, (B, tasks) with several."""
-        return out.reshape(-1).float() if self.num_tasks == 1 else out.reshape(out.shape[0], self.num_tasks).float()
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Log loss; with several tasks, the sum of each task's mean log loss times its weight."""
-        if self.num_tasks == 1:
-            return F.binary_cross_entropy_with_logits(logits, labels)
-        per_task = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(dim=0)
-        return (per_task * self.task_weights).sum()
-
-    def _autocast(self):
-        """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
-        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
-
-    def _record(self, step: "StepOutput", labels: np.ndarray, lost: bool) -> None:
+    def _record(self, step: StepOutput, labels: np.ndarray, lost: bool) -> None:
         """Once a step's outputs are on the host (the compute thread on the CPU, the event loop on a GPU): its
         loss, and (unless the batch was lost) its predictions, made before the step trained on them, into the
         progressive window: O(batch). (`refresh_train_auc` may count the window meanwhile: a slot it reads
@@ -541,50 +485,11 @@ class Trainer:
                 emb, lost, looked = await self._receive(pending, batch)
                 if lost:
                     continue
-                preds.append(await self.on_compute(self._predict, batch, emb))
+                preds.append(await self.on_compute(self.math.predict, batch, emb))
                 looked.release()
                 labels.append(np.array(batch.labels))
                 self.ledger.predicted(batch.loader, batch.seq)
-        empty = np.zeros((0,) if self.num_tasks == 1 else (0, self.num_tasks), np.float32)
+        tasks = self.config.num_tasks
+        empty = np.zeros((0,) if tasks == 1 else (0, tasks), np.float32)
         cat = lambda xs: np.concatenate(xs) if xs else empty  # noqa: E731
         return cat(preds), cat(labels), end
-
-    @torch.no_grad()
-    def _predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
-        dense, _, staged = self.feed.stage(batch.dense, None, emb)
-        _, embeddings = self.pooler.pool(staged, self.env.device, grad=False)
-        with self._autocast():
-            logits = self._logits(self.model(dense, embeddings))
-        return torch.sigmoid(logits).cpu().numpy()
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """A training step's loss and embedding gradients on the host, valid once `event` has completed (None: at
-    once; on a GPU the copy is still under way when the compute thread returns)."""
-
-    host: dict  # "loss" -> 0-d tensor, "logits" -> (B,) or (B, tasks), and the gradients' packed tensors
-    event: "torch.cuda.Event | None"
-    grad_keys: tuple[str, ...] = ()  # which of `host` are the `Gradients` frame's tensors
-    out: Any = None  # the receiver's slot for the gradient frame (`Trainer.outgoing`), or None
-    written: int | None = None  # the frame's length once written there (on the CPU: by the step itself)
-
-    def loss(self) -> float:
-        return float(self.host["loss"])
-
-    def packed(self) -> dict[str, np.ndarray]:
-        """The `Gradients` frame's tensors, packed on the device (`ValueCodec.pack_tensors`)."""
-        return {key: self.host[key].numpy() for key in self.grad_keys}
-
-
-def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
-    """The dense optimizer, fused: one kernel over every parameter rather than a few per parameter (on a GPU
-    a few launches instead of dozens per step; on the CPU Adam's step took 0.04 ms against 0.11 for the
-    hidden-[8] DNN, 0.12 against 0.33 for 256-128). The same update and the same state dict."""
-    opt = config.optimizer.dense
-    params = model.parameters()
-    if opt.name == "adam":
-        return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)
-    if opt.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)
-    return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)
