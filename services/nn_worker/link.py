@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import grpc
-import numpy as np
 
 from hybridrec import log, rpc
-from hybridrec.frames import PHASES, Applied, Consumed, DenseBatch, Gradients
+from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_nn_batch
 from hybridrec.metrics import RPC_LATENCY
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
@@ -74,9 +73,9 @@ CALLED = 14  # a call to the NN worker's server: `ref` is the method (NN_METHODS
              # or in the receiver's inbound slot `slot`
 INBOUND_SLOT = 15  # a new slot of the receiver's, for requests; its file descriptor rides along
 LISTENING = 16  # the server is serving on port `nbytes` (or FAILED: it could not bind)
-BATCH = 17  # a data loader's PutBatch of a dense batch, decoded and checked by the receiver: the batch's fields
-            # in the payload (`BATCH_FIELDS`), its dense features and labels in the receiver's inbound slot
-            # `slot`; answered by REPLY with the `Consumed` packed (`CONSUMED`), or REFUSE
+BATCH = 17  # a data loader's PutBatch: its frame as sent (a `DenseBatch` or an `EndOfPhase`), in the payload
+            # or in the receiver's inbound slot `slot`, decoded once, by the trainer (`ReceiverLink._batch`);
+            # answered by REPLY with the `Consumed` frame, or REFUSE
 
 NO_SLOT = 0xFFFFFFFF
 """`slot` of a message whose bytes ride in its payload."""
@@ -110,54 +109,6 @@ def pack_applied(applied: Applied) -> bytes:
 def unpack_applied(data: bytes) -> Applied:
     rows, count = APPLIED.unpack_from(data)
     return Applied(rows, tuple(LIFE.unpack_from(data, APPLIED.size + i * LIFE.size) for i in range(count)))
-
-
-BATCH_FIELDS = struct.Struct("<QqQIIIIBB2x")
-"""A `DenseBatch` as a `BATCH` message carries it: batch_ref, seq, rows_before, loader, rows, dense features,
-label columns (0: labels of one task, shape (rows,)), phase (its index in `PHASES`), how many position fields
-follow (each a uint64). Its dense features (float32, rows x dense features) and then its labels are the
-slot's first bytes."""
-POSITION = struct.Struct("<Q")
-CONSUMED = struct.Struct("<BqQ")
-"""A PutBatch's answer to a `BATCH`: the `Consumed` frame's phase (its index in `PHASES`), through and
-incarnation; the receiver encodes the frame."""
-
-
-def lay_out_batch(batch: DenseBatch, writable: Callable[[int], memoryview]) -> tuple[bytes, int]:
-    """Write `batch`'s arrays into a slot (`writable`, as `Slot.writable`): the `BATCH` message's payload and
-    the bytes written. Raises ValueError for position fields that do not fit 64 bits."""
-    rows, width = batch.dense.shape
-    columns = 0 if batch.labels.ndim == 1 else batch.labels.shape[1]
-    if not all(0 <= value < 1 << 64 for value in batch.position):
-        raise ValueError(f"position fields must fit 64 bits, got {list(batch.position)}")
-    header = BATCH_FIELDS.pack(batch.batch_ref, batch.seq, batch.rows_before, batch.loader, rows, width, columns,
-                               PHASES.index(batch.phase), len(batch.position))
-    dense_bytes, nbytes = batch.dense.nbytes, batch.dense.nbytes + batch.labels.nbytes
-    out = np.frombuffer(writable(nbytes), np.uint8)
-    out[:dense_bytes] = batch.dense.reshape(-1).view(np.uint8)
-    out[dense_bytes:] = batch.labels.reshape(-1).view(np.uint8)
-    return header + b"".join(POSITION.pack(value) for value in batch.position), nbytes
-
-
-def batch_of(payload: bytes, slot: memoryview) -> DenseBatch:
-    """The `DenseBatch` of a `BATCH` message, its arrays copied out of the receiver's slot (which it reuses once
-    answered)."""
-    ref, seq, rows_before, loader, rows, width, columns, phase, npos = BATCH_FIELDS.unpack_from(payload)
-    position = struct.unpack_from(f"<{npos}Q", payload, BATCH_FIELDS.size)
-    data = np.frombuffer(slot, np.float32, rows * (width + max(columns, 1)))
-    dense = data[:rows * width].reshape(rows, width).copy()
-    labels = data[rows * width:].copy()
-    return DenseBatch(ref, dense, labels.reshape(rows, columns) if columns else labels, PHASES[phase], seq,
-                      position, rows_before, loader)
-
-
-def pack_consumed(consumed: Consumed) -> bytes:
-    return CONSUMED.pack(PHASES.index(consumed.phase), consumed.through, consumed.incarnation)
-
-
-def unpack_consumed(data: bytes) -> Consumed:
-    phase, through, incarnation = CONSUMED.unpack_from(data)
-    return Consumed(PHASES[phase], through, incarnation)
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -333,6 +284,7 @@ class ReceiverLink:
         self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None, Callable]] = {}
         self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
         self.admit = self.admit_now = None  # the NN worker's, for the receiver's BATCH messages
+        self.loaders = len(config.cluster.dataloader)
         self.batch_latency = None  # their handling's time, as rpc.guard observes a call's
         self.service_name = ""
         self.port: int | None = None  # once serving
@@ -374,7 +326,7 @@ class ReceiverLink:
 
     def outgoing(self) -> Slot:
         """A free slot for the gradient frame of the step about to run, which the step writes on the compute
-        thread (`Trainer._train_step`) so that the 0.6 MB copy does not run on the event loop; `push` sends it
+        thread (`StepMath.train`) so that the 0.6 MB copy does not run on the event loop; `push` sends it
         and frees it."""
         return self._slot()
 
@@ -429,7 +381,7 @@ class ReceiverLink:
     # -- the NN worker's server, in the receiver -------------------------------------------------------
     def add_service(self, proto_service: str, impl) -> None:
         """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`, and
-        its `admit_now` and `admit` for the dense batches the receiver decoded (`BATCH`)."""
+        its `admit_now` and `admit` for the data loaders' frames (`BATCH`)."""
         self.service_name, self.admit, self.admit_now = proto_service, impl.admit, impl.admit_now
         self.batch_latency = RPC_LATENCY.labels(proto_service, "PutBatch")
         for index, method in enumerate(nn_methods()):
@@ -464,28 +416,39 @@ class ReceiverLink:
         task.add_done_callback(self._answering.discard)
 
     def _batch(self, message: Message) -> None:
-        """A data loader's dense batch, decoded and checked by the receiver: admitted here and answered at once
-        where that need not wait (the common case: no task, no frame to decode), else by a task that waits for
-        room in the inbox."""
+        """A data loader's PutBatch, handed over as it came: decoded here (a malformed frame is refused with
+        INVALID_ARGUMENT, as the NN worker's own server refuses it), admitted and answered at once where that
+        need not wait (the common case: no task), else by a task that waits for room in the inbox."""
         started = time.perf_counter()
         try:
             if self.admit_now is None:
                 raise Unavailable("the NN worker is starting")
-            item = batch_of(message.payload, self.inbound[message.slot].view(message.nbytes))
+            item = self._decoded(message)
             consumed = self.admit_now(item)
         except Exception as exc:  # noqa: BLE001 - answered as rpc.guard answers it; the link goes on
             self._answer_batch(self.writer, self._refusal(message.call, exc), started)
             return
         if consumed is not None:
-            self._answer_batch(self.writer, Message(REPLY, message.call, payload=pack_consumed(consumed)), started)
+            self._answer_batch(self.writer, Message(REPLY, message.call, payload=consumed.encode()), started)
             return
         task = asyncio.ensure_future(self._admit(self.writer, message.call, item, started))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch, started: float) -> None:
+    def _decoded(self, message: Message) -> DenseBatch | EndOfPhase:
+        """The frame of a `BATCH` message. A dense batch's arrays are copied out of the receiver's slot, which
+        it reuses once the call is answered (one copy, as the receiver's own decode would have made), or out of
+        the message: writable arrays either way."""
+        config = self.config
+        frame = message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
+        item = decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
+        if isinstance(item, DenseBatch):
+            item.dense, item.labels = item.dense.copy(), item.labels.copy()
+        return item
+
+    async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch | EndOfPhase, started: float) -> None:
         try:
-            answer = Message(REPLY, call, payload=pack_consumed(await self.admit(item)))
+            answer = Message(REPLY, call, payload=(await self.admit(item)).encode())
         except Exception as exc:  # noqa: BLE001 - as in _batch
             answer = self._refusal(call, exc)
         self._answer_batch(writer, answer, started)

@@ -38,7 +38,7 @@ class Looked:
     receiver's slot) once the step has used the arrays decoded from them: `release`, which frees it once
     however often it is called.
 
-    `frame` is the embedding worker's `Embeddings` frame, or (`checked`) the `CheckedEmbeddings` frame the
+    `frame` is the embedding worker's `Embeddings` frame, or (`checked`) the `CheckedEmbeddings` layout the
     receiver process made of it."""
 
     __slots__ = ("frame", "checked", "_release")

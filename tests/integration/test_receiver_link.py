@@ -201,17 +201,21 @@ def test_a_killed_receiver_is_replaced_and_its_calls_complete(worker_and_config)
 class FakeNNWorker:
     """The NN worker's handlers as the trainer serves them through its receiver. A dense batch is admitted at
     once (`admit_now`) and answered with its seq; batches of seq `HOLD` wait (`admit`) until the test lets them
-    go; seq `LATE` is refused as out of order. PutBatch (which the receiver forwards for an end of phase) and
-    Received echo the request's length; Received refuses one starting with b"joining"."""
+    go; seq `LATE` is refused as out of order; an end of phase is admitted and answered with its end_seq.
+    Received echoes the request's length, and refuses one starting with b"joining"."""
 
     HOLD, LATE = 99, 13
 
     def __init__(self):
         self.requests: list[bytes] = []
         self.admitted: list[DenseBatch] = []
+        self.ends: list[EndOfPhase] = []
         self.release = asyncio.Event()
 
-    def admit_now(self, item: DenseBatch) -> Consumed | None:
+    def admit_now(self, item: DenseBatch | EndOfPhase) -> Consumed | None:
+        if isinstance(item, EndOfPhase):
+            self.ends.append(item)
+            return Consumed(item.phase, item.end_seq, incarnation=7)
         if item.seq == self.LATE:
             raise rpc.FailedPrecondition(f"batch {item.seq} is out of order")
         if item.seq == self.HOLD:
@@ -225,8 +229,7 @@ class FakeNNWorker:
         return Consumed(item.phase, item.seq, incarnation=7)
 
     async def PutBatch(self, request, context):
-        self.requests.append(bytes(request))
-        return len(request).to_bytes(8, "little")
+        raise AssertionError("a data loader's frame reaches the trainer as a BATCH message, not as a call")
 
     async def Received(self, request, context):
         self.requests.append(bytes(request))
@@ -258,9 +261,9 @@ def _assert_same_batch(got: DenseBatch, sent: DenseBatch) -> None:
 
 
 def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_config):
-    """The receiver serves the NN worker's address: dense batches small and large reach the trainer decoded and
-    whole, other requests small and large reach its handlers as sent, a malformed frame is refused by the
-    receiver and a refused call keeps its status and message and the server goes on, health is the trainer's
+    """The receiver serves the NN worker's address: dense batches small and large and an end of phase reach the
+    trainer decoded and whole, other requests small and large reach its handlers as sent, a malformed frame is
+    refused (INVALID_ARGUMENT) and a refused call keeps its status and message and the server goes on, health is the trainer's
     to set, and a killed receiver is replaced, serving again with the health it had."""
     async def scenario():
         server, _, config = await worker_and_config()
@@ -285,14 +288,15 @@ def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_co
                     Consumed(b.phase, b.seq, incarnation=7) for b in batches]
                 for got, sent in zip(sorted(fake.admitted, key=lambda b: b.seq), batches):
                     _assert_same_batch(got, sent)
-                end = EndOfPhase("train", {"rows": 5}, end_seq=9).encode()  # forwarded as sent
-                assert int.from_bytes(await put(end), "little") == len(end)
+                end = EndOfPhase("train", {"rows": 5}, end_seq=9, loader=0)
+                assert Consumed.decode(await put(end.encode())) == Consumed("train", 9, incarnation=7)
+                assert fake.ends == [end]
 
                 received = rpc.raw_method(channel, "NNWorker", "Received")
                 big = np.random.default_rng(0).integers(0, 255, 3_000_000, dtype=np.uint8).tobytes()
                 replies = await asyncio.gather(received(b"small"), received(big), received(big[:200_000]))
                 assert [int.from_bytes(r, "little") for r in replies] == [5, len(big), 200_000]
-                assert sorted(fake.requests, key=len) == [b"small", end, big[:200_000], big]
+                assert sorted(fake.requests, key=len) == [b"small", big[:200_000], big]
 
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await put(b"bad frame, not ours")
