@@ -32,7 +32,6 @@ else as float32; ID positions and bag lengths may be lz4-compressed.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -40,7 +39,7 @@ import numpy as np
 
 from hybridrec import codec
 from hybridrec.codec import FrameError
-from hybridrec.compress import Fp16Rows, ValueCodec, check_unique_count
+from hybridrec.compress import ValueCodec, check_unique_count
 from hybridrec.jagged import Bag, KeyedBags
 
 PHASES = ("train", "eval")
@@ -339,7 +338,7 @@ class Embeddings:
     @classmethod
     def from_frame(cls, frame: codec.Frame, values: ValueCodec, widths: Sequence[int], batch_size: int, *,
                    keep_fp16: bool = False) -> "Embeddings":
-        """`decode` of a frame the codec decoded (a receiver keeps its arrays: `CheckedEmbeddings`)."""
+        """`decode` of a frame the codec decoded (a receiver keeps its arrays: `EmbeddingArrays`)."""
         num = len(widths)
         counts = frame.get("counts", np.int32, 1)
         lengths = frame.get("lengths", np.uint16, 2)
@@ -357,6 +356,27 @@ class Embeddings:
             expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
             rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected, keep_fp16=keep_fp16)
         return cls(bags, counts, rows)
+
+
+@dataclass
+class EmbeddingArrays:
+    """An `Embeddings` frame's arrays as the embedding worker sent them, not scaled back: what an NN worker's
+    receiver hands its trainer (`hybridrec.slot_layouts.CheckedEmbeddings`) once the frame is checked."""
+
+    pos: np.ndarray  # uint16: each bag element's position within its feature's rows
+    lengths: np.ndarray  # uint16 (features, batch): bag lengths
+    rows: dict[int, np.ndarray]  # width -> its rows: fp16 (κ-scaled) or float32
+    norms: dict[int, np.ndarray]  # width -> the fp16 rows' float32 norms (absent for float32 rows)
+
+    @classmethod
+    def of(cls, frame: codec.Frame) -> "EmbeddingArrays":
+        """The arrays of an `Embeddings` frame the codec decoded (and `Embeddings.from_frame` checked)."""
+        rows, norms = {}, {}
+        for name, array in frame.tensors.items():
+            parts = name.split(".")
+            if parts[0] == "rows":
+                (rows if len(parts) == 2 else norms)[int(parts[1])] = array
+        return cls(frame.tensors["pos"], frame.tensors["lengths"], rows, norms)
 
 
 def _check_positions(pos: np.ndarray, bounds: np.ndarray, counts: np.ndarray) -> None:
@@ -425,141 +445,6 @@ class Gradients:
         expected = rows_of(ref := _batch_ref(frame))
         _per_width("grad", frame.tensors, expected)
         return cls(ref, {d: _unpack(values, frame, f"grad.{d}", d, n) for d, n in expected.items()})
-
-
-_CHECKED_MAGIC = int.from_bytes(b"HRCHECK1", "little")
-_CHECKED_HEAD = struct.Struct("<qqq")  # magic, batch_size, arrays
-_CHECKED_ENTRY = 6  # int64s per array: role, key (width or feature), dtype, offset, rows, columns
-_CHECKED_ROLES = ("pos", "lengths", "rows", "norm", "start", "base", "seq", "seq_lengths")
-_POS, _LENGTHS, _ROWS, _NORM, _START, _BASE, _SEQ, _SEQ_LENGTHS = range(len(_CHECKED_ROLES))
-_CHECKED_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64))
-_CHECKED_KINDS = (  # per role: the dtypes (indices in _CHECKED_DTYPES) it may have, and whether it is 2-D
-    ((0,), False), ((0,), True), ((1, 2), True), ((2,), False), ((3,), False), ((3,), False), ((3,), True),
-    ((3,), False))
-_CHECKED_MAX_ARRAYS = 4096
-_CHECKED_TABLES: dict[int, struct.Struct] = {}
-
-
-def _checked_name(role: int, key: int) -> str:
-    """The `arrays` name of a pos, lengths, rows or norm entry."""
-    if role == _ROWS:
-        return f"rows.{key}"
-    return f"rows.{key}.norm" if role == _NORM else _CHECKED_ROLES[role]
-
-
-@dataclass
-class CheckedEmbeddings:
-    """A batch's `Embeddings` frame as an NN worker's receiver process checked it (`Embeddings.decode`) for its
-    trainer (`training.receiver`): the frame's arrays as the embedding worker sent them (its positions, bag
-    lengths and rows: fp16 with their norms, or float32), beside what pooling derives from its bag structure
-    (`hybridrec.pooling.BatchEmbeddings`: each feature's first element and first row, the sequences' padded
-    rows), computed in the receiver, so that the trainer's event loop only makes views.
-
-    It crosses no network: it travels in a shared-memory slot between the two processes of one NN worker,
-    so it is laid out for the trainer to read quickly rather than as a codec frame: a table of int64s
-    (magic, batch size, how many arrays, then per array its role, key, dtype, offset, rows and columns)
-    and the arrays after it, each 64-byte aligned; no names, no JSON. Decoding it checks that every array
-    lies within the buffer with its role's dtype and rank, not the positions again."""
-
-    arrays: dict[str, np.ndarray]
-    """The `Embeddings` frame's `pos`, `lengths` and `rows.{width}` (with `rows.{width}.norm` for fp16 rows)."""
-    batch_size: int
-    start: np.ndarray  # int64 (features + 1,): each feature's first element
-    base: np.ndarray  # int64 (features,): each feature's first row within its width's rows
-    sequences: dict[int, tuple[np.ndarray, np.ndarray]]  # feature -> (int64 (batch, max_len), int64 (batch,))
-
-    @staticmethod
-    def arrays_of(frame: codec.Frame) -> dict[str, np.ndarray]:
-        """What the trainer needs of a decoded `Embeddings` frame: its positions, bag lengths and rows, not its
-        per-feature row counts."""
-        return {name: array for name, array in frame.tensors.items()
-                if name in ("pos", "lengths") or name.startswith("rows.")}
-
-    def _entries(self) -> list[tuple[int, int, np.ndarray]]:
-        """(role, key, array) of every array, in the order they are laid out."""
-        entries = []
-        for name, array in self.arrays.items():
-            if name in ("pos", "lengths"):
-                entries.append((_POS if name == "pos" else _LENGTHS, 0, array))
-            else:  # rows.{w} or rows.{w}.norm
-                parts = name.split(".")
-                entries.append((_ROWS if len(parts) == 2 else _NORM, int(parts[1]), array))
-        entries += [(_START, 0, self.start), (_BASE, 0, self.base)]
-        for feature, (index, lengths) in self.sequences.items():
-            entries += [(_SEQ, feature, index), (_SEQ_LENGTHS, feature, lengths)]
-        return entries
-
-    def encode_into(self, allocate: Callable[[int], memoryview]) -> int:
-        """The layout, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length.
-        Each array is copied once, as it came."""
-        entries = self._entries()
-        offset = -(-(_CHECKED_HEAD.size + 8 * _CHECKED_ENTRY * len(entries)) // codec.ALIGN) * codec.ALIGN
-        table = [_CHECKED_MAGIC, self.batch_size, len(entries)]
-        for role, key, array in entries:
-            code = next(i for i, dtype in enumerate(_CHECKED_DTYPES) if dtype == array.dtype)
-            table += [role, key, code, offset, array.shape[0], array.shape[1] if array.ndim == 2 else 0]
-            offset += -(-array.nbytes // codec.ALIGN) * codec.ALIGN
-        out = np.frombuffer(allocate(offset), np.uint8)
-        head = np.array(table, np.int64).view(np.uint8)
-        out[:head.size] = head
-        for (_, _, array), at in zip(entries, table[3 + 3::_CHECKED_ENTRY]):
-            out[at:at + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        return offset
-
-    @classmethod
-    def decode(cls, buf: bytes | memoryview, sequences: Iterable[int]) -> "CheckedEmbeddings":
-        """`sequences`: the indices of the job's sequence features (each must be there)."""
-        size = len(buf) if isinstance(buf, bytes) else memoryview(buf).nbytes
-        if size < _CHECKED_HEAD.size:
-            raise FrameError(f"checked embeddings of {size} bytes are shorter than their head")
-        magic, batch_size, count = _CHECKED_HEAD.unpack_from(buf)
-        if magic != _CHECKED_MAGIC or not 0 < count <= _CHECKED_MAX_ARRAYS:
-            raise FrameError(f"not checked embeddings (magic {magic:#x}, {count} arrays)")
-        head = _CHECKED_HEAD.size + 8 * _CHECKED_ENTRY * count
-        if head > size:
-            raise FrameError(f"checked embeddings' table of {count} arrays overruns their {size} bytes")
-        table_struct = _CHECKED_TABLES.get(count) or _CHECKED_TABLES.setdefault(
-            count, struct.Struct(f"<{_CHECKED_ENTRY * count}q"))
-        table = table_struct.unpack_from(buf, _CHECKED_HEAD.size)
-        arrays: dict[str, np.ndarray] = {}
-        found: dict[tuple[int, int], np.ndarray] = {}
-        for i in range(0, len(table), _CHECKED_ENTRY):
-            role, key, code, offset, rows, columns = table[i:i + _CHECKED_ENTRY]
-            if not (0 <= role <= _SEQ_LENGTHS and 0 <= code < len(_CHECKED_DTYPES)):
-                raise FrameError(f"checked embeddings: array {i // _CHECKED_ENTRY} has role {role}, dtype {code}")
-            codes, two_d = _CHECKED_KINDS[role]
-            dtype = _CHECKED_DTYPES[code]
-            elements = rows * columns if two_d else rows
-            if (code not in codes or rows < 0 or columns < 0 or offset < head or offset % codec.ALIGN
-                    or offset + elements * dtype.itemsize > size):
-                raise FrameError(f"checked embeddings: {_CHECKED_ROLES[role]} array ({dtype}, {rows} x {columns} "
-                                 f"at {offset}) is not one within their {size} bytes")
-            array = np.frombuffer(buf, dtype, elements, offset)
-            if two_d:
-                array = array.reshape(rows, columns)
-            if role <= _NORM:
-                arrays[_checked_name(role, key)] = array
-            else:
-                found[role, key] = array
-        try:
-            seqs = {f: (found[_SEQ, f], found[_SEQ_LENGTHS, f]) for f in sequences}
-            return cls(arrays, batch_size, found[_START, 0], found[_BASE, 0], seqs)
-        except KeyError as exc:
-            raise FrameError(f"checked embeddings lack their {_CHECKED_ROLES[exc.args[0][0]]} array") from None
-
-    def bags(self, dims: Iterable[int], kappa: float) -> tuple[dict[int, "np.ndarray | Fp16Rows"], np.ndarray,
-                                                               np.ndarray]:
-        """(rows per width, positions, lengths): views of the arrays, not checked again."""
-        arrays = self.arrays
-        rows: dict[int, np.ndarray | Fp16Rows] = {}
-        try:
-            for dim in dims:
-                values = arrays[f"rows.{dim}"]
-                rows[dim] = (Fp16Rows(values, arrays[f"rows.{dim}.norm"], kappa) if values.dtype == np.float16
-                             else values)
-            return rows, arrays["pos"], arrays["lengths"]
-        except KeyError as exc:
-            raise FrameError(f"checked embeddings lack their {exc.args[0]} array") from None
 
 
 @dataclass
@@ -850,8 +735,8 @@ class ShardPull:
                    _count(frame, "life", default=0), _text(frame, "job"))
 
 
-FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, CheckedEmbeddings, Gradients, Applied, Consumed,
-          Received, PSLookup, PSRows, PSUpdate, ShardRows, ShardPull)
+FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
+          PSLookup, PSRows, PSUpdate, ShardRows, ShardPull)
 """Every frame kind (docs and tests check they are all described)."""
 
 

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from hybridrec import codec
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
 from hybridrec.config import FeatureConfig, Pooling
-from hybridrec.frames import CheckedEmbeddings, Embeddings, FrameError
+from hybridrec.frames import EmbeddingArrays, Embeddings, FrameError
+from hybridrec.slot_layouts import CheckedEmbeddings
 from hybridrec.jagged import KeyedBags
 
 
@@ -127,8 +128,7 @@ class Pooler:
         for its trainer, which takes views of it (`from_checked`) instead of decoding the frame itself."""
         decoded = codec.decode(frame_bytes)
         emb = self._structure(decoded, batch_size)
-        return CheckedEmbeddings(CheckedEmbeddings.arrays_of(decoded), batch_size, emb.start, emb.base,
-                                 emb.sequences)
+        return CheckedEmbeddings(EmbeddingArrays.of(decoded), batch_size, emb.start, emb.base, emb.sequences)
 
     def from_checked(self, buf: bytes | memoryview, batch_size: int) -> BatchEmbeddings:
         """The `BatchEmbeddings` of a frame the receiver `check`ed: views of its arrays, nothing recomputed."""

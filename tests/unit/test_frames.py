@@ -13,7 +13,7 @@ from hybridrec import codec, frames
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec
 from hybridrec.jagged import KeyedBags
-from hybridrec.frames import (Applied, BatchRef, CheckedEmbeddings, Consumed, DenseBatch, Embeddings, EndOfPhase,
+from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase,
                               Gradients, PSLookup, PSRows, PSUpdate, Received, ShardPull, ShardRows, SparseBatch,
                               decode_nn_batch, make_batch_ref, update_id)
 
@@ -31,17 +31,6 @@ def _embeddings(batch: int = 5) -> Embeddings:
     return Embeddings(KeyedBags(pos, lengths), counts, rows)
 
 
-def _checked(emb: Embeddings) -> bytes:
-    """What a receiver process makes of `emb` for its trainer, the third feature taken as a sequence."""
-    sent = emb.encode(VALUES)
-    sequence = (np.arange(emb.batch_size * 2, dtype=np.int64).reshape(emb.batch_size, 2),
-                emb.bags.lengths[2].astype(np.int64))
-    checked = CheckedEmbeddings(CheckedEmbeddings.arrays_of(codec.decode(sent)), emb.batch_size, emb.bags.bounds,
-                                np.array([0, 3, 0], np.int64), {2: sequence})
-    buf = bytearray(1 << 16)
-    return bytes(buf[:checked.encode_into(lambda n: memoryview(buf)[:n])])
-
-
 # (valid frame bytes, decoder) for every kind; the decoders take their receiver-side context.
 def _cases() -> dict[str, tuple[bytes, callable]]:
     ids = np.arange(1, 11, dtype=np.uint64)
@@ -55,7 +44,6 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
                        .encode(), lambda b: decode_nn_batch(b, 3)),
         "EndOfPhase": (EndOfPhase("eval", {"rows": 10}).encode(), lambda b: decode_nn_batch(b, 3)),
         "Embeddings": (emb.encode(VALUES), lambda b: Embeddings.decode(b, VALUES, WIDTHS, 5)),
-        "CheckedEmbeddings": (_checked(emb), lambda b: CheckedEmbeddings.decode(b, [2]).bags([4, 8], VALUES.kappa)),
         "Gradients": (Gradients(9, {8: np.ones((5, 8), np.float32), 4: np.ones((4, 4), np.float32)}).encode(VALUES),
                       lambda b: Gradients.decode(b, VALUES, lambda ref: {8: 5, 4: 4})),
         "Applied": (Applied(12).encode(), Applied.decode),
@@ -93,17 +81,6 @@ def test_round_trips():
     np.testing.assert_array_equal(emb.bags.values, sent.bags.values)
     for dim in (4, 8):  # κ-scaled fp16: about 11 bits of relative precision per vector
         np.testing.assert_allclose(emb.rows[dim], sent.rows[dim], rtol=0, atol=4e-3 * np.abs(sent.rows[dim]).max())
-    checked = CheckedEmbeddings.decode(cases["CheckedEmbeddings"][0], [2])
-    as_sent = codec.decode(sent.encode(VALUES)).tensors
-    assert sorted(checked.arrays) == sorted(set(as_sent) - {"counts"}) and checked.batch_size == 5
-    for name, array in checked.arrays.items():  # the embedding worker's arrays, as they came
-        np.testing.assert_array_equal(array, as_sent[name])
-    np.testing.assert_array_equal(checked.start, sent.bags.bounds)
-    assert checked.base.tolist() == [0, 3, 0] and checked.sequences[2][0].shape == (5, 2)
-    rows, pos, lengths = checked.bags([4, 8], VALUES.kappa)
-    np.testing.assert_array_equal(pos, sent.bags.values)
-    np.testing.assert_array_equal(lengths, sent.bags.lengths)
-    assert rows[8].half.shape == (5, 8) and rows[4].norms.shape == (4,)
     grads = cases["Gradients"][1](cases["Gradients"][0])
     assert grads.batch_ref == 9 and grads.grads[4].shape == (4, 4)
     assert cases["Applied"][1](cases["Applied"][0]).applied == 12
