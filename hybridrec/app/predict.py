@@ -4,8 +4,8 @@ The data is read by the data loader's own readers, configured by the job's
 config the bundle carries (`config.yaml`): TSV, Parquet or prepared data,
 hashed, truncated and transformed exactly as training read it. Each chunk's
 features become one `hybridrec.jagged.KeyedBags`, and from there the
-inference service's code answers: `Pooler.from_bags`, the bundle's table
-lookup, `LoadedModel.forward`. So a row scored here and the same row sent to
+inference service's code answers: `LoadedModel.predict`, the one owner of
+a request's lookup, pooling and forward pass. So a row scored here and the same row sent to
 `hybridrec serve inference` by feature name get the same probability (the
 service's input decoder hashes as the readers do).
 
@@ -35,6 +35,7 @@ class Predicted:
 def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
     """Score every good row of `data` with `bundle`; write the probabilities to `out`."""
     from services.dataloader import batching, sources
+    from services.inference.inputs import Samples
     from services.inference.model import load_model
 
     config = bundle_config(bundle)
@@ -44,9 +45,7 @@ def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
 
     async def score() -> None:
         for rows in sources.eval_rows(config, batching.ReadCounters()):
-            uniq, pooled = model.pooler.from_bags(rows.bags)
-            pooled.rows = await model.table.lookup(uniq)
-            parts.append(model.forward(np.ascontiguousarray(rows.dense), pooled))
+            parts.append(await model.predict(Samples(rows.bags, rows.dense)))
 
     asyncio.run(score())
     probs = np.concatenate(parts) if parts else np.zeros((0, model.outputs) if model.outputs > 1 else 0, np.float32)
