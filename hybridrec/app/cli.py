@@ -166,7 +166,8 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     try:
         # The model check imports torch (seconds of CPU): `hybridrec check --only model` forked from the
         # services' pre-imported parent, beside their start-up; a bad model stops the run with exit 2.
-        summary = launcher.run_local(config, run_dir, progress=progress, check_model=True, forkserver=forkserver)
+        summary = launcher.run_local(config, run_dir, progress=progress, check_model=True, forkserver=forkserver,
+                                     layout=layout)
     except ConfigError as exc:
         progress.close()
         _fail(str(exc))
@@ -736,7 +737,9 @@ def predict(bundle: Path = typer.Argument(..., help="A model bundle (hybridrec e
 
 
 @app.command()
-def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan what this config's PS allocates."),
+def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan this config's job on this host."),
+         run_dir: Optional[Path] = typer.Option(None, "--run-dir",
+                                                help="Show the plan a `hybridrec run` wrote (its plan.json)."),
          ids: Optional[float] = typer.Option(None, "--ids", help="Distinct IDs (rows) in all tables, e.g. 1e9."),
          params: Optional[float] = typer.Option(None, "--params", help="Or: embedding parameters (ids x dim)."),
          dim: int = typer.Option(16, "--dim", min=1, help="Embedding width."),
@@ -760,16 +763,25 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
          ttl: bool = typer.Option(False, "--ttl", help="Rows expire by age (16 bytes of stamps per row)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Every byte a PS shard holds (store files, private arrays, a checkpoint's buffers), per shard and in total;
-    what its checkpoints write; with --config, the largest capacity this host holds; with --host-memory, the
+    what its checkpoints write; with --config, the job's plan (every replica's address and part) and the
+    largest capacity this host holds; with --run-dir, the plan a run started with; with --host-memory, the
     hosts a table needs."""
     from hybridrec.app import plan as planner
+    from hybridrec.app.job_plan import PLAN_FILE, JobPlan
 
+    if run_dir is not None:
+        if not (run_dir / PLAN_FILE).is_file():
+            _fail(f"--run-dir {run_dir}: no {PLAN_FILE} there (a run directory of `hybridrec run` has one)")
+        job = JobPlan.read(run_dir)
+        typer.echo(json.dumps(job.to_json(), indent=2) if as_json else "\n".join(job.lines()))
+        return
     if dtype != "float32":
         _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
     try:
         if config_path is not None:
             config, layout = _fit(_load(config_path, None))
-            result = planner.plan_config(config) | {"layout": layout.line()}
+            result = planner.plan_config(config) | {"layout": layout.line(),
+                                                     "job": JobPlan.of(config, layout).to_json()}
             result["largest_capacity_here"] = planner.largest_capacity(
                 config, result["shards"], planner.host_memory_bytes(), planner.free_bytes(config.ps.shm_dir))
         else:
@@ -791,7 +803,11 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
 
 
 def _echo_plan(result: dict, planner) -> None:
+    from hybridrec.app.job_plan import JobPlan
+
     h = planner.human
+    if "job" in result:
+        typer.echo("\n".join(JobPlan.from_json(result["job"]).lines()))
     typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
@@ -817,7 +833,7 @@ def _echo_plan(result: dict, planner) -> None:
     typer.echo(f"checkpoints: a full dump writes {h(c['full_per_shard'])} per shard ({h(c['full_total'])} in all); "
                f"a delta of {c['changed_share']:.0%} changed rows {h(c['delta_per_shard'])} per shard, "
                f"{h(c['delta_bandwidth_per_shard'])}/s at one every {c['interval_s']:g} s")
-    if "layout" in result:
+    if "layout" in result and "job" not in result:  # the job's plan above says it
         typer.echo(f"layout on this host: {result['layout']}")
     if "largest_capacity_here" in result:
         typer.echo(f"largest ps.capacity this host holds with this layout: {result['largest_capacity_here']:,} "

@@ -29,6 +29,8 @@ from hybridrec.proto import pb
 from hybridrec.evaluation import find_oracle
 from hybridrec.app.ports import free_port
 from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
+from hybridrec.app.job_plan import JobPlan
+from hybridrec.app.layout import Layout
 from hybridrec.app.report import write_report
 from hybridrec.app.report_plots import preload_plots
 from hybridrec.app.report_series import Recorder
@@ -495,8 +497,12 @@ SAMPLE_EVERY_S = 1.0
 
 
 def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool = False,
-              forkserver: ForkServers | None = None) -> RunSummary:
+              forkserver: ForkServers | None = None, layout: Layout | None = None) -> RunSummary:
     """Run the whole job locally; returns the summary. Raises LaunchError on a failed service.
+
+    The job's plan (`JobPlan`: every replica's address and part, the PS's stores and memory) is written to
+    run_dir/plan.json once the ports are chosen, before any service starts; `layout`: how the config's replica
+    counts were fitted to the host (`hybridrec run`), recorded in it.
 
     `forkserver`: the services' parents, started already (the CLI starts them before the rest of its set-up);
     by default started here.
@@ -514,6 +520,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
         broker = LocalBroker(run_dir)
         config = with_url(config, broker.start(config.data.stream, partitions=len(config.cluster.dataloader)))
     cluster = LocalCluster.on_loopback(config, run_dir, forkserver)
+    JobPlan.of(cluster.config, layout).write(run_dir)
     check = None
     next_sample = time.monotonic()
     if config.data.stream is not None:  # the first Ctrl-C ends training with what was read, the second stops all

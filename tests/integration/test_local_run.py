@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hybridrec.app.job_plan import JobPlan
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,34 @@ def _assert_clean(summary_or_run_dir) -> None:
     assert not Path(config["ps"]["shm_dir"]).exists(), "PS shm files were not removed"
 
 
+def _log_events(log: Path, event: str) -> list[dict]:
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [r for r in records if r.get("event") == event]
+
+
+def _assert_plan_is_what_started(run_dir: Path, summary: dict) -> None:
+    """run_dir/plan.json, written before the services started, against what they said once they had: every
+    replica listened on the plan's port (and no other replica ran), every PS shard created the plan's stores,
+    and the NN workers formed a group of the plan's size."""
+    plan = JobPlan.read(run_dir)
+    assert {(p.service, p.replica): p.address for p in plan.services} == {
+        (s["name"], s["replica"]): s["grpc"] for s in summary["services"]}
+    for p in plan.services:
+        listened = [r["port"] for r in _log_events(run_dir / "logs" / f"{p.service}-{p.replica}.log", "listening")]
+        assert listened and set(listened) == {p.port}, (p, listened)
+    assert [s.dim for s in plan.stores] == [16]
+    for shard in plan.of_service("embedding_ps"):
+        created = {r["dim"]: r["capacity"]
+                   for r in _log_events(run_dir / "logs" / f"embedding_ps-{shard.replica}.log", "created embedding store")
+                   if "warmup" not in r["directory"]}  # its warm-up's scratch store is not the shard's
+        assert created == {s.dim: s.rows_per_shard for s in plan.stores}, created
+    ready = _log_events(run_dir / "logs" / "nn_worker-0.log", "process_group_ready")
+    assert ready and ready[0]["world_size"] == len(plan.of_service("nn_worker")) == summary["nn_workers"]
+    assert plan.ps_memory_bytes > plan.ps_files_bytes > 0
+    shown = _run(["plan", "--run-dir", str(run_dir)])  # `hybridrec plan` shows the same table
+    assert shown.returncode == 0 and shown.stdout.splitlines() == plan.lines(), shown.stderr
+
+
 def test_run_trains_and_cleans_up(tmp_path, small_config):
     summary_path = tmp_path / "summary.json"
     result = _run(["run", str(small_config), "--run-dir", str(tmp_path / "run"), "--summary-json",
@@ -79,6 +108,7 @@ def test_run_trains_and_cleans_up(tmp_path, small_config):
     assert names == [("dataloader", 0), ("embedding_ps", 0), ("embedding_ps", 1), ("embedding_worker", 0),
                      ("nn_worker", 0), ("nn_worker", 1)]
     assert all(s["pid"] and s["grpc"].startswith("127.0.0.1:") for s in summary["services"])
+    _assert_plan_is_what_started(tmp_path / "run", summary)
     _assert_clean(tmp_path / "run")
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
-from hybridrec.app.plan import Table, plan_tables
+from hybridrec.config import EmbeddingOptimizerConfig, PSConfig, from_dict
+from hybridrec.app.job_plan import JobPlan
+from hybridrec.app.plan import Table, plan_config, plan_tables
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
 
@@ -131,3 +132,24 @@ def test_a_disk_tier_without_room_is_refused_before_start_naming_key_path_and_by
 
     with pytest.raises(ConfigError, match=r"ps.tier.capacity: 2 PS shard\(s\) .* need [\d,]+ bytes under .*disk"):
         check_fits(_tier_config(tmp_path, 10**13 // 128), host="here", memory_bytes=1 << 40, shm_free_bytes=1 << 40)
+
+
+def test_a_job_plan_lists_every_replica_with_its_address_and_part_and_round_trips(tmp_path):
+    config = from_dict({"data": {"train": ["x"]}, "num_dense": 3,
+                        "features": [{"name": "a", "group": 0, "dim": 16}, {"name": "b", "group": 1, "dim": 8}],
+                        "ps": {"capacity": 1000, "num_stripes": 16},
+                        "cluster": {"dataloader": ["10.0.0.1:7001"], "embedding_workers": ["10.0.0.2:7002"],
+                                    "ps": ["10.0.0.3:7003", "10.0.0.4:7003"],
+                                    "nn_workers": ["10.0.0.5:7004", "10.0.0.6:0"]}})
+    plan = JobPlan.of(config)
+    assert [(p.service, p.replica, p.address) for p in plan.services] == [
+        ("dataloader", 0, "10.0.0.1:7001"), ("embedding_worker", 0, "10.0.0.2:7002"),
+        ("embedding_ps", 0, "10.0.0.3:7003"), ("embedding_ps", 1, "10.0.0.4:7003"),
+        ("nn_worker", 0, "10.0.0.5:7004"), ("nn_worker", 1, "10.0.0.6:0")]
+    assert plan.of_service("embedding_ps")[1].role == "shard 1 of 2: width 8, width 16"
+    assert [(s.dim, s.rows_per_shard, s.disk_rows_per_shard) for s in plan.stores] == [(8, 1000, 0), (16, 1000, 0)]
+    assert plan.ps_memory_bytes == plan_config(config)["per_shard_memory_bytes"] and plan.ps_disk_bytes == 0
+    lines = plan.lines()
+    assert len(lines) == 1 + 6 + 2 + 1 and "10.0.0.6:(chosen at start)" in lines[6] and "rank 1 of 2" in lines[6]
+    plan.write(tmp_path)
+    assert JobPlan.read(tmp_path) == plan
