@@ -38,6 +38,7 @@ import grpc
 
 from hybridrec import log, rpc
 from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_nn_batch
+from hybridrec.slot_layouts import BatchSlot
 from hybridrec.metrics import RPC_LATENCY
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
@@ -73,9 +74,11 @@ CALLED = 14  # a call to the NN worker's server: `ref` is the method (NN_METHODS
              # or in the receiver's inbound slot `slot`
 INBOUND_SLOT = 15  # a new slot of the receiver's, for requests; its file descriptor rides along
 LISTENING = 16  # the server is serving on port `nbytes` (or FAILED: it could not bind)
-BATCH = 17  # a data loader's PutBatch: its frame as sent (a `DenseBatch` or an `EndOfPhase`), in the payload
-            # or in the receiver's inbound slot `slot`, decoded once, by the trainer (`ReceiverLink._batch`);
+BATCH = 17  # a data loader's PutBatch, decoded and checked by the receiver: a dense batch laid out
+            # (`ref` LAID_OUT: `slot_layouts.BatchSlot`'s fields in the payload, its arrays in the receiver's
+            # inbound slot `slot`), or an end of phase's frame as it came (`ref` FRAME, in the payload or slot);
             # answered by REPLY with the `Consumed` frame, or REFUSE
+LAID_OUT, FRAME = 0, 1  # a BATCH message's `ref`
 
 NO_SLOT = 0xFFFFFFFF
 """`slot` of a message whose bytes ride in its payload."""
@@ -416,14 +419,13 @@ class ReceiverLink:
         task.add_done_callback(self._answering.discard)
 
     def _batch(self, message: Message) -> None:
-        """A data loader's PutBatch, handed over as it came: decoded here (a malformed frame is refused with
-        INVALID_ARGUMENT, as the NN worker's own server refuses it), admitted and answered at once where that
-        need not wait (the common case: no task), else by a task that waits for room in the inbox."""
+        """A data loader's PutBatch, decoded and checked by the receiver: admitted here and answered at once where
+        that need not wait (the common case: no task), else by a task that waits for room in the inbox."""
         started = time.perf_counter()
         try:
             if self.admit_now is None:
                 raise Unavailable("the NN worker is starting")
-            item = self._decoded(message)
+            item = self._item(message)
             consumed = self.admit_now(item)
         except Exception as exc:  # noqa: BLE001 - answered as rpc.guard answers it; the link goes on
             self._answer_batch(self.writer, self._refusal(message.call, exc), started)
@@ -435,16 +437,14 @@ class ReceiverLink:
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    def _decoded(self, message: Message) -> DenseBatch | EndOfPhase:
-        """The frame of a `BATCH` message. A dense batch's arrays are copied out of the receiver's slot, which
-        it reuses once the call is answered (one copy, as the receiver's own decode would have made), or out of
-        the message: writable arrays either way."""
+    def _item(self, message: Message) -> DenseBatch | EndOfPhase:
+        """What a `BATCH` message carries: a dense batch copied out of the receiver's slot, or an end of phase
+        read from its frame (an end is rare: two per loader and job)."""
+        if message.ref == LAID_OUT:
+            return BatchSlot.read(message.payload, self.inbound[message.slot].view(message.nbytes))
         config = self.config
-        frame = message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
-        item = decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
-        if isinstance(item, DenseBatch):
-            item.dense, item.labels = item.dense.copy(), item.labels.copy()
-        return item
+        frame = message.payload if message.slot == NO_SLOT else bytes(self.inbound[message.slot].view(message.nbytes))
+        return decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
 
     async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch | EndOfPhase, started: float) -> None:
         try:
