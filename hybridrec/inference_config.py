@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hybridrec.config import ConfigError, _describe, apply_overrides, split_address
+from hybridrec.config import ConfigError, apply_overrides, describe_errors, split_address
 
 
 class _Model(BaseModel):
@@ -122,4 +122,4 @@ def load_inference_config(path: str | Path | None, *, values: dict[str, Any] | N
     try:
         return InferenceConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(describe_errors(exc, source)) from None

@@ -102,8 +102,9 @@ def start_stats() -> dict[str, float]:
     return {"start_to_work_seconds": _at_work["start_to_work_s"]} if _at_work else {}
 
 
-class Face(Protocol):
-    """A service's gRPC server held by another process (`ServiceHost(face=...)`)."""
+class RemoteServer(Protocol):
+    """A service's gRPC server held by another process (`ServiceHost(remote_server=...)`): an NN worker's
+    receiver, through the trainer's `ReceiverLink`."""
 
     def add_service(self, proto_service: str, impl: Any) -> None: ...
 
@@ -116,9 +117,9 @@ class Face(Protocol):
 class ServiceHost:
     """Runs one replica of one service until SIGTERM or until its main task ends."""
 
-    def __init__(self, service: str, config: Config, replica: int, face: "Face | None" = None):
-        """`face`: the gRPC server is another process's (an NN worker's receiver: services/nn_worker/link.py);
-        None: this process's own."""
+    def __init__(self, service: str, config: Config, replica: int, remote_server: "RemoteServer | None" = None):
+        """`remote_server`: the gRPC server is another process's (an NN worker's receiver:
+        services/nn_worker/link.py); None: this process's own."""
         if config.cluster.sized_by_host():
             raise ConfigError(f"cluster.{config.cluster.sized_by_host()[0]}: auto is sized by `hybridrec run` "
                               f"from its host; a service started alone (hybridrec serve) needs the addresses "
@@ -131,7 +132,8 @@ class ServiceHost:
         self.config = config
         self._setup(service, replica, addresses[replica], bind_host=config.cluster.bind_host,
                     metrics_port=config.cluster.metrics_port, tls=config.cluster.tls,
-                    control_identities=config.cluster.control_identities, face=face)
+                    control_identities=config.cluster.control_identities,
+                    remote_server=remote_server)
 
     @classmethod
     def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
@@ -151,7 +153,8 @@ class ServiceHost:
         return host
 
     def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
-               control_identities: list[str] | None = None, face: "Face | None" = None) -> None:
+               control_identities: list[str] | None = None,
+               remote_server: "RemoteServer | None" = None) -> None:
         kind = SERVICES.get(service)
         self.proto_service = kind.proto_service if kind else None
         self.service, self.replica, self.address = service, replica, address
@@ -163,9 +166,9 @@ class ServiceHost:
         rpc.tune_allocator()
         rpc.use_tls(tls)
         rpc.use_authorization(control_identities)
-        self.face = face
-        self.server = rpc.new_server() if face is None else None
-        self.health = rpc.add_health(self.server) if face is None else None
+        self.remote_server = remote_server
+        self.server = rpc.new_server() if remote_server is None else None
+        self.health = rpc.add_health(self.server) if remote_server is None else None
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None
         self.port: int | None = None
@@ -173,8 +176,8 @@ class ServiceHost:
 
     def add(self, impl: Any, stats: Callable[[], dict[str, float]] | None = None) -> None:
         """Serve `impl`; `stats` (read at every scrape) becomes this service's Prometheus metrics."""
-        if impl is not None and self.face is not None:
-            self.face.add_service(self.proto_service, impl)
+        if impl is not None and self.remote_server is not None:
+            self.remote_server.add_service(self.proto_service, impl)
         elif impl is not None:
             rpc.add_service(self.server, self.proto_service, impl)
         if stats is not None:
@@ -182,8 +185,8 @@ class ServiceHost:
 
     async def start(self) -> None:
         _, port = split_address(self.address)
-        if self.face is not None:  # it starts NOT_SERVING, its liveness SERVING, as below
-            self.port = bound = await self.face.start_serving()
+        if self.remote_server is not None:  # it starts NOT_SERVING, its liveness SERVING, as below
+            self.port = bound = await self.remote_server.start_serving()
         else:  # NOT_SERVING until the service says it is ready (set_serving), its liveness SERVING
             self.port = bound = await rpc.start_server(self.server, self.health, self.bind_host, port)
         if self.metrics_port:
@@ -197,8 +200,8 @@ class ServiceHost:
         self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
 
     async def set_serving(self, serving: bool = True) -> None:
-        if self.face is not None:
-            await self.face.set_serving(serving)
+        if self.remote_server is not None:
+            await self.remote_server.set_serving(serving)
         else:
             await rpc.set_serving(self.health, serving)
         self.log.info("serving" if serving else "not_serving")
@@ -222,7 +225,7 @@ class ServiceHost:
                 main.cancel()
                 await asyncio.gather(main, return_exceptions=True)
             await self.set_serving(False)
-            if self.server is not None:  # a face's server stops with its process
+            if self.server is not None:  # a remote server stops with its process
                 await self.server.stop(grace=1.0)
             self.log.info("stopped")
         if main and main.done() and not main.cancelled() and main.exception():

@@ -12,7 +12,7 @@ same tensor within an ulp; Adam keeps a per-row step because rows are updated
 sparsely. FTRL follows TensorFlow's ApplyFtrl (float64 math).
 
 The optimizer and its hyper-parameters are `EmbeddingOptimizerConfig`
-(hybridrec/config.py), used as it is: the functions at the end of this module
+(hybridrec/config/optimizers.py), used as it is: the functions at the end of this module
 give its kernel code, state widths and hyper-parameter vector.
 """
 from __future__ import annotations

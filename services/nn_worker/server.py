@@ -185,7 +185,7 @@ async def _serve(config: Config, replica: int) -> None:
     # With training.receiver, a receiver process holds this rank's network face: its gRPC server and its calls
     # to the embedding workers (services/nn_worker/receiver.py).
     link = ReceiverLink(config, replica) if config.training.receiver else None
-    host = ServiceHost("nn_worker", config, replica, face=link)
+    host = ServiceHost("nn_worker", config, replica, remote_server=link)
     checkpoints.check_root(config.checkpoint.dir)
     world_size = len(config.cluster.nn_workers)
     torch.set_num_threads(torch_threads(config))

@@ -172,7 +172,7 @@ def test_state_widths_and_spec_validation():
 
 
 def test_every_optimizer_has_a_kernel_code_and_state():
-    """The enum in hybridrec/config.py is the one list of names: the PS must handle each of its members."""
+    """The enum in hybridrec/config/optimizers.py is the one list of names: the PS must handle each of its members."""
     assert set(OPTIMIZER_CODES) == set(EmbeddingOptimizer)
     assert len(set(OPTIMIZER_CODES.values())) == len(OPTIMIZER_CODES)
     for name in EmbeddingOptimizer:

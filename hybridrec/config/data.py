@@ -1,0 +1,95 @@
+"""Where the training and evaluation data come from: files, or a stream."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from hybridrec.config.section import Section
+
+
+class StreamConfig(Section):
+    """Training events from a NATS JetStream stream instead of files (services/dataloader/stream.py): each
+    message holds one or more samples, as Criteo TSV lines or as an Arrow record batch in the training data's
+    own columns (labels, dense columns, scalar and list features, read as from Parquet), with an event id and an
+    event time in its headers (`hybridrec data replay` publishes a TSV or Parquet file that way). With
+    `data.format: parquet` (features that are not Criteo columns) the messages must be Arrow batches."""
+
+    url: str | None = None
+    """nats://HOST:PORT of the broker. None: `hybridrec run` starts a local nats-server (-js) for the run."""
+    subject: str = "hybridrec.events"
+    """The subject the events are published on. With several data loaders (`cluster.dataloader`) it is
+    partitioned, one partition per loader: loader l reads `<subject>.<l>` (`hybridrec data replay --partitions
+    L`; the stream holds `<subject>.*`)."""
+    stream: str = "HYBRIDREC_EVENTS"
+    """The JetStream stream holding `subject` (`hybridrec data replay` creates it; training refuses a stream
+    that does not exist or does not hold the subject)."""
+    durable: str = "hybridrec-trainer"
+    """The durable consumer: a new job with the same name goes on after the last message its predecessor had
+    acknowledged (every sample in it trained). With several data loaders, loader l's is `<durable>-<l>`."""
+    until_event: Annotated[int, Field(ge=0)] | None = None
+    """End training with the message that holds event id `until_event - 1` (all of it), or before the first
+    message past it (`hybridrec data replay` numbers a file's lines from 0, so the line count trains the whole
+    file). None: at `for_s`, or when stopped. An event id, not a count: a restarted loader ends where the
+    first would have. With several data loaders it is the job's end on every partition: a partition also ends
+    at the replay's end marker past it (services/dataloader/stream.py)."""
+    for_s: Annotated[float, Field(gt=0)] | None = None
+    """End training after this many seconds of reading the stream (None: at `max_events`, or when stopped)."""
+    linger_s: Annotated[float, Field(gt=0)] = 0.5
+    """A batch that is not full after this long goes out smaller: bounds how long an event waits to train."""
+    fetch: Annotated[int, Field(gt=0, le=10_000)] = 256
+    """Messages per pull request."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        if url is not None:
+            scheme, sep, rest = url.partition("://")
+            host, colon, port = rest.rpartition(":")
+            if scheme != "nats" or not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{url!r} is not a NATS URL: expected nats://HOST:PORT")
+        return url
+
+    @field_validator("subject")
+    @classmethod
+    def _subject(cls, subject: str) -> str:
+        tokens = subject.split(".")
+        if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+            raise ValueError(f"{subject!r} is not a subject to consume: dot-separated tokens, no wildcards or spaces")
+        return subject
+
+
+class DataConfig(Section):
+    """The dataset: Criteo TSV or Parquet files, or their prepared form (`hybridrec data prepare`), or a stream."""
+
+    train: list[str] = Field(default_factory=list)
+    """Training files (Criteo TSV, optionally .gz, or Parquet), or directories written by `hybridrec data
+    prepare` (memory-mapped, nothing parsed; all entries one kind or the other). Empty with `stream`."""
+    stream: StreamConfig | None = None
+    """Train on a NATS JetStream stream of events instead of `train` files (TSV rows or Arrow record batches of
+    the configured columns)."""
+    eval: list[str] = Field(default_factory=list)
+    """Held-out files evaluated after training (or prepared directories, as `train`)."""
+    oracle: str | None = None
+    """oracle.json written by `hybridrec data synth`; its oracle_auc (per task: `tasks`) goes into the summary."""
+    format: Literal["tsv", "parquet"] = "tsv"
+    """tsv: Criteo TSV (one label, I1..I13, C1..C26); parquet: columns named by `labels`, `dense_columns` and
+    each feature's column, read one row group at a time (services/dataloader/parquet.py). Prepared directories
+    keep their source's format: it is part of the schema they are checked against."""
+    labels: list[str] = Field(default_factory=lambda: ["label"], min_length=1)
+    """Label columns, one task each (the model returns one logit per task). TSV: exactly one (the first field)."""
+    dense_columns: list[str] | None = None
+    """Parquet: the float columns of the dense features, num_dense of them (None: I1..I<num_dense>)."""
+    bad_lines: Literal["skip", "error"] = "skip"
+    """Malformed lines (TSV) and rows with a null or non-0/1 label (Parquet): skip and count them, or stop
+    naming the file and line (TSV) or row (Parquet)."""
+    chunk_rows: Annotated[int, Field(gt=0)] = 65536
+    """Rows the data loader parses per chunk."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if self.stream is None and not self.train:
+            raise ValueError("data.train: list the training files, or set data.stream to train on a stream")
+        if self.stream is not None and self.train:
+            raise ValueError("data.train and data.stream: train on files or on a stream, not both")
+        return self
