@@ -34,7 +34,8 @@ from hybridrec.frames import PHASES, DenseBatch, EmbeddingArrays
 MAGIC = int.from_bytes(b"HRCHECK1", "little")
 HEAD = struct.Struct("<qqq")  # magic, batch_size, arrays
 ENTRY = 6  # int64s per array: role, key (width or feature), dtype, offset, rows, columns
-ROLES = ("pos", "lengths", "rows", "norm", "start", "base", "seq", "seq_lengths")
+ROLES = ("positions", "bag lengths", "rows", "norms", "first elements", "first rows", "sequence rows",
+         "sequence lengths")  # for errors
 POS, LENGTHS, ROWS, NORM, START, BASE, SEQ, SEQ_LENGTHS = range(len(ROLES))
 DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64))
 KINDS = (  # per role: the dtypes (indices in DTYPES) it may have, and whether it is 2-D

@@ -68,7 +68,7 @@ def test_a_missing_array_is_named():
     checked = CheckedEmbeddings.decode(_laid_out(_embeddings()), [2])
     with pytest.raises(ValueError, match="rows of width 16"):
         checked.bags([16], VALUES.kappa)
-    with pytest.raises(ValueError, match="lack their seq array"):
+    with pytest.raises(ValueError, match="lack their sequence rows array"):
         CheckedEmbeddings.decode(_laid_out(_embeddings()), [1])
 
 
