@@ -15,6 +15,10 @@ Two coroutines share the event loop and one compute thread does the math (`StepM
 
 All torch and torch.distributed calls run on the single compute thread, so
 collectives are issued in the same order on every rank.
+
+What the trainer holds apart from the pipeline is each in its own owner: a step's math (`StepMath`), the
+rank's place in each data loader's stream (`Ledger`, ledger.py, shared with the servicer), and its membership
+of the dense group, which survives a lost peer (`DenseGroup`, group.py).
 """
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ import numpy as np
 import torch
 
 from hybridrec import log
-from hybridrec.checkpoints import JobManifest
 from hybridrec.compress import ValueCodec
 from hybridrec.service import at_work
 from hybridrec.config import Config, Mode
@@ -36,16 +39,16 @@ from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
 from services.nn_worker.compute import ComputeThread
-from services.nn_worker.distributed import DenseSync, DistEnv, barrier
+from services.nn_worker.distributed import DistEnv, barrier
 from services.nn_worker.feed import ready
-from services.nn_worker.handover import STATS_FIELDS, hand_over
+from services.nn_worker.group import DenseGroup
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 from services.nn_worker.ledger import Ledger, Order
-from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
+from services.nn_worker.membership import Membership
 from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost, Looked
 from services.nn_worker.stats import TrainStats
-from services.nn_worker.step import StepMath, StepOutput, make_dense_optimizer
+from services.nn_worker.step import StepMath, StepOutput
 
 if TYPE_CHECKING:
     from services.nn_worker.checkpoint import Checkpointer
@@ -96,9 +99,13 @@ class Trainer:
         self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size),
                                              config.num_tasks)
         self._auc_at = -1  # the window's `seen` when train_auc was last computed
-        self.membership = collaborators.membership
         self.ledger = ledger if ledger is not None else Ledger(env.rank, env.world_size,
                                                                len(config.cluster.dataloader))
+        self.group = DenseGroup(config, env, self.math, self.stats, self.ledger, compute, collaborators.membership)
+        # The group's calls, public for the server and the checkpointer (`CheckpointedTrainer`): a collective
+        # that survives a lost peer, any other torch call, the set-up, and the counters of a restored checkpoint.
+        self.collective, self.on_compute = self.group.collective, self.group.on_compute
+        self.setup, self.restore_counters = self.group.setup, self.group.restore_counters
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
 
     @property
@@ -110,109 +117,12 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.math.optimizer
 
-    async def setup(self, plan: Plan) -> Plan:
-        """Build the optimizer and wrap the model for dense synchronisation (collectives: on the compute thread).
-
-        With a source in the plan (this process replaces a lost rank), take the model, optimizer and step from
-        it; without one, every rank starts alike (and the server then restores the newest checkpoint). Returns
-        the plan the group finally formed on (another round if a peer was lost meanwhile)."""
-        self.math.optimizer = make_dense_optimizer(self.model, self.config)
-        while True:
-            try:
-                if plan.source is not None:
-                    await self.on_compute(self._adopt, plan)
-                else:
-                    self.math.sync = await self.on_compute(DenseSync, self.model, self.env, self.training)
-                return plan
-            except Exception as exc:  # noqa: BLE001 - a peer was lost while the group formed: join again
-                if self.membership is None or not is_group_failure(exc):
-                    raise
-                self.log.warning("group_failed", step=self.stats.steps, error=failure_line(exc))
-                plan = await self.on_compute(self.membership.join, None)
-
-    def restore_counters(self, manifest: JobManifest) -> None:
-        """Take the counters of the checkpoint the group was just restored from (`Checkpointer.restore`, which
-        loaded the model and optimizer). Its samples and training time are the job's: rank 0 carries them (the
-        ranks' counts are summed at the end), the others start from zero; every rank keeps the job's samples at
-        the checkpoint (a replacement's count starts from there, see train())."""
-        stats = self.stats
-        stats.steps = manifest.step
-        stats.samples = manifest.samples if self.env.rank == 0 else 0
-        stats.restored_samples = manifest.samples
-        stats.wall_offset = manifest.train_wall_s if self.env.rank == 0 else 0.0
-
-    def _adopt(self, plan: Plan) -> None:
-        """Compute thread, right after a (re)formation with a source: everyone takes its state, then DDP is
-        rebuilt on the new group."""
-        stats = self.stats
-        handed = hand_over(self.model, self.optimizer, {**{k: getattr(stats, k) for k in STATS_FIELDS},
-                                                        "loader_steps": self.ledger.loader_steps}, stats.wall_s, plan.source)
-        if self.env.rank in plan.joined_fresh:  # a replacement takes over its predecessor's share and place
-            loader_steps = [int(n) for n in handed.stats.pop("loader_steps")]
-            for key, value in handed.stats.items():
-                setattr(stats, key, type(getattr(stats, key))(value))
-            stats.wall_offset, stats.started = handed.wall_s, None
-            self.take_over(loader_steps)
-        self.math.sync = DenseSync(self.model, self.env, self.training, source=plan.source)
-
-    def take_over(self, loader_steps: list[int]) -> None:
-        """A replacement of a lost rank: its predecessor's place in each loader's stream (`Ledger.take_over`:
-        confirming only what it received, so the loaders send again what the predecessor still owed). The
-        source's sample count is not its predecessor's: this rank's share is counted from the streams (rank 0
-        holds the restored job total: checkpoint.py), loader by loader as their frames are taken (`_take`)."""
-        self.ledger.take_over(loader_steps)
-        self.stats.samples = self.stats.restored_samples if self.env.rank == 0 else 0
-
-    _SKIP = object()
-
-    async def collective(self, fn, *args, after_regroup=_SKIP):
-        """Run `fn` (which holds collectives) on the compute thread; if the group broke because a peer was lost,
-        re-form it with the peer's replacement, hand it our state, and then run `fn` again — or, when
-        `after_regroup` is given, return that instead: a replacement starts at the top of a step, so a
-        collective that belongs after the step (the time-checkpoint vote, the sync barrier) must not be
-        repeated by the survivors alone.
-
-        Public for the checkpointer: an interval checkpoint's collectives, between two steps, survive a lost
-        peer like a step's (`Checkpointer.save`)."""
-        while True:
-            try:
-                return await self.on_compute(fn, *args)
-            except Exception as exc:  # noqa: BLE001 - anything but a lost peer is re-raised below
-                if self.membership is None or not is_group_failure(exc):
-                    raise
-                await self.regroup(exc)
-                if after_regroup is not self._SKIP:
-                    return after_regroup
-
-    async def regroup(self, exc: BaseException) -> None:
-        """Re-form the group after a lost peer (again, should another be lost during the hand-over)."""
-        while True:
-            self.log.warning("group_failed", step=self.stats.steps, generation=self.membership.generation,
-                             error=failure_line(exc))
-            plan = await self.on_compute(self.membership.join, self.stats.steps)
-            try:
-                await self.on_compute(self._adopt, plan)
-                break
-            except Exception as again:  # noqa: BLE001 - re-raised unless it is another lost peer
-                if not is_group_failure(again):
-                    raise
-                exc = again
-        self.stats.regroups += 1
-        self.log.warning("group_reformed", step=self.stats.steps, generation=plan.generation, source=plan.source,
-                         replaced=list(plan.joined_fresh))
-
     async def _push(self, ref: int, tensors: dict[str, np.ndarray], into: Any = None,
                     nbytes: int | None = None) -> None:
         """Send a batch's packed gradients (its `Gradients` frame's tensors; or its frame, `nbytes` long, in the
         receiver's slot `into`) and note which life of each PS shard acknowledged them (`TrainStats.ps_acks`)."""
         applied = await (self.push(ref, tensors) if into is None else self.push(ref, tensors, into, nbytes))
         self.stats.ps_acks.update(applied.lives)
-
-    async def on_compute(self, fn, *args):
-        """Run `fn(*args)` on the compute thread. Every torch and torch.distributed call goes through here, so
-        collectives are issued in the same order on every rank and no tensor is touched by two threads; public
-        for the checkpointer, whose loads, saves and collectives are torch calls too."""
-        return await self.compute.run(fn, *args)
 
     # -- training ----------------------------------------------------------------------------
     async def _batches(self, phase: str, before_lookup: Callable[[], Awaitable[None]] | None = None,

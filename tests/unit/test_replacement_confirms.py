@@ -25,7 +25,7 @@ def _replacement(lookup) -> Trainer:
                         config.model.kwargs)
     env = DistEnv(rank=0, world_size=2, backend="gloo", device=torch.device("cpu"))
     trainer = Trainer(config, env, model, lookup, None, asyncio.Queue(), ComputeThread())
-    trainer.take_over([7])  # the group trained 7 steps: this rank's batches 0, 2, ..., 12; its next is 14
+    trainer.group.take_over([7])  # the group trained 7 steps: this rank's batches 0, 2, ..., 12; its next is 14
     return trainer
 
 
