@@ -92,10 +92,10 @@ class JobPlan:
 
         out = [f"job: {self.mode} mode, {self.backend} backend, {self.torch_threads} torch thread(s) per NN worker; "
                f"{self.layout}"]
-        width = max(len(p.service) for p in self.services)
-        for p in self.services:
-            port = str(p.port) if p.port else "(chosen at start)"
-            out.append(f"  {p.service:<{width}} {p.replica:>3}  {p.host}:{port:<17} {p.role}")
+        addresses = [f"{p.host}:{p.port if p.port else '(chosen at start)'}" for p in self.services]
+        width, where = max(len(p.service) for p in self.services), max(len(a) for a in addresses)
+        for p, address in zip(self.services, addresses):
+            out.append(f"  {p.service:<{width}} {p.replica:>3}  {address:<{where}}  {p.role}")
         for s in self.stores:
             disk = f", {s.disk_rows_per_shard:,} on disk" if s.disk_rows_per_shard else ""
             out.append(f"  store of width {s.dim}: {s.rows_per_shard:,} rows per shard in memory{disk}, "

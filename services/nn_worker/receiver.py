@@ -170,7 +170,7 @@ class Receiver:
                 if isinstance(item, EndOfPhase):
                     answer = await self.forward(link.FRAME, request, op=link.BATCH)
                 else:
-                    answer = await self.hand_over_batch(item)
+                    answer = await self.send_batch(item)
             except ValueError as exc:  # includes codec.FrameError
                 answer = Message(link.REFUSE, ref=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                                  payload=str(exc)[:2000].encode())
@@ -191,7 +191,7 @@ class Receiver:
         slot.writable(len(request))[:] = request
         return await self._handed(op, ref, slot, len(request))
 
-    async def hand_over_batch(self, batch: DenseBatch) -> Message:
+    async def send_batch(self, batch: DenseBatch) -> Message:
         """A dense batch to the trainer: its arrays into an inbound slot, its fields in the message."""
         slot = self._inbound_slot()
         try:

@@ -22,7 +22,8 @@ VALUES = ValueCodec(fp16=True, kappa=1024.0)
 WIDTHS = [8, 8, 4]  # three features, two widths
 
 
-def _embeddings(batch: int = 5) -> Embeddings:
+def embeddings(batch: int = 5) -> Embeddings:
+    """Three features of two widths, one ID a sample each."""
     rng = np.random.default_rng(0)
     counts = np.array([3, 2, 4], np.int32)
     lengths = np.ones((3, batch), np.uint16)
@@ -35,7 +36,7 @@ def _embeddings(batch: int = 5) -> Embeddings:
 def _cases() -> dict[str, tuple[bytes, callable]]:
     ids = np.arange(1, 11, dtype=np.uint64)
     cols = np.stack([ids, ids[::-1]], axis=1)
-    emb = _embeddings()
+    emb = embeddings()
     return {
         "SparseBatch": (SparseBatch.from_columns(cols, np.ones_like(cols, bool), phase="train").encode(),
                         lambda b: SparseBatch.decode(b, 2)),
@@ -77,7 +78,7 @@ def test_round_trips():
     assert isinstance(db, DenseBatch) and db.dense.shape == (4, 3) and db.seq == 2 and db.position == (0, 1, 2, 3)
     end = cases["EndOfPhase"][1](cases["EndOfPhase"][0])
     assert isinstance(end, EndOfPhase) and end.phase == "eval" and end.meta == {"rows": 10}
-    emb, sent = cases["Embeddings"][1](cases["Embeddings"][0]), _embeddings()
+    emb, sent = cases["Embeddings"][1](cases["Embeddings"][0]), embeddings()
     np.testing.assert_array_equal(emb.bags.values, sent.bags.values)
     for dim in (4, 8):  # κ-scaled fp16: about 11 bits of relative precision per vector
         np.testing.assert_allclose(emb.rows[dim], sent.rows[dim], rtol=0, atol=4e-3 * np.abs(sent.rows[dim]).max())
@@ -105,19 +106,16 @@ def test_float32_values_when_fp16_is_off():
     np.testing.assert_array_equal(back.rows[8], rows)
 
 
-@pytest.mark.parametrize("kind", sorted(_cases()))
-def test_truncated_frames_are_refused(kind):
-    raw, decode = _cases()[kind]
+def assert_truncations_refused(raw: bytes, decode) -> None:
+    """Every prefix of `raw` (40 of them) is refused with ValueError."""
     for cut in range(0, len(raw), max(1, len(raw) // 40)):
         with pytest.raises(ValueError):
             decode(raw[:cut])
 
 
-@pytest.mark.parametrize("kind", sorted(_cases()))
-def test_mutated_frames_decode_or_raise_value_error(kind):
-    """2,000 random mutations per kind: a decoder either returns a frame or raises ValueError, nothing else."""
-    raw, decode = _cases()[kind]
-    rng = random.Random(kind)
+def assert_mutations_decode_or_refuse(raw: bytes, decode, seed) -> None:
+    """2,000 random mutations of `raw`: `decode` either returns or raises ValueError, nothing else."""
+    rng = random.Random(seed)
     for _ in range(2000):
         buf = bytearray(raw)
         for _ in range(rng.randint(1, 8)):
@@ -126,6 +124,17 @@ def test_mutated_frames_decode_or_raise_value_error(kind):
             decode(bytes(buf))
         except ValueError:
             pass
+
+
+@pytest.mark.parametrize("kind", sorted(_cases()))
+def test_truncated_frames_are_refused(kind):
+    assert_truncations_refused(*_cases()[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(_cases()))
+def test_mutated_frames_decode_or_raise_value_error(kind):
+    """A decoder either returns a frame or raises ValueError, nothing else."""
+    assert_mutations_decode_or_refuse(*_cases()[kind], seed=kind)
 
 
 def test_oversized_frame_is_refused():
@@ -157,18 +166,18 @@ def test_inconsistent_frames_are_refused():
     with pytest.raises(FrameError, match="batch_ref"):
         BatchRef.decode(BatchRef(-1).encode())
     # an embedding frame whose positions point past its feature's rows
-    emb = _embeddings()
+    emb = embeddings()
     emb.bags.values[0] = 3
     with pytest.raises(FrameError, match="position"):
         Embeddings.decode(emb.encode(VALUES), VALUES, WIDTHS, 5)
     # rows missing for a width
-    emb = _embeddings()
+    emb = embeddings()
     emb.rows = {8: emb.rows[8]}
     with pytest.raises(FrameError, match="rows"):
         Embeddings.decode(emb.encode(VALUES), VALUES, WIDTHS, 5)
     # a batch of another size than the dense half says
     with pytest.raises(FrameError, match="features of a batch"):
-        Embeddings.decode(_embeddings().encode(VALUES), VALUES, WIDTHS, 6)
+        Embeddings.decode(embeddings().encode(VALUES), VALUES, WIDTHS, 6)
     # gradients of the wrong row count for the batch
     with pytest.raises(FrameError, match="shape"):
         Gradients.decode(Gradients(1, {8: np.ones((4, 8), np.float32), 4: np.ones((4, 4), np.float32)})
