@@ -119,7 +119,7 @@ class ServiceHost:
 
     def __init__(self, service: str, config: Config, replica: int, remote_server: "RemoteServer | None" = None):
         """`remote_server`: the gRPC server is another process's (an NN worker's receiver:
-        services/nn_worker/link.py); None: this process's own."""
+        services/nn_worker/receiver_link.py); None: this process's own."""
         if config.cluster.sized_by_host():
             raise ConfigError(f"cluster.{config.cluster.sized_by_host()[0]}: auto is sized by `hybridrec run` "
                               f"from its host; a service started alone (hybridrec serve) needs the addresses "

@@ -1,6 +1,6 @@
 """The NN worker's receiver: a child process that holds the NN worker's network face.
 
-Started by `ReceiverLink` (link.py) when `training.receiver` is on, with two inherited file descriptors:
+Started by `ReceiverLink` (receiver_link.py) when `training.receiver` is on, with two inherited file descriptors:
 its end of the link's socket pair (`HYBRIDREC_LINK_FD`) and the job's config as JSON
 (`HYBRIDREC_LINK_CONFIG_FD`). It runs its own event loop and gRPC channels and server:
 

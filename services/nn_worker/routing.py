@@ -14,7 +14,7 @@ batch at all (its buffer directory was lost, e.g. with its machine):
 `BatchLost`, which the trainer counts and skips.
 
 With `training.receiver` the same calls run in the NN worker's receiver process (receiver.py), and the
-trainer talks to them through `ReceiverLink` (link.py), which has this class's `lookup` and `push`.
+trainer talks to them through `ReceiverLink` (receiver_link.py), which has this class's `lookup` and `push`.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
 from services.nn_worker.ledger import Ledger
-from services.nn_worker.link import ReceiverLink
+from services.nn_worker.receiver_link import ReceiverLink
 from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
@@ -80,7 +80,7 @@ class NNWorkerServicer:
     def admit_now(self, item: DenseBatch | EndOfPhase) -> Consumed | None:
         """`admit` where it need not wait (the loader's queue has room, or `item` is a duplicate); None, and
         nothing done, where it must. The receiver's batches take this path first: no coroutine per batch on
-        the trainer's event loop (services/nn_worker/link.py)."""
+        the trainer's event loop (services/nn_worker/receiver_link.py)."""
         if not self.ledger.is_fresh(item):
             self.duplicates += 1
         elif self.inbox.put_nowait(item):

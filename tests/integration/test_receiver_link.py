@@ -22,7 +22,8 @@ from hybridrec.jagged import KeyedBags
 from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
 from services.nn_worker import link
-from services.nn_worker.link import INITIAL_SLOT_BYTES, ReceiverLink
+from services.nn_worker.link import INITIAL_SLOT_BYTES
+from services.nn_worker.receiver_link import ReceiverLink
 from services.nn_worker.routing import BatchLost, Looked
 
 
