@@ -6,17 +6,9 @@ slot is written by a sibling process that checked its input already, so its layo
 speed — a table of int64s and aligned arrays, no names, no JSON — and its decoder checks only that every
 array lies within the buffer with the dtype and rank its role allows.
 
-Two layouts live here, both written by an NN worker's receiver process for its trainer (`training.receiver`):
-
-* `CheckedEmbeddings`: a lookup's answer as the receiver checked it;
-* `BatchSlot`: a data loader's dense batch as the receiver decoded and checked it (`decode_nn_batch`, the one
-  decode of its frame): its fields in the link message, its dense features and labels in the slot. The trainer
-  reads them with one `struct` call and two copies out of the slot, 4.5 us in a loop, against 12 to decode the
-  frame again and copy the same arrays; in a run (benchmarks/host_path.py, paired) decoding the frame on the
-  trainer instead cost its event loop about 0.1 ms more a step.
-
-The other things a slot carries are frames: an end of phase as the loader sent it, the trainer's `Gradients`,
-a forwarded call's request.
+One layout lives here, `CheckedEmbeddings`: a lookup's answer as the receiver process checked it for its
+trainer (`training.receiver`). The other things a slot carries are frames: a data loader's dense batch or end
+of phase as it came, the trainer's `Gradients`, a forwarded call's request.
 """
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ import numpy as np
 from hybridrec import codec
 from hybridrec.codec import FrameError
 from hybridrec.compress import Fp16Rows
-from hybridrec.frames import PHASES, DenseBatch, EmbeddingArrays
+from hybridrec.frames import EmbeddingArrays
 
 MAGIC = int.from_bytes(b"HRCHECK1", "little")
 HEAD = struct.Struct("<qqq")  # magic, batch_size, arrays
@@ -153,40 +145,3 @@ class CheckedEmbeddings:
                 raise FrameError(f"checked embeddings lack the norms of their fp16 rows of width {dim}")
         return rows, a.pos, a.lengths
 
-
-class BatchSlot:
-    """A dense batch between the receiver and its trainer: `FIELDS` (batch_ref, seq, rows_before, loader, rows,
-    dense features, label columns (0: labels of one task, shape (rows,)), phase (its index in `PHASES`), how many
-    position fields follow, each a uint64) in the message; its dense features (float32, rows x dense features)
-    and then its labels are the slot's first bytes."""
-
-    FIELDS = struct.Struct("<QqQIIIIBB2x")
-    POSITION = struct.Struct("<Q")
-
-    @classmethod
-    def lay_out(cls, batch: DenseBatch, writable: Callable[[int], memoryview]) -> tuple[bytes, int]:
-        """Write `batch`'s arrays into a slot (`writable`, as the link's `Slot.writable`): the message's fields
-        and the bytes written. Raises ValueError for position fields that do not fit 64 bits."""
-        rows, width = batch.dense.shape
-        columns = 0 if batch.labels.ndim == 1 else batch.labels.shape[1]
-        if not all(0 <= value < 1 << 64 for value in batch.position):
-            raise ValueError(f"position fields must fit 64 bits, got {list(batch.position)}")
-        header = cls.FIELDS.pack(batch.batch_ref, batch.seq, batch.rows_before, batch.loader, rows, width, columns,
-                                 PHASES.index(batch.phase), len(batch.position))
-        dense_bytes, nbytes = batch.dense.nbytes, batch.dense.nbytes + batch.labels.nbytes
-        out = np.frombuffer(writable(nbytes), np.uint8)
-        out[:dense_bytes] = batch.dense.reshape(-1).view(np.uint8)
-        out[dense_bytes:] = batch.labels.reshape(-1).view(np.uint8)
-        return header + b"".join(cls.POSITION.pack(value) for value in batch.position), nbytes
-
-    @classmethod
-    def read(cls, fields: bytes, slot: memoryview) -> DenseBatch:
-        """The `DenseBatch` laid out by `lay_out`, its arrays copied out of the slot (which the receiver reuses
-        once the batch is answered)."""
-        ref, seq, rows_before, loader, rows, width, columns, phase, npos = cls.FIELDS.unpack_from(fields)
-        position = struct.unpack_from(f"<{npos}Q", fields, cls.FIELDS.size)
-        data = np.frombuffer(slot, np.float32, rows * (width + max(columns, 1)))
-        dense = data[:rows * width].reshape(rows, width).copy()
-        labels = data[rows * width:].copy()
-        return DenseBatch(ref, dense, labels.reshape(rows, columns) if columns else labels, PHASES[phase], seq,
-                          position, rows_before, loader)

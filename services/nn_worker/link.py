@@ -63,11 +63,8 @@ CALLED = 14  # a call to the NN worker's server: `ref` is the method (NN_METHODS
              # or in the receiver's inbound slot `slot`
 INBOUND_SLOT = 15  # a new slot of the receiver's, for requests; its file descriptor rides along
 LISTENING = 16  # the server is serving on port `nbytes` (or FAILED: it could not bind)
-BATCH = 17  # a data loader's PutBatch, decoded and checked by the receiver: a dense batch laid out
-            # (`ref` LAID_OUT: `slot_layouts.BatchSlot`'s fields in the payload, its arrays in the receiver's
-            # inbound slot `slot`), or an end of phase's frame as it came (`ref` FRAME, in the payload or slot);
-            # answered by REPLY with the `Consumed` frame, or REFUSE
-LAID_OUT, FRAME = 0, 1  # a BATCH message's `ref`
+BATCH = 17  # a data loader's PutBatch (a dense batch or an end of phase), its frame as it came, in the payload
+            # or in the receiver's inbound slot `slot`; answered by REPLY with the `Consumed` frame, or REFUSE
 
 NO_SLOT = 0xFFFFFFFF
 """`slot` of a message whose bytes ride in its payload."""

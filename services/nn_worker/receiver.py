@@ -9,13 +9,13 @@ its end of the link's socket pair (`HYBRIDREC_LINK_FD`) and the job's config as 
   that the trainer only makes views of it; for each `PUSH` it sends the slot's `Gradients` frame. The calls are
   `EmbeddingWorkers`' own (routing.py): the same routing by batch_ref, retries for `cluster.retry_s`, and
   NOT_FOUND as a lost batch;
-* once told to (`SERVE`), it serves the NN worker's address. A data loader's `PutBatch` is decoded and checked
-  here, once (a malformed frame is INVALID_ARGUMENT from here), and handed to the trainer as a `BATCH`
-  message: a dense batch laid out (`hybridrec.slot_layouts.BatchSlot`: its fields in the message, its arrays
-  in one of the receiver's own slots), so that the trainer neither copies the request nor decodes a frame; an
-  end of phase as its frame. The trainer answers with the `Consumed` frame, passed on as it is. Every other
-  `NNWorker` call (`Received`, `Status`, `Stats`) is handed to the trainer as a `CALLED` message — a large
-  request in a slot — and answered with the trainer's reply or status. The health service is the receiver's,
+* once told to (`SERVE`), it serves the NN worker's address. A data loader's `PutBatch` is handed to the
+  trainer as a `BATCH` message, the frame as it came (in one of the receiver's own slots when large): one
+  layout serves the wire and the slot, and the trainer decodes it once (a malformed frame is INVALID_ARGUMENT,
+  as from its own server; a dense batch's fixed header is one `struct` call: `DenseBatch.encode`) and admits
+  it without a task. Its answer is the `Consumed` frame, passed on as it is. Every other `NNWorker` call
+  (`Received`, `Status`, `Stats`) is handed to the trainer as a `CALLED` message — a large request in a slot —
+  and answered with the trainer's reply or status. The health service is the receiver's,
   its overall status the trainer's to
   set (`HEALTH`).
 
@@ -42,8 +42,7 @@ import uvloop
 from hybridrec import log, rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, split_address
-from hybridrec.frames import Applied, DenseBatch, EndOfPhase, decode_nn_batch
-from hybridrec.slot_layouts import BatchSlot
+from hybridrec.frames import Applied
 from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
 from services.nn_worker import link
@@ -158,22 +157,11 @@ class Receiver:
         return forward
 
     def _put_batch(self, index: int):
-        """PutBatch: the frame decoded and checked here, once (a bad one INVALID_ARGUMENT, as the trainer would
-        answer it), and handed over as a `BATCH`: a dense batch laid out (`BatchSlot`: its fields in the
-        message, its arrays in a slot), so that the trainer neither copies the request nor decodes its frame;
-        an end of phase as its frame. The trainer answers with the `Consumed` frame, passed on as it is."""
-        config, loaders = self.config, len(self.config.cluster.dataloader)
-
+        """PutBatch: the data loader's frame handed to the trainer as it came (`BATCH`), which decodes it once (a
+        malformed one INVALID_ARGUMENT, as from its own server; a dense batch's fixed header is one `struct`
+        call) and admits it without a task; its answer is the `Consumed` frame, passed on as it is."""
         async def put_batch(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            try:
-                item = decode_nn_batch(request, config.num_dense, config.num_tasks, loaders)
-                if isinstance(item, EndOfPhase):
-                    answer = await self.forward(link.FRAME, request, op=link.BATCH)
-                else:
-                    answer = await self.send_batch(item)
-            except ValueError as exc:  # includes codec.FrameError
-                answer = Message(link.REFUSE, ref=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                 payload=str(exc)[:2000].encode())
+            answer = await self.forward(index, request, op=link.BATCH)
             if answer.op == link.REPLY:
                 return answer.payload
             await context.abort(STATUS_OF.get(answer.ref, grpc.StatusCode.INTERNAL),
@@ -181,8 +169,8 @@ class Receiver:
         return put_batch
 
     async def forward(self, ref: int, request: bytes, op: int = link.CALLED) -> Message:
-        """Hand a request to the trainer as it came (a call of method `ref`; or, as a `BATCH`, an end of phase's
-        frame) and wait for its answer. A request too large for a message goes in an inbound slot, which is
+        """Hand a request to the trainer as it came (a call of method `ref`, or a data loader's frame as a `BATCH`)
+        and wait for its answer. A request too large for a message goes in an inbound slot, which is
         free again once the trainer has answered (not when the caller gives up: the trainer may not have read
         it yet)."""
         if len(request) <= link.INLINE_BYTES:
@@ -190,16 +178,6 @@ class Receiver:
         slot = self._inbound_slot()
         slot.writable(len(request))[:] = request
         return await self._handed(op, ref, slot, len(request))
-
-    async def send_batch(self, batch: DenseBatch) -> Message:
-        """A dense batch to the trainer: its arrays into an inbound slot, its fields in the message."""
-        slot = self._inbound_slot()
-        try:
-            fields, nbytes = BatchSlot.lay_out(batch, slot.writable)
-        except BaseException:
-            self.free_inbound.append(slot)
-            raise
-        return await self._handed(link.BATCH, link.LAID_OUT, slot, nbytes, fields)
 
     async def _handed(self, op: int, ref: int, slot: Slot | None, nbytes: int, payload: bytes = b"") -> Message:
         call = next(self._calls) & 0xFFFFFFFF

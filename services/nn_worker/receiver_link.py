@@ -23,9 +23,8 @@ from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_
 from hybridrec.metrics import RPC_LATENCY
 from hybridrec.proto import pb
 from hybridrec.rpc import Unavailable
-from hybridrec.slot_layouts import BatchSlot
 from services.nn_worker.link import (BATCH, CALLED, CONFIG_FD_ENV, DONE, HEALTH, INBOUND_SLOT, INLINE_BYTES,
-                                     LAID_OUT, LINK_FD_ENV, LISTENING, LOOKUP, LOST, NO_SLOT, PUSH, REFUSE, REPLY,
+                                     LINK_FD_ENV, LISTENING, LOOKUP, LOST, NO_SLOT, PUSH, REFUSE, REPLY,
                                      SERVE, SLOT, UNAVAILABLE, LinkReader, LinkWriter, Message, Slot, nn_methods,
                                      socket_pair, unpack_applied)
 from services.nn_worker.routing import BatchLost, Looked
@@ -196,8 +195,10 @@ class ReceiverLink:
         task.add_done_callback(self._answering.discard)
 
     def _batch(self, message: Message) -> None:
-        """A data loader's PutBatch, decoded and checked by the receiver: admitted here and answered at once where
-        that need not wait (the common case: no task), else by a task that waits for room in the inbox."""
+        """A data loader's PutBatch, handed over as it came: decoded here, once (a malformed frame is refused with
+        INVALID_ARGUMENT, as the NN worker's own server refuses it; a dense batch's fixed header is one `struct`
+        call), admitted and answered at once where that need not wait (the common case: no task), else by a
+        task that waits for room in the inbox."""
         started = time.perf_counter()
         try:
             if self.admit_now is None:
@@ -215,13 +216,14 @@ class ReceiverLink:
         task.add_done_callback(self._answering.discard)
 
     def _item(self, message: Message) -> DenseBatch | EndOfPhase:
-        """What a `BATCH` message carries: a dense batch copied out of the receiver's slot, or an end of phase
-        read from its frame (an end is rare: two per loader and job)."""
-        if message.ref == LAID_OUT:
-            return BatchSlot.read(message.payload, self.inbound[message.slot].view(message.nbytes))
+        """The frame a `BATCH` message carries, decoded: a dense batch's arrays copied out of the receiver's slot
+        (which it reuses once the call is answered), or out of the message: writable arrays either way."""
         config = self.config
-        frame = message.payload if message.slot == NO_SLOT else bytes(self.inbound[message.slot].view(message.nbytes))
-        return decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
+        frame = message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
+        item = decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
+        if isinstance(item, DenseBatch):
+            item.dense, item.labels = item.dense.copy(), item.labels.copy()
+        return item
 
     async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch | EndOfPhase, started: float) -> None:
         try:

@@ -264,7 +264,7 @@ def _assert_same_batch(got: DenseBatch, sent: DenseBatch) -> None:
 def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_config):
     """The receiver serves the NN worker's address: dense batches small and large and an end of phase reach the
     trainer decoded and whole, other requests small and large reach its handlers as sent, a malformed frame is
-    refused by the receiver (INVALID_ARGUMENT) and a refused call keeps its status and message and the server goes on, health is the trainer's
+    refused (INVALID_ARGUMENT) and a refused call keeps its status and message and the server goes on, health is the trainer's
     to set, and a killed receiver is replaced, serving again with the health it had."""
     async def scenario():
         server, _, config = await worker_and_config()

@@ -182,12 +182,21 @@ def test_inconsistent_frames_are_refused():
     with pytest.raises(FrameError, match="shape"):
         Gradients.decode(Gradients(1, {8: np.ones((4, 8), np.float32), 4: np.ones((4, 4), np.float32)})
                          .encode(VALUES), VALUES, lambda ref: {8: 5, 4: 4})
-    # a dense batch with labels of another length, an unknown phase, a bad end-of-phase
-    with pytest.raises(FrameError, match="do not form a batch"):
-        decode_nn_batch(codec.encode({"dense": np.ones((4, 3), np.float32), "labels": np.ones(3, np.float32)},
+    # a dense batch of other widths, tasks, length or loader; a codec frame that is no end of phase; a bad end
+    batch = DenseBatch(1, np.ones((4, 3), np.float32), np.ones(4, np.float32), loader=1).encode()
+    with pytest.raises(FrameError, match="do not form a batch with 5 dense features"):
+        decode_nn_batch(batch, 5, loaders=2)
+    with pytest.raises(FrameError, match="do not hold 2 tasks"):
+        decode_nn_batch(batch, 3, num_tasks=2, loaders=2)
+    with pytest.raises(FrameError, match="takes 128 bytes, not 124"):
+        decode_nn_batch(batch[:-4], 3, loaders=2)
+    with pytest.raises(FrameError, match="loader 1 is not one of the 1 data loaders"):
+        decode_nn_batch(batch, 3)
+    with pytest.raises(FrameError, match="neither"):
+        decode_nn_batch(codec.encode({"dense": np.ones((4, 3), np.float32), "labels": np.ones(4, np.float32)},
                                      {"batch_ref": 1}), 3)
-    with pytest.raises(FrameError, match="phase"):
-        decode_nn_batch(DenseBatch(1, np.ones((2, 3), np.float32), np.ones(2, np.float32), "test").encode(), 3)
+    with pytest.raises(ValueError, match="phase"):
+        DenseBatch(1, np.ones((2, 3), np.float32), np.ones(2, np.float32), "test").encode()
     with pytest.raises(FrameError, match="end_of"):
         decode_nn_batch(codec.encode(meta={"end_of": "later"}), 3)
 
@@ -263,3 +272,27 @@ def test_shard_rows_and_pulls_round_trip_and_refuse_what_does_not_fit():
         ShardPull.decode(codec.encode(meta={"shard": -1, "copy": "primary"}))
     with pytest.raises(FrameError, match="job"):
         ShardPull.decode(codec.encode(meta={"shard": 0, "copy": "primary", "job": 7}))
+
+
+@pytest.mark.parametrize("tasks", [1, 3])
+def test_a_dense_batch_crosses_whole(tasks):
+    """The fixed-layout frame (`DenseBatch.encode`): every field and both arrays as sent, uint64 batch_ref and
+    position fields at their limits, a negative stream index (an eval batch's)."""
+    rng = np.random.default_rng(tasks)
+    rows = 1000
+    batch = DenseBatch(batch_ref=(1 << 64) - 3, dense=rng.standard_normal((rows, 13), dtype=np.float32),
+                       labels=rng.random((rows, tasks) if tasks > 1 else rows, dtype=np.float32), phase="eval",
+                       seq=-1 if tasks == 1 else 41, position=(3, 0, (1 << 64) - 1, 17)[:tasks + 1],
+                       rows_before=123456789, loader=2)
+    got = decode_nn_batch(batch.encode(), 13, num_tasks=tasks, loaders=3)
+    assert (got.batch_ref, got.phase, got.seq, got.position, got.rows_before, got.loader) == (
+        batch.batch_ref, batch.phase, batch.seq, batch.position, batch.rows_before, batch.loader)
+    np.testing.assert_array_equal(got.dense, batch.dense)
+    np.testing.assert_array_equal(got.labels, batch.labels)
+    assert got.labels.shape == batch.labels.shape
+
+
+def test_a_position_beyond_64_bits_is_refused():
+    batch = DenseBatch(1, np.zeros((1, 1), np.float32), np.zeros(1, np.float32), position=(1 << 64,))
+    with pytest.raises(ValueError, match="64 bits"):
+        batch.encode()

@@ -1,7 +1,6 @@
-"""The layouts a receiver process writes for its trainer (hybridrec/slot_layouts.py): a checked `Embeddings`
-frame's arrays as they came, with what pooling derives from them (round trip, and refusal of a buffer that is
-not one: truncated or mutated, a view within the buffer or ValueError, nothing else); a dense batch's fields
-and arrays."""
+"""The layout a receiver process writes for its trainer (hybridrec/slot_layouts.py): a checked `Embeddings`
+frame's arrays as they came, with what pooling derives from them; round trip, and refusal of a buffer that is
+not one (truncated or mutated: a view within the buffer or ValueError, nothing else)."""
 from __future__ import annotations
 
 
@@ -10,8 +9,8 @@ import pytest
 
 from hybridrec import codec
 from hybridrec.compress import ValueCodec
-from hybridrec.frames import DenseBatch, EmbeddingArrays, Embeddings
-from hybridrec.slot_layouts import BatchSlot, CheckedEmbeddings
+from hybridrec.frames import EmbeddingArrays, Embeddings
+from hybridrec.slot_layouts import CheckedEmbeddings
 from tests.unit.test_frames import assert_mutations_decode_or_refuse, assert_truncations_refused, embeddings
 
 VALUES = ValueCodec(fp16=True, kappa=1024.0)
@@ -74,34 +73,3 @@ def test_a_mutated_layout_decodes_or_raises_value_error():
     """The decoder returns views within the buffer or raises ValueError, nothing else."""
     assert_mutations_decode_or_refuse(_laid_out(embeddings()), _decode, seed=7)
 
-
-def _batch_round_trip(batch: DenseBatch) -> DenseBatch:
-    slot = bytearray(1 << 20)
-    fields, nbytes = BatchSlot.lay_out(batch, lambda n: memoryview(slot)[:n])
-    got = BatchSlot.read(fields, memoryview(slot)[:nbytes])
-    slot[:] = bytes(len(slot))  # the receiver reuses its slot once answered: the batch must not see it
-    return got
-
-
-@pytest.mark.parametrize("tasks", [1, 3])
-def test_a_dense_batch_crosses_whole(tasks):
-    rng = np.random.default_rng(tasks)
-    rows = 1000
-    batch = DenseBatch(batch_ref=(1 << 64) - 3, dense=rng.standard_normal((rows, 13), dtype=np.float32),
-                       labels=rng.random((rows, tasks) if tasks > 1 else rows, dtype=np.float32), phase="eval",
-                       seq=-1 if tasks == 1 else 41, position=(3, 0, (1 << 64) - 1, 17)[:tasks + 1],
-                       rows_before=123456789, loader=2)
-    expected = DenseBatch(batch.batch_ref, batch.dense.copy(), batch.labels.copy(), batch.phase, batch.seq,
-                          batch.position, batch.rows_before, batch.loader)
-    got = _batch_round_trip(batch)
-    assert (got.batch_ref, got.phase, got.seq, got.position, got.rows_before, got.loader) == (
-        expected.batch_ref, expected.phase, expected.seq, expected.position, expected.rows_before, expected.loader)
-    np.testing.assert_array_equal(got.dense, expected.dense)
-    np.testing.assert_array_equal(got.labels, expected.labels)
-    assert got.labels.shape == expected.labels.shape and got.dense.flags.writeable
-
-
-def test_a_position_beyond_64_bits_is_refused():
-    batch = DenseBatch(1, np.zeros((1, 1), np.float32), np.zeros(1, np.float32), position=(1 << 64,))
-    with pytest.raises(ValueError, match="64 bits"):
-        BatchSlot.lay_out(batch, lambda n: memoryview(bytearray(n)))
