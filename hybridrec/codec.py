@@ -88,7 +88,9 @@ class Frame:
         return value
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN: where a buffer after `n` bytes starts (codec frames, the dense
+    batch frame, the receiver's slot layouts)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -152,7 +154,7 @@ def _layout(tensors: Mapping[str, np.ndarray] | None, meta: Mapping[str, Any] | 
         table_len += _ENTRY.size + len(name_b) + 8 * arr.ndim
 
     header_len = _FIXED.size + table_len + len(meta_bytes)
-    offset = _align(header_len)
+    offset = align(header_len)
     parts: list[Any] = []
     table = bytearray()
     for name_b, data, code, codec, arr in payloads:
@@ -160,7 +162,7 @@ def _layout(tensors: Mapping[str, np.ndarray] | None, meta: Mapping[str, Any] | 
         table += _ENTRY.pack(len(name_b), code, codec, arr.ndim, offset, stored, arr.nbytes)
         table += name_b + struct.pack(f"<{arr.ndim}Q", *arr.shape)
         parts.append((offset, data, stored))
-        offset = _align(offset + stored)
+        offset = align(offset + stored)
     head = _FIXED.pack(MAGIC, VERSION, 0, len(payloads), len(table), len(meta_bytes)) + bytes(table) + meta_bytes
 
     end = parts[-1][0] + parts[-1][2] if parts else len(head)

@@ -4,8 +4,8 @@ A frame's bytes are laid out by `hybridrec.codec` (header, JSON meta, 64-byte
 aligned tensor buffers) — but for `DenseBatch`, the one frame an NN worker's
 receiver process hands its trainer as it came: a fixed header that one
 `struct` call reads, then its arrays (`DenseBatch.encode`). *What* each frame
-holds is decided here and nowhere else. The encoder of a frame sits next to its decoder so the two ends cannot
-drift apart, and no tensor or meta key of a frame is spelled outside this
+holds is decided here and nowhere else. The encoder of a frame sits next to
+its decoder so the two ends cannot drift apart, and no tensor or meta key of a frame is spelled outside this
 module. Every decoder treats its input as untrusted: anything truncated,
 oversized, of the wrong dtype or shape, or inconsistent with itself raises
 `codec.FrameError` (a ValueError), which every service turns into
@@ -34,8 +34,8 @@ else as float32; ID positions and bag lengths may be lz4-compressed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import struct
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -255,7 +255,7 @@ class DenseBatch:
         head = _DENSE_HEAD.pack(_DENSE_MAGIC, _DENSE_VERSION, PHASES.index(self.phase), len(self.position),
                                 self.batch_ref, self.seq, self.rows_before, self.loader, rows, width, columns)
         head += struct.pack(f"<{len(self.position)}Q", *self.position)
-        return b"".join((head, bytes(-len(head) % codec.ALIGN), memoryview(dense).cast("B"),
+        return b"".join((head, bytes(codec.align(len(head)) - len(head)), memoryview(dense).cast("B"),
                          memoryview(labels).cast("B")))
 
 
@@ -285,7 +285,8 @@ class EndOfPhase:
                                   "rows_sent": int(self.rows_sent), **self.meta})
 
 
-def decode_nn_batch(buf: bytes, num_dense: int, num_tasks: int = 1, loaders: int = 1) -> DenseBatch | EndOfPhase:
+def decode_nn_batch(buf: bytes | memoryview, num_dense: int, num_tasks: int = 1,
+                    loaders: int = 1) -> DenseBatch | EndOfPhase:
     """What a data loader sent an NN worker: a dense batch, or the end of a phase. Labels are (B,) with one
     task, (B, num_tasks) with several; `loaders`: how many data loaders there are (cluster.dataloader)."""
     if bytes(memoryview(buf)[:len(_DENSE_MAGIC)]) == _DENSE_MAGIC:
@@ -329,7 +330,7 @@ def _decode_dense(buf: bytes | memoryview, num_dense: int, num_tasks: int, loade
         raise FrameError(f"dense ({rows}, {width}) and labels do not form a batch with {num_dense} dense features")
     if rows > MAX_BATCH:
         raise FrameError(f"batch of {rows} samples exceeds {MAX_BATCH}")
-    start = -(-(_DENSE_HEAD.size + 8 * npos) // codec.ALIGN) * codec.ALIGN
+    start = codec.align(_DENSE_HEAD.size + 8 * npos)
     values = rows * (width + max(columns, 1))
     if size != start + 4 * values:
         raise FrameError(f"a dense batch of {rows} rows, {width} dense features and {columns or 1} label column(s) "

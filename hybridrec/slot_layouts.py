@@ -71,12 +71,12 @@ class CheckedEmbeddings:
         """The layout, written into the buffer `allocate(nbytes)` returns (the trainer's slot); its length.
         Each array is copied once, as it came."""
         entries = self._entries()
-        offset = -(-(HEAD.size + 8 * ENTRY * len(entries)) // codec.ALIGN) * codec.ALIGN
+        offset = codec.align(HEAD.size + 8 * ENTRY * len(entries))
         table = [MAGIC, self.batch_size, len(entries)]
         for role, key, array in entries:
             code = next(i for i, dtype in enumerate(DTYPES) if dtype == array.dtype)
             table += [role, key, code, offset, array.shape[0], array.shape[1] if array.ndim == 2 else 0]
-            offset += -(-array.nbytes // codec.ALIGN) * codec.ALIGN
+            offset += codec.align(array.nbytes)
         out = np.frombuffer(allocate(offset), np.uint8)
         head = np.array(table, np.int64).view(np.uint8)
         out[:head.size] = head

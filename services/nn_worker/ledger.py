@@ -86,13 +86,7 @@ class Ledger:
     def resume_at(self, loader_steps: list[int]) -> None:
         """The group's state is `loader_steps[l]` steps on loader l's batches, for each l: this rank's next
         training batch of that loader's stream is loader_steps[l]*N + rank."""
-        if len(loader_steps) != len(self.loaders):
-            raise ValueError(f"the group's state has {len(loader_steps)} data loaders' streams, this job "
-                             f"{len(self.loaders)} (cluster.dataloader)")
-        for state, steps in zip(self.loaders, loader_steps):
-            state.steps = steps
-            state.next_seq = steps * self.world_size + self.rank
-            state.trained_through = state.next_seq - 1
+        self._place(loader_steps)
         self._confirm_all()
 
     def take_over(self, loader_steps: list[int]) -> None:
@@ -103,11 +97,21 @@ class Ledger:
         died with it. Confirming the group's state would let the loaders forget them unsent; instead they are
         sent again, oldest first, and each is confirmed once it is settled (`settled`). Its predecessor's share
         of each stream is counted with the first batch or end taken of it (`count_predecessor`)."""
-        self.resume_at(loader_steps)
+        self._place(loader_steps)
         for state in self.loaders:
             state.trained_through = -1
             state.uncounted = True
         self._confirm_all()
+
+    def _place(self, loader_steps: list[int]) -> None:
+        """Each stream's steps and this rank's next batch of it; everything before that batch trained."""
+        if len(loader_steps) != len(self.loaders):
+            raise ValueError(f"the group's state has {len(loader_steps)} data loaders' streams, this job "
+                             f"{len(self.loaders)} (cluster.dataloader)")
+        for state, steps in zip(self.loaders, loader_steps):
+            state.steps = steps
+            state.next_seq = steps * self.world_size + self.rank
+            state.trained_through = state.next_seq - 1
 
     @property
     def loader_steps(self) -> list[int]:

@@ -139,7 +139,7 @@ class Receiver:
         self.server = rpc.new_server()
         self.health = rpc.add_health(self.server)
         handlers = {method.name: grpc.unary_unary_rpc_method_handler(
-                        self._put_batch(index) if method.name == "PutBatch" else self._forwarder(index))
+                        self._forwarder(index, link.BATCH if method.name == "PutBatch" else link.CALLED))
                     for index, method in enumerate(nn_methods())}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             pb.DESCRIPTOR.services_by_name["NNWorker"].full_name, handlers),))
@@ -147,26 +147,17 @@ class Receiver:
                                            split_address(address)[1])
         return self.port
 
-    def _forwarder(self, index: int):
+    def _forwarder(self, index: int, op: int):
+        """The handler of method `index`: its request handed to the trainer as it came and answered with the
+        trainer's reply or status. PutBatch's goes as a `BATCH` (the trainer decodes the data loader's frame once
+        and admits it without a task, answering with the `Consumed` frame); every other call as a `CALLED`."""
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            answer = await self.forward(index, request)
+            answer = await self.forward(index, request, op)
             if answer.op == link.REPLY:
                 return answer.payload
             await context.abort(STATUS_OF.get(answer.ref, grpc.StatusCode.INTERNAL),
                                 answer.payload.decode(errors="replace"))
         return forward
-
-    def _put_batch(self, index: int):
-        """PutBatch: the data loader's frame handed to the trainer as it came (`BATCH`), which decodes it once (a
-        malformed one INVALID_ARGUMENT, as from its own server; a dense batch's fixed header is one `struct`
-        call) and admits it without a task; its answer is the `Consumed` frame, passed on as it is."""
-        async def put_batch(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            answer = await self.forward(index, request, op=link.BATCH)
-            if answer.op == link.REPLY:
-                return answer.payload
-            await context.abort(STATUS_OF.get(answer.ref, grpc.StatusCode.INTERNAL),
-                                answer.payload.decode(errors="replace"))
-        return put_batch
 
     async def forward(self, ref: int, request: bytes, op: int = link.CALLED) -> Message:
         """Hand a request to the trainer as it came (a call of method `ref`, or a data loader's frame as a `BATCH`)
