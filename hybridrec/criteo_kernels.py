@@ -44,8 +44,10 @@ _SM_M1 = np.uint64(0xBF58476D1CE4E5B9)
 _SM_M2 = np.uint64(0x94D049BB133111EB)
 _HASH_MASK_U64 = np.uint64(HASH_MASK)
 
-# Kernel error codes; the Python side turns them into messages.
-_OK, _E_FIELDS, _E_LABEL, _E_INT, _E_CTRL = 0, 1, 2, 3, 4
+# Kernel error codes; the Python side turns them into messages. _E_NONFINITE (an integer too long for a
+# float64: 309 digits or more) is a policy of its own (data.non_finite), not a malformed line.
+_OK, _E_FIELDS, _E_LABEL, _E_INT, _E_CTRL, _E_NONFINITE = 0, 1, 2, 3, 4, 5
+_INF = np.inf
 
 
 @numba.njit(cache=True, nogil=True)
@@ -101,6 +103,8 @@ def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
             q += 1
         if num_digits == 0 and q > p:  # a sign alone
             return _bad(buf, s, e, _E_INT, j)
+        if val == _INF:  # 309 digits or more: not a number the model can take, whatever its sign
+            return _bad(buf, s, e, _E_NONFINITE, j)
         dense[r, j] = np.float32(0.0 if neg else np.log1p(val))
         if q >= e:
             return _bad(buf, s, e, _E_FIELDS, 0)
@@ -128,19 +132,21 @@ def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
 
 @numba.njit(cache=True, nogil=True)
 def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
-                 row0, max_rows, stop_on_bad):
+                 row0, max_rows, stop_on_bad, stop_on_nonfinite):
     """Parse whole lines of buf[pos:end] into rows row0.. until max_rows rows.
 
     A line without a newline is parsed only when ``is_final`` (end of file);
     otherwise it is left for the caller to carry over. Returns
     (pos after the last consumed line, rows, lines consumed, bad lines,
-    index among consumed lines of the first row or -1,
-    error code, error detail) -- on an error with ``stop_on_bad`` the
-    returned pos is the start of the bad line, which is not consumed.
+    lines with a non-finite value, index among consumed lines of the first
+    row or -1, error code, error detail) -- on an error with ``stop_on_bad``
+    (a non-finite value: ``stop_on_nonfinite``) the returned pos is the
+    start of the line, which is not consumed.
     """
     num_rows = 0
     num_lines = 0
     num_bad = 0
+    num_nonfinite = 0
     first_row = -1
     while num_rows < max_rows and pos < end:
         le = pos
@@ -153,9 +159,13 @@ def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
             le -= 1
         code, detail = _parse_line(buf, pos, le, group_hi, labels, dense, ids,
                                    present, row0 + num_rows)
-        if code != _OK:
+        if code == _E_NONFINITE:
+            if stop_on_nonfinite:
+                return pos, num_rows, num_lines, num_bad, num_nonfinite, first_row, code, detail
+            num_nonfinite += 1
+        elif code != _OK:
             if stop_on_bad:
-                return pos, num_rows, num_lines, num_bad, first_row, code, detail
+                return pos, num_rows, num_lines, num_bad, num_nonfinite, first_row, code, detail
             num_bad += 1
         else:
             if first_row < 0:
@@ -163,7 +173,7 @@ def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
             num_rows += 1
         num_lines += 1
         pos = nxt
-    return pos, num_rows, num_lines, num_bad, first_row, _OK, 0
+    return pos, num_rows, num_lines, num_bad, num_nonfinite, first_row, _OK, 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -205,14 +215,19 @@ def hash_strings(data, offsets, group_hi, out, present):
     """IDs of an Arrow string column (its data bytes and int32/int64 offsets): string i is
     data[offsets[i]:offsets[i + 1]], hashed exactly as a TSV field, so a Criteo file converted to Parquet gives
     the same IDs. An empty string is absent (as an empty TSV field); ``present`` comes in holding the
-    column's validity and goes out False for those too."""
+    column's validity and goes out False for those too. Returns -1, or the first string whose offsets do not
+    lie in order within ``data`` (nothing is read outside it: the caller refuses the column)."""
+    size = data.shape[0]
     for i in range(out.shape[0]):
         s, e = offsets[i], offsets[i + 1]
+        if s < 0 or e < s or e > size:
+            return i
         if present[i] and e > s:
             out[i] = group_hi | _hash_field(data, s, e)
         else:
             out[i] = group_hi
             present[i] = False
+    return -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -246,4 +261,7 @@ def error_text(line: bytes, code: int, detail: int) -> str:
         return f"label must be 0 or 1, got {fields[0][:20]!r}"
     if code == _E_INT:
         return f"column I{detail + 1} is not an integer: {fields[1 + detail][:20]!r}"
+    if code == _E_NONFINITE:
+        return (f"column I{detail + 1} is not finite: an integer of {len(fields[1 + detail].lstrip(b'+-'))} digits "
+                f"is past float64's range (data.non_finite: skip to skip such rows)")
     return f"column C{detail + 1} contains a NUL or control byte"

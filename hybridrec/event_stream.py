@@ -28,6 +28,12 @@ EVENT_TIME = "Hybridrec-Event-Time"
 """Message header: the message's event time, unix seconds (decimal)."""
 FORMAT = "Hybridrec-Format"
 """Message header: the payload's format, `arrow`; absent for TSV (the default)."""
+DEAD_REASON = "Hybridrec-Dead-Reason"
+"""A dead letter's header (`data.stream.dead_letter`): why the data loader could not read the message."""
+DEAD_SUBJECT = "Hybridrec-Dead-Subject"
+"""A dead letter's header: the subject the message was read from."""
+DEAD_SEQ = "Hybridrec-Dead-Seq"
+"""A dead letter's header: the message's sequence in its stream."""
 TSV, ARROW = "tsv", "arrow"
 FORMATS = (TSV, ARROW)
 
@@ -67,21 +73,26 @@ def encode_arrow(batch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def decode_arrow(data: bytes):
-    """The pyarrow.Table of an `arrow` message's payload; EventFormatError when it is not an Arrow IPC stream."""
-    import pyarrow as pa
+MAX_MESSAGE_BYTES = 64 << 20
+"""The default bound on what an Arrow message may take once decoded (`data.stream.max_message_bytes`)."""
+
+
+def decode_arrow(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES):
+    """The pyarrow.Table of an `arrow` message's payload, bounded before it is decoded and fully validated after
+    (hybridrec/arrow_ipc.py); EventFormatError when it is not an Arrow IPC stream this reader takes."""
+    from hybridrec.arrow_ipc import ArrowStreamError, read_stream
 
     try:
-        return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise EventFormatError(f"not an Arrow IPC stream ({exc})") from None
+        return read_stream(data, max_bytes)
+    except ArrowStreamError as exc:
+        raise EventFormatError(str(exc)) from None
 
 
-def events_in(format: str, data: bytes) -> int:
+def events_in(format: str, data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
     """How many events (samples, good or bad) a message's payload holds: its lines, or its record batch's rows.
     EventFormatError for a payload that does not decode."""
     if format == ARROW:
-        return decode_arrow(data).num_rows if data else 0
+        return decode_arrow(data, max_bytes).num_rows if data else 0
     return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
 
 

@@ -129,6 +129,12 @@ class KeyedBags:
         first, last = self.starts[:, start], self.starts[:, stop]
         return KeyedBags(self.values[_runs(first, last - first)], self.lengths[:, start:stop])
 
+    def take(self, rows: np.ndarray) -> "KeyedBags":
+        """Samples `rows` (indices, in the order given): one gather of their runs of values, feature-major."""
+        lengths = self.lengths[:, rows]
+        first = self.starts[:, :-1][:, rows]
+        return KeyedBags(self.values[_runs(first.reshape(-1), lengths.reshape(-1).astype(np.int64))], lengths)
+
     def bag(self, f: int) -> Bag:
         """Feature f alone (views of these arrays)."""
         bounds = self.bounds

@@ -87,6 +87,8 @@ class StreamSummary(BaseModel):
     (`data.bad_lines: skip`)."""
     skipped_events: int = 0
     """The events those messages held (where their payload could be counted)."""
+    dead_letter: str | None = None
+    """The subject every skipped message was copied to (`data.stream.dead_letter`); None: none skipped."""
     partition: int | None = None
     """With several data loaders: the partition of the subject (`<subject>.<partition>`) this account is of."""
     partitions: list["StreamSummary"] | None = None
@@ -135,6 +137,7 @@ class StreamSummary(BaseModel):
                    loader_restarts=sum(part.loader_restarts for part in parts),
                    skipped_messages=sum(part.skipped_messages for part in parts),
                    skipped_events=sum(part.skipped_events for part in parts),
+                   dead_letter=next((part.dead_letter for part in parts if part.dead_letter), None),
                    acknowledged_through=max(part.acknowledged_through for part in parts), training_lag_s=lag,
                    partitions=parts)
 

@@ -8,6 +8,13 @@ from pydantic import Field, field_validator, model_validator
 from hybridrec.config.section import Section
 
 
+def _plain_subject(subject: str) -> str:
+    tokens = subject.split(".")
+    if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+        raise ValueError(f"{subject!r} is not a subject to consume: dot-separated tokens, no wildcards or spaces")
+    return subject
+
+
 class StreamConfig(Section):
     """Training events from a NATS JetStream stream instead of files (services/dataloader/stream.py): each
     message holds one or more samples, as Criteo TSV lines or as an Arrow record batch in the training data's
@@ -39,6 +46,14 @@ class StreamConfig(Section):
     """A batch that is not full after this long goes out smaller: bounds how long an event waits to train."""
     fetch: Annotated[int, Field(gt=0, le=10_000)] = 256
     """Messages per pull request."""
+    dead_letter: str | None = None
+    """The subject a message the data loader cannot read is copied to (payload and headers, with the reason in
+    its `Hybridrec-Dead-Reason` header), before the message is acknowledged, for the user to inspect. None:
+    `<subject>.dead`. A stream that holds it keeps the copies; where none does, the loader creates one
+    (`<stream>_DEAD`, at most 1 GiB, oldest dropped first)."""
+    max_message_bytes: Annotated[int, Field(gt=0)] = 64 << 20
+    """The most bytes an Arrow message may take once decoded (its compressed buffers at their declared
+    size): a message past it is a bad message, refused before anything is decompressed."""
 
     @field_validator("url")
     @classmethod
@@ -53,10 +68,21 @@ class StreamConfig(Section):
     @field_validator("subject")
     @classmethod
     def _subject(cls, subject: str) -> str:
-        tokens = subject.split(".")
-        if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
-            raise ValueError(f"{subject!r} is not a subject to consume: dot-separated tokens, no wildcards or spaces")
-        return subject
+        return _plain_subject(subject)
+
+    @field_validator("dead_letter")
+    @classmethod
+    def _dead_letter(cls, subject: str | None) -> str | None:
+        return None if subject is None else _plain_subject(subject)
+
+    def dead_letter_subject(self) -> str:
+        """Where unreadable messages are copied: `dead_letter`, or `<subject>.dead`."""
+        return self.dead_letter or f"{self.subject}.dead"
+
+
+DenseTransform = Literal["none", "log1p"]
+"""How a dense column's stored value becomes the model's input: `log1p` is log1p(max(x, 0)), what the TSV
+reader applies to Criteo's integer columns; `none` is the value as stored."""
 
 
 class DataConfig(Section):
@@ -80,6 +106,17 @@ class DataConfig(Section):
     """Label columns, one task each (the model returns one logit per task). TSV: exactly one (the first field)."""
     dense_columns: list[str] | None = None
     """Parquet: the float columns of the dense features, num_dense of them (None: I1..I<num_dense>)."""
+    dense_transform: DenseTransform | dict[str, DenseTransform] | None = None
+    """Parquet (and Arrow stream messages): how each dense column's value becomes the model's input, for every
+    column or per column (a mapping from column to transform; a column it leaves out is `none`). `log1p`:
+    log1p(max(x, 0)), as the TSV reader computes its integer columns, which is what raw counts need (the same
+    rows as TSV and as Parquet then train the same model); `none`: as stored. None: `none`. TSV: `log1p`
+    always (None or `log1p`)."""
+    non_finite: Literal["error", "skip"] = "error"
+    """A row whose dense value is NaN or infinite (Spark and numpy write NaN, not null; a float64 past float32's
+    range; a TSV integer of 309 digits): stop naming the file and row (line) and the column, or skip the row
+    and count it (`non_finite_rows` in the summary's `data`, per file under `non_finite_by_file`). Null (an
+    empty TSV field) is not NaN: it reads 0.0."""
     bad_lines: Literal["skip", "error"] = "skip"
     """Malformed lines (TSV) and rows with a null or non-0/1 label (Parquet): skip and count them, or stop
     naming the file and line (TSV) or row (Parquet)."""

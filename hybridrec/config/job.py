@@ -92,9 +92,17 @@ class Config(Section):
             for i, f in enumerate(self.features):
                 if f.kind != FeatureKind.SCALAR:
                     raise ValueError(f"features.{i}.kind: TSV columns hold one ID; list features need Parquet")
+            if data.dense_transform not in (None, "log1p"):
+                raise ValueError(f"data.dense_transform: {data.dense_transform!r}: the TSV reader applies log1p to "
+                                 f"Criteo's integer columns (leave it unset, or log1p)")
         elif data.dense_columns is not None and len(data.dense_columns) != self.num_dense:
             raise ValueError(f"data.dense_columns: {len(data.dense_columns)} columns for num_dense "
                              f"{self.num_dense}")
+        elif isinstance(data.dense_transform, dict):
+            unknown = sorted(set(data.dense_transform) - set(self.dense_columns))
+            if unknown:
+                raise ValueError(f"data.dense_transform: {', '.join(unknown)} not among the dense columns "
+                                 f"({', '.join(self.dense_columns)})")
         return self
 
     @property
@@ -106,6 +114,16 @@ class Config(Section):
     def dense_columns(self) -> list[str]:
         """Parquet: the dense features' columns."""
         return self.data.dense_columns or [f"I{i + 1}" for i in range(self.num_dense)]
+
+    @property
+    def dense_transforms(self) -> list[str]:
+        """Each dense column's transform (`data.dense_transform`): TSV's is log1p, Parquet's `none` unless set."""
+        transform = self.data.dense_transform
+        if self.data.format == "tsv":
+            return ["log1p"] * self.num_dense
+        if isinstance(transform, dict):
+            return [transform.get(column, "none") for column in self.dense_columns]
+        return [transform or "none"] * self.num_dense
 
     @model_validator(mode="after")
     def _check_replicas(self) -> "Config":

@@ -85,3 +85,8 @@ class TrainingConfig(Section):
     task_weights: list[Annotated[float, Field(ge=0)]] | None = None
     """Multi-task: the weight of each task's log loss in the training loss, one per `data.labels` entry
     (None: 1 each)."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A training step whose loss or gradients are not finite (NaN or inf: a model can make one from finite
+    input) updates nothing, on every rank alike: not the dense model, not its optimizer's state, not a PS row.
+    `skip`: the step is counted (`nonfinite_steps` in the summary and the metrics) and training goes on;
+    `stop`: the run stops, naming the step and the rank, before any checkpoint could hold it."""

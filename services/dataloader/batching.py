@@ -12,7 +12,7 @@ smaller batch per rank (rows are dropped only if fewer remain than ranks).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -72,32 +72,50 @@ class Position:
 
 @dataclass
 class ReadCounters:
+    """What a data loader read in one phase: sent to the NN workers with the phase's end, and from rank 0 into
+    the summary's `data` (its field names are the summary's keys)."""
+
     rows: int = 0
     bad_lines: int = 0  # TSV: malformed lines; Parquet: rows with a null or non-0/1 label
     dropped_rows: int = 0
     truncated_rows: int = 0  # Parquet: rows with a list longer than its feature's max_len (most recent kept)
     bad_messages: int = 0  # a stream: messages skipped whole (a format or schema the config cannot read)
+    non_finite_rows: int = 0  # rows skipped for a NaN or infinite value (data.non_finite: skip)
+    non_finite_by_file: dict[str, int] = field(default_factory=dict)  # those rows per file (a stream: subject)
+
+    def count_nonfinite(self, where: str, rows: int) -> None:
+        if rows:
+            self.non_finite_rows += rows
+            self.non_finite_by_file[where] = self.non_finite_by_file.get(where, 0) + rows
 
 
 def iter_rows(paths: Sequence[str], *, columns: np.ndarray, groups: Sequence[int], chunk_rows: int,
-              bad_lines: BadLinePolicy | str, counters: ReadCounters, split: Split | None = None) -> Iterator[Rows]:
+              bad_lines: BadLinePolicy | str, counters: ReadCounters, split: Split | None = None,
+              non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> Iterator[Rows]:
     """Chunks of every file in order (of this loader's `split`: splits.py), restricted to the configured
     feature columns."""
     for path, part in zip(paths, split or whole(len(paths))):
         if part is None:
             continue
         chunks = read_criteo(path, groups=groups, chunk_rows=chunk_rows, bad_lines=bad_lines,
-                             start_offset=part.start, start_line=None if part.start else 1, end_offset=part.stop)
+                             start_offset=part.start, start_line=None if part.start else 1, end_offset=part.stop,
+                             non_finite=non_finite)
         for chunk in chunks:
-            counters.bad_lines += chunk.num_bad_lines
-            counters.rows += len(chunk)
+            _count(counters, chunk)
             if len(chunk):
                 yield Rows.of_chunk(chunk, columns)
 
 
+def _count(counters: ReadCounters, chunk: CriteoChunk) -> None:
+    counters.bad_lines += chunk.num_bad_lines
+    counters.rows += len(chunk)
+    counters.count_nonfinite(chunk.path, chunk.num_nonfinite)
+
+
 def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, columns: np.ndarray,
                        groups: Sequence[int], bad_lines: BadLinePolicy | str, counters: ReadCounters,
-                       start: Position = Position(), split: Split | None = None) -> Iterator[tuple[Rows, Position]]:
+                       start: Position = Position(), split: Split | None = None,
+                       non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> Iterator[tuple[Rows, Position]]:
     """Training batches from `start` on (of this loader's `split` of the files: splits.py), each with the
     position right after it.
 
@@ -116,10 +134,9 @@ def iter_train_batches(paths: Sequence[str], *, epochs: int, batch_size: int, co
                 continue
             chunks = read_criteo(path, groups=groups, chunk_rows=batch_size, bad_lines=bad_lines,
                                  start_offset=offset, start_line=start.line if resume else None if offset else 1,
-                                 end_offset=part.stop)
+                                 end_offset=part.stop, non_finite=non_finite)
             for chunk in chunks:
-                counters.bad_lines += chunk.num_bad_lines
-                counters.rows += len(chunk)
+                _count(counters, chunk)
                 if len(chunk):
                     rows = Rows.of_chunk(chunk, columns)
                     yield rows, Position(epoch, index, chunk.end_offset, chunk.end_line)

@@ -3,22 +3,26 @@ record batch from a stream message (stream.py), so both read the same columns wi
 
 Columns are mapped by the config (README "Parquet input"):
 
-* each of `data.labels` is a label column (integer, float or boolean, 0 or 1):
-  one task each; a null or other value makes the row bad (`data.bad_lines`:
-  skipped and counted, or an error naming where and the row);
-* `data.dense_columns` (default I1..I<num_dense>) are float columns, a null
-  reads 0.0 (as an empty TSV field);
-* each feature reads `column` (default its name): with `kind: scalar` an
-  integer or string column (one ID, or none for a null or empty string), with
-  `kind: list` a list of integers or strings (null lists and null elements
-  add nothing). Strings are hashed exactly as TSV fields, so a Criteo TSV
-  converted with `hybridrec data to-parquet` yields the same IDs; integers go
-  through splitmix64. A list longer than the feature's `max_len` keeps its
-  last (most recent) `max_len` elements and counts in `truncated_rows`.
+* each of `data.labels` is a label column (boolean, or integer or float of any width holding 0 or 1): one task
+  each; a null or other value makes the row bad (`data.bad_lines`: skipped and counted, or an error naming
+  where and the row);
+* `data.dense_columns` (default I1..I<num_dense>) are float, integer, decimal or boolean columns, each
+  transformed as `data.dense_transform` says (`none`, or `log1p`: log1p(max(x, 0)), what the TSV reader
+  computes from its integer columns); a null reads 0.0 (as an empty TSV field). A NaN or infinite value, or
+  one past float32's range, follows `data.non_finite` (the row skipped and counted, or an error naming where,
+  the row and the column);
+* each feature reads `column` (default its name): with `kind: scalar` an integer, string or binary column
+  (one ID, or none for a null or empty string), with `kind: list` a list of them (null lists and null
+  elements add nothing). Strings are hashed exactly as TSV fields, so a Criteo TSV converted with `hybridrec
+  data to-parquet` yields the same IDs; an integer's 64 bits go through splitmix64, whatever its width and
+  sign (uint64 over all 2**64 values: a value below 2**63 gets the ID it has as int64). A float column of
+  whole numbers (pandas writes an integer column with missing values as float64) is read as those integers,
+  NaN as absent. Dictionary-encoded columns are read as their values. A list longer than the feature's
+  `max_len` keeps its last (most recent) `max_len` elements and counts in `truncated_rows`.
 
-A missing column, a column of the wrong type, or a list column where a scalar
-is configured raises `ColumnFormatError` naming where (a file and row group, or
-a stream's subject and message) and the config key.
+A missing column, a column of the wrong type, or a list column where a scalar is configured raises
+`ColumnFormatError` naming where (a file and row group, or a stream's subject and message) and the config key.
+`check_types` makes the same type checks from a schema alone (what `hybridrec check` reads of every file).
 """
 from __future__ import annotations
 
@@ -44,6 +48,11 @@ class ColumnFormatError(ValueError):
     subject and message), the config key and the column."""
 
 
+class RowError(ColumnFormatError):
+    """A row refused under a policy set to `error` (`data.bad_lines`: a null or non-0/1 label;
+    `data.non_finite`: a NaN or infinite dense value), naming where, the row and the column."""
+
+
 @dataclass(frozen=True)
 class FeatureColumn:
     """How one configured feature is read."""
@@ -57,17 +66,23 @@ class FeatureColumn:
 
 @dataclass(frozen=True)
 class ColumnSpec:
-    """Which columns are labels, dense features and ID features (from the config)."""
+    """Which columns are labels, dense features and ID features (from the config), and how each dense column
+    is transformed."""
 
     labels: tuple[str, ...]
     dense: tuple[str, ...]
     features: tuple[FeatureColumn, ...]
+    transforms: tuple[str, ...] = ()
+    """Each dense column's `data.dense_transform` (none or log1p); empty: none for all."""
 
     @classmethod
     def from_config(cls, config: Config) -> "ColumnSpec":
         return cls(tuple(config.data.labels), tuple(config.dense_columns),
                    tuple(FeatureColumn(f"features.{i} ({f.name})", f.source, f.group, f.kind, f.max_len)
-                         for i, f in enumerate(config.features)))
+                         for i, f in enumerate(config.features)), tuple(config.dense_transforms))
+
+    def transform(self, j: int) -> str:
+        return self.transforms[j] if self.transforms else "none"
 
     @property
     def columns(self) -> list[str]:
@@ -93,25 +108,63 @@ def check_names(names: Sequence[str], spec: ColumnSpec, where: str) -> None:
         raise ColumnFormatError(f"{where}: {key}: no column {column!r} (columns: {sorted(names)})")
 
 
+def check_types(schema: pa.Schema, spec: ColumnSpec, where: str) -> None:
+    """ColumnFormatError naming `where`, the key and the column for a configured column whose type the
+    converter would refuse (labels, dense columns, features): what `hybridrec check` reads of every file before
+    anything starts, from its schema alone."""
+    check_names(schema.names, spec, where)
+    for name in spec.labels:
+        _check_label_type(schema.field(name).type, f"{where}: data.labels ({name})")
+    for name in spec.dense:
+        _check_dense_type(schema.field(name).type, f"{where}: data.dense_columns ({name})")
+    for feature in spec.features:
+        kind = _value_type(schema.field(feature.column).type)
+        key = f"{where}: {feature.key}, column {feature.column!r}"
+        is_list = _is_list(kind)
+        _check_list_kind(feature, kind, is_list, key)
+        _check_id_type(_value_type(kind.value_type) if is_list else kind, key)
+
+
 def empty_rows(spec: ColumnSpec) -> Rows:
     n = len(spec.labels)
     return Rows(np.zeros((0,) if n == 1 else (0, n), np.float32), np.zeros((0, len(spec.dense)), np.float32),
                 KeyedBags(np.zeros(0, np.uint64), np.zeros((len(spec.features), 0), np.int64)))
 
 
+@dataclass
+class Converted:
+    """A table's good rows and what was left out of it."""
+
+    rows: Rows
+    kept: np.ndarray
+    """The source row number of each good row."""
+    bad: int
+    """Rows with a null or non-0/1 label (`data.bad_lines: skip`)."""
+    non_finite: int
+    """Rows with a NaN or infinite dense value (`data.non_finite: skip`)."""
+    truncated: int
+    """Good rows with a list longer than its feature's max_len."""
+
+
 def convert(table: pa.Table, spec: ColumnSpec, where: str, first_row: int, in_part: int,
-            policy: BadLinePolicy) -> tuple[Rows, np.ndarray, int, int]:
+            policy: BadLinePolicy, non_finite: BadLinePolicy = BadLinePolicy.ERROR) -> Converted:
     """`table`'s rows (row `first_row` of its source onwards; row `in_part` of the part `where` names, a Parquet
-    row group or a stream message): (Rows of the good rows, their source row numbers, bad rows, truncated
-    rows). Raises ColumnFormatError naming `where` and the key for a column of the wrong type."""
+    row group or a stream message). Raises ColumnFormatError naming `where` and the key for a column of the
+    wrong type, and, under the ERROR policies, for a bad label or a value that is not finite."""
     labels, good = _labels(table, spec.labels, where, first_row, in_part, policy)
+    dense, finite_values = _dense(table, spec, where)
+    finite = finite_values.all(axis=1)
+    unfinished = good & ~finite
+    if unfinished.any() and non_finite is BadLinePolicy.ERROR:
+        i = int(np.flatnonzero(unfinished)[0])
+        column = spec.dense[int(np.flatnonzero(~finite_values[i])[0])]
+        raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): data.dense_columns "
+                                f"({column}) is {_value_text(table.column(column), i)}, not a finite number "
+                                f"(data.non_finite: skip to skip such rows)")
+    keep = good & finite
     kept = np.arange(first_row, first_row + table.num_rows, dtype=np.int64)
-    num_bad = int(table.num_rows - good.sum())
-    if num_bad:
-        table, labels, kept = table.filter(pa.array(good)), labels[good], kept[good]
-    dense = np.zeros((table.num_rows, len(spec.dense)), np.float32)
-    for j, column in enumerate(spec.dense):
-        dense[:, j] = _floats(table.column(column), f"{where}: data.dense_columns ({column})")
+    if not keep.all():
+        table, labels, dense, kept = table.filter(pa.array(keep)), labels[keep], dense[keep], kept[keep]
     bags = []
     truncated = np.zeros(table.num_rows, bool)  # rows, not features: a row truncated twice counts once
     for feature in spec.features:
@@ -119,71 +172,167 @@ def convert(table: pa.Table, spec: ColumnSpec, where: str, first_row: int, in_pa
         bags.append(bag)
         truncated |= over
     rows = Rows(labels if labels.shape[1] > 1 else labels[:, 0], dense, KeyedBags.from_bags(bags))
-    return rows, kept, num_bad, int(truncated.sum())
+    return Converted(rows, kept, int((~good).sum()), int(unfinished.sum()), int(truncated.sum()))
+
+
+def _value_text(column: pa.ChunkedArray, i: int) -> str:
+    value = column[i].as_py()
+    return repr(value) if not isinstance(value, float) else str(value)
+
+
+def _value_type(kind: pa.DataType) -> pa.DataType:
+    """The type a column's values have: a dictionary's value type, or the type itself."""
+    return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
+def _decoded(column: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """A dictionary-encoded column as its values (pandas categoricals, Spark's dictionary pages)."""
+    if pa.types.is_dictionary(column.type):
+        return pc.cast(column, column.type.value_type)
+    return column
+
+
+def _is_number(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+
+
+def _check_label_type(kind: pa.DataType, key: str) -> None:
+    kind = _value_type(kind)
+    if not (_is_number(kind) or pa.types.is_boolean(kind)):
+        raise ColumnFormatError(f"{key}: a label column must be boolean, integer or float, not {kind}")
+
+
+def _check_dense_type(kind: pa.DataType, key: str) -> None:
+    kind = _value_type(kind)
+    if not (_is_number(kind) or pa.types.is_boolean(kind)):
+        raise ColumnFormatError(f"{key}: a dense column must be float, integer, decimal or boolean, not {kind}")
 
 
 def _labels(table: pa.Table, names: Sequence[str], where: str, first_row: int, in_part: int,
             policy: BadLinePolicy) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (rows, tasks) labels and the mask of good rows (every label present and 0 or 1)."""
+    """float32 (rows, tasks) labels and the mask of good rows (every label present and 0 or 1), each value
+    compared in its own type (no cast that could fail or round: an int64 above 2**24 is not 1)."""
     out = np.zeros((table.num_rows, len(names)), np.float32)
     good = np.ones(table.num_rows, bool)
     for t, name in enumerate(names):
-        column = table.column(name)
-        kind = column.type
-        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
-            raise ColumnFormatError(f"{where}: data.labels ({name}): a label column must be integer, float or "
-                                    f"boolean, not {kind}")
-        values = pc.cast(column, pa.float32()).fill_null(np.nan).to_numpy()
-        ok = (values == 0) | (values == 1)
+        column = _decoded(table.column(name))
+        _check_label_type(column.type, f"{where}: data.labels ({name})")
+        if pa.types.is_boolean(column.type):
+            column = pc.cast(column, pa.int8())
+        one = pc.equal(column, pa.scalar(1, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
+        zero = pc.equal(column, pa.scalar(0, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
+        ok = one | zero
         if policy is BadLinePolicy.ERROR and not ok.all():
             i = int(np.flatnonzero(~ok)[0])
-            what = "null" if np.isnan(values[i]) else f"{float(values[i])}, not 0 or 1"
-            raise ColumnFormatError(f"{where}, row {in_part + i} (file row {first_row + i}): label column "
+            value = column[i].as_py()
+            what = "null" if value is None else f"{value}, not 0 or 1"
+            raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): label column "
                                     f"{name!r} is {what}")
-        out[:, t] = np.where(ok, values, 0)
+        out[:, t] = one
         good &= ok
     return out, good
 
 
-def _floats(column: pa.ChunkedArray, where: str) -> np.ndarray:
-    if not pa.types.is_floating(column.type):
-        raise ColumnFormatError(f"{where}: a dense column must be float, not {column.type} (cast it to float32)")
-    return pc.cast(column, pa.float32()).fill_null(0.0).to_numpy()
+def _dense(table: pa.Table, spec: ColumnSpec, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (rows, dense columns), each column transformed, and which of their values are finite, as stored
+    and after the transform and the cast to float32."""
+    out = np.zeros((table.num_rows, len(spec.dense)), np.float32)
+    finite = np.ones((table.num_rows, len(spec.dense)), bool)
+    for j, name in enumerate(spec.dense):
+        column = _decoded(table.column(name))
+        _check_dense_type(column.type, f"{where}: data.dense_columns ({name})")
+        if pa.types.is_boolean(column.type):
+            column = pc.cast(column, pa.int8())
+        values = pc.cast(column, pa.float64(), safe=False).fill_null(0.0).to_numpy(zero_copy_only=False)
+        ok = np.isfinite(values)
+        if spec.transform(j) == "log1p":
+            values = np.log1p(np.maximum(values, 0.0))
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[:, j] = values
+        finite[:, j] = ok & np.isfinite(out[:, j])
+    return out, finite
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
-def _bag(column: pa.ChunkedArray, feature: FeatureColumn, where: str) -> tuple[Bag, np.ndarray]:
-    """The feature's IDs as a bag per row, and which rows were truncated to max_len."""
-    kind = column.type
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
-    key = f"{where}: {feature.key}, column {feature.column!r}"
+def _check_list_kind(feature: FeatureColumn, kind: pa.DataType, is_list: bool, key: str) -> None:
     if feature.kind == FeatureKind.SCALAR and is_list:
         raise ColumnFormatError(f"{key}: a list column ({kind}) where a scalar is configured; set kind: list")
     if feature.kind == FeatureKind.LIST and not is_list:
         raise ColumnFormatError(f"{key}: kind list needs a list column, not {kind}")
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind) or pa.types.is_string_view(kind) or pa.types.is_binary_view(kind))
+
+
+def _check_id_type(kind: pa.DataType, key: str) -> None:
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or _is_text(kind)):
+        raise ColumnFormatError(f"{key}: IDs must be integers or strings, not {kind}")
+
+
+def _bag(column: pa.ChunkedArray, feature: FeatureColumn, where: str) -> tuple[Bag, np.ndarray]:
+    """The feature's IDs as a bag per row, and which rows were truncated to max_len."""
+    column = _decoded(column)
+    kind = column.type
+    is_list = _is_list(kind)
+    key = f"{where}: {feature.key}, column {feature.column!r}"
+    _check_list_kind(feature, kind, is_list, key)
     array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     group_hi = np.uint64(feature.group << GROUP_SHIFT)
     if not is_list:
         ids, present = _ids(array, group_hi, key)
         return Bag.from_column(ids, present), np.zeros(len(array), bool)
     lengths = pc.list_value_length(array).fill_null(0).to_numpy().astype(np.int64)
-    ids, present = _ids(pc.list_flatten(array), group_hi, key)
+    ids, present = _ids(_decoded(pc.list_flatten(array)), group_hi, key)
     return Bag.from_lengths(ids, lengths, present).keep_last(feature.max_len)  # null elements, "" add nothing
 
 
 def _ids(array: pa.Array, group_hi: np.uint64, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 IDs and presence of an integer or string array (no Python loop over values)."""
+    """uint64 IDs and presence of an integer, whole-number float or string array (no Python loop over values,
+    no cast that can fail)."""
     kind = array.type
+    _check_id_type(kind, key)
     present = array.is_valid().to_numpy(zero_copy_only=False).copy()
     out = np.empty(len(array), np.uint64)
     if pa.types.is_integer(kind):
-        hash_ints(pc.cast(array.fill_null(0), pa.int64()).to_numpy(), group_hi, out)
-    elif pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
-            or pa.types.is_large_binary(kind):
-        offset_type = np.int64 if pa.types.is_large_string(kind) or pa.types.is_large_binary(kind) else np.int32
-        _, offsets_buf, data_buf = array.buffers()[:3]
-        offsets = np.frombuffer(offsets_buf, offset_type)[array.offset:array.offset + len(array) + 1]
-        data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
-        hash_strings(data, offsets, group_hi, out, present)
+        hash_ints(_int_bits(array), group_hi, out)
+    elif pa.types.is_floating(kind):
+        hash_ints(_whole_numbers(array, present, key), group_hi, out)
     else:
-        raise ColumnFormatError(f"{key}: IDs must be integers or strings, not {kind}")
+        if pa.types.is_string_view(kind) or pa.types.is_binary_view(kind):
+            array = pc.cast(array, pa.large_binary())
+            kind = array.type
+        large = pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)
+        _, offsets_buf, data_buf = array.buffers()[:3]
+        offsets = np.frombuffer(offsets_buf, np.int64 if large else np.int32)[array.offset:array.offset + len(array) + 1]
+        data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+        if len(offsets) != len(array) + 1 or (bad := hash_strings(data, offsets, group_hi, out, present)) >= 0:
+            raise ColumnFormatError(f"{key}: string offsets outside the column's data (at row "
+                                    f"{bad if len(offsets) == len(array) + 1 else 0}): a corrupt column")
     return out, present
+
+
+def _int_bits(array: pa.Array) -> np.ndarray:
+    """An integer array's values as int64 bits: signed widths widened (always exact), unsigned ones as uint64
+    viewed as int64, so uint64 values of 2**63 and more hash by their bits instead of failing a cast."""
+    filled = array.fill_null(0)
+    if pa.types.is_signed_integer(array.type):
+        return pc.cast(filled, pa.int64()).to_numpy()
+    return pc.cast(filled, pa.uint64()).to_numpy().view(np.int64)
+
+
+def _whole_numbers(array: pa.Array, present: np.ndarray, key: str) -> np.ndarray:
+    """A float array of whole numbers as int64 (NaN absent, as null): pandas writes an integer column with
+    missing values as float64. A fraction or an infinity is refused, naming the first."""
+    values = pc.cast(array, pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+    nan = np.isnan(values)
+    present &= ~nan
+    values = np.where(nan, 0.0, values)
+    bad = (values != np.trunc(values)) | (np.abs(values) >= 2.0 ** 63)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ColumnFormatError(f"{key}: a float ID column must hold whole numbers (row {i} is {values[i]}); "
+                                f"write IDs as integers or strings")
+    return values.astype(np.int64)

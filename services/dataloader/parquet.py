@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from services.dataloader.batching import BadLinePolicy, Position, ReadCounters, Rows
-from services.dataloader.columns import ColumnFormatError, ColumnSpec, FeatureColumn, check_names, convert, empty_rows
+from services.dataloader.columns import ColumnFormatError, ColumnSpec, FeatureColumn, check_types, convert, empty_rows
 from services.dataloader.splits import WHOLE, Part, Split, whole
 
 ParquetFormatError = ColumnFormatError
@@ -38,14 +38,17 @@ class ParquetChunk:
     """Row of the file (0-based, bad rows included) after the chunk: pass it as `start_row` to resume."""
     num_bad_rows: int
     num_truncated: int
+    num_nonfinite: int = 0
+    path: str = ""
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
 def check_columns(path: str, spec: ParquetSpec) -> None:
-    """Raise ParquetFormatError naming the first configured column the file lacks (what preflight checks)."""
-    check_names(pq.read_schema(path).names, spec, path)
+    """Raise ParquetFormatError naming the first configured column the file lacks or holds in a type the reader
+    refuses, from the file's schema alone (what preflight checks of every file)."""
+    check_types(_open(path).schema_arrow, spec, path)
 
 
 def _open(path: str) -> pq.ParquetFile:
@@ -65,7 +68,7 @@ def row_groups(path: str | os.PathLike) -> list[int]:
 
 def read_parquet(path: str | os.PathLike, spec: ParquetSpec, *, chunk_rows: int,
                  bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP, start_row: int = 0,
-                 groups: Part = WHOLE) -> Iterator[ParquetChunk]:
+                 groups: Part = WHOLE, non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> Iterator[ParquetChunk]:
     """Chunks of `chunk_rows` good rows from file row `start_row` on (the last may be shorter), of the row
     groups [groups.start, groups.stop) only (a data loader's part of the file: splits.py).
 
@@ -73,14 +76,15 @@ def read_parquet(path: str | os.PathLike, spec: ParquetSpec, *, chunk_rows: int,
     """
     path = os.fspath(path)
     parquet = _open(path)
-    check_columns(path, spec)
-    return _read(parquet, path, spec, chunk_rows, BadLinePolicy(bad_lines), start_row, groups)
+    check_types(parquet.schema_arrow, spec, path)
+    return _read(parquet, path, spec, chunk_rows, (BadLinePolicy(bad_lines), BadLinePolicy(non_finite)), start_row,
+                 groups)
 
 
-def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int, policy: BadLinePolicy,
-          start_row: int, groups: Part) -> Iterator[ParquetChunk]:
+def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int,
+          policies: tuple[BadLinePolicy, BadLinePolicy], start_row: int, groups: Part) -> Iterator[ParquetChunk]:
     pending: list[Rows] = []
-    held, bad, truncated = 0, 0, 0
+    held, bad, truncated, nonfinite = 0, 0, 0, 0
     row0 = 0
     count = parquet.metadata.num_row_groups
     stop = count if groups.stop is None else min(groups.stop, count)
@@ -91,23 +95,23 @@ def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int
             continue
         table = parquet.read_row_group(group, columns=spec.columns)
         skip = max(0, start_row - row0)
-        rows, kept, num_bad, num_trunc = convert(table.slice(skip), spec, f"{path}: row group {group}", row0 + skip,
-                                                 skip, policy)
-        bad, truncated = bad + num_bad, truncated + num_trunc
+        got = convert(table.slice(skip), spec, f"{path}: row group {group}", row0 + skip, skip, *policies)
+        rows, kept = got.rows, got.kept
+        bad, truncated, nonfinite = bad + got.bad, truncated + got.truncated, nonfinite + got.non_finite
         start = 0
         while held + len(rows) - start >= chunk_rows:  # a full chunk: what is held plus this group's next rows
             take = chunk_rows - held
             part = Rows.concat(pending + [rows.slice(start, start + take)])
             end = int(kept[start + take - 1]) + 1
-            yield ParquetChunk(part, end, bad, truncated)
-            pending, held, bad, truncated, start = [], 0, 0, 0, start + take
+            yield ParquetChunk(part, end, bad, truncated, nonfinite, path)
+            pending, held, bad, truncated, nonfinite, start = [], 0, 0, 0, 0, start + take
         if start < len(rows):
             pending.append(rows.slice(start, len(rows)))
             held += len(rows) - start
         row0 += num
-    if held or bad or truncated:
+    if held or bad or truncated or nonfinite:
         rows = Rows.concat(pending) if pending else empty_rows(spec)
-        yield ParquetChunk(rows, max(row0, start_row), bad, truncated)
+        yield ParquetChunk(rows, max(row0, start_row), bad, truncated, nonfinite, path)
 
 
 # ---------------------------------------------------------------- the data loader's two streams
@@ -115,7 +119,8 @@ def _read(parquet: pq.ParquetFile, path: str, spec: ParquetSpec, chunk_rows: int
 
 def iter_train_batches(paths: Sequence[str], spec: ParquetSpec, *, epochs: int, batch_size: int,
                        bad_lines: BadLinePolicy | str, counters: ReadCounters,
-                       start: Position = Position(), split: Split | None = None) -> Iterator[tuple[Rows, Position]]:
+                       start: Position = Position(), split: Split | None = None,
+                       non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> Iterator[tuple[Rows, Position]]:
     """Training batches from `start` on (of this loader's `split`: row groups per file), each with the position
     after it (`offset`: the file row; `line`: that row, 1-based): as `batching.iter_train_batches` for TSV."""
     parts = split or whole(len(paths))
@@ -125,19 +130,21 @@ def iter_train_batches(paths: Sequence[str], spec: ParquetSpec, *, epochs: int, 
                 continue
             first = start.offset if (epoch, index) == (start.epoch, start.file) else 0
             for chunk in read_parquet(path, spec, chunk_rows=batch_size, bad_lines=bad_lines, start_row=first,
-                                      groups=part):
+                                      groups=part, non_finite=non_finite):
                 _count(counters, chunk)
                 if len(chunk):
                     yield chunk.rows, Position(epoch, index, chunk.end_row, chunk.end_row + 1)
 
 
 def iter_rows(paths: Sequence[str], spec: ParquetSpec, *, chunk_rows: int, bad_lines: BadLinePolicy | str,
-              counters: ReadCounters, split: Split | None = None) -> Iterator[Rows]:
+              counters: ReadCounters, split: Split | None = None,
+              non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> Iterator[Rows]:
     """Chunks of every file in order (of this loader's `split`), the eval stream."""
     for path, part in zip(paths, split or whole(len(paths))):
         if part is None:
             continue
-        for chunk in read_parquet(path, spec, chunk_rows=chunk_rows, bad_lines=bad_lines, groups=part):
+        for chunk in read_parquet(path, spec, chunk_rows=chunk_rows, bad_lines=bad_lines, groups=part,
+                                  non_finite=non_finite):
             _count(counters, chunk)
             if len(chunk):
                 yield chunk.rows
@@ -147,3 +154,4 @@ def _count(counters: ReadCounters, chunk: ParquetChunk) -> None:
     counters.rows += len(chunk)
     counters.bad_lines += chunk.num_bad_rows
     counters.truncated_rows += chunk.num_truncated
+    counters.count_nonfinite(chunk.path, chunk.num_nonfinite)

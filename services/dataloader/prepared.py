@@ -55,6 +55,7 @@ from hybridrec.config import Config, ConfigError, FeatureKind
 from hybridrec.criteo_format import DENSE_COLUMNS
 from hybridrec.jagged import Bag, KeyedBags
 from services.dataloader.batching import Position, ReadCounters, Rows
+from services.dataloader.tsv import BadLinePolicy
 from services.dataloader.splits import Split, whole
 
 FORMAT = "hybridrec-prepared"
@@ -63,6 +64,8 @@ MANIFEST = "manifest.json"
 CHECKSUM = "xxh3-128"
 _CHUNK_BYTES = 16 << 20
 _DENSE_TRANSFORM = {"tsv": "log1p(max(x, 0)), empty 0", "parquet": "float32 as stored, null 0"}
+"""The schema's `dense_transform` of each source format's default (the text prepared data of every version so
+far holds: a transform set per column is spelt out instead)."""
 
 _log = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ class ShardEntry(BaseModel):
     """Lines (TSV) or rows (Parquet) of the source the reader skipped as bad."""
     truncated_rows: int = 0
     """Parquet: rows with a list longer than its feature's max_len."""
+    non_finite_rows: int = 0
+    """Rows of the source skipped for a NaN or infinite dense value (`data.non_finite: skip`)."""
     files: dict[str, FileEntry]
     """Every file of the shard by name, with size and checksum."""
 
@@ -154,8 +159,12 @@ def schema(config: Config) -> dict[str, Any]:
             entry["max_len"] = f.max_len
         features.append(entry)
     dense = list(DENSE_COLUMNS) if data.format == "tsv" else list(config.dense_columns)
+    transforms = config.dense_transforms
+    transform = _DENSE_TRANSFORM[data.format]
+    if data.format == "parquet" and any(t != "none" for t in transforms):
+        transform = ", ".join(f"{c} {t}" for c, t in zip(dense, transforms)) + "; log1p(max(x, 0)), null 0"
     return {"data.format": data.format, "data.labels": list(data.labels), "data.dense_columns": dense,
-            "dense_transform": _DENSE_TRANSFORM[data.format], "features": features}
+            "dense_transform": transform, "features": features}
 
 
 def fingerprint(schema_: dict[str, Any]) -> str:
@@ -387,6 +396,25 @@ def _count_shard(counters: ReadCounters, shard: _Shard) -> None:
     """The source's skipped and truncated rows, counted once a shard has been read to its end."""
     counters.bad_lines += shard.entry.bad_lines
     counters.truncated_rows += shard.entry.truncated_rows
+    counters.count_nonfinite(shard.manifest.sources[shard.entry.source].path, shard.entry.non_finite_rows)
+
+
+def _finite(rows: Rows, shard: _Shard, begin: int, policy: BadLinePolicy, counters: ReadCounters) -> Rows:
+    """`rows` (the shard's from row `begin`) without a row holding a NaN or infinite dense value: prepared data
+    of this version holds none (prepare applies data.non_finite), but a shard prepared before it could, and a
+    NaN must not reach the model. ERROR: PreparedDataError naming the shard, its row and the column."""
+    finite = np.isfinite(rows.dense).all(axis=1)
+    if finite.all():
+        return rows
+    i = int(np.flatnonzero(~finite)[0])
+    where = shard.directory / shard.entry.name
+    if policy is BadLinePolicy.ERROR:
+        j = int(np.flatnonzero(~np.isfinite(rows.dense[i]))[0])
+        raise PreparedDataError(f"{where}: row {begin + i}: dense column {j} is {rows.dense[i, j]}, not a finite "
+                                f"number (data.non_finite: skip to skip such rows; re-run prepare)")
+    counters.count_nonfinite(str(where), int((~finite).sum()))
+    keep = np.flatnonzero(finite)
+    return Rows(rows.labels[keep], rows.dense[keep], rows.bags.take(keep))
 
 
 def shard_rows(directories: Sequence[str]) -> list[int]:
@@ -405,11 +433,11 @@ def iter_train_batches(directories: Sequence[str], config: Config, *, counters: 
         raise PreparedDataError(f"resume position {start.as_list()} is outside the prepared data ({len(shards)} "
                                 f"shards of {[s.entry.rows for s in shards]} rows): it was taken on other data")
     return _train(shards, config.training.epochs, config.training.batch_size, counters, start,
-                  split or whole(len(shards)))
+                  split or whole(len(shards)), BadLinePolicy(config.data.non_finite))
 
 
 def _train(shards: list[_Shard], epochs: int, batch_size: int, counters: ReadCounters,
-           start: Position, split: Split) -> Iterator[tuple[Rows, Position]]:
+           start: Position, split: Split, policy: BadLinePolicy) -> Iterator[tuple[Rows, Position]]:
     for epoch in range(start.epoch, epochs):
         for index, (shard, part) in enumerate(zip(shards, split)):
             if (epoch, index) < (start.epoch, start.file) or part is None:
@@ -419,8 +447,10 @@ def _train(shards: list[_Shard], epochs: int, batch_size: int, counters: ReadCou
             first = max(start.offset, part.start) if (epoch, index) == (start.epoch, start.file) else part.start
             for begin in range(first, stop, batch_size):
                 end = min(begin + batch_size, stop)
-                counters.rows += end - begin
-                yield rows.slice(begin, end), Position(epoch, index, end, end + 1)
+                batch = _finite(rows.slice(begin, end), shard, begin, policy, counters)
+                counters.rows += len(batch)
+                if len(batch):
+                    yield batch, Position(epoch, index, end, end + 1)
             if stop == len(rows):  # the loader that reads the shard's end counts its source's bad lines
                 _count_shard(counters, shard)
 
@@ -431,10 +461,11 @@ def iter_rows(directories: Sequence[str], config: Config, *, counters: ReadCount
     stream)."""
     shards = _shards(directories, config)
     chunk_rows = config.data.chunk_rows
-    return _chunks(shards, chunk_rows, counters, split or whole(len(shards)))
+    return _chunks(shards, chunk_rows, counters, split or whole(len(shards)), BadLinePolicy(config.data.non_finite))
 
 
-def _chunks(shards: list[_Shard], chunk_rows: int, counters: ReadCounters, split: Split) -> Iterator[Rows]:
+def _chunks(shards: list[_Shard], chunk_rows: int, counters: ReadCounters, split: Split,
+            policy: BadLinePolicy) -> Iterator[Rows]:
     for shard, part in zip(shards, split):
         if part is None:
             continue
@@ -442,7 +473,9 @@ def _chunks(shards: list[_Shard], chunk_rows: int, counters: ReadCounters, split
         stop = len(rows) if part.stop is None else part.stop
         for begin in range(part.start, stop, chunk_rows):
             end = min(begin + chunk_rows, stop)
-            counters.rows += end - begin
-            yield rows.slice(begin, end)
+            chunk = _finite(rows.slice(begin, end), shard, begin, policy, counters)
+            counters.rows += len(chunk)
+            if len(chunk):
+                yield chunk
         if stop == len(rows):
             _count_shard(counters, shard)

@@ -80,20 +80,23 @@ class _Chunk:
     truncated_rows: int
     columns: tuple[np.ndarray, np.ndarray] | None = None  # TSV: ids and present (n, features)
     bags: KeyedBags | None = None  # Parquet
+    non_finite_rows: int = 0
 
 
 def _tsv_chunks(path: str, config: Config) -> Iterator[_Chunk]:
     columns, groups = feature_columns(config.features)
-    for chunk in read_criteo(path, groups=groups, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines):
+    for chunk in read_criteo(path, groups=groups, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines,
+                             non_finite=config.data.non_finite):
         yield _Chunk(chunk.labels, chunk.dense, chunk.num_bad_lines, 0,
-                     columns=(chunk.ids[:, columns], chunk.present[:, columns]))
+                     columns=(chunk.ids[:, columns], chunk.present[:, columns]), non_finite_rows=chunk.num_nonfinite)
 
 
 def _parquet_chunks(path: str, config: Config) -> Iterator[_Chunk]:
     spec = parquet.ParquetSpec.from_config(config)
-    for chunk in parquet.read_parquet(path, spec, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines):
+    for chunk in parquet.read_parquet(path, spec, chunk_rows=config.data.chunk_rows, bad_lines=config.data.bad_lines,
+                                      non_finite=config.data.non_finite):
         yield _Chunk(chunk.rows.labels, chunk.rows.dense, chunk.num_bad_rows, chunk.num_truncated,
-                     bags=chunk.rows.bags)
+                     bags=chunk.rows.bags, non_finite_rows=chunk.num_nonfinite)
 
 
 def _writers(where: Path, config: Config) -> dict[str, _NpyWriter]:
@@ -129,7 +132,7 @@ def _fill(writers: dict[str, _NpyWriter], chunks: Iterator[_Chunk], where: Path,
           num_features: int) -> ShardEntry:
     """Append every chunk's arrays; close the files (headers, fsync, checksums) when the source ends."""
     nnz = [0] * num_features
-    rows = bad = truncated = 0
+    rows = bad = truncated = non_finite = 0
     for chunk in chunks:
         writers["labels.npy"].append(chunk.labels)
         writers["dense.npy"].append(chunk.dense)
@@ -142,8 +145,10 @@ def _fill(writers: dict[str, _NpyWriter], chunks: Iterator[_Chunk], where: Path,
                 writers[f"bag{f}.offsets.npy"].append(bag.offsets[1:] + nnz[f])
                 nnz[f] += int(bag.offsets[-1])
         rows, bad, truncated = rows + len(chunk.labels), bad + chunk.bad_lines, truncated + chunk.truncated_rows
+        non_finite += chunk.non_finite_rows
     files = {name: w.close() for name, w in writers.items()}
-    return ShardEntry(name=where.name, source=index, rows=rows, bad_lines=bad, truncated_rows=truncated, files=files)
+    return ShardEntry(name=where.name, source=index, rows=rows, bad_lines=bad, truncated_rows=truncated,
+                      non_finite_rows=non_finite, files=files)
 
 
 def _pid_alive(pid: int) -> bool:

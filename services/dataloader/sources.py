@@ -100,11 +100,11 @@ def train_batches(config: Config, counters: ReadCounters, start: Position = Posi
 
         return parquet.iter_train_batches(data.train, parquet.ParquetSpec.from_config(config), epochs=training.epochs,
                                           batch_size=training.batch_size, bad_lines=data.bad_lines,
-                                          counters=counters, start=start, split=part)
+                                          counters=counters, start=start, split=part, non_finite=data.non_finite)
     columns, groups = feature_columns(config.features)
     return batching.iter_train_batches(data.train, epochs=training.epochs, batch_size=training.batch_size,
                                        columns=columns, groups=groups, bad_lines=data.bad_lines, counters=counters,
-                                       start=start, split=part)
+                                       start=start, split=part, non_finite=data.non_finite)
 
 
 def eval_rows(config: Config, counters: ReadCounters, loader: int = 0) -> Iterator[Rows]:
@@ -118,7 +118,7 @@ def eval_rows(config: Config, counters: ReadCounters, loader: int = 0) -> Iterat
         # a loader reading Parquet imports it, never the fork server its process comes from
 
         return parquet.iter_rows(data.eval, parquet.ParquetSpec.from_config(config), chunk_rows=data.chunk_rows,
-                                 bad_lines=data.bad_lines, counters=counters, split=part)
+                                 bad_lines=data.bad_lines, counters=counters, split=part, non_finite=data.non_finite)
     columns, groups = feature_columns(config.features)
     return batching.iter_rows(data.eval, columns=columns, groups=groups, chunk_rows=data.chunk_rows,
-                              bad_lines=data.bad_lines, counters=counters, split=part)
+                              bad_lines=data.bad_lines, counters=counters, split=part, non_finite=data.non_finite)

@@ -5,9 +5,11 @@ own columns (its `Hybridrec-Format` header says which), with headers naming its 
 time (hybridrec/event_stream.py; `hybridrec data replay` publishes a TSV or Parquet file that way). TSV lines
 are parsed by the TSV reader's kernel, Arrow batches converted by the Parquet reader's own code (columns.py):
 the same hashing, `max_len` and absent values as the files. A message the config cannot read (a format it does
-not know, a payload that does not decode, a configured column missing or of the wrong type) is counted,
-skipped and acknowledged, or with `data.bad_lines: error` stops the run naming the subject, the message and
-the column. The loader reads the stream through a durable pull consumer and turns it into the same training
+not know, a payload that does not decode — any error decoding it, so no message can stop the loader again and
+again —, a configured column missing or of the wrong type) is counted, copied to the dead-letter subject
+(`data.stream.dead_letter`, the reason in a header) and acknowledged with the rest, or with `data.bad_lines:
+error` stops the run naming the subject, the message and the column. A row with a NaN or infinite dense
+value follows `data.non_finite` as in a file. The loader reads the stream through a durable pull consumer and turns it into the same training
 batches as a file, each with the position right after it, so resuming, checkpoints and the hand-over to a
 restarted loader work as they do for files (services/dataloader/resume.py):
 
@@ -58,10 +60,13 @@ from hybridrec.config import Config, ConfigError, StreamConfig
 from hybridrec.criteo_format import feature_columns
 from hybridrec.event_stream import (ARROW, FORMAT, TSV, EventFormatError, decode_arrow, events_in, partition_subject,
                                     read_format, read_headers, subject_matches)
+from hybridrec.event_stream import DEAD_REASON, DEAD_SEQ, DEAD_SUBJECT
 from hybridrec.summary import StreamSummary, lag_bucket, lag_of
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.tsv import BadLinePolicy, CriteoFormatError, parse_lines
 
+DEAD_LETTER_BYTES = 1 << 30
+"""The dead-letter stream the loader creates keeps at most this much, dropping its oldest copies."""
 ACK_WAIT_S = 3600.0
 """The consumer redelivers an unacknowledged message after this long: never, in practice, to a live loader
 (a restarted one re-creates the consumer at its position instead)."""
@@ -78,6 +83,8 @@ class Message:
     event_time: float
     format: str = TSV
     """The payload's format (hybridrec/event_stream.py): tsv or arrow, or whatever an unknown header named."""
+    headers: dict[str, str] | None = None
+    """Its headers as they came (a dead letter carries them on)."""
 
 
 class StreamError(RuntimeError):
@@ -97,6 +104,8 @@ class EventSource(Protocol):
 
     subject: str
     """The subject (partition) it reads, for messages."""
+    dead_letter_subject: str
+    """Where messages it cannot read are copied (`dead_letter`)."""
     first_seq: int
     """The first sequence (offset) this job read."""
     acknowledged: int
@@ -111,6 +120,7 @@ class EventSource(Protocol):
     def ack_through(self, seq: int) -> None: ...
     def finish(self, timeout_s: float) -> bool: ...
     def acknowledge_read(self, through: int, timeout_s: float) -> None: ...
+    def dead_letter(self, msg: Message, reason: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -122,6 +132,7 @@ class NatsSource:
         self.config, self.url, self.retry_s = config, url, retry_s
         self.subject = partition_subject(config.subject, partition)
         self.durable = config.durable if partition is None else f"{config.durable}-{partition}"
+        self.dead_letter_subject = config.dead_letter_subject()
         self.messages: queue.Queue[Message | BaseException] = queue.Queue(QUEUE_MESSAGES)
         self._loop = uvloop.new_event_loop()  # as every service's own loop: a fraction of asyncio's cost a message
         self._thread = threading.Thread(target=self._loop.run_forever, name="stream", daemon=True)
@@ -134,6 +145,7 @@ class NatsSource:
         self.log = log.get()
         self.first_seq = 0
         self.ended = False
+        self._dead_ready = False  # a stream holds the dead-letter subject
 
     def start(self, position: Position) -> int:
         """Connect, check the stream, and read from `position` (the start of the data: after the durable
@@ -184,6 +196,13 @@ class NatsSource:
                                   f"again within {timeout_s:.0f} s to be acknowledged")
         self.ack_through(through)
         self.finish(timeout_s)
+
+    def dead_letter(self, msg: Message, reason: str) -> None:
+        """Copy `msg` to the dead-letter subject with `reason` in a header, and wait until the broker holds it
+        (before the message can be acknowledged). Published with a message id of the stream and sequence, so a
+        restarted loader reading the message again within the broker's duplicate window adds no second copy.
+        StreamError when the broker does not take it within `retry_s`."""
+        asyncio.run_coroutine_threadsafe(self._dead_letter(msg, reason), self._loop).result()
 
     def close(self) -> None:
         if self._fetching is not None:
@@ -354,6 +373,41 @@ class NatsSource:
                                      f"{exc}", why="the next job reads the unacknowledged messages again")
                     return False
                 await asyncio.sleep(0.5)
+
+    async def _dead_letter(self, msg: Message, reason: str) -> None:
+        subject = self.dead_letter_subject
+        headers = {**(msg.headers or {}), DEAD_REASON: " ".join(reason.split())[:2000], DEAD_SUBJECT: self.subject,
+                   DEAD_SEQ: str(msg.seq), "Nats-Msg-Id": f"{self.config.stream}:{msg.seq}"}
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                if not self._dead_ready:
+                    await self._dead_letter_stream(subject)
+                await self._js.publish(subject, msg.data, headers=headers, timeout=5)
+                self.log.warning("stream_message_dead_lettered", seq=msg.seq, dead_letter=subject)
+                return
+            except Exception as exc:  # noqa: BLE001 - a broker restarting: try again until retry_s
+                if time.monotonic() > deadline:
+                    raise StreamError(f"data.stream.dead_letter: message {msg.seq} could not be copied to "
+                                      f"{subject!r} ({type(exc).__name__}: {exc}) within {self.retry_s:.0f} s "
+                                      f"(cluster.retry_s)") from None
+                await asyncio.sleep(0.5)
+
+    async def _dead_letter_stream(self, subject: str) -> None:
+        """Make sure a stream holds the dead-letter subject: the one that does (the events' own, when it holds
+        `<subject>.*`), or `<stream>_DEAD`, created like the events' stream, at most 1 GiB, oldest dropped."""
+        from nats.js import api
+        from nats.js.errors import NotFoundError
+
+        try:
+            await self._js.find_stream_name_by_subject(subject)
+        except NotFoundError:
+            info = await self._js.stream_info(self.config.stream)
+            await self._js.add_stream(api.StreamConfig(
+                name=f"{self.config.stream}_DEAD", subjects=[subject], storage=info.config.storage,
+                max_bytes=DEAD_LETTER_BYTES, discard=api.DiscardPolicy.OLD, duplicate_window=3600.0))
+            self.log.info("stream_dead_letter_created", stream=f"{self.config.stream}_DEAD", subject=subject)
+        self._dead_ready = True
 
     async def _close(self) -> None:
         if self._nc is not None:
@@ -531,7 +585,8 @@ class StreamAccount:
             training_lag_s=lag_of(self._histogram, low, high),
             lag_histogram=sorted([b, n] for b, n in self._histogram.items()) or None,
             lag_min_s=low if self._histogram else None, loader_restarts=self._restarts,
-            skipped_messages=len(skipped), skipped_events=sum(n or 0 for n in skipped), partition=self.partition)
+            skipped_messages=len(skipped), skipped_events=sum(n or 0 for n in skipped), partition=self.partition,
+            dead_letter=self.source.dead_letter_subject if skipped else None)
 
     def write_summary(self) -> None:
         """`<output.dir>/stream.json` (`stream-<partition>.json`): the summary and what a successor needs (at every
@@ -559,7 +614,7 @@ async def _ack(msg, seq: int, logger) -> None:
 
 def _message(msg, seq: int) -> Message:
     first, when = read_headers(msg.headers)
-    return Message(seq, msg.data, first, when, (msg.headers or {}).get(FORMAT, TSV))
+    return Message(seq, msg.data, first, when, (msg.headers or {}).get(FORMAT, TSV), msg.headers)
 
 
 @dataclass
@@ -575,11 +630,20 @@ class Parsed:
     was bad)."""
     bad: int
     truncated: int
+    non_finite: int = 0
+    """Samples skipped for a NaN or infinite dense value (`data.non_finite: skip`)."""
 
 
 class BadMessage(ValueError):
-    """A message the config cannot read: a format the loader does not know, a payload that does not decode, a
-    configured column missing or of the wrong type. Its text names the subject, the message and the column."""
+    """A message the config cannot read: a format the loader does not know, a payload that does not decode (any
+    error decoding it), a configured column missing or of the wrong type; or, with `stops`, a row refused by a
+    policy set to `error` (a bad line or label, a value that is not finite). Its text names the subject, the
+    message and the column."""
+
+    def __init__(self, message: str, stops: bool = False):
+        super().__init__(message)
+        self.stops = stops
+        """The run stops on it whatever `data.bad_lines` says: a row-level refusal under an `error` policy."""
 
 
 class MessageReader:
@@ -590,6 +654,9 @@ class MessageReader:
     def __init__(self, config: Config, subject: str):
         self.config, self.subject = config, subject
         self.policy = BadLinePolicy(config.data.bad_lines)
+        self.non_finite = BadLinePolicy(config.data.non_finite)
+        stream = config.data.stream
+        self.max_bytes = stream.max_message_bytes if stream is not None else StreamConfig().max_message_bytes
         self._tsv: tuple[np.ndarray, list[int]] | str | None = None  # (columns, groups), or why TSV is unreadable
         self._spec = None
 
@@ -597,15 +664,21 @@ class MessageReader:
         return f"subject {self.subject}, message {msg.seq}"
 
     def read(self, msg: Message) -> Parsed:
-        """BadMessage for a message it cannot read as configured (with `data.bad_lines: error`, also for a bad
-        line or row, which is skipped and counted otherwise)."""
+        """BadMessage for a message it cannot read as configured — whatever fails in decoding it, a MemoryError
+        included: a message is data, and no data may stop the loader again and again — (with `data.bad_lines:
+        error`, also for a bad line or row, which is skipped and counted otherwise)."""
         where = self.where(msg)
-        if msg.format == ARROW:
-            return self._arrow(msg, where)
-        if msg.format != TSV:
-            raise BadMessage(f"{where}: header {FORMAT} is {msg.format!r}, not a format of the event stream "
-                             f"({TSV} or {ARROW})")
-        return self._lines(msg, where)
+        try:
+            if msg.format == ARROW:
+                return self._arrow(msg, where)
+            if msg.format != TSV:
+                raise BadMessage(f"{where}: header {FORMAT} is {msg.format!r}, not a format of the event stream "
+                                 f"({TSV} or {ARROW})")
+            return self._lines(msg, where)
+        except BadMessage:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see the docstring: counted, dead-lettered, acknowledged
+            raise BadMessage(f"{where}: the message does not decode ({type(exc).__name__}: {exc})") from None
 
     def _lines(self, msg: Message, where: str) -> Parsed:
         if self._tsv is None:
@@ -618,10 +691,11 @@ class MessageReader:
             raise BadMessage(f"{where}: a TSV message, but {self._tsv}")
         columns, groups = self._tsv
         try:
-            chunk = parse_lines(msg.data, where=where, groups=groups, bad_lines=self.policy)
-        except CriteoFormatError as exc:  # data.bad_lines: error
-            raise BadMessage(str(exc)) from None
-        return Parsed(Rows.of_chunk(chunk, columns), chunk.end_line - 1, None, chunk.num_bad_lines, 0)
+            chunk = parse_lines(msg.data, where=where, groups=groups, bad_lines=self.policy, non_finite=self.non_finite)
+        except CriteoFormatError as exc:  # data.bad_lines or data.non_finite: error
+            raise BadMessage(str(exc), stops=True) from None
+        return Parsed(Rows.of_chunk(chunk, columns), chunk.end_line - 1, None, chunk.num_bad_lines, 0,
+                      chunk.num_nonfinite)
 
     def _arrow(self, msg: Message, where: str) -> Parsed:
         from services.dataloader import columns  # pyarrow: imported where Arrow is read (see sources.eval_rows)
@@ -629,14 +703,16 @@ class MessageReader:
         if self._spec is None:
             self._spec = columns.ColumnSpec.from_config(self.config)
         try:
-            table = decode_arrow(msg.data)
+            table = decode_arrow(msg.data, self.max_bytes)
             columns.check_names(table.column_names, self._spec, where)
-            rows, kept, bad, truncated = columns.convert(table, self._spec, where, 0, 0, self.policy)
+            got = columns.convert(table, self._spec, where, 0, 0, self.policy, self.non_finite)
         except EventFormatError as exc:
             raise BadMessage(f"{where}: {exc}") from None
+        except columns.RowError as exc:  # data.bad_lines or data.non_finite: error
+            raise BadMessage(str(exc), stops=True) from None
         except columns.ColumnFormatError as exc:
             raise BadMessage(str(exc)) from None
-        return Parsed(rows, table.num_rows, kept, bad, truncated)
+        return Parsed(got.rows, table.num_rows, got.kept, got.bad, got.truncated, got.non_finite)
 
 
 def _runs(offsets: np.ndarray | None, start: int, stop: int) -> list[tuple[int, int]]:
@@ -693,13 +769,14 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
         try:
             parsed = reader.read(msg)
         except BadMessage as exc:
-            if reader.policy is BadLinePolicy.ERROR:
+            if exc.stops or reader.policy is BadLinePolicy.ERROR:
                 raise
             counters.bad_messages += 1
             try:
-                events = events_in(msg.format, msg.data) if msg.format in (TSV, ARROW) else None
-            except EventFormatError:
+                events = events_in(msg.format, msg.data, reader.max_bytes) if msg.format in (TSV, ARROW) else None
+            except Exception:  # noqa: BLE001 - a payload that does not decode: its events cannot be counted
                 events = None
+            source.dead_letter(msg, str(exc))
             account.skipped(msg, events, str(exc))
             position = Position(0, 0, msg.seq, 1)
             if held and account.cutting and account.cut_at(position):
@@ -711,6 +788,7 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
         counters.bad_lines += parsed.bad
         counters.rows += len(parsed.rows)
         counters.truncated_rows += parsed.truncated
+        counters.count_nonfinite(source.subject, parsed.non_finite)
         rows = parsed.rows
         done = 0
         if msg.seq == start.offset + 1 and skip:

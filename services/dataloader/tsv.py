@@ -50,9 +50,10 @@ _log = logging.getLogger(__name__)
 
 
 class BadLinePolicy(str, Enum):
-    """What the reader does with a line that is not a valid sample."""
+    """What the reader does with a line that is not a valid sample (`data.bad_lines`), or with a row holding a
+    value that is not finite (`data.non_finite`)."""
 
-    SKIP = "skip"  # count it in CriteoChunk.num_bad_lines and drop it
+    SKIP = "skip"  # count it in CriteoChunk.num_bad_lines (num_nonfinite) and drop it
     ERROR = "error"  # raise CriteoFormatError naming file:line
 
 
@@ -86,6 +87,8 @@ class CriteoChunk:
     """Bad lines skipped inside this chunk (a truncated gzip tail counts as one)."""
     end_line: int = 0
     """1-based number of the first line after the chunk."""
+    num_nonfinite: int = 0
+    """Lines skipped inside this chunk for a value that is not finite (`data.non_finite: skip`)."""
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -221,6 +224,7 @@ def read_criteo(
     start_line: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     end_offset: int | None = None,
+    non_finite: BadLinePolicy | str = BadLinePolicy.ERROR,
 ) -> Iterator[CriteoChunk]:
     """Read a Criteo TSV (or .gz) file as CriteoChunks of ``chunk_rows`` rows.
 
@@ -231,6 +235,10 @@ def read_criteo(
     (plain files only) ends the data there, as if the file ended: a line
     start, so that the byte ranges of several data loaders (splits.py) hold
     whole lines.
+
+    A line with an integer too long for a float64 (309 digits or more: not
+    finite) follows ``non_finite``: skipped and counted in ``num_nonfinite``,
+    or CriteoFormatError naming file:line.
 
     A truncated gzip stream raises CriteoFormatError under ERROR; under SKIP
     the rows decoded before the damage are returned, the damaged tail counts
@@ -255,11 +263,12 @@ def read_criteo(
         raise ValueError(f"end_offset {end_offset}: must be >= start_offset {start_offset}, in a plain file")
     if start_line is None:
         start_line = _count_lines_before(path_str, start_offset) if start_offset else 1
-    return _read(path_str, group_hi, chunk_rows, policy, start_offset, start_line, block_bytes, end_offset)
+    return _read(path_str, group_hi, chunk_rows, policy, start_offset, start_line, block_bytes, end_offset,
+                 BadLinePolicy(non_finite) is BadLinePolicy.ERROR)
 
 
-def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolicy,
-          start_offset: int, start_line: int, block_bytes: int, end_offset: int | None) -> Iterator[CriteoChunk]:
+def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolicy, start_offset: int,
+          start_line: int, block_bytes: int, end_offset: int | None, stop_on_nonfinite: bool) -> Iterator[CriteoChunk]:
     stop_on_bad = policy is BadLinePolicy.ERROR
     stream_pos = start_offset  # uncompressed offset of data[0]
     line_no = start_line  # line number of data[0]'s line
@@ -272,18 +281,18 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
                 np.empty((chunk_rows, NUM_SPARSE), np.uint64),
                 np.empty((chunk_rows, NUM_SPARSE), np.bool_))
 
-    def emit(arrays, num_rows, first_line, end_offset, num_bad, end_line):
+    def emit(arrays, num_rows, first_line, end_offset, num_bad, end_line, num_nonfinite):
         # a short last chunk is copied so that it does not pin full-size arrays
         labels, dense, ids, present = (
             a[:num_rows] if num_rows == chunk_rows else a[:num_rows].copy() for a in arrays)
         return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=path,
                            first_line=first_line, end_offset=end_offset,
-                           num_bad_lines=num_bad, end_line=end_line)
+                           num_bad_lines=num_bad, end_line=end_line, num_nonfinite=num_nonfinite)
 
     arrays = new_chunk()
     # first_row_no: line number of the chunk's first row; first_any: of its
     # first consumed line (used when the chunk ends up holding only bad lines)
-    filled, chunk_bad, first_row_no, first_any = 0, 0, -1, -1
+    filled, chunk_bad, chunk_nonfinite, first_row_no, first_any = 0, 0, 0, -1, -1
     while True:
         try:
             block = next(blocks)
@@ -296,9 +305,9 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
         buf = np.frombuffer(data, dtype=np.uint8)
         pos = 0
         while True:
-            (new_pos, num_rows, num_lines, num_bad, first_row, code,
+            (new_pos, num_rows, num_lines, num_bad, num_nonfinite, first_row, code,
              detail) = _parse_lines(buf, pos, len(buf), eof and not truncated, group_hi,
-                                    *arrays, filled, chunk_rows - filled, stop_on_bad)
+                                    *arrays, filled, chunk_rows - filled, stop_on_bad, stop_on_nonfinite)
             if code != _OK:
                 bad_no = line_no + num_lines
                 end = data.find(b"\n", new_pos)
@@ -310,13 +319,14 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
                 first_row_no = line_no + first_row
             filled += num_rows
             chunk_bad += num_bad
+            chunk_nonfinite += num_nonfinite
             line_no += num_lines
             pos = new_pos
             if filled < chunk_rows:
                 break
-            yield emit(arrays, filled, first_row_no, stream_pos + pos, chunk_bad, line_no)
+            yield emit(arrays, filled, first_row_no, stream_pos + pos, chunk_bad, line_no, chunk_nonfinite)
             arrays = new_chunk()
-            filled, chunk_bad, first_row_no, first_any = 0, 0, -1, -1
+            filled, chunk_bad, chunk_nonfinite, first_row_no, first_any = 0, 0, 0, -1, -1
         carry = data[pos:]
         stream_pos += pos
         if eof:
@@ -342,13 +352,14 @@ def _read(path: str, group_hi: np.ndarray, chunk_rows: int, policy: BadLinePolic
         chunk_bad += 1
         if first_any < 0:
             first_any = line_no
-    if filled or chunk_bad:
+    if filled or chunk_bad or chunk_nonfinite:
         first_line = first_row_no if first_row_no >= 0 else first_any
-        yield emit(arrays, filled, first_line, stream_pos, chunk_bad, line_no)
+        yield emit(arrays, filled, first_line, stream_pos, chunk_bad, line_no, chunk_nonfinite)
 
 
 def parse_lines(data: bytes, *, where: str, groups: Sequence[int] | None = None,
-                bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP) -> CriteoChunk:
+                bad_lines: BadLinePolicy | str = BadLinePolicy.SKIP,
+                non_finite: BadLinePolicy | str = BadLinePolicy.ERROR) -> CriteoChunk:
     """Every line of `data`, whole lines in memory (a stream message), as one chunk. `where` names the data in
     an error ("subject S, message N"), with the line number in it."""
     policy = BadLinePolicy(bad_lines)
@@ -356,15 +367,17 @@ def parse_lines(data: bytes, *, where: str, groups: Sequence[int] | None = None,
     arrays = (np.empty(n, np.float32), np.empty((n, NUM_DENSE), np.float32), np.empty((n, NUM_SPARSE), np.uint64),
               np.empty((n, NUM_SPARSE), np.bool_))
     buf = np.frombuffer(data, dtype=np.uint8)
-    new_pos, num_rows, num_lines, num_bad, _, code, detail = _parse_lines(
-        buf, 0, len(buf), True, _group_prefixes(groups), *arrays, 0, n, policy is BadLinePolicy.ERROR)
+    new_pos, num_rows, num_lines, num_bad, num_nonfinite, _, code, detail = _parse_lines(
+        buf, 0, len(buf), True, _group_prefixes(groups), *arrays, 0, n, policy is BadLinePolicy.ERROR,
+        BadLinePolicy(non_finite) is BadLinePolicy.ERROR)
     if code != _OK:
         end = data.find(b"\n", new_pos)
         raise CriteoFormatError(_error_message(where, num_lines + 1, data[new_pos:end if end >= 0 else len(data)],
                                                code, detail))
     labels, dense, ids, present = (a[:num_rows] for a in arrays)
     return CriteoChunk(labels=labels, dense=dense, ids=ids, present=present, path=where, first_line=1,
-                       end_offset=len(data), num_bad_lines=num_bad, end_line=num_lines + 1)
+                       end_offset=len(data), num_bad_lines=num_bad, end_line=num_lines + 1,
+                       num_nonfinite=num_nonfinite)
 
 
 def warm_up() -> None:

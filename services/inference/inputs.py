@@ -247,8 +247,8 @@ class InputDecoder:
         dense = np.empty((n, NUM_DENSE), np.float32)
         ids = np.empty((n, NUM_SPARSE), np.uint64)
         present = np.empty((n, NUM_SPARSE), np.bool_)
-        at, parsed, _, _, _, code, detail = _parse_lines(buf, 0, end, True, self.group_hi, labels, dense, ids,
-                                                         present, 0, n, True)
+        at, parsed, _, _, _, _, code, detail = _parse_lines(buf, 0, end, True, self.group_hi, labels, dense, ids,
+                                                            present, 0, n, True, True)
         if code != _OK:  # `at`: where the bad row's line starts in buf, as the kernel read it
             line = buf[at:end].tobytes().split(b"\n", 1)[0]
             raise BadInput(f"rows[{parsed}]: {error_text(line, code, detail)}")
@@ -380,7 +380,8 @@ class InputDecoder:
         if t.datatype == "BYTES":
             elements = elements_of(t)
             present = np.ones(count, np.bool_)
-            hash_strings(elements.data, elements.offsets, group_hi, out, present)
+            if hash_strings(elements.data, elements.offsets, group_hi, out, present) >= 0:  # checked when split
+                raise BadInput(f"input {t.name!r}: string offsets outside its data")
             return out, present
         values = np.asarray(t.data).reshape(count)
         hash_ints(values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64), group_hi, out)

@@ -95,4 +95,8 @@ def merge_ends(ends: dict[int, EndOfPhase]) -> dict[str, Any]:
         for key, value in meta.items():
             if key != "first_seq" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 summed[key] = summed.get(key, 0) + value
+            elif isinstance(value, dict):  # counts per file (each loader reads its own part of a file)
+                into = summed.setdefault(key, {})
+                for name, count in value.items():
+                    into[name] = into.get(name, 0) + count
     return {**summed, "loaders": [dict(meta) for meta in metas]}

@@ -112,16 +112,18 @@ def test_bad_rows_skip_or_stop_naming_file_row_group_and_row(tmp_path):
     with pytest.raises(ParquetFormatError, match=r"b.parquet: row group 0, row 1 \(file row 1\): label column "
                                                  r"'click' is null"):
         list(read_parquet(path, spec, chunk_rows=2, bad_lines="error"))
-    with pytest.raises(ParquetFormatError, match=r"row group 1, row 0 \(file row 4\): label column 'click' is 2.0, not 0 or 1"):
+    with pytest.raises(ParquetFormatError, match=r"row group 1, row 0 \(file row 4\): label column 'click' is 2, not 0 or 1"):
         list(read_parquet(path, spec, chunk_rows=2, bad_lines="error", start_row=2))
 
 
 @pytest.mark.parametrize("columns, features, message", [
     ({"c": pa.array(["x"])}, [{"name": "missing", "group": 0}], r"features.0 \(missing\).column: no column 'missing'"),
     ({"c": pa.array([[1]], pa.list_(pa.int64()))}, [{"name": "c", "group": 0}],
-     r"row group 0: features.0 \(c\), column 'c': a list column .* where a scalar is configured"),
+     r"c.parquet: features.0 \(c\), column 'c': a list column .* where a scalar is configured"),
     ({"c": pa.array([1])}, [{"name": "c", "group": 0, "kind": "list"}], "kind list needs a list column, not int64"),
-    ({"c": pa.array([1.5])}, [{"name": "c", "group": 0}], "IDs must be integers or strings, not double"),
+    ({"c": pa.array([1.5])}, [{"name": "c", "group": 0}], r"a float ID column must hold whole numbers \(row 0 is "
+                                                          r"1.5\)"),
+    ({"c": pa.array([True])}, [{"name": "c", "group": 0}], "IDs must be integers or strings, not bool"),
 ])
 def test_wrong_columns_are_named(tmp_path, columns, features, message):
     path = _write(tmp_path / "c.parquet", {"click": pa.array([1]), "d0": pa.array([1.0]), **columns})
@@ -129,10 +131,11 @@ def test_wrong_columns_are_named(tmp_path, columns, features, message):
         list(read_parquet(path, _spec(features), chunk_rows=4))
 
 
-def test_dense_column_must_be_float(tmp_path):
-    path = _write(tmp_path / "d.parquet", {"click": pa.array([1]), "d0": pa.array([1]), "c": pa.array(["x"])})
-    with pytest.raises(ParquetFormatError, match=r"data.dense_columns \(d0\): a dense column must be float, not int64"):
-        list(read_parquet(path, _spec([{"name": "c", "group": 0}]), chunk_rows=4))
+def test_a_dense_column_of_text_is_refused_naming_it(tmp_path):
+    path = _write(tmp_path / "d.parquet", {"click": pa.array([1]), "d0": pa.array(["1"]), "c": pa.array(["x"])})
+    with pytest.raises(ParquetFormatError, match=r"d.parquet: data.dense_columns \(d0\): a dense column must be "
+                                                 r"float, integer, decimal or boolean, not string"):
+        read_parquet(path, _spec([{"name": "c", "group": 0}]), chunk_rows=4)  # from the schema, when opened
 
 
 def test_config_tables_and_rejections():

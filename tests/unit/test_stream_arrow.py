@@ -107,7 +107,7 @@ def test_a_message_the_config_cannot_read_is_counted_skipped_and_acknowledged(mu
     table = pq.read_table(multitask / "train.parquet", columns=spec.columns).slice(0, 100)
     bad = {
         "a column missing": encode_arrow(table.drop_columns(["tags"])),
-        "a column of the wrong type": encode_arrow(table.set_column(2, "d0", pa.array(np.arange(100)))),
+        "a column of the wrong type": encode_arrow(table.set_column(2, "d0", pa.array([str(i) for i in range(100)]))),
         "not Arrow": b"\x01\x02 not an IPC stream",
     }
     good = encode_arrow(table)
@@ -121,11 +121,14 @@ def test_a_message_the_config_cannot_read_is_counted_skipped_and_acknowledged(mu
     assert sum(len(rows) for rows, _ in batches) == 200 and counters.bad_messages == 5
     assert account.read_through == 7 and batches[-1][1] == Position(0, 0, 7, 1)
     assert sorted(account._skipped.items()) == [(2, 100), (3, 100), (4, None), (5, None), (6, 1)]
+    assert [seq for seq, _ in account.source.dead_letters] == [2, 3, 4, 5, 6]  # each copied, with its reason
+    assert "no column 'tags'" in account.source.dead_letters[0][1]
+    assert account.summary().dead_letter == "s.1.dead" and account.summary().skipped_messages == 5
 
     with pytest.raises(BadMessage, match=r"subject s.1, message 2: features.3 \(tags\).column: no column 'tags'"):
         _read(messages, _config(multitask, **{"data.bad_lines": "error"}), until=601)
     with pytest.raises(BadMessage, match=r"subject s.1, message 3: data.dense_columns \(d0\): a dense column must be "
-                                         r"float, not int64"):
+                                         r"float, integer, decimal or boolean, not string"):
         _read(messages[:1] + messages[2:], _config(multitask, **{"data.bad_lines": "error"}), until=601)
     with pytest.raises(BadMessage, match=r"subject s.1, message 5: header Hybridrec-Format is 'avro'"):
         _read(messages[:1] + messages[4:], _config(multitask, **{"data.bad_lines": "error"}), until=601)

@@ -17,6 +17,12 @@ class Source:
 
     def __init__(self, messages: list[Message]):
         self.messages, self.subject, self.first_seq, self.acknowledged, self.ended = list(messages), "s.1", 1, 0, False
+        self.dead_letter_subject = "s.1.dead"
+        self.dead_letters: list[tuple[int, str]] = []  # (seq, reason) of each message copied there
+
+    def dead_letter(self, msg: Message, reason: str) -> None:
+        assert msg.seq > self.acknowledged, "a dead letter must be copied before its message is acknowledged"
+        self.dead_letters.append((msg.seq, reason))
 
     def get(self, timeout: float) -> Message | None:
         return self.messages.pop(0) if self.messages else None
