@@ -473,10 +473,32 @@ class Gradients:
         return codec.encode_into(allocate, tensors, {"batch_ref": batch_ref})
 
     @staticmethod
+    def encode_discard(batch_ref: int) -> bytes:
+        """A batch's update that applies nothing: its step's loss or gradients were not finite (the NN workers'
+        guard, `training.on_nonfinite`). The embedding worker lets the batch go without touching a PS row."""
+        return codec.encode(meta={"batch_ref": batch_ref, "discard": 1})
+
+    @staticmethod
+    def encode_discard_into(allocate: Callable[[int], memoryview], batch_ref: int) -> int:
+        """`encode_discard` into the buffer `allocate(nbytes)` returns; returns the frame's length."""
+        return codec.encode_into(allocate, {}, {"batch_ref": batch_ref, "discard": 1})
+
+    @staticmethod
     def batch_ref_of(buf: bytes) -> int:
         """The batch_ref the frame names, before its tensors are checked: the embedding worker needs it to
         tell a re-sent push of a batch it has already applied from one it must decode."""
         return _batch_ref(codec.decode(buf))
+
+    @staticmethod
+    def peek(buf: bytes) -> tuple[int, bool]:
+        """(batch_ref, whether the frame is a discard) before its tensors are checked; a discard carries none."""
+        frame = codec.decode(buf)
+        discard = frame.meta.get("discard", 0)
+        if discard not in (0, 1) or isinstance(discard, bool):
+            raise FrameError(f"frame meta 'discard' must be 0 or 1, got {discard!r}")
+        if discard and frame.tensors:
+            raise FrameError("a discarded update carries no tensors")
+        return _batch_ref(frame), bool(discard)
 
     @classmethod
     def decode(cls, buf: bytes, values: ValueCodec,

@@ -374,6 +374,9 @@ class RunSummary(BaseModel):
     """Training batches whose embeddings were lost (an embedding worker lost its buffer directory; a
     restarted one re-attaches to it and loses nothing)."""
     skipped_eval_batches: int
+    nonfinite_steps: int = 0
+    """Training steps (per NN worker: the ranks decide alike) whose loss or gradients were NaN or infinite, which
+    updated nothing: not the dense model, not a PS row (`training.on_nonfinite: skip`)."""
     batches_recovered: int | None = None
     """Buffered batches that restarted embedding workers re-attached and served (all workers, all
     restarts); None when a worker did not answer at the end of the run."""

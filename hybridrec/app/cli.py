@@ -85,11 +85,15 @@ def _check_ps_fits(config: Config) -> None:
                        shm_free_bytes=planner.free_bytes(config.ps.shm_dir))
 
 
-def preflight(config: Config, *, model: bool = True) -> None:
+def preflight(config: Config, *, model: bool = True, rows: bool = True) -> None:
     """Check what a run needs before starting any process: data files (prepared directories: their manifest,
-    schema, file sizes and checksums), the feature columns, that every data loader gets a split of the
-    training data and that a checkpoint to resume from was written with as many loaders, and, unless `model`
-    is False, the model (`check_model`)."""
+    schema, file sizes and checksums; raw files: every configured column and its type, and the first rows read
+    through the data loader's own code), the feature columns, that every data loader gets a split of the
+    training data and that a checkpoint to resume from was written with as many loaders, that the PS shards
+    fit this host, and, unless `model` is False, the model (`check_model`); `rows` False leaves the first rows
+    to `check_rows` (`hybridrec run` reads them while the services' parents import, before any service
+    starts). `hybridrec check` and `hybridrec run` both make every one of these checks, so a config and files
+    that `check` passes are not refused by `run` before training."""
     from hybridrec import checkpoints
     from hybridrec.criteo_format import feature_columns
 
@@ -118,8 +122,22 @@ def preflight(config: Config, *, model: bool = True) -> None:
             feature_columns(config.features)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_ps_fits(config)
+    if rows:
+        check_rows(config)
     if model:
         check_model(config)
+
+
+def check_rows(config: Config) -> None:
+    """The first rows of every raw data file read through the data loader's own code (`sources.check_first_rows`):
+    ConfigError naming file, row and key for what the loader would refuse."""
+    from services.dataloader import sources
+
+    try:
+        sources.check_first_rows(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_model(config: Config) -> None:
@@ -145,15 +163,19 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     config = _load(config_path, overrides)
     try:
         config, layout = _fit(config)
-        preflight(config, model=False)
-        _check_ps_fits(config)
+        preflight(config, model=False, rows=False)
     except ConfigError as exc:
         _fail(str(exc))
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     # The services' parents start importing now, beside the rest of the launcher's own imports and set-up
-    # (hybridrec/app/forkserver.py).
+    # (hybridrec/app/forkserver.py), and beside the first rows' check, which ends before any service starts.
     forkserver = ForkServers(run_dir / "logs")
     forkserver.start()
+    try:
+        check_rows(config)
+    except ConfigError as exc:
+        forkserver.close()
+        _fail(str(exc))
     from hybridrec import log
     from hybridrec.app import launcher
     from hybridrec.app.progress import Progress

@@ -41,6 +41,33 @@ def check_prepared(config: Config) -> None:
                 prepared.open_dataset(Path(path), config)
 
 
+CHECK_ROWS = 4096
+"""Rows of each raw file `check_first_rows` reads through the loader's own code before a run starts."""
+
+
+def check_first_rows(config: Config, rows: int = CHECK_ROWS) -> None:
+    """Before a run: every raw file of `data.train` and `data.eval` is opened and its first `rows` rows read
+    exactly as the data loader will read them (its readers, the config's columns, transforms and policies), so
+    that what the loader would refuse there — a column of the wrong type, a float ID that is not whole, a bad
+    line or label under `data.bad_lines: error`, a NaN under `data.non_finite: error` — is refused now, naming
+    file, row and key (a Parquet file's schema is checked whole: `parquet.check_columns`)."""
+    data = config.data
+    for key, paths in (("data.train", data.train), ("data.eval", data.eval)):
+        if is_prepared(paths, key):
+            continue
+        for path in paths:
+            if data.format == "parquet":
+                from services.dataloader import parquet
+
+                chunks = parquet.read_parquet(path, parquet.ParquetSpec.from_config(config), chunk_rows=rows,
+                                              bad_lines=data.bad_lines, non_finite=data.non_finite)
+            else:
+                _, groups = feature_columns(config.features)
+                chunks = tsv.read_criteo(path, groups=groups, chunk_rows=rows, bad_lines=data.bad_lines,
+                                         non_finite=data.non_finite, block_bytes=min(tsv.DEFAULT_BLOCK_BYTES, 1 << 20))
+            next(iter(chunks), None)
+
+
 def split(config: Config, key: str, loader: int) -> Split | None:
     """Data loader `loader`'s part of the files under `key` (data.train or data.eval; prepared data: of their
     shards), one of len(cluster.dataloader) nearly equal parts (splits.py); None (everything) with one loader."""

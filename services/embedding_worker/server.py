@@ -29,8 +29,11 @@ class EmbeddingWorkerServicer:
         return rows
 
     async def PushGradients(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        if self.worker.already_applied(Gradients.batch_ref_of(request)):
+        ref, discard = Gradients.peek(request)
+        if self.worker.already_applied(ref):
             return Applied(0).encode()
+        if discard:  # the step was not finite: the batch goes, no PS row is touched
+            return self.worker.discard(ref).encode()
         gradients = Gradients.decode(request, self.worker.values, self.worker.rows_of)
         return (await self.worker.push_gradients(gradients)).encode()
 

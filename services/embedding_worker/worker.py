@@ -92,7 +92,7 @@ class EmbeddingWorker:
         self.files = BufferFiles.open(buffer_dir(config, replica), features=self.features, replica=replica)
         self.incarnation = self.files.incarnation
         self.counters = {"batches_put_total": 0, "lookups_total": 0, "gradient_pushes_total": 0,
-                         "rows_looked_up_total": 0, "rows_updated_total": 0, "pushes_already_applied_total": 0,
+                         "updates_discarded_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0, "pushes_already_applied_total": 0,
                          "lookups_repeated_total": 0}
         self.acks: Counter[tuple[int, int]] = Counter()
         """Updates each PS shard's life acknowledged in this worker's successful pushes, (shard, life) -> count:
@@ -253,6 +253,16 @@ class EmbeddingWorker:
         self.counters["gradient_pushes_total"] += 1
         self.counters["rows_updated_total"] += applied.applied
         return applied
+
+    def discard(self, ref: int) -> Applied:
+        """Let training batch `ref` go without an update: its step's loss or gradients were not finite, so the
+        NN workers applied nothing of it, and neither may a PS shard."""
+        batch = self._get(ref)
+        if batch.phase != "train":
+            raise ValueError(f"batch_ref {ref} is an eval batch; it takes no gradients")
+        self._consumed(batch)
+        self.counters["updates_discarded_total"] += 1
+        return Applied(0)
 
     def _consumed(self, batch: BufferedBatch) -> None:
         self.buffer.pop(batch.ref, None)

@@ -160,6 +160,8 @@ class DenseSync:
         else:
             self.module = model
         self.model = model
+        self.synchronous = self.module is not model
+        """DDP keeps the replicas equal: every rank steps on the same reduced gradients, and decides alike."""
         self.shadow = None
         if self.mode == Mode.SHADOW:
             from services.nn_worker.shadow import ShadowSync

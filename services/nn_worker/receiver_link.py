@@ -86,14 +86,16 @@ class ReceiverLink:
         return self._start(LOOKUP, ref, slot, batch_size, lambda answer: Looked(
             slot.view(answer.nbytes), lambda: self.free.append(slot), checked=True))
 
-    def push(self, ref: int, tensors: dict, into: Slot | None = None, nbytes: int | None = None) -> asyncio.Future:
-        """Send the batch's packed gradients; a future of the `Applied` answer (routing.EmbeddingWorkers.push).
-        `into`: a slot from `outgoing`, which holds the frame already when `nbytes` is given (the trainer's
-        compute thread wrote it)."""
+    def push(self, ref: int, tensors: dict | None, into: Slot | None = None,
+             nbytes: int | None = None) -> asyncio.Future:
+        """Send the batch's packed gradients (None: a discard); a future of the `Applied` answer
+        (routing.EmbeddingWorkers.push). `into`: a slot from `outgoing`, which holds the frame already when
+        `nbytes` is given (the trainer's compute thread wrote it)."""
         slot = into if into is not None else self._slot()
         if nbytes is None:
             try:
-                nbytes = Gradients.encode_packed_into(slot.writable, ref, tensors)
+                nbytes = (Gradients.encode_discard_into(slot.writable, ref) if tensors is None
+                          else Gradients.encode_packed_into(slot.writable, ref, tensors))
             except BaseException:
                 self.free.append(slot)
                 raise

@@ -68,7 +68,7 @@ def reduce_stats(trainer: Trainer) -> dict:
     now_epoch, now = time.time(), time.monotonic()
     start = now_epoch - (now - s.started) if s.started is not None else math.inf
     end = now_epoch - (now - (s.finished or now)) if s.started is not None else -math.inf
-    wall = torch.tensor([s.wall_s, -start, end], dtype=torch.float64)
+    wall = torch.tensor([s.wall_s, -start, end, s.nonfinite_steps], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=control_group())
     first, last = -float(wall[1]), float(wall[2])
     waits = torch.tensor([s.exposed_wait_s, s.compute_s, s.compute_cpu_s], dtype=torch.float64)  # summed
@@ -77,7 +77,7 @@ def reduce_stats(trainer: Trainer) -> dict:
     return {"samples": int(totals[0]), "steps": int(totals[1]) // trainer.env.world_size,
             "lost_updates": int(totals[2]), "mean_train_loss": float(totals[3] / max(totals[4].item(), 1)),
             "train_wall_s": float(wall[0]), "staleness_hist": hist.tolist(), "skipped_batches": int(totals[5]),
-            "skipped_eval_batches": int(totals[6]),
+            "skipped_eval_batches": int(totals[6]), "nonfinite_steps": int(wall[3]),  # the ranks agree (or: the most)
             "train_started_at": first if math.isfinite(first) else None,
             "train_ended_at": last if math.isfinite(last) else None,
             "exposed_wait_per_step_s": float(waits[0]) / rank_steps, "compute_per_step_s": float(waits[1]) / rank_steps,
@@ -198,6 +198,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         samples_per_sec=totals["samples"] / wall if wall else 0.0,
         mean_train_loss=totals["mean_train_loss"], lost_updates=lost,
         skipped_batches=totals["skipped_batches"], skipped_eval_batches=totals["skipped_eval_batches"],
+        nonfinite_steps=totals.get("nonfinite_steps", 0),
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
         compute_cpu_s=totals["compute_cpu_s"], eval_samples=int(labels.shape[0]), **first, tasks=tasks,

@@ -92,11 +92,13 @@ class EmbeddingWorkers:
         """The batch's `Embeddings` frame (`batch_size`: its samples, which the trainer's decoding checks)."""
         return Looked(await self.call_lookup(ref))
 
-    async def push(self, ref: int, tensors: dict[str, np.ndarray], into: None = None,
+    async def push(self, ref: int, tensors: dict[str, np.ndarray] | None, into: None = None,
                    nbytes: None = None) -> Applied:
-        """Send the batch's packed gradients (`Gradients.pack_tensors`); returns the rows the PS applied and
-        which life of each shard acknowledged. (`into` and `nbytes` are the receiver's: `ReceiverLink.push`.)"""
-        return Applied.decode(await self.call_push(ref, Gradients.encode_packed(ref, tensors)))
+        """Send the batch's packed gradients (`Gradients.pack_tensors`; None: a discard, its step not finite);
+        returns the rows the PS applied and which life of each shard acknowledged. (`into` and `nbytes` are the
+        receiver's: `ReceiverLink.push`.)"""
+        frame = Gradients.encode_discard(ref) if tensors is None else Gradients.encode_packed(ref, tensors)
+        return Applied.decode(await self.call_push(ref, frame))
 
     async def close(self) -> None:
         for ch in self.channels:

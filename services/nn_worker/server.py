@@ -144,7 +144,7 @@ class NNWorkerServicer:
                           train_auc=self.trainer.refresh_train_auc(),
                           samples_per_sec=s.samples / s.wall_s if s.wall_s else 0.0,
                           batches_in_flight=self.trainer.in_flight, lost_updates_total=s.pushes_failed,
-                          skipped_batches_total=s.skipped_batches,
+                          skipped_batches_total=s.skipped_batches, nonfinite_steps_total=s.nonfinite_steps,
                           exposed_wait_seconds_total=s.exposed_wait_s, compute_seconds_total=s.compute_s,
                           group_reformations_total=s.regroups, replayed_batches_dropped_total=s.replayed_dropped,
                           updates_replayed_total=s.updates_replayed,

@@ -25,6 +25,7 @@ class TrainStats:
     pushes_failed: int = 0
     skipped_batches: int = 0
     skipped_eval_batches: int = 0
+    nonfinite_steps: int = 0  # steps whose loss or gradients were NaN or infinite: nothing updated
     exposed_wait_s: float = 0.0  # training: step loop awaiting a batch's embeddings, and (sync) its push + barrier
     compute_s: float = 0.0  # training: forward, backward, AllReduce and optimizer step on the compute thread
     compute_cpu_s: float = 0.0  # the compute thread's CPU time in training steps (pooling, MLP, optimizer)

@@ -9,6 +9,7 @@ embeddings.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from hybridrec.config import Config, TrainingConfig
 from hybridrec.frames import DenseBatch, Gradients
 from hybridrec.pooling import BatchEmbeddings, Pooler
-from services.nn_worker.distributed import DenseSync, DistEnv
+from services.nn_worker.distributed import DenseSync, DistEnv, group_for
 from services.nn_worker.feed import DeviceFeed
 
 
@@ -36,6 +37,11 @@ class StepOutput:
 
     def loss(self) -> float:
         return float(self.host["loss"])
+
+    @property
+    def nonfinite(self) -> bool:
+        """The step's loss or a gradient was NaN or infinite (on some rank): it updated nothing."""
+        return bool(self.host["nonfinite"])
 
     def packed(self) -> dict[str, np.ndarray]:
         """The `Gradients` frame's tensors, packed on the device (`ValueCodec.pack_tensors`)."""
@@ -55,13 +61,18 @@ class StepMath:
         self.optimizer: torch.optim.Optimizer | None = None
         weights = training.task_weights or [1.0] * num_tasks
         self.task_weights = torch.tensor(weights, dtype=torch.float32, device=env.device)
+        self._one = torch.ones(1, device=env.device)
 
     def train(self, batch: DenseBatch, emb: BatchEmbeddings, step: int, lost: bool = False,
               out: Any = None) -> StepOutput:
         """Step number `step` on `batch` (of weight 0 for a `lost` batch: every rank runs the same collectives).
         On a GPU it returns once the step is queued: its gradients and loss reach the host behind
         `StepOutput.event`, so the next batch's copy overlaps this step's kernels. With a receiver's slot `out`
-        (on the CPU) it writes the gradient frame there."""
+        (on the CPU) it writes the gradient frame there.
+
+        A step whose loss or gradients are not finite on any rank (`nonfinite`) updates nothing: the fused
+        optimizer skips its update on the device (its `found_inf`, as under a gradient scaler: no wait for the
+        host), and the caller sends the embedding worker a discard instead of its gradients."""
         dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         with self.autocast():
@@ -69,19 +80,40 @@ class StepMath:
         loss = self.loss(logits, labels) * (0.0 if lost else 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        grads = {dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()}
+        found = self.nonfinite(loss, grads)
+        self.optimizer.found_inf = found.view(())
         self.optimizer.step()
         self.sync.after_step(step)
         # The gradients are quantised where they are (on a GPU: half the bytes come back), and the logits go to
         # the host with them, not before the backward: the progressive window takes them when they are there
         # (`Trainer._record`), so nothing here waits for the device.
-        packed = Gradients.pack_tensors(self.pooler.values, {
-            dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()})
-        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), **packed})
+        packed = Gradients.pack_tensors(self.pooler.values, grads)
+        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found,
+                                         **packed})
         written = None
         if out is not None and event is None:
-            written = Gradients.encode_packed_into(out.writable, batch.batch_ref,
-                                                   {key: host[key].numpy() for key in packed})
+            written = (Gradients.encode_discard_into(out.writable, batch.batch_ref) if bool(found) else
+                       Gradients.encode_packed_into(out.writable, batch.batch_ref,
+                                                    {key: host[key].numpy() for key in packed}))
         return StepOutput(host, event, tuple(packed), out, written)
+
+    def nonfinite(self, loss: torch.Tensor, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """1.0 (a (1,) tensor on the device) when the loss, an embedding gradient or a dense gradient is NaN or
+        infinite on this rank or, where DDP keeps the replicas equal, on any rank: the ranks must agree, so one
+        AllReduce of it joins the step's collectives (a rank's embedding gradients are its own; its dense ones
+        are reduced already). Checked by the kernel a gradient scaler uses (every element, one pass per dtype,
+        nothing waits for the host)."""
+        found = torch.zeros(1, device=self.env.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for tensor in [loss.detach().reshape(1), *grads.values(),
+                       *(p.grad for p in self.model.parameters() if p.grad is not None)]:
+            by_dtype[tensor.dtype].append(tensor)
+        for tensors in by_dtype.values():  # multiplies by 1: only `found` changes
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, self._one)
+        if self.sync.synchronous:
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group_for(found))
+        return found
 
     def embedding_gradients(self, batch: DenseBatch, emb: BatchEmbeddings) -> dict[int, np.ndarray]:
         """The batch's loss gradients with respect to its embedding rows only (a replayed update). The dense

@@ -34,7 +34,7 @@ import torch
 from hybridrec import log
 from hybridrec.compress import ValueCodec
 from hybridrec.service import at_work
-from hybridrec.config import Config, Mode
+from hybridrec.config import Config, ConfigError, Mode
 from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
@@ -57,6 +57,12 @@ if TYPE_CHECKING:
 
 Lookup = Callable[[int, int], Awaitable[Looked]]  # (batch_ref, batch size) -> the batch's embeddings' frame
 Push = Callable[..., Awaitable[Applied]]  # (batch_ref, packed gradients[, slot, frame bytes]) -> the PS's answer
+
+
+class NonFiniteStep(ConfigError):
+    """`training.on_nonfinite: stop`: a step's loss or gradients were not finite. It updated nothing, and the run
+    stops before a checkpoint is written; the message names the step, the rank and the batch. (A ConfigError:
+    the process stops naming the key, and is not started again to meet the same batch.)"""
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Trainer:
         self.collective, self.on_compute = self.group.collective, self.group.on_compute
         self.setup, self.restore_counters = self.group.setup, self.group.restore_counters
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
+        self._stopped: NonFiniteStep | None = None  # set by a non-finite step under on_nonfinite: stop
 
     @property
     def model(self) -> torch.nn.Module:
@@ -117,10 +124,11 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.math.optimizer
 
-    async def _push(self, ref: int, tensors: dict[str, np.ndarray], into: Any = None,
+    async def _push(self, ref: int, tensors: dict[str, np.ndarray] | None, into: Any = None,
                     nbytes: int | None = None) -> None:
-        """Send a batch's packed gradients (its `Gradients` frame's tensors; or its frame, `nbytes` long, in the
-        receiver's slot `into`) and note which life of each PS shard acknowledged them (`TrainStats.ps_acks`)."""
+        """Send a batch's packed gradients (its `Gradients` frame's tensors, None for a discard; or its frame,
+        `nbytes` long, in the receiver's slot `into`) and note which life of each PS shard acknowledged them
+        (`TrainStats.ps_acks`)."""
         applied = await (self.push(ref, tensors) if into is None else self.push(ref, tensors, into, nbytes))
         self.stats.ps_acks.update(applied.lives)
 
@@ -228,13 +236,16 @@ class Trainer:
             counts["issued"] += 1
             self.in_flight = counts["issued"] - counts["acked"]
 
-        async def push(ref: int, step: StepOutput, lost: bool, loader: int, seq: int, labels: np.ndarray) -> None:
+        async def push(ref: int, step: StepOutput, lost: bool, batch: DenseBatch, number: int) -> None:
+            loader, seq = batch.loader, batch.seq
             try:
                 if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
                     await ready(step.event)
-                    self._record(step, labels, lost)
+                    self._record(step, batch.labels, lost)
+                    if step.nonfinite:
+                        self._note_nonfinite(number, batch, step)
                 if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self._push(ref, step.packed(), step.out, step.written)
+                    await self._push(ref, None if step.nonfinite else step.packed(), step.out, step.written)
             except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
                 self.stats.pushes_failed += 1
                 self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
@@ -270,8 +281,8 @@ class Trainer:
                                rows=int(batch.labels.shape[0]), position=list(batch.position),
                                lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
                 self.ledger.trained(batch)
-                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch.loader, batch.seq,
-                                                  batch.labels))
+                self._raise_if_stopped()  # on the CPU a step's outputs are known by now
+                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch, self.stats.steps))
                 pushes.add(task)
                 task.add_done_callback(pushes.discard)
                 if self.training.mode == Mode.SYNC:
@@ -283,11 +294,13 @@ class Trainer:
                 if checkpointer is not None and await self._checkpoint_due(checkpointer):
                     if pushes:  # the PS must hold every update up to this step
                         await asyncio.gather(*pushes)
+                    self._raise_if_stopped()  # (on a GPU, a step's outputs are known once its push is done)
                     await checkpointer.save(self, self.stats.steps, last)
                 if self.publisher is not None:
                     await self.publisher.maybe_publish(self.stats.steps)
         if pushes or self._replays:
             await asyncio.gather(*pushes, *self._replays)
+        self._raise_if_stopped()
         await self.on_compute(self.math.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
@@ -338,7 +351,10 @@ class Trainer:
                 grads = await self.on_compute(self.math.embedding_gradients, batch, emb)
             finally:
                 looked.release()
-            await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).packed(self.values))
+            finite = all(np.isfinite(g).all() for g in grads.values())
+            if not finite:
+                self.log.warning("update_replay_discarded", batch_ref=batch.batch_ref, why="not finite")
+            await self._push(batch.batch_ref, Gradients(batch.batch_ref, grads).packed(self.values) if finite else None)
             self.stats.updates_replayed += 1
             self.log.info("update_replayed", batch_ref=batch.batch_ref, seq=batch.seq)
         except BatchLost:
@@ -358,14 +374,35 @@ class Trainer:
         self.stats.steps += 1
         if step.event is None:
             self._record(step, batch.labels, lost)
+            if step.nonfinite:
+                self._note_nonfinite(self.stats.steps, batch, step)
         self.stats.compute_cpu_s += time.thread_time() - cpu_started
         return step
+
+    def _note_nonfinite(self, number: int, batch: DenseBatch, step: StepOutput) -> None:
+        """Step `number` was not finite (on this rank or another: they agree) and updated nothing: counted, and
+        under `training.on_nonfinite: stop` the run stops at the next check (`_raise_if_stopped`)."""
+        self.stats.nonfinite_steps += 1
+        self.log.warning("nonfinite_step", step=number, rank=self.env.rank, loader=batch.loader, seq=batch.seq,
+                         batch_ref=batch.batch_ref, loss=step.loss(), action=self.training.on_nonfinite)
+        if self.training.on_nonfinite == "stop" and self._stopped is None:
+            self._stopped = NonFiniteStep(
+                f"training.on_nonfinite: stop: step {number} on NN worker rank {self.env.rank} (batch {batch.seq} "
+                f"of data loader {batch.loader}) had a loss or gradient that is not finite (loss {step.loss()}); it "
+                f"updated nothing, and no checkpoint holds it")
+
+    def _raise_if_stopped(self) -> None:
+        if self._stopped is not None:
+            raise self._stopped
 
     def _record(self, step: StepOutput, labels: np.ndarray, lost: bool) -> None:
         """Once a step's outputs are on the host (the compute thread on the CPU, the event loop on a GPU): its
         loss, and (unless the batch was lost) its predictions, made before the step trained on them, into the
         progressive window: O(batch). (`refresh_train_auc` may count the window meanwhile: a slot it reads
-        holds the old sample or the new one, each a valid one.)"""
+        holds the old sample or the new one, each a valid one.) A step that was not finite records nothing: its
+        loss would make the mean NaN, and its predictions say nothing."""
+        if step.nonfinite:
+            return
         loss = step.loss()
         self.stats.last_loss = loss
         self.stats.loss_sum += loss

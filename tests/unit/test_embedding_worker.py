@@ -319,7 +319,7 @@ def test_counters(cluster):
     stats = worker.stats()
     assert applied.applied == unique
     assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
-                     "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
+                     "updates_discarded_total": 0.0, "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
                      "buffered_batches": 0.0, "unapplied_train_batches": 0.0, "batches_recovered_total": 0.0,
                      "pushes_already_applied_total": 0.0, "lookups_repeated_total": 0.0}
 
