@@ -129,6 +129,21 @@ def preflight(config: Config, *, model: bool = True, rows: bool = True) -> None:
         check_model(config)
 
 
+def data_notes(config: Config) -> list[str]:
+    """What is read as configured but likely not as meant: dense columns of counts in a Parquet training file
+    read as stored (raw counts train worse than their log1p; the same rows as TSV get log1p)."""
+    if config.data.format != "parquet" or not config.data.train or Path(config.data.train[0]).is_dir():
+        return []
+    from services.dataloader import parquet
+
+    counts = parquet.raw_counts(config.data.train[0], parquet.ParquetSpec.from_config(config))
+    if not counts:
+        return []
+    return [f"data.dense_columns {', '.join(counts)} of {config.data.train[0]} look like counts (whole numbers, "
+            f"none negative), read as stored (data.dense_transform: none); counts usually train better as "
+            f"log1p(max(x, 0)), as the TSV reader reads them: set data.dense_transform: log1p (or per column)"]
+
+
 def check_rows(config: Config) -> None:
     """The first rows of every raw data file read through the data loader's own code (`sources.check_first_rows`):
     ConfigError naming file, row and key for what the loader would refuse."""
@@ -176,6 +191,8 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
     except ConfigError as exc:
         forkserver.close()
         _fail(str(exc))
+    for note in data_notes(config):
+        typer.echo(f"hybridrec: note: {note}", err=True)
     from hybridrec import log
     from hybridrec.app import launcher
     from hybridrec.app.progress import Progress
@@ -436,6 +453,9 @@ def check(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML c
             preflight(config, model=only is None)
     except ConfigError as exc:
         _fail(str(exc))
+    if only != "model":
+        for note in data_notes(config):
+            typer.echo(f"note: {note}", err=True)
     typer.echo(f"{config_path}: {only or 'data and model'} ok")
 
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -49,6 +50,30 @@ def check_columns(path: str, spec: ParquetSpec) -> None:
     """Raise ParquetFormatError naming the first configured column the file lacks or holds in a type the reader
     refuses, from the file's schema alone (what preflight checks of every file)."""
     check_types(_open(path).schema_arrow, spec, path)
+
+
+def raw_counts(path: str, spec: ParquetSpec) -> list[str]:
+    """The dense columns of `path` read as stored (`data.dense_transform: none`) whose first row group holds
+    whole numbers, none negative, up to 10 or more: raw counts (pandas writes a count column with a missing value
+    as float64), which train a worse model than their log1p (what `hybridrec check` and `run` point out)."""
+    import pyarrow.compute as pc
+
+    parquet = _open(path)
+    names = [name for j, name in enumerate(spec.dense) if spec.transform(j) == "none"
+             and name in parquet.schema_arrow.names]
+    if not names or not parquet.metadata.num_row_groups:
+        return []
+    table = parquet.read_row_group(0, columns=names)
+    out = []
+    for name in names:
+        column = table.column(name)
+        if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+            continue
+        values = pc.cast(column, pa.float64()).drop_null().to_numpy()
+        values = values[np.isfinite(values)]
+        if values.size and values.min() >= 0 and values.max() >= 10 and (values == np.trunc(values)).all():
+            out.append(name)
+    return out
 
 
 def _open(path: str) -> pq.ParquetFile:
