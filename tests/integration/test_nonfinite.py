@@ -20,11 +20,12 @@ pytestmark = pytest.mark.integration
 NAN_AT = 6
 
 
-def _config(tmp_path: Path, data: Path, mode: str, on_nonfinite: str = "skip") -> Path:
+def _config(tmp_path: Path, data: Path, mode: str, on_nonfinite: str = "skip", receiver: bool = False) -> Path:
     return write_config(tmp_path / "config.yaml", data,
                         model={"path": "tests.integration.nan_model:NaNAtStep",
                                "kwargs": {"hidden": [64, 32], "step": NAN_AT, "rank": 1}},
-                        training={"mode": mode, "on_nonfinite": on_nonfinite, "batch_size": 2048},
+                        training={"mode": mode, "on_nonfinite": on_nonfinite, "batch_size": 2048,
+                                  "receiver": receiver},
                         checkpoint={"dir": str(tmp_path / "ckpt"), "interval_steps": 4, "interval_s": None,
                                     "keep": 10},
                         cluster={"nn_workers": ["127.0.0.1:0"] * 2})
@@ -51,11 +52,12 @@ def _tensors(tree):
             yield from _tensors(value)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "sync"])
-def test_a_nan_loss_on_one_rank_updates_nothing_and_training_goes_on(tmp_path, small_data, mode):
+@pytest.mark.parametrize("mode, receiver", [("hybrid", False), ("sync", False), ("hybrid", True)])
+def test_a_nan_loss_on_one_rank_updates_nothing_and_training_goes_on(tmp_path, small_data, mode, receiver):
+    """(With `training.receiver` the compute thread writes the discard into the receiver's slot itself.)"""
     run_dir = tmp_path / "run"
-    out = subprocess.run(HYBRIDREC + ["run", str(_config(tmp_path, small_data, mode)), "--run-dir", str(run_dir)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(HYBRIDREC + ["run", str(_config(tmp_path, small_data, mode, receiver=receiver)), "--run-dir",
+                                      str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["nonfinite_steps"] == 1 and np.isfinite(summary["mean_train_loss"]), summary

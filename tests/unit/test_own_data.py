@@ -101,7 +101,7 @@ def test_uint64_ids_over_all_64_bits_train_and_keep_the_ids_below_2_63(synth, tm
 def _ids(tmp_path, column: pa.Array, spec: ParquetSpec) -> np.ndarray:
     """The IDs of one scalar ID column as the reader makes them (feature group 0)."""
     n = len(column)
-    path = tmp_path / "ids.parquet"
+    path = tmp_path / "one_column.parquet"
     pq.write_table(pa.table({"y": pa.array([1] * n), "d": pa.array([0.0] * n), "C1": column}), path)
     (chunk,) = read_parquet(path, _one_feature(spec), chunk_rows=n)
     return chunk.rows.bags.bag(0).values
