@@ -154,13 +154,13 @@ def convert(table: pa.Table, spec: ColumnSpec, where: str, first_row: int, in_pa
     labels, good = _labels(table, spec.labels, where, first_row, in_part, policy)
     dense, finite_values = _dense(table, spec, where)
     finite = finite_values.all(axis=1)
-    unfinished = good & ~finite
-    if unfinished.any() and non_finite is BadLinePolicy.ERROR:
-        i = int(np.flatnonzero(unfinished)[0])
+    not_finite = good & ~finite  # a row with a bad label is counted as that
+    if not_finite.any() and non_finite is BadLinePolicy.ERROR:
+        i = int(np.flatnonzero(not_finite)[0])
         column = spec.dense[int(np.flatnonzero(~finite_values[i])[0])]
-        raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): data.dense_columns "
-                                f"({column}) is {_value_text(table.column(column), i)}, not a finite number "
-                                f"(data.non_finite: skip to skip such rows)")
+        raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): data.dense_columns ({column}) is "
+                       f"{_value_text(table.column(column), i)}, not a finite number (data.non_finite: skip to "
+                       f"skip such rows)")
     keep = good & finite
     kept = np.arange(first_row, first_row + table.num_rows, dtype=np.int64)
     if not keep.all():
@@ -172,7 +172,7 @@ def convert(table: pa.Table, spec: ColumnSpec, where: str, first_row: int, in_pa
         bags.append(bag)
         truncated |= over
     rows = Rows(labels if labels.shape[1] > 1 else labels[:, 0], dense, KeyedBags.from_bags(bags))
-    return Converted(rows, kept, int((~good).sum()), int(unfinished.sum()), int(truncated.sum()))
+    return Converted(rows, kept, int((~good).sum()), int(not_finite.sum()), int(truncated.sum()))
 
 
 def _value_text(column: pa.ChunkedArray, i: int) -> str:

@@ -9,9 +9,9 @@ not know, a payload that does not decode — any error decoding it, so no messag
 again —, a configured column missing or of the wrong type) is counted, copied to the dead-letter subject
 (`data.stream.dead_letter`, the reason in a header) and acknowledged with the rest, or with `data.bad_lines:
 error` stops the run naming the subject, the message and the column. A row with a NaN or infinite dense
-value follows `data.non_finite` as in a file. The loader reads the stream through a durable pull consumer and turns it into the same training
-batches as a file, each with the position right after it, so resuming, checkpoints and the hand-over to a
-restarted loader work as they do for files (services/dataloader/resume.py):
+value follows `data.non_finite` as in a file. The loader reads the stream through a durable pull consumer and
+turns it into the same training batches as a file, each with the position right after it, so resuming,
+checkpoints and the hand-over to a restarted loader work as they do for files (services/dataloader/resume.py):
 
     Position(epoch=0, file=0, offset=S, line=L + 1)
         every message up to stream sequence S is in earlier batches, and so are the first L samples of the
@@ -376,7 +376,8 @@ class NatsSource:
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
         subject = self.dead_letter_subject
-        headers = {**(msg.headers or {}), DEAD_REASON: " ".join(reason.split())[:2000], DEAD_SUBJECT: self.subject,
+        kept = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}  # the broker's own
+        headers = {**kept, DEAD_REASON: " ".join(reason.split())[:2000], DEAD_SUBJECT: self.subject,
                    DEAD_SEQ: str(msg.seq), "Nats-Msg-Id": f"{self.config.stream}:{msg.seq}"}
         deadline = time.monotonic() + self.retry_s
         while True:
