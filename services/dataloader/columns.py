@@ -217,8 +217,8 @@ def _labels(table: pa.Table, names: Sequence[str], where: str, first_row: int, i
     for t, name in enumerate(names):
         column = _decoded(table.column(name))
         _check_label_type(column.type, f"{where}: data.labels ({name})")
-        if pa.types.is_boolean(column.type):
-            column = pc.cast(column, pa.int8())
+        if pa.types.is_boolean(column.type) or pa.types.is_float16(column.type):  # no comparison kernels
+            column = pc.cast(column, pa.int8() if pa.types.is_boolean(column.type) else pa.float32())
         one = pc.equal(column, pa.scalar(1, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
         zero = pc.equal(column, pa.scalar(0, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
         ok = one | zero

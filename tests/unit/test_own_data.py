@@ -130,7 +130,8 @@ def test_whole_float_dictionary_and_nullable_ids_are_read_as_their_values(tmp_pa
 def test_labels_of_any_type_and_range_hold_0_or_1(tmp_path):
     spec = _one_feature(_config("x.parquet", dense_columns=["d"], labels=["y"]))
     for labels in (pa.array([True, False, True]), pa.array([1, 0, 1], pa.uint64()), pa.array([1.0, 0.0, 1.0]),
-                   pa.array([1, 0, 1], pa.int8()), pa.array([1, 0, 1]).dictionary_encode()):
+                   pa.array([1, 0, 1], pa.int8()), pa.array([1, 0, 1]).dictionary_encode(),
+                   pa.array(np.array([1, 0, 1], np.float16)), pa.array([1, 0, 1], pa.decimal128(5, 0))):
         pq.write_table(pa.table({"y": labels, "d": pa.array([0.5] * 3), "C1": pa.array(["t"] * 3)}),
                        tmp_path / "l.parquet")
         (chunk,) = read_parquet(tmp_path / "l.parquet", spec, chunk_rows=3)
