@@ -88,6 +88,25 @@ class JoinRequest:
     step: int | None
     fingerprint: Fingerprint
 
+    @classmethod
+    def parse(cls, raw: bytes) -> "JoinRequest":
+        """A lobby entry as a joining rank writes it; ValueError naming what is wrong with anything else (the
+        store is reachable by anything that can reach rank 0's port: its entries are checked like any input)."""
+        try:
+            tree = json.loads(raw)
+            fingerprint = tree["fingerprint"]
+            request = cls(tree["nonce"], tree["rank"], tree["generation"], tree["step"],
+                          Fingerprint(fingerprint["config"], fingerprint["world_size"], fingerprint["model"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not a join request ({type(exc).__name__}: {exc})") from None
+        ints = [request.rank, request.generation, request.fingerprint.world_size,
+                *([] if request.step is None else [request.step])]
+        if not (isinstance(request.nonce, str) and 0 < len(request.nonce) <= 64 and request.nonce.isalnum()
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)
+                and isinstance(request.fingerprint.config, str) and isinstance(request.fingerprint.model, str)):
+            raise ValueError("a join request's fields are out of range or of the wrong type")
+        return request
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -193,9 +212,13 @@ class Membership:
                 key = f"lobby/{rank}"
                 if rank in joined or not store.check([key]):
                     continue
-                raw = json.loads(store.get(key))
+                raw = store.get(key)
                 store.delete_key(key)
-                request = JoinRequest(**{**raw, "fingerprint": Fingerprint(**raw["fingerprint"])})
+                try:
+                    request = JoinRequest.parse(raw)
+                except ValueError as exc:  # not a rank's: ignored, the group goes on waiting for that rank
+                    self.log.warning("join_entry_malformed", key=key, reason=str(exc), entry=raw[:200].hex())
+                    continue
                 problems = self.fingerprint.differences(request.fingerprint)
                 if problems or request.rank != rank:
                     reason = "; ".join(problems) or f"it wrote rank {rank}'s lobby entry as rank {request.rank}"

@@ -102,3 +102,39 @@ def test_fingerprints_name_what_differs():
 ])
 def test_only_a_lost_peer_counts_as_a_group_failure(exc, lost):
     assert is_group_failure(exc) is lost
+
+
+def test_a_malformed_lobby_entry_is_ignored_and_the_group_still_forms(tmp_path):
+    """Anything that reaches rank 0's store can write a lobby entry: one that is not a join request (not JSON,
+    fields missing, of the wrong type or out of range) is dropped and logged, and rank 0 goes on waiting for
+    the rank (on 3b8ae06 it raised inside the coordinator and ended the group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    port = _port()
+    rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 300))
+    rank0.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "rank0-good.ready").exists():
+        assert rank0.is_alive() and time.monotonic() < deadline, _errors(tmp_path)
+        time.sleep(0.05)
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    good = {"nonce": "ab12", "rank": 1, "generation": 0, "step": None,
+            "fingerprint": {"config": "good", "world_size": 2, "model": "model"}}
+    for entry in (b"not json", b"[1, 2]", json.dumps({**good, "fingerprint": None}).encode(),
+                  json.dumps({**good, "rank": -1}).encode(), json.dumps({**good, "nonce": "x" * 500}).encode(),
+                  json.dumps({**good, "step": "7"}).encode(), b"\xff" * 100):
+        client.set("lobby/1", entry)
+        while client.check(["lobby/1"]):  # rank 0 took it
+            assert rank0.is_alive(), _errors(tmp_path)
+            time.sleep(0.02)
+    time.sleep(0.3)
+    assert rank0.is_alive(), _errors(tmp_path)
+    correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
+    correct.start()
+    for p in (rank0, correct):
+        p.join(300)
+    assert rank0.exitcode == 0 and correct.exitcode == 0, (rank0.exitcode, correct.exitcode, _errors(tmp_path))
+    assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
