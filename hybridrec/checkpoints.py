@@ -15,6 +15,7 @@ so every part of the job resumes from the same point.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from hybridrec import log
 from hybridrec.config import ConfigError
-from hybridrec.files import write_json_atomic
+from hybridrec.files import fsync_dir, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -57,6 +58,10 @@ class JobManifest:
     chain: list = field(default_factory=list)
     """Steps of the older checkpoints whose PS dumps this one's build on (its shards' deltas, oldest first):
     `prune` keeps them while it keeps this one. Empty: every shard's dump is full."""
+    files: dict = field(default_factory=dict)
+    """Rank 0's files of the checkpoint (dense.pt, config.yaml): name -> {"bytes", "sha256"}, what `latest`
+    verifies before a job resumes from it (the PS parts carry their own). Empty in a manifest of a hybridrec
+    that recorded none: then nothing is verified."""
 
     def streams(self) -> list[tuple[int, list[int]]]:
         """(seq, position) of every data loader's stream, in loader order."""
@@ -128,18 +133,69 @@ def complete(root: str | Path | None) -> list[Path]:
 
 
 def latest(root: str | Path | None) -> tuple[Path, JobManifest] | None:
-    """The newest complete checkpoint under `root` whose chain (`JobManifest.chain`) is there too, or None. A
-    malformed manifest is an error, not skipped."""
+    """The newest complete checkpoint under `root` that verifies, or None: its manifest reads, its chain
+    (`JobManifest.chain`) is there too, and its files have the sizes and sha256 digests it records (a power
+    loss can leave a renamed checkpoint whose dense.pt never reached the disk whole). One that does not is
+    skipped, logged (`checkpoint_skipped`, naming it and why), and the one before it is tried."""
     if root is None or not Path(root).is_dir():
         return None
     for path in complete(root):
-        manifest = read_manifest(path)
+        try:
+            manifest = read_manifest(path)
+        except ValueError as exc:
+            log.get().error("checkpoint_skipped", checkpoint=str(path), why=str(exc))
+            continue
         missing = [step for step in manifest.chain if not (step_dir(root, step) / MANIFEST).is_file()]
         if missing:  # its PS deltas build on checkpoints that are gone: the one before may be whole
             log.get().error("checkpoint_chain_incomplete", checkpoint=str(path), missing_steps=missing)
             continue
+        if (why := verify_files(path, manifest)) is not None:
+            log.get().error("checkpoint_skipped", checkpoint=str(path), why=why)
+            continue
         return path, manifest
     return None
+
+
+def file_entry(path: Path) -> dict:
+    """A file's {"bytes", "sha256"}, as a manifest records it (`JobManifest.files`)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest.hexdigest()}
+
+
+def verify_files(path: Path, manifest: JobManifest) -> str | None:
+    """Why the files of the checkpoint at `path` are not those its manifest records, or None when they are."""
+    for name, entry in manifest.files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        found = file_entry(file)
+        if found["bytes"] != entry.get("bytes"):
+            return f"{name} is {found['bytes']} bytes, the manifest says {entry.get('bytes')} (cut short)"
+        if found["sha256"] != entry.get("sha256"):
+            return f"{name}'s sha256 differs from the manifest's (its bytes changed)"
+    return None
+
+
+def seal(path: Path) -> None:
+    """Make the checkpoint being written in `path` durable: every file in it (not the PS parts, which their
+    shards write and fsync) and the directory itself fsynced, before its manifest is written and it is
+    renamed into place."""
+    for file in path.iterdir():
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the sealed checkpoint `tmp` (manifest written) to `final`, and fsync the root so the rename
+    survives a power loss."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
 
 
 def resume_from(checkpoint_config) -> tuple[Path, JobManifest] | None:
@@ -169,6 +225,11 @@ def read_manifest(path: Path) -> JobManifest:
     if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
                and isinstance(entry[1], list) and len(entry[1]) == 4 for entry in manifest.loaders):
         raise ValueError(f"checkpoint {path}: loaders must be [seq, position] pairs, got {manifest.loaders!r}")
+    if not isinstance(manifest.files, dict) or not all(
+            isinstance(name, str) and "/" not in name and isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+            for name, entry in manifest.files.items()):
+        raise ValueError(f"checkpoint {path}: files must map a file name to its bytes and sha256")
     return manifest
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
 import shutil
 import time
 from pathlib import Path
@@ -189,14 +188,14 @@ class Checkpointer:
         tmp.mkdir(parents=True)
         await trainer.on_compute(self._save_dense, tmp / checkpoints.DENSE, trainer.model, trainer.optimizer)
         dump_config(self.config, tmp / checkpoints.CONFIG)
+        files = await asyncio.get_running_loop().run_in_executor(None, self._seal, tmp)
         replies = await self._ps("Checkpoint", tmp, step, base=self.last_saved)
         chain = sorted({int(s) for reply in replies for s in reply.chain} - {step})
         streams = [(seq + 1, list(position)) for seq, position in newest]
         checkpoints.write_manifest(tmp, JobManifest.of_streams(
             streams, step=step, samples=samples, train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size,
-            num_ps=self.num_ps, chain=chain))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+            num_ps=self.num_ps, chain=chain, files=files))
+        checkpoints.publish(tmp, final)
         deleted = checkpoints.prune(self.root, self.keep)
         self.log.info("checkpoint_written", step=step, directory=str(final), seq=[seq for seq, _ in streams],
                       ps_bytes=sum(reply.bytes for reply in replies), builds_on=chain, pruned=deleted)
@@ -217,6 +216,13 @@ class Checkpointer:
             newest.append((int(best[0]), tuple(int(v) for v in best[1:5])))
         counts = [int(t[-1]) for t in parts]
         return newest, (None if UNCOUNTED in counts else sum(counts))
+
+    @staticmethod
+    def _seal(tmp: Path) -> dict:
+        """Rank 0's files fsynced with their directory, and their sizes and digests for the manifest (off the
+        event loop: a large dense model takes a while to hash)."""
+        checkpoints.seal(tmp)
+        return {name: checkpoints.file_entry(tmp / name) for name in (checkpoints.DENSE, checkpoints.CONFIG)}
 
     @staticmethod
     def _save_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -263,7 +269,10 @@ def load_dense(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     Read onto the CPU (`map_location`: a file written by a GPU worker, or by an older version that saved CUDA
     tensors, loads on a CPU worker or another GPU); `load_state_dict` copies each tensor to its parameter's
     device. A file of another model is refused naming it (a usage error: exit 2, not a restart loop)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:  # `latest` skips such a checkpoint: not its own
+        raise ValueError(f"checkpoint {path}: the dense state does not load ({str(exc).splitlines()[0]})") from exc
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
