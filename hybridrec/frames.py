@@ -57,6 +57,20 @@ MAX_BATCH = 65535
 """Samples per batch: positions and bag lengths travel as uint16."""
 
 
+def bag_bytes(num_features: int, ids_per_sample: int, batch_size: int = MAX_BATCH) -> int:
+    """The most raw bytes a batch's bags take (SparseBatch, Embeddings): its positions (uint16, at most
+    `ids_per_sample` a sample: one per scalar feature, `max_len` per list feature) and bag lengths (uint16, one
+    per feature and sample). The lz4 budget `codec.decode` is given for them."""
+    return 2 * batch_size * (ids_per_sample + num_features)
+
+
+def _check_positions_bound(count: int, batch_size: int, ids_per_sample: int | None) -> None:
+    """A batch's positions are at most `ids_per_sample` a sample (None: not checked)."""
+    if ids_per_sample is not None and count > batch_size * ids_per_sample:
+        raise FrameError(f"{count} IDs in a batch of {batch_size}: at most {ids_per_sample} a sample (one per "
+                         f"scalar feature, max_len per list feature)")
+
+
 def make_batch_ref(worker: int, incarnation: int, seq: int) -> int:
     return (worker << REF_SHIFT) | (incarnation << INCARNATION_SHIFT) | seq
 
@@ -175,8 +189,12 @@ class SparseBatch:
         return codec.encode(tensors, {"batch_size": self.batch_size, "phase": self.phase}, compress=compress)
 
     @classmethod
-    def decode(cls, buf: bytes, num_features: int) -> "SparseBatch":
-        frame = codec.decode(buf)
+    def decode(cls, buf: bytes, num_features: int, ids_per_sample: int | None = None) -> "SparseBatch":
+        """`ids_per_sample`: the most IDs a sample holds (one per scalar feature, `max_len` per list feature);
+        None: every feature scalar. What decompresses, and the positions sent, are bounded by it."""
+        ids_per_sample = num_features if ids_per_sample is None else ids_per_sample
+        names = frozenset(f"{kind}{f}" for f in range(num_features) for kind in "pn")
+        frame = codec.decode(buf, lz4=names, lz4_bytes=bag_bytes(num_features, ids_per_sample))
         batch_size = frame.meta_int("batch_size")
         if not 0 < batch_size <= MAX_BATCH:
             raise FrameError(f"batch_size {batch_size} outside [1, {MAX_BATCH}]")
@@ -199,6 +217,7 @@ class SparseBatch:
             uniq.append(u)
             pos.append(p)
             lengths.append(n)
+        _check_positions_bound(sum(p.shape[0] for p in pos), batch_size, ids_per_sample)
         values = np.concatenate(pos) if pos else np.zeros(0, np.uint16)
         lengths_all = np.stack(lengths) if lengths else np.zeros((0, batch_size), np.uint16)
         return cls(KeyedBags(values, lengths_all), uniq, phase)
@@ -366,19 +385,28 @@ class Embeddings:
                                           "lengths": self.bags.lengths}
         for dim, rows in self.rows.items():
             tensors.update(values.pack(f"rows.{dim}", rows, dim))
-        return codec.encode(tensors, {"batch_size": self.batch_size},
-                            compress={"pos", "lengths"} if lz4 else set())
+        return codec.encode(tensors, {"batch_size": self.batch_size}, compress=_EMBEDDING_LZ4 if lz4 else set())
 
     @classmethod
     def decode(cls, buf: bytes, values: ValueCodec, widths: Sequence[int], batch_size: int, *,
-               keep_fp16: bool = False) -> "Embeddings":
+               keep_fp16: bool = False, ids_per_sample: int | None = None) -> "Embeddings":
         """`widths`: the embedding width of every feature, in config order. `keep_fp16`: fp16 rows stay fp16
-        (`hybridrec.compress.Fp16Rows`), for a receiver that scales them back on its GPU."""
-        return cls.from_frame(codec.decode(buf), values, widths, batch_size, keep_fp16=keep_fp16)
+        (`hybridrec.compress.Fp16Rows`), for a receiver that scales them back on its GPU. `ids_per_sample`: as
+        for `SparseBatch.decode`."""
+        ids_per_sample = len(widths) if ids_per_sample is None else ids_per_sample
+        return cls.from_frame(cls.decode_frame(buf, len(widths), batch_size, ids_per_sample), values, widths,
+                              batch_size, keep_fp16=keep_fp16, ids_per_sample=ids_per_sample)
+
+    @staticmethod
+    def decode_frame(buf: bytes, num_features: int, batch_size: int, ids_per_sample: int) -> codec.Frame:
+        """The codec's decoding of an `Embeddings` frame of a batch of `batch_size`: its positions and lengths
+        the only tensors it may decompress, within what such a batch can hold."""
+        return codec.decode(buf, lz4=_EMBEDDING_LZ4,
+                            lz4_bytes=bag_bytes(num_features, ids_per_sample, max(batch_size, 0)))
 
     @classmethod
     def from_frame(cls, frame: codec.Frame, values: ValueCodec, widths: Sequence[int], batch_size: int, *,
-                   keep_fp16: bool = False) -> "Embeddings":
+                   keep_fp16: bool = False, ids_per_sample: int | None = None) -> "Embeddings":
         """`decode` of a frame the codec decoded (a receiver keeps its arrays: `EmbeddingArrays`)."""
         num = len(widths)
         counts = frame.get("counts", np.int32, 1)
@@ -386,6 +414,7 @@ class Embeddings:
         pos = frame.get("pos", np.uint16, 1)
         if counts.shape[0] != num or lengths.shape != (num, batch_size) or (counts < 0).any():
             raise FrameError(f"embedding frame does not describe {num} features of a batch of {batch_size}")
+        _check_positions_bound(pos.shape[0], batch_size, ids_per_sample)
         bags = KeyedBags(pos, lengths)
         bounds = bags.bounds
         if int(bounds[-1]) != pos.shape[0]:
@@ -397,6 +426,10 @@ class Embeddings:
             expected = int(counts[widths_arr == dim].sum(dtype=np.int64))
             rows[dim] = _unpack(values, frame, f"rows.{dim}", dim, expected, keep_fp16=keep_fp16)
         return cls(bags, counts, rows)
+
+
+_EMBEDDING_LZ4 = frozenset({"pos", "lengths"})
+"""The tensors of an `Embeddings` frame its encoder compresses (`Embeddings.encode`)."""
 
 
 @dataclass

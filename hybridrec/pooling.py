@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridrec import codec
 from hybridrec.compress import Fp16Rows, ValueCodec, unscale
-from hybridrec.config import FeatureConfig, Pooling
+from hybridrec.config import FeatureConfig, Pooling, ids_per_sample
 from hybridrec.frames import EmbeddingArrays, Embeddings, FrameError
 from hybridrec.slot_layouts import CheckedEmbeddings
 from hybridrec.jagged import KeyedBags
@@ -99,6 +99,7 @@ class Pooler:
         self.pooled = {d: [i for i in m if not features[i].sequence] for d, m in self.members.items()}
         self._pooled_arrays = {d: np.array(p, np.int64) for d, p in self.pooled.items()}
         self.names = [f.name for f in features]
+        self.ids_per_sample = ids_per_sample(features)
         self.widths = [f.dim for f in features]
         # a bag of n elements is divided by n to this power: 0 sum (and sequences), 1 mean, 0.5 sqrt-n
         self.powers = np.array([_POWERS.get(f.pooling, 0.0) for f in features], np.float32)
@@ -111,10 +112,15 @@ class Pooler:
     def decode(self, frame_bytes: bytes, batch_size: int) -> BatchEmbeddings:
         """Decode (and validate) an `Embeddings` frame into the bag structure `pool` needs: O(features) numpy
         calls over the frame's own arrays, no copy of them."""
-        return self._structure(codec.decode(frame_bytes), batch_size)
+        return self._structure(self._decode_frame(frame_bytes, batch_size), batch_size)
+
+    def _decode_frame(self, frame_bytes: bytes, batch_size: int) -> codec.Frame:
+        """The codec's decoding, bounded by what a batch of `batch_size` of these features can hold."""
+        return Embeddings.decode_frame(frame_bytes, len(self.features), batch_size, self.ids_per_sample)
 
     def _structure(self, decoded: codec.Frame, batch_size: int) -> BatchEmbeddings:
-        frame = Embeddings.from_frame(decoded, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16)
+        frame = Embeddings.from_frame(decoded, self.values, self.widths, batch_size, keep_fp16=self.keep_fp16,
+                                      ids_per_sample=self.ids_per_sample)
         counts = frame.counts.astype(np.int64)
         base = np.zeros(len(self.features), np.int64)
         for members in self.members.values():  # a feature's rows follow those of the earlier features of its width
@@ -126,7 +132,7 @@ class Pooler:
     def check(self, frame_bytes: bytes, batch_size: int) -> CheckedEmbeddings:
         """`decode`, in an NN worker's receiver process: the frame checked, with what pooling derives from it,
         for its trainer, which takes views of it (`from_checked`) instead of decoding the frame itself."""
-        decoded = codec.decode(frame_bytes)
+        decoded = self._decode_frame(frame_bytes, batch_size)
         emb = self._structure(decoded, batch_size)
         return CheckedEmbeddings(EmbeddingArrays.of(decoded), batch_size, emb.start, emb.base, emb.sequences)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from hybridrec.config.section import ConfigError, Section
 from hybridrec.config.features import (Pooling, FeatureKind, TableConfig, FeatureConfig, criteo_features,
-    resolve_tables, ModelConfig)
+    ids_per_sample, resolve_tables, ModelConfig)
 from hybridrec.config.optimizers import (EmbeddingOptimizer, EmbeddingOptimizerConfig, DenseOptimizerConfig,
     OptimizerConfig)
 from hybridrec.config.training import Mode, CompressionConfig, TrainingConfig
@@ -27,6 +27,7 @@ from hybridrec.config.job import (Config, parse_overrides, apply_overrides, from
     dump_config)
 
 __all__ = ["ConfigError", "Section", "Pooling", "FeatureKind", "TableConfig", "FeatureConfig", "criteo_features",
+           "ids_per_sample",
            "resolve_tables", "ModelConfig", "EmbeddingOptimizer", "EmbeddingOptimizerConfig",
            "DenseOptimizerConfig", "OptimizerConfig", "Mode", "CompressionConfig", "TrainingConfig",
            "StreamConfig", "DataConfig", "InitConfig", "TableLifecycleConfig", "LifecycleConfig",

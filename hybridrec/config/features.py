@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Sequence
 
 from pydantic import Field
 
@@ -65,6 +65,12 @@ class FeatureConfig(Section):
     def sequence(self) -> bool:
         """Handed to the model unpooled, as an ordered sequence."""
         return self.pooling == Pooling.NONE
+
+
+def ids_per_sample(features: Sequence[FeatureConfig]) -> int:
+    """The most IDs one sample holds: one per scalar feature, `max_len` per list feature (a list is cut to its
+    last max_len). What bounds a batch's frames (`hybridrec.frames.bag_bytes`)."""
+    return sum(f.max_len if f.kind == FeatureKind.LIST else 1 for f in features)
 
 
 def criteo_features(dim: int = 16) -> list[FeatureConfig]:

@@ -32,7 +32,7 @@ import numpy as np
 from hybridrec import log
 from hybridrec.proto import pb
 from hybridrec.compress import ValueCodec
-from hybridrec.config import Config
+from hybridrec.config import Config, ids_per_sample
 from hybridrec.dedup import has_duplicates, unique_inverse
 from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
                               SparseBatch, make_batch_ref, update_id)
@@ -76,6 +76,7 @@ class EmbeddingWorker:
 
     def __init__(self, config: Config, replica: int, ps_call: PSCall):
         self.features = config.features
+        self.ids_per_sample = ids_per_sample(self.features)  # what bounds a batch's frame (`SparseBatch.decode`)
         self.num_shards = len(config.cluster.ps)
         self.replica = replica
         self.ps_call = ps_call
@@ -104,7 +105,7 @@ class EmbeddingWorker:
         recovered = 0
         for stored in self.files.stored():
             try:
-                sparse = SparseBatch.decode(stored.frame, len(self.features))
+                sparse = SparseBatch.decode(stored.frame, len(self.features), self.ids_per_sample)
             except ValueError as exc:  # written whole by put, so only a foreign hand gets here
                 self.log.error("buffered_batch_unreadable", seq=stored.seq, error=str(exc))
                 self.files.drop(stored.seq)
@@ -124,7 +125,7 @@ class EmbeddingWorker:
         """Buffer a batch (a `SparseBatch` frame, as the data loader sent it) and return its batch_ref (this
         worker's replica in the top bits). The batch is on file, as these very bytes, before the ref is
         handed out."""
-        sparse = SparseBatch.decode(frame, len(self.features))
+        sparse = SparseBatch.decode(frame, len(self.features), self.ids_per_sample)
         seq = self.files.reserve()
         ref = make_batch_ref(self.replica, self.incarnation, seq)
         batch = self._plan(ref, sparse)
@@ -196,7 +197,7 @@ class EmbeddingWorker:
         if frame is None:
             raise self._not_found(ref)
         self.counters["lookups_repeated_total"] += 1
-        return self._plan(ref, SparseBatch.decode(frame, len(self.features)))
+        return self._plan(ref, SparseBatch.decode(frame, len(self.features), self.ids_per_sample))
 
     def rows_of(self, ref: int) -> dict[int, int]:
         """Rows per width of the `Embeddings` frame of a buffered train batch: what its gradients must hold."""

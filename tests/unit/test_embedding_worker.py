@@ -27,6 +27,7 @@ REPLICA = 3
 # name, group, dim: "a" and "b" share group 1 (so the same IDs, hence the same rows); two widths.
 FEATURES = [("a", 1, 8), ("b", 1, 8), ("c", 2, 4), ("d", 3, 8)]
 WIDTHS = [dim for _, _, dim in FEATURES]
+MAX_LEN = 4  # a sample's bag of a feature: up to 3 drawn IDs, and one added
 
 
 def _gid(group: int, value: int) -> int:
@@ -38,8 +39,8 @@ class Cluster:
 
     def __init__(self, tmp_path):
         self.config = Config.model_validate({
-            "data": {"train": ["unused"]},
-            "features": [{"name": n, "group": g, "dim": d} for n, g, d in FEATURES],
+            "data": {"train": ["unused"], "format": "parquet"},  # multi-hot bags: list features
+            "features": [{"name": n, "group": g, "dim": d, "kind": "list", "max_len": MAX_LEN} for n, g, d in FEATURES],
             "cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]},  # never dialled
             "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 4096, "num_stripes": 2},
             "optimizer": {"embedding": {"name": "sgd", "lr": LR}},
@@ -116,7 +117,7 @@ def _index(uniq: np.ndarray, i: int) -> int:
 
 
 def _decode(worker: EmbeddingWorker, frame: bytes, batch_size: int) -> Embeddings:
-    return Embeddings.decode(frame, worker.values, WIDTHS, batch_size)
+    return Embeddings.decode(frame, worker.values, WIDTHS, batch_size, ids_per_sample=worker.ids_per_sample)
 
 
 def _feature_rows(emb: Embeddings, sparse: SparseBatch) -> list[np.ndarray]:

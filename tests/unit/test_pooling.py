@@ -16,7 +16,9 @@ CPU = torch.device("cpu")
 
 
 def _features(poolings: list[Pooling], widths: list[int]) -> list[FeatureConfig]:
-    return [FeatureConfig(name=f"f{i}", group=i, dim=d, pooling=p) for i, (p, d) in enumerate(zip(poolings, widths))]
+    """List features of bags up to 4 long (`_frame`'s)."""
+    return [FeatureConfig(name=f"f{i}", group=i, dim=d, pooling=p, kind="list", max_len=4)
+            for i, (p, d) in enumerate(zip(poolings, widths))]
 
 
 def _frame(widths: list[int], counts: list[int], batch_size: int, seed: int):
