@@ -1,12 +1,12 @@
 """Frame codec: round trip for every dtype, zero-copy decode, and rejection of malformed frames."""
 import struct
 
-import lz4.block
 import numpy as np
 import pytest
 
 from hybridrec import codec
 from hybridrec.codec import DTYPES, FrameError
+from tests.frame_bombs import bomb
 
 
 @pytest.mark.parametrize("code", sorted(DTYPES))
@@ -42,26 +42,12 @@ def test_lz4_compressed_round_trip_is_smaller():
     np.testing.assert_array_equal(codec.decode(raw, lz4={"p"}, lz4_bytes=ids.nbytes).tensors["p"], ids)
 
 
-def _bomb(entries: int, raw: int) -> bytes:
-    """A frame of `entries` tensors whose table entries all point at one lz4 block of `raw` zero bytes: the
-    frame of 3b8ae06's finding (16 entries, 256 MiB, 1 MB on the wire)."""
-    block = lz4.block.compress(np.zeros(raw, np.uint8), store_size=False)
-    names = [f"p{i}".encode() for i in range(entries)]
-    table = b"".join(struct.pack("<BBBBQQQ", len(n), 10, codec.CODEC_LZ4, 1, 0, len(block), raw) + n
-                     + struct.pack("<Q", raw) for n in names)
-    offset = codec.align(struct.calcsize("<4sBBHII") + len(table))
-    table = b"".join(struct.pack("<BBBBQQQ", len(n), 10, codec.CODEC_LZ4, 1, offset, len(block), raw) + n
-                     + struct.pack("<Q", raw) for n in names)
-    head = struct.pack("<4sBBHII", codec.MAGIC, codec.VERSION, 0, entries, len(table), 0) + table
-    return head + b"\0" * (offset - len(head)) + block
-
-
 def test_a_frame_whose_entries_share_one_compressed_block_is_refused_before_decompressing():
-    bomb = _bomb(16, 256 << 20)
-    assert len(bomb) == 1_053_338  # the finding's frame, byte for byte in size
+    frame = bomb([f"p{i}" for i in range(16)], 256 << 20)
+    assert len(frame) == 1_053_338  # the finding's frame, byte for byte in size
     with pytest.raises(codec.FrameError, match="'p0' and 'p1' share bytes of the frame"):
-        codec.decode(bomb, lz4={f"p{i}" for i in range(16)}, lz4_bytes=1 << 40)
-    one = _bomb(1, 256 << 20)
+        codec.decode(frame, lz4={f"p{i}" for i in range(16)}, lz4_bytes=1 << 40)
+    one = bomb(["p0"], 256 << 20)
     with pytest.raises(codec.FrameError, match="'p0' is lz4-compressed, which this frame's kind does not do"):
         codec.decode(one)  # the default: no tensor may be compressed
     with pytest.raises(codec.FrameError, match=r"decompress to 268435456 bytes, past this request's budget of 1000"):
