@@ -43,6 +43,7 @@ import numpy as np
 from hybridrec import codec
 from hybridrec.codec import FrameError
 from hybridrec.compress import ValueCodec, check_unique_count
+from hybridrec.config import Config, ids_per_sample
 from hybridrec.jagged import Bag, KeyedBags
 
 PHASES = ("train", "eval")
@@ -62,6 +63,35 @@ def bag_bytes(num_features: int, ids_per_sample: int, batch_size: int = MAX_BATC
     `ids_per_sample` a sample: one per scalar feature, `max_len` per list feature) and bag lengths (uint16, one
     per feature and sample). The lz4 budget `codec.decode` is given for them."""
     return 2 * batch_size * (ids_per_sample + num_features)
+
+
+def max_ids(config: Config) -> int:
+    """The most IDs one batch of this job holds, and so the most one request of its data plane names (a PS
+    shard's lookup or update, a batch put on an embedding worker): the larger batch size (training or
+    evaluation) times the IDs a sample holds (one per scalar feature, `max_len` per list feature)."""
+    training = config.training
+    return max(training.batch_size, training.eval_batch_size) * ids_per_sample(config.features)
+
+
+def max_request_bytes(config: Config) -> int:
+    """The largest request a data-plane service of this job can be sent, what its gRPC server accepts: each ID
+    of a batch with its position and a row of the widest table with two optimizer-state rows (a replica's
+    shipment), each sample's dense values, labels and bag lengths, and room for headers. Raised by
+    `training.batch_size` / `eval_batch_size`, the features' `max_len` and widths."""
+    training = config.training
+    batch = max(training.batch_size, training.eval_batch_size)
+    width = max((f.dim for f in config.features), default=1)
+    per_id = 8 + 2 + 4 * 3 * width + 8
+    per_sample = 4 * (config.num_dense + config.num_tasks) + 2 * len(config.features)
+    return max_ids(config) * per_id + batch * per_sample + (4 << 20)
+
+
+def check_ids(count: int, bound: int | None, what: str) -> None:
+    """FrameError naming the bound and the keys that raise it when a request names more than `bound` IDs."""
+    if bound is not None and count > bound:
+        raise FrameError(f"{what} of {count} IDs, past this job's bound of {bound} (the larger of "
+                         f"training.batch_size and eval_batch_size times the IDs a sample holds: one per scalar "
+                         f"feature, max_len per list feature)")
 
 
 def _check_positions_bound(count: int, batch_size: int, ids_per_sample: int | None) -> None:
@@ -214,6 +244,8 @@ class SparseBatch:
                                  f"but {p.shape[0]} positions were sent")
             if p.size and int(p.max()) >= u.shape[0]:
                 raise FrameError(f"feature {f}: position {int(p.max())} outside {u.shape[0]} unique IDs")
+            if u.shape[0] > p.shape[0]:  # each unique ID is some sample's: no more of them than positions
+                raise FrameError(f"feature {f}: {u.shape[0]} unique IDs for {p.shape[0]} positions")
             uniq.append(u)
             pos.append(p)
             lengths.append(n)
@@ -672,13 +704,16 @@ class PSLookup:
         return codec.encode({f"ids.{d}": ids for d, ids in self.ids.items()}, {"train": self.train})
 
     @classmethod
-    def decode(cls, buf: bytes, dims: Iterable[int]) -> "PSLookup":
-        """`dims`: the widths this PS keeps; any other width is refused."""
+    def decode(cls, buf: bytes, dims: Iterable[int], max_ids: int | None = None) -> "PSLookup":
+        """`dims`: the widths this PS keeps; any other width is refused. `max_ids`: the most IDs a lookup may
+        name, all widths together (`frames.max_ids`; None: not bounded)."""
         frame = codec.decode(buf)
         train = frame.meta.get("train", False)
         if not isinstance(train, bool):
             raise FrameError(f"train must be true or false, got {train!r}")
-        return cls(_ids_per_width(frame, dims), train)
+        ids = _ids_per_width(frame, dims)
+        check_ids(sum(v.shape[0] for v in ids.values()), max_ids, "a lookup")
+        return cls(ids, train)
 
 
 @dataclass
@@ -721,12 +756,14 @@ class PSUpdate:
         return codec.encode(tensors, {"update_id": self.update_id})
 
     @classmethod
-    def decode(cls, buf: bytes, values: ValueCodec, dims: Iterable[int]) -> "PSUpdate":
+    def decode(cls, buf: bytes, values: ValueCodec, dims: Iterable[int], max_ids: int | None = None) -> "PSUpdate":
+        """`max_ids`: as for `PSLookup.decode`."""
         frame = codec.decode(buf)
         uid = frame.meta_int("update_id")
         if not 0 < uid <= _U64:
             raise FrameError(f"update_id {uid} is not a non-zero uint64")
         ids = _ids_per_width(frame, dims)
+        check_ids(sum(v.shape[0] for v in ids.values()), max_ids, "an update")
         grads = {}
         for dim, arr in ids.items():
             grads[dim] = _unpack(values, frame, f"grads.{dim}", dim, arr.shape[0])

@@ -277,8 +277,13 @@ def training_status(address: str, timeout_s: float = 1.0) -> pb.TrainingStatus |
             return None
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
+def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A grpc.aio server that refuses (RESOURCE_EXHAUSTED) a request larger than `max_receive_bytes` before
+    reading it whole: a data-plane service passes what its job's largest request can be
+    (`hybridrec.frames.max_request_bytes`)."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    return grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", int(max_receive_bytes))],
+                           maximum_concurrent_rpcs=None)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 import prometheus_client
 from hybridrec import log, rpc
 from hybridrec.config import Config, ConfigError, split_address
+from hybridrec.frames import max_request_bytes
 from hybridrec.metrics import register_stats
 
 
@@ -167,7 +168,10 @@ class ServiceHost:
         rpc.use_tls(tls)
         rpc.use_authorization(control_identities)
         self.remote_server = remote_server
-        self.server = rpc.new_server() if remote_server is None else None
+        # A job's data-plane service accepts what its largest request can be; a standalone one (inference, a
+        # read-only PS) gRPC's general limit.
+        limit = max_request_bytes(self.config) if self.config is not None else rpc.MAX_MESSAGE_BYTES
+        self.server = rpc.new_server(limit) if remote_server is None else None
         self.health = rpc.add_health(self.server) if remote_server is None else None
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None

@@ -24,7 +24,7 @@ from hybridrec.lazy_torch import import_torch_in_background, imported
 from hybridrec.config import Config
 from hybridrec import checkpoints, log
 from hybridrec.checkpoints import resolve_under
-from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows
+from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows, max_ids
 from hybridrec.proto import pb
 from hybridrec.rpc import FailedPrecondition
 from hybridrec.service import ServiceHost, at_work
@@ -245,8 +245,11 @@ class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
                  publish_root: str | None = None, losses: list[lives.Loss] | None = None, full_every: int = 1,
-                 primary: Primary | None = None, backup: Backup | None = None):
+                 primary: Primary | None = None, backup: Backup | None = None, max_ids: int | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.max_ids = max_ids
+        """The most IDs a Lookup or Update may name (`frames.max_ids` of the job; None: not bounded): a request
+        of 10^8 IDs would allocate gigabytes, and a training one admit them all and evict the table."""
         self.primary, self.backup = primary, backup
         """ps.replicas: 2: this shard's shipments to its backup, and the backup this PS keeps of another."""
         self.losses = losses or []
@@ -327,7 +330,7 @@ class EmbeddingPSServicer:
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        lookup = PSLookup.decode(request, self.stores)
+        lookup = PSLookup.decode(request, self.stores, self.max_ids)
         out: dict[int, np.ndarray] = {}
         for dim, ids in lookup.ids.items():
             out[dim] = await self._run(self.stores[dim].lookup, self._check_shard(ids), train=lookup.train)
@@ -340,7 +343,7 @@ class EmbeddingPSServicer:
 
     async def Update(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Apply an update once: a re-send of an applied update id is acknowledged with 0 rows and counted."""
-        update = PSUpdate.decode(request, self.values, self.stores)
+        update = PSUpdate.decode(request, self.values, self.stores, self.max_ids)
         for ids in update.ids.values():  # every width checked before any row changes
             self._check_shard(ids)
         uid = update.update_id
@@ -491,7 +494,7 @@ async def serve(config: Config, replica: int) -> None:
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None,
                                        losses=losses, primary=primary, backup=backup,
-                                       full_every=config.checkpoint.full_every)
+                                       full_every=config.checkpoint.full_every, max_ids=max_ids(config))
         host.add(servicer, servicer.stats)
         await host.start()
         await imported(torch_import)

@@ -42,7 +42,7 @@ import uvloop
 from hybridrec import log, rpc
 from hybridrec.compress import ValueCodec
 from hybridrec.config import Config, split_address
-from hybridrec.frames import Applied
+from hybridrec.frames import Applied, max_request_bytes
 from hybridrec.pooling import Pooler
 from hybridrec.proto import pb
 from services.nn_worker import link
@@ -136,7 +136,7 @@ class Receiver:
         if self.server is not None:
             return self.port
         address = self.config.cluster.nn_workers[self.replica]
-        self.server = rpc.new_server()
+        self.server = rpc.new_server(max_request_bytes(self.config))
         self.health = rpc.add_health(self.server)
         handlers = {method.name: grpc.unary_unary_rpc_method_handler(
                         self._forwarder(index, link.BATCH if method.name == "PutBatch" else link.CALLED))

@@ -30,7 +30,7 @@ BOMBS = {  # name -> the tensor names of a frame of 256 MiB entries sharing one 
     "16 entries sharing a block": SIXTEEN,
     "a positions tensor": ["p0"],
     "an embedding frame's pos": ["pos"],
-    "another name": ["ids.8"],
+    "another name": ["x"],
 }
 METHODS = [("embedding_ps", "EmbeddingPS/Lookup"), ("embedding_ps", "EmbeddingPS/Update"),
            ("embedding_worker", "EmbeddingWorker/PutBatch"), ("embedding_worker", "EmbeddingWorker/Lookup"),

@@ -204,7 +204,7 @@ def _fp16_batch(seed: int = 0):
     features = _features([Pooling.SUM, Pooling.MEAN, Pooling.SQRTN, Pooling.MEAN], widths)
     raw32, _, _ = _frame(widths, [5, 2, 7, 3], 9, seed=seed)
     values = ValueCodec(fp16=True)
-    frame = Embeddings.decode(raw32, ValueCodec(fp16=False), widths, 9)
+    frame = Embeddings.decode(raw32, ValueCodec(fp16=False), widths, 9, ids_per_sample=4 * len(widths))
     return features, values, frame.encode(values, lz4=True)
 
 

@@ -23,18 +23,19 @@ CPU = torch.device("cpu")
 def _features() -> list[FeatureConfig]:
     """Widths interleaved in config order (width 4's pooled features are not neighbours), every pooling, and a
     sequence among them."""
-    return [FeatureConfig(name="a", group=0, dim=4, pooling=Pooling.SUM),
-            FeatureConfig(name="b", group=1, dim=3, pooling=Pooling.MEAN),
-            FeatureConfig(name="c", group=2, dim=4, pooling=Pooling.SQRTN),
+    return [FeatureConfig(name="a", group=0, dim=4, pooling=Pooling.SUM, kind="list", max_len=4),
+            FeatureConfig(name="b", group=1, dim=3, pooling=Pooling.MEAN, kind="list", max_len=4),
+            FeatureConfig(name="c", group=2, dim=4, pooling=Pooling.SQRTN, kind="list", max_len=4),
             FeatureConfig(name="s", group=3, dim=3, kind="list", pooling="none", max_len=4),
-            FeatureConfig(name="d", group=4, dim=4, pooling=Pooling.MEAN)]
+            FeatureConfig(name="d", group=4, dim=4, pooling=Pooling.MEAN, kind="list", max_len=4)]
 
 
 def _batch(values: ValueCodec, seed: int = 0):
     features = _features()
     widths = [f.dim for f in features]
     raw, _, _ = _frame(widths, [6, 3, 0, 5, 4], 11, seed=seed)  # feature c: no rows, every bag empty
-    frame = Embeddings.decode(raw, ValueCodec(fp16=False), widths, 11)  # bags of at most 4: the sequence's max_len
+    frame = Embeddings.decode(raw, ValueCodec(fp16=False), widths, 11,  # bags of at most 4: the features' max_len
+                              ids_per_sample=4 * len(widths))
     return features, frame.encode(values)
 
 
@@ -73,7 +74,7 @@ def test_kernels_and_embedding_bag_agree_forward_and_backward(fp16):
 
 def test_a_block_is_handed_to_the_model_without_a_copy_and_the_dnn_computes_as_before():
     values = ValueCodec(fp16=False)
-    features = [FeatureConfig(name=f"f{i}", group=i, dim=4) for i in range(3)]
+    features = [FeatureConfig(name=f"f{i}", group=i, dim=4, kind="list", max_len=4) for i in range(3)]
     raw, _, _ = _frame([4, 4, 4], [5, 3, 4], 9, seed=3)
     pooler = Pooler(features, values)
     _, pooled = pooler.pool(pooler.decode(raw, 9), CPU, grad=False)

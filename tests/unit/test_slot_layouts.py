@@ -16,9 +16,14 @@ from tests.unit.test_frames import assert_mutations_decode_or_refuse, assert_tru
 VALUES = ValueCodec(fp16=True, kappa=1024.0)
 
 
+def _sent(raw: bytes) -> codec.Frame:
+    """An `Embeddings` frame as the receiver's codec decodes it (its positions and lengths compressed)."""
+    return Embeddings.decode_frame(raw, 3, 5, ids_per_sample=3 * 8)
+
+
 def _laid_out(emb: Embeddings, values: ValueCodec = VALUES) -> bytes:
     """What a receiver process makes of `emb` for its trainer, the third feature taken as a sequence."""
-    sent = codec.decode(emb.encode(values))
+    sent = _sent(emb.encode(values))
     sequence = (np.arange(emb.batch_size * 2, dtype=np.int64).reshape(emb.batch_size, 2),
                 emb.bags.lengths[2].astype(np.int64))
     checked = CheckedEmbeddings(EmbeddingArrays.of(sent), emb.batch_size, emb.bags.bounds,
@@ -30,7 +35,7 @@ def _laid_out(emb: Embeddings, values: ValueCodec = VALUES) -> bytes:
 def test_the_arrays_cross_as_they_came_with_what_pooling_derives():
     emb = embeddings()
     checked = CheckedEmbeddings.decode(_laid_out(emb), [2])
-    as_sent = EmbeddingArrays.of(codec.decode(emb.encode(VALUES)))
+    as_sent = EmbeddingArrays.of(_sent(emb.encode(VALUES)))
     assert checked.batch_size == 5 and sorted(checked.arrays.rows) == sorted(checked.arrays.norms) == [4, 8]
     np.testing.assert_array_equal(checked.arrays.pos, as_sent.pos)
     np.testing.assert_array_equal(checked.arrays.lengths, as_sent.lengths)
