@@ -73,6 +73,10 @@ def max_ids(config: Config) -> int:
     return max(training.batch_size, training.eval_batch_size) * ids_per_sample(config.features)
 
 
+MAX_REQUEST_BYTES = 1 << 30
+"""No request is larger, whatever the config (gRPC's own limit, as before requests were bounded)."""
+
+
 def max_request_bytes(config: Config) -> int:
     """The largest request a data-plane service of this job can be sent, what its gRPC server accepts: each ID
     of a batch with its position and a row of the widest table with two optimizer-state rows (a replica's
@@ -83,7 +87,7 @@ def max_request_bytes(config: Config) -> int:
     width = max((f.dim for f in config.features), default=1)
     per_id = 8 + 2 + 4 * 3 * width + 8
     per_sample = 4 * (config.num_dense + config.num_tasks) + 2 * len(config.features)
-    return max_ids(config) * per_id + batch * per_sample + (4 << 20)
+    return min(max_ids(config) * per_id + batch * per_sample + (4 << 20), MAX_REQUEST_BYTES)
 
 
 def check_ids(count: int, bound: int | None, what: str) -> None:

@@ -57,7 +57,7 @@ class FakeEmbeddingWorker:
         return Applied(applied=7, lives=((0, 3), (1, (1 << 64) - 5))).encode()  # lives are 64-bit
 
 
-BATCH = 128
+BATCH = 4096  # with max_len 4096, frames of up to 32 MB of positions fit the batch's bound
 VALUES = ValueCodec()
 
 
@@ -86,8 +86,10 @@ def _assert_same(looked, frame: bytes) -> None:
     np.testing.assert_array_equal(got.rows[4].norms, sent.rows[4].norms)
 
 
-FEATURES = [{"name": "a", "group": 0, "dim": 4, "pooling": "mean"}]
-CONFIG_FEATURES = from_dict({"data": {"train": ["x"]}, "features": FEATURES}).features
+FEATURES = [{"name": "a", "group": 0, "dim": 4, "pooling": "mean", "kind": "list", "max_len": 4096}]
+"""One multi-hot feature whose bags are as long as a frame of the size a test wants needs (`_frame`): a
+sample's bag is at most max_len long, so a batch's frame at most BATCH x max_len positions."""
+CONFIG_FEATURES = from_dict({"data": {"train": ["x"], "format": "parquet"}, "features": FEATURES}).features
 
 
 @pytest.fixture
@@ -99,7 +101,7 @@ def worker_and_config():
         rpc.add_service(server, "EmbeddingWorker", fake)
         port = rpc.bind(server, "127.0.0.1", 0)
         await server.start()
-        config = from_dict({"data": {"train": ["x"]}, "num_dense": 3, "features": FEATURES,
+        config = from_dict({"data": {"train": ["x"], "format": "parquet"}, "num_dense": 3, "features": FEATURES,
                             "cluster": {"embedding_workers": [f"127.0.0.1:{port}"], "nn_workers": ["a:1"],
                                         "retry_s": 5.0},
                             "training": {"receiver": True}})
