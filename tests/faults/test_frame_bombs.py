@@ -105,3 +105,40 @@ def test_frame_bombs_are_refused_by_every_service_within_64_mib_and_it_keeps_ser
             await ew.unary_unary("/hybridrec.EmbeddingWorker/PutBatch")(put, timeout=30)
 
     asyncio.run(still_right())
+
+
+def test_a_lookup_of_10_8_ids_and_one_past_the_jobs_bound_are_refused_within_64_mib(services):
+    """A PS lookup of 10^8 IDs (800 MB: on 3b8ae06 it allocated 8-34 GiB, and as a training lookup admitted the
+    IDs and evicted the table) is refused by the PS's gRPC server before it is read (RESOURCE_EXHAUSTED: past
+    what the job's largest request can be, `frames.max_request_bytes`); one of `frames.max_ids` + 1 IDs, which
+    it does read, with INVALID_ARGUMENT naming the bound and the keys that raise it. The PS keeps serving, its
+    table untouched."""
+    from hybridrec.config import from_dict
+    from hybridrec.frames import max_ids
+
+    addresses, procs = services
+    ps = procs["embedding_ps"]
+    config = from_dict(yaml.safe_load((Path(ps.args[ps.args.index("--config") + 1])).read_text()))
+    bound = max_ids(config)
+    huge = PSLookup({8: np.arange(1, 10 ** 8 + 1, dtype=np.uint64)}, train=True).encode()
+    past = PSLookup({8: np.arange(1, bound + 2, dtype=np.uint64)}, train=True).encode()
+    before = _peak_kib(ps.pid)
+
+    async def send() -> list[grpc.aio.AioRpcError]:
+        errors = []
+        async with rpc.channel(addresses["embedding_ps"]) as channel:
+            call = channel.unary_unary("/hybridrec.EmbeddingPS/Lookup")
+            for frame in (huge, past):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(frame, timeout=120)
+                errors.append(refused.value)
+            reply = await call(PSLookup({8: np.arange(1, 50, dtype=np.uint64)}, train=False).encode(), timeout=30)
+            assert PSRows.decode(reply, ValueCodec(), {8: 49}).rows[8].shape == (49, 8)
+        return errors
+
+    too_large, too_many = asyncio.run(send())
+    assert too_large.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, too_large.details()
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"a lookup of {bound + 1} IDs, past this job's bound of {bound}" in too_many.details()
+    assert "training.batch_size" in too_many.details()
+    assert (_peak_kib(ps.pid) - before) / 1024 < 64
