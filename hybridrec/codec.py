@@ -233,8 +233,8 @@ def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BY
     if meta_len:
         try:
             meta = json.loads(bytes(mv[table_end:table_end + meta_len]))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FrameError(f"frame meta is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an integer of thousands of digits,
+            raise FrameError(f"frame meta is not valid JSON: {str(exc)[:200]}") from None  # nesting too deep
         if not isinstance(meta, dict):
             raise FrameError("frame meta must be a JSON object")
         frame.meta = meta

@@ -118,3 +118,14 @@ def test_frame_get_checks_dtype_and_rank():
         frame.get("missing")
     with pytest.raises(FrameError, match="integer"):
         frame.meta_int("nope")
+
+
+@pytest.mark.parametrize("meta, why", [
+    (b"[" * 30_000 + b"]" * 30_000, "nested thousands deep"),
+    (b'{"a": ' + b"9" * 5000 + b"}", "an integer of 5,000 digits"),
+])
+def test_meta_that_python_cannot_parse_is_a_frame_error(meta, why):
+    """On 3b8ae06 these escaped as RecursionError and ValueError (answered INTERNAL)."""
+    frame = struct.pack("<4sBBHII", codec.MAGIC, codec.VERSION, 0, 0, 0, len(meta)) + meta
+    with pytest.raises(FrameError, match="frame meta is not valid JSON"):
+        codec.decode(frame, max_bytes=1 << 30)
