@@ -31,6 +31,14 @@ def _run(procs: list, out: Path, timeout: float = 120) -> None:
     assert all(p.exitcode == 0 for p in procs), ([p.exitcode for p in procs], _errors(out))
 
 
+def _wait_ready(proc, ready: Path, out: Path) -> None:
+    """Until `proc` has imported torch and is about to join (`refusal_rank` touches `ready`)."""
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.is_alive() and time.monotonic() < deadline, _errors(out)
+        time.sleep(0.05)
+
+
 def test_a_fresh_rank_takes_model_optimizer_and_counters_from_the_source(tmp_path):
     ctx = mp.get_context("spawn")
     port = _port()
@@ -76,10 +84,7 @@ def test_the_group_stops_naming_missing_ranks_and_refusals_after_the_timeout(tmp
     # The stranger first, and rank 0 once it has imported torch: on a loaded machine its imports alone could
     # outlast rank 0's 4 s, and rank 0 would time out without having heard it (the stranger retries the store).
     stranger.start()
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "rank1-other.ready").exists():
-        assert stranger.is_alive() and time.monotonic() < deadline, _errors(tmp_path)
-        time.sleep(0.05)
+    _wait_ready(stranger, tmp_path / "rank1-other.ready", tmp_path)
     _run([rank0], tmp_path, timeout=60)
     stranger.join(60)
     assert stranger.exitcode == 0, (stranger.exitcode, _errors(tmp_path))
@@ -116,10 +121,7 @@ def test_a_malformed_lobby_entry_is_ignored_and_the_group_still_forms(tmp_path):
     port = _port()
     rank0 = ctx.Process(target=refusal_rank, args=(0, port, str(tmp_path), "good", 300))
     rank0.start()
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "rank0-good.ready").exists():
-        assert rank0.is_alive() and time.monotonic() < deadline, _errors(tmp_path)
-        time.sleep(0.05)
+    _wait_ready(rank0, tmp_path / "rank0-good.ready", tmp_path)
     client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
     good = {"nonce": "ab12", "rank": 1, "generation": 0, "step": None,
             "fingerprint": {"config": "good", "world_size": 2, "model": "model"}}
