@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import enum
 import random
 import signal
 import time
@@ -99,16 +100,16 @@ class FailedPrecondition(RuntimeError):
 
 def guard(fn: Callable[..., Awaitable[Any]], service: str, method: str) -> Callable[..., Awaitable[Any]]:
     """`fn` as a gRPC handler: user errors become status codes with their message, a bug INTERNAL, never a
-    dead server; latency observed, control methods authorised."""
+    dead server; latency observed, control and PS-peer methods authorised (`ROLES`)."""
     latency = RPC_LATENCY.labels(service, method)
 
-    control = method in CONTROL_METHODS.get(service, ())
+    role = role_of(service, method)
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
-            if control:
-                authorize(context, f"{service}.{method}")
+            if role is not Role.DATA:
+                authorize(context, f"{service}.{method}", role)
             return await fn(request, context)
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server (status_of logs it)
             code, detail = status_of(exc, service, method)
@@ -201,18 +202,48 @@ class Security:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-CONTROL_METHODS: dict[str, frozenset[str]] = {
-    # Methods that change a service's state outside training's data path (they write or replace
-    # tables). With cluster.control_identities set, only those identities may call them.
-    "EmbeddingPS": frozenset({"Checkpoint", "LoadCheckpoint", "Publish"}),
+class Role(str, enum.Enum):
+    """Who may call a method, by mutual-TLS identity."""
+
+    DATA = "data"
+    """The data plane and what reads a service's state: any certificate the CA signed."""
+    PEER = "peer"
+    """PS to PS (`ps.replicas: 2`): only the PS identities (`cluster.ps_identities`), and each method's handler
+    narrows it to the one PS that may call it."""
+    CONTROL = "control"
+    """Methods that change a service's state outside training's data path (they write or replace tables): only
+    `cluster.control_identities`."""
+
+
+ROLES: dict[str, dict[str, Role]] = {
+    "EmbeddingPS": {"Lookup": Role.DATA, "Update": Role.DATA, "Stats": Role.DATA, "Checkpoint": Role.CONTROL,
+                    "LoadCheckpoint": Role.CONTROL, "Publish": Role.CONTROL, "Replicate": Role.PEER,
+                    "PullShard": Role.PEER},
+    "EmbeddingWorker": {"PutBatch": Role.DATA, "Lookup": Role.DATA, "PushGradients": Role.DATA, "Stats": Role.DATA},
+    "NNWorker": {"PutBatch": Role.DATA, "Received": Role.DATA, "Status": Role.DATA, "Stats": Role.DATA},
+    "DataLoader": {"Stats": Role.DATA},
+    "inference": {"ServerLive": Role.DATA, "ServerReady": Role.DATA, "ModelReady": Role.DATA,
+                  "ServerMetadata": Role.DATA, "ModelMetadata": Role.DATA, "ModelInfer": Role.DATA},
 }
-_control_identities: frozenset[str] | None = None
+"""Every method of every service and its role, by the name the service registers its handlers under (`guard`:
+hybridrec.proto's service names; the Open Inference Protocol's GRPCInferenceService as "inference"). A test
+walks the descriptors: none is left out, and a method without a role cannot be registered. (The standard
+health service answers whoever reaches the port, as README's Security section says.)"""
+_identities: dict[Role, frozenset[str] | None] = {Role.CONTROL: None, Role.PEER: None}
 
 
-def use_authorization(identities: list[str] | None) -> None:
-    """Allow control methods only to peers whose certificate names one of `identities` (None: any peer)."""
-    global _control_identities
-    _control_identities = frozenset(identities) if identities is not None else None
+def role_of(service: str, method: str) -> Role:
+    try:
+        return ROLES[service][method]
+    except KeyError:
+        raise KeyError(f"{service}.{method} has no role in hybridrec.rpc.ROLES") from None
+
+
+def use_authorization(identities: list[str] | None, ps_identities: list[str] | None = None) -> None:
+    """Allow control methods only to peers whose certificate names one of `identities`, and PS-peer methods only
+    to the PS identities (None: any peer)."""
+    _identities[Role.CONTROL] = frozenset(identities) if identities is not None else None
+    _identities[Role.PEER] = frozenset(ps_identities) if ps_identities is not None else None
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> set[str]:
@@ -222,15 +253,30 @@ def peer_identities(context: grpc.aio.ServicerContext) -> set[str]:
     return {n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names}
 
 
-def authorize(context: grpc.aio.ServicerContext, what: str) -> None:
-    """PermissionError unless the caller may use control method `what`."""
-    if _control_identities is None:
+_ROLE_KEYS = {Role.CONTROL: "cluster.control_identities", Role.PEER: "cluster.ps_identities"}
+
+
+def authorize(context: grpc.aio.ServicerContext, what: str, role: Role = Role.CONTROL) -> None:
+    """PermissionError unless the caller may use method `what` of `role`."""
+    allowed = _identities.get(role)
+    if allowed is None:
         return
     caller = peer_identities(context)
-    if not caller & _control_identities:
+    if not caller & allowed:
         who = ", ".join(sorted(caller)) or "no certificate"
-        raise PermissionError(f"{what} is a control method; the caller ({who}) is not one of "
-                              f"cluster.control_identities")
+        raise PermissionError(f"{what} is a {role.value} method; the caller ({who}) is not one of "
+                              f"{_ROLE_KEYS[role]}")
+
+
+def require_caller(context: grpc.aio.ServicerContext, identity: str | None, what: str) -> None:
+    """PermissionError unless the caller's certificate names `identity` (None: not checked): one PS of
+    `cluster.ps_identities`, the only one that may make this call."""
+    if identity is None or _identities[Role.PEER] is None:
+        return
+    caller = peer_identities(context)
+    if identity not in caller:
+        who = ", ".join(sorted(caller)) or "no certificate"
+        raise PermissionError(f"{what}: only {identity} (cluster.ps_identities) may call it, not {who}")
 
 
 # One process talks to every peer the same way, so the choice is made once at start-up

@@ -134,7 +134,7 @@ class ServiceHost:
         self._setup(service, replica, addresses[replica], bind_host=config.cluster.bind_host,
                     metrics_port=config.cluster.metrics_port, tls=config.cluster.tls,
                     control_identities=config.cluster.control_identities,
-                    remote_server=remote_server)
+                    ps_identities=config.cluster.ps_identities, remote_server=remote_server)
 
     @classmethod
     def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
@@ -154,7 +154,7 @@ class ServiceHost:
         return host
 
     def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
-               control_identities: list[str] | None = None,
+               control_identities: list[str] | None = None, ps_identities: list[str] | None = None,
                remote_server: "RemoteServer | None" = None) -> None:
         kind = SERVICES.get(service)
         self.proto_service = kind.proto_service if kind else None
@@ -166,7 +166,7 @@ class ServiceHost:
         faulthandler.register(signal.SIGUSR2, all_threads=True)
         rpc.tune_allocator()
         rpc.use_tls(tls)
-        rpc.use_authorization(control_identities)
+        rpc.use_authorization(control_identities, ps_identities)
         self.remote_server = remote_server
         # A job's data-plane service accepts what its largest request can be; a standalone one (inference, a
         # read-only PS) gRPC's general limit.

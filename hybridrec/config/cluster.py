@@ -68,6 +68,12 @@ class ClusterConfig(Section):
     control methods (PS Checkpoint, LoadCheckpoint, Publish), e.g. the NN workers' and the launcher's;
     everyone else gets PERMISSION_DENIED. Data-plane methods stay open to any certificate the CA signed.
     None: any peer (the only choice without TLS)."""
+    ps_identities: list[str] | None = None
+    """With TLS: the certificate identity (subject common name or a subject alternative name) of each PS, in
+    `cluster.ps` order. The PS-peer methods (Replicate, PullShard: `ps.replicas: 2`) are then refused
+    (PERMISSION_DENIED) to every other caller, and each to all but the one PS that may call it: a backup takes
+    rows only from its shard's primary, a copy goes only to the shard's backup or, restoring, to the shard.
+    None: any certificate the CA signed."""
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """Deadline of one data-plane RPC."""
     retry_s: Annotated[float, Field(gt=0)] = 120.0
@@ -111,9 +117,13 @@ class ClusterConfig(Section):
         if len(self.embedding_workers) > 255:
             raise ValueError("cluster.embedding_workers: at most 255 embedding workers")
         _split_address(self.rendezvous, "cluster.rendezvous")
-        if self.control_identities is not None and self.tls is None:
-            raise ValueError("cluster.control_identities: authorising callers needs cluster.tls (mutual TLS "
-                             "identifies them)")
+        for key in ("control_identities", "ps_identities"):
+            if getattr(self, key) is not None and self.tls is None:
+                raise ValueError(f"cluster.{key}: authorising callers needs cluster.tls (mutual TLS identifies "
+                                 f"them)")
+        if self.ps_identities is not None and self.ps != [AUTO] and len(self.ps_identities) != len(self.ps):
+            raise ValueError(f"cluster.ps_identities: {len(self.ps_identities)} identities for {len(self.ps)} PS "
+                             f"processes (cluster.ps): one each, in the same order")
         return self
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from hybridrec.compress import ValueCodec
 from hybridrec.lazy_torch import import_torch_in_background, imported
 from hybridrec.config import Config
-from hybridrec import checkpoints, log
+from hybridrec import checkpoints, log, rpc
 from hybridrec.checkpoints import resolve_under
 from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows, max_ids
 from hybridrec.proto import pb
@@ -245,8 +245,11 @@ class EmbeddingPSServicer:
     def __init__(self, stores: dict[int, EmbeddingStore], applied: AppliedLog, shard: int, num_shards: int,
                  values: ValueCodec, executor: ThreadPoolExecutor, *, checkpoint_root: str | None = None,
                  publish_root: str | None = None, losses: list[lives.Loss] | None = None, full_every: int = 1,
-                 primary: Primary | None = None, backup: Backup | None = None, max_ids: int | None = None):
+                 primary: Primary | None = None, backup: Backup | None = None, max_ids: int | None = None,
+                 ps_identities: list[str] | None = None):
         self.stores, self.shard, self.num_shards = stores, shard, num_shards
+        self.ps_identities = ps_identities
+        """cluster.ps_identities: which PS may make each PS-peer call (None: any, by the role's rule)."""
         self.max_ids = max_ids
         """The most IDs a Lookup or Update may name (`frames.max_ids` of the job; None: not bounded): a request
         of 10^8 IDs would allocate gigabytes, and a training one admit them all and evict the table."""
@@ -346,6 +349,11 @@ class EmbeddingPSServicer:
         update = PSUpdate.decode(request, self.values, self.stores, self.max_ids)
         for ids in update.ids.values():  # every width checked before any row changes
             self._check_shard(ids)
+        if not any(ids.size for ids in update.ids.values()):
+            # Changes nothing, and is not recorded: a stream of empty updates under fresh ids would roll the
+            # window of applied ids (`applied.py`) past a real update, whose re-send would then apply twice.
+            # (An embedding worker sends a shard no update without rows of its own.)
+            return Applied(0, self._life).encode()
         uid = update.update_id
         while (running := self._updating.get(uid)) is not None:  # a re-send racing its original
             with contextlib.suppress(Exception):
@@ -386,9 +394,11 @@ class EmbeddingPSServicer:
         return applied
 
     async def Replicate(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Rows the primary of the shard this PS backs up changed (ps.replicas: 2)."""
+        """Rows the primary of the shard this PS backs up changed (ps.replicas: 2): taken only from that primary
+        (`cluster.ps_identities`), whatever the frame claims of its job, life and sequence."""
         if self.backup is None:
             raise FailedPrecondition(f"PS {self.shard} keeps no backup: ps.replicas is 1 in its config")
+        rpc.require_caller(context, self._ps_identity(self.backup.shard), f"Replicate of shard {self.backup.shard}")
         await self.backup.replicate(ShardRows.decode(request, row_widths(self.backup.stores)), self._run)
         return Applied(0).encode()
 
@@ -396,6 +406,9 @@ class EmbeddingPSServicer:
         """A page of a copy of this shard (for its backup) or of the backup this PS keeps (for the shard that
         lost its store)."""
         pull = ShardPull.decode(request)
+        # A copy of the shard goes to its backup; a copy of the backup kept here, to the shard it backs up.
+        caller = backup_host(self.shard, self.num_shards) if pull.copy == "primary" else pull.shard
+        rpc.require_caller(context, self._ps_identity(caller), f"PullShard of the {pull.copy} of shard {pull.shard}")
         if pull.copy == "primary":
             if pull.shard != self.shard:
                 raise ValueError(f"this is shard {self.shard}, not shard {pull.shard}")
@@ -405,6 +418,11 @@ class EmbeddingPSServicer:
         if self.backup is None:
             raise FailedPrecondition(f"PS {self.shard} keeps no backup: ps.replicas is 1 in its config")
         return (await self.backup.page(pull, self._run)).encode()
+
+    def _ps_identity(self, index: int) -> str | None:
+        """The certificate identity of PS `index` (`cluster.ps_identities`; None: not configured)."""
+        identities = self.ps_identities
+        return identities[index] if identities is not None and 0 <= index < len(identities) else None
 
     async def Stats(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.ServiceStats:
         stores = self._store_stats()  # once for both parts
@@ -494,7 +512,8 @@ async def serve(config: Config, replica: int) -> None:
                                        checkpoint_root=config.checkpoint.dir,
                                        publish_root=config.publish.dir if config.publish.enabled else None,
                                        losses=losses, primary=primary, backup=backup,
-                                       full_every=config.checkpoint.full_every, max_ids=max_ids(config))
+                                       full_every=config.checkpoint.full_every, max_ids=max_ids(config),
+                                       ps_identities=config.cluster.ps_identities)
         host.add(servicer, servicer.stats)
         await host.start()
         await imported(torch_import)

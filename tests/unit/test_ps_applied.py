@@ -227,3 +227,23 @@ def test_recent_ids_of_a_full_window_wrap_in_order(tmp_path):
     assert recent.shape == (WINDOW,) and recent[0] == 11 and recent[-1] == WINDOW + 10
     assert np.all(np.diff(recent.astype(np.int64)) == 1)
     log.close()
+
+
+def test_empty_updates_under_fresh_ids_do_not_roll_the_window_past_a_real_one(shard):
+    """An update without rows changes nothing and is not recorded: on 3b8ae06 a data-plane caller could send
+    enough of them under fresh ids to push a real update out of the window, whose re-send was then applied
+    twice."""
+    from services.embedding_ps.applied import WINDOW
+
+    start = shard.rows()
+    assert Applied.decode(asyncio.run(shard.servicer.Update(_update(5), None))).applied == IDS.size
+    empty = np.zeros(0, np.uint64)
+
+    async def flood() -> None:
+        for uid in range(1_000_000, 1_000_000 + WINDOW + 10):
+            await shard.servicer.Update(PSUpdate({DIM: empty}, {DIM: np.zeros((0, DIM), np.float32)}, uid)
+                                        .encode(VALUES), None)
+
+    asyncio.run(flood())
+    assert Applied.decode(asyncio.run(shard.servicer.Update(_update(5), None))).applied == 0  # still known
+    np.testing.assert_allclose(shard.rows(), start - LR, rtol=0, atol=1e-6)
