@@ -36,6 +36,8 @@ def checked_shape(dims, what: str = "") -> tuple[int, ...]:
     shape = tuple(int(d) for d in dims)
     if any(d < 0 for d in shape):
         raise BadInput(f"{what}shape {list(shape)} has a negative dimension")
+    if any(d > MAX_ELEMENTS for d in shape):  # each on its own too: after a 0, the product stays 0
+        raise BadInput(f"{what}shape {list(shape)[:8]} has a dimension past {MAX_ELEMENTS}")
     count = 1
     for d in shape:
         count *= d

@@ -117,6 +117,26 @@ def tensors_of(body: dict[str, Any], binary: bytes) -> tuple[list[Tensor], list[
     return tensors, outputs
 
 
+def parse_request(raw: bytes, header_len: str | None) -> tuple[dict[str, Any], list[Tensor], list[dict]]:
+    """An infer request's body (JSON, or Triton's binary extension: `header_len` bytes of JSON, then the
+    tensors' bytes) as (its JSON object, its input tensors, the outputs it asks for); BadInput for anything
+    else, whatever Python's JSON parser raises (nesting thousands deep, an integer of thousands of digits)."""
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(raw):
+            raise BadInput(f"{HEADER_LENGTH}: {header_len!r} does not fit a body of {len(raw)} bytes")
+        head, binary = raw[:int(header_len)], raw[int(header_len):]
+    else:
+        head, binary = raw, b""
+    try:
+        body = json.loads(head)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits, depth
+        raise BadInput(f"the request body is not JSON Python can read: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise BadInput("the request body must be a JSON object")
+    tensors, outputs = tensors_of(body, binary)
+    return body, tensors, outputs
+
+
 def make_app(core: InferenceCore) -> web.Application:
     logger = log.get()
 
@@ -142,21 +162,7 @@ def make_app(core: InferenceCore) -> web.Application:
 
     async def infer(request: web.Request) -> web.Response:
         core.check_model(request.match_info["name"], version_of(request))  # 404 before any parsing
-        raw = await request.read()
-        header_len = request.headers.get(HEADER_LENGTH)
-        if header_len is not None:
-            if not header_len.isdigit() or int(header_len) > len(raw):
-                raise BadInput(f"{HEADER_LENGTH}: {header_len!r} does not fit a body of {len(raw)} bytes")
-            head, binary = raw[:int(header_len)], raw[int(header_len):]
-        else:
-            head, binary = raw, b""
-        try:
-            body = json.loads(head)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadInput(f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadInput("the request body must be a JSON object")
-        tensors, outputs = tensors_of(body, binary)
+        body, tensors, outputs = parse_request(await request.read(), request.headers.get(HEADER_LENGTH))
         answer = await core.infer(request.match_info["name"], version_of(request), tensors,
                                   [o["name"] for o in outputs])
         params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}

@@ -543,3 +543,14 @@ def test_the_table_lookup_is_compiled_at_start_for_every_kind_of_array_a_request
             table_lookup.lookup_into([keys], [rows], ids, out)
             np.testing.assert_array_equal(out, [[4, 5, 6, 7], [0, 0, 0, 0], [0, 1, 2, 3]])
     assert len(table_lookup._find.signatures) == compiled >= 4
+
+
+def test_a_shape_with_a_zero_and_a_huge_dimension_is_refused():
+    """Found by the fuzzer (tests/fuzz): after a 0 the product stays 0, and a REST body's shape [0, 10**30]
+    reached numpy's int64 product and was answered 500."""
+    from services.inference.grpc_api import checked_shape
+    from services.inference.inputs import BadInput
+
+    with pytest.raises(BadInput, match="has a dimension past"):
+        checked_shape([0, 10 ** 30])
+    assert checked_shape([0, 5]) == (0, 5)
