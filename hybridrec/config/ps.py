@@ -91,6 +91,11 @@ class PSConfig(Section):
     shm_dir: str = "/dev/shm/hybridrec"
     """Directory of the store's mmap'd files (`shard-NNNNN/`) and of each embedding worker's batch buffer
     (`embedding-worker-NNNNN/`); a restarted PS or embedding worker re-attaches to its own."""
+    worker_buffer_bytes: Annotated[int, Field(gt=0)] = 1 << 30
+    """The most bytes of batches an embedding worker keeps in its buffer under `shm_dir` (their frames, until
+    consumed). Past it a data loader's PutBatch is answered UNAVAILABLE, which the data loader retries for
+    `cluster.retry_s` while the NN workers consume batches: back-pressure, not a failure. A batch alone always
+    fits. Normally far from it: the staleness bound and prefetch keep a few batches per NN worker in flight."""
     num_stripes: Annotated[int, Field(ge=1, le=1024)] = 16
     """Independently locked parts of each store (parallelism across request threads)."""
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0

@@ -63,6 +63,7 @@ class BufferedBatch:
     gidx: dict[int, np.ndarray | None]
     by_shard: dict[int, list[np.ndarray]]  # width -> per shard, positions into uniq[width]
     looked_up: bool = False  # a train batch whose embeddings an NN worker has had: its update is owed
+    nbytes: int = 0  # its frame's size, as buffered on file
 
 
 class EmbeddingWorker:
@@ -93,8 +94,11 @@ class EmbeddingWorker:
         self.files = BufferFiles.open(buffer_dir(config, replica), features=self.features, replica=replica)
         self.incarnation = self.files.incarnation
         self.counters = {"batches_put_total": 0, "lookups_total": 0, "gradient_pushes_total": 0,
-                         "updates_discarded_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0, "pushes_already_applied_total": 0,
-                         "lookups_repeated_total": 0}
+                         "updates_discarded_total": 0, "rows_looked_up_total": 0, "rows_updated_total": 0,
+                         "pushes_already_applied_total": 0, "lookups_repeated_total": 0, "puts_held_back_total": 0}
+        self.buffer_cap = config.ps.worker_buffer_bytes
+        self.buffered_bytes = 0
+        """The bytes of every batch in the buffer (their frames, as on file): at most `buffer_cap`."""
         self.acks: Counter[tuple[int, int]] = Counter()
         """Updates each PS shard's life acknowledged in this worker's successful pushes, (shard, life) -> count:
         what a run's summary counts as lost when a life loses its store (services/embedding_ps/lives.py)."""
@@ -111,7 +115,8 @@ class EmbeddingWorker:
                 self.files.drop(stored.seq)
                 continue
             ref = make_batch_ref(self.replica, self.incarnation, stored.seq)
-            self.buffer[ref] = self._plan(ref, sparse)
+            self.buffer[ref] = self._plan(ref, sparse, len(stored.frame))
+            self.buffered_bytes += len(stored.frame)
             recovered += 1
         if recovered:
             self.files.count_recovered(recovered)
@@ -126,19 +131,27 @@ class EmbeddingWorker:
         worker's replica in the top bits). The batch is on file, as these very bytes, before the ref is
         handed out."""
         sparse = SparseBatch.decode(frame, len(self.features), self.ids_per_sample)
+        if self.buffered_bytes + len(frame) > self.buffer_cap and self.buffer:
+            # Back-pressure, not a failure: the data loader retries (UNAVAILABLE, up to cluster.retry_s) while
+            # the NN workers consume what is buffered. A batch alone in the buffer always fits.
+            self.counters["puts_held_back_total"] += 1
+            raise Unavailable(f"embedding worker {self.replica}'s buffer holds {self.buffered_bytes:,} bytes of "
+                              f"batches; another {len(frame):,} would pass ps.worker_buffer_bytes "
+                              f"({self.buffer_cap:,}): try again once the NN workers have consumed some")
         seq = self.files.reserve()
         ref = make_batch_ref(self.replica, self.incarnation, seq)
-        batch = self._plan(ref, sparse)
+        batch = self._plan(ref, sparse, len(frame))
         try:
             self.files.write(seq, frame)
         except OSError as exc:  # e.g. a full /dev/shm: the data loader tries the next embedding worker
             raise Unavailable(f"embedding worker {self.replica} cannot buffer a batch in "
                               f"{self.files.directory}: {exc}") from exc
         self.buffer[ref] = batch
+        self.buffered_bytes += len(frame)
         self.counters["batches_put_total"] += 1
         return ref
 
-    def _plan(self, ref: int, sparse: SparseBatch) -> BufferedBatch:
+    def _plan(self, ref: int, sparse: SparseBatch, nbytes: int = 0) -> BufferedBatch:
         """The batch-unique IDs per width and their split by PS shard: all a lookup and a push need.
 
         The data loader deduplicated each feature, and features of distinct groups cannot share an ID (the
@@ -155,7 +168,7 @@ class EmbeddingWorker:
             else:
                 uniq[dim], gidx[dim] = ids, None
         by_shard = {dim: split_by_shard(ids, self.num_shards) for dim, ids in uniq.items()}
-        return BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard)
+        return BufferedBatch(ref, sparse.phase, sparse, uniq, gidx, by_shard, nbytes=nbytes)
 
     # -- from an NN worker ----------------------------------------------------------------
     async def lookup(self, ref: int) -> bytes:
@@ -266,7 +279,8 @@ class EmbeddingWorker:
         return Applied(0)
 
     def _consumed(self, batch: BufferedBatch) -> None:
-        self.buffer.pop(batch.ref, None)
+        if self.buffer.pop(batch.ref, None) is not None:
+            self.buffered_bytes -= batch.nbytes
         self.files.consumed(batch.ref & SEQ_MASK, eval_batch=batch.phase != "train")
 
     def _own_seq(self, ref: int) -> int | None:
@@ -288,6 +302,7 @@ class EmbeddingWorker:
         """Counters, and what the buffer holds now (the metrics' names; a run's summary reads `recovery`)."""
         recovery = self.recovery()
         return {**{k: float(v) for k, v in self.counters.items()}, "buffered_batches": float(len(self.buffer)),
+                "buffered_bytes": float(self.buffered_bytes),
                 "unapplied_train_batches": float(recovery.unapplied_train_batches),
                 "batches_recovered_total": float(recovery.batches_recovered)}
 

@@ -320,9 +320,10 @@ def test_counters(cluster):
     stats = worker.stats()
     assert applied.applied == unique
     assert stats == {"batches_put_total": 1.0, "lookups_total": 1.0, "gradient_pushes_total": 1.0,
-                     "updates_discarded_total": 0.0, "rows_looked_up_total": float(unique), "rows_updated_total": float(unique),
-                     "buffered_batches": 0.0, "unapplied_train_batches": 0.0, "batches_recovered_total": 0.0,
-                     "pushes_already_applied_total": 0.0, "lookups_repeated_total": 0.0}
+                     "updates_discarded_total": 0.0, "rows_looked_up_total": float(unique),
+                     "rows_updated_total": float(unique), "buffered_batches": 0.0, "unapplied_train_batches": 0.0,
+                     "batches_recovered_total": 0.0, "pushes_already_applied_total": 0.0,
+                     "lookups_repeated_total": 0.0, "puts_held_back_total": 0.0, "buffered_bytes": 0.0}
 
 
 def test_only_repeated_ids_are_deduplicated_again(cluster):
@@ -345,3 +346,28 @@ def test_only_repeated_ids_are_deduplicated_again(cluster):
     repeated.bags = KeyedBags(pos, repeated.bags.lengths)
     plan = worker._plan(0, repeated)
     assert plan.gidx[8] is not None and np.unique(plan.uniq[8]).size == plan.uniq[8].size == 3
+
+
+def test_a_full_buffer_holds_puts_back_until_a_batch_is_consumed_and_survives_a_restart(cluster, tmp_path):
+    """ps.worker_buffer_bytes caps what the worker keeps: past it a put is UNAVAILABLE (the data loader retries:
+    back-pressure), and once a batch is consumed the next fits. A restarted worker counts what it re-attached."""
+    from hybridrec.rpc import Unavailable
+
+    frames = [_batch(seed).encode() for seed in range(4)]
+    cap = len(frames[0]) + len(frames[1]) + len(frames[2]) // 2
+    cluster.worker.buffer_cap = cap
+    first, second = (cluster.worker.put(f) for f in frames[:2])
+    with pytest.raises(Unavailable, match=r"would pass ps.worker_buffer_bytes"):
+        cluster.worker.put(frames[2])
+    assert cluster.worker.stats()["puts_held_back_total"] == 1
+    _decode(cluster.worker, asyncio.run(cluster.worker.lookup(first)), 6)
+    rows_of = cluster.worker.rows_of(first)
+    asyncio.run(cluster.worker.push_gradients(Gradients(first, {d: np.ones((n, d), np.float32)
+                                                                for d, n in rows_of.items()})))
+    third = cluster.worker.put(frames[2])
+    assert set(cluster.worker.buffer) == {second, third}
+    assert cluster.worker.buffered_bytes == len(frames[1]) + len(frames[2])
+    cluster.worker.close()
+    again = EmbeddingWorker(cluster.config, REPLICA, cluster.ps_call)  # a restarted worker, the same directory
+    assert again.buffered_bytes == len(frames[1]) + len(frames[2])
+    cluster.worker = again
