@@ -220,8 +220,10 @@ def read_manifest(path: Path) -> JobManifest:
         raise ValueError(f"checkpoint {path}: unreadable manifest: {exc}") from None
     if manifest.format_version != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path}: format_version {manifest.format_version}, expected {FORMAT_VERSION}")
-    if len(manifest.position) != 4 or manifest.step < 0 or manifest.seq < 0:
-        raise ValueError(f"checkpoint {path}: manifest fields out of range")
+    ints = (manifest.step, manifest.seq, manifest.samples, manifest.num_nn_workers, manifest.num_ps)
+    if not (isinstance(manifest.position, list) and len(manifest.position) == 4 and isinstance(manifest.loaders, list)
+            and isinstance(manifest.chain, list) and all(isinstance(v, int) and v >= 0 for v in ints)):
+        raise ValueError(f"checkpoint {path}: manifest fields out of range or of the wrong type")
     if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
                and isinstance(entry[1], list) and len(entry[1]) == 4 for entry in manifest.loaders):
         raise ValueError(f"checkpoint {path}: loaders must be [seq, position] pairs, got {manifest.loaders!r}")

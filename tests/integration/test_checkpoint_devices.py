@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,16 @@ def _run(config, run_dir, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(HYBRIDREC + args, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+def _record(dense: Path) -> None:
+    """The checkpoint's manifest, its record of `dense` (size, sha256) made anew after the file was rewritten."""
+    from hybridrec import checkpoints as layout
+
+    manifest = dense.parent / layout.MANIFEST
+    tree = json.loads(manifest.read_text())
+    tree["files"][dense.name] = layout.file_entry(dense)
+    manifest.write_text(json.dumps(tree))
+
+
 def test_a_gpu_checkpoint_resumes_on_cpu_workers_and_another_model_is_refused(tmp_path, small_config):
     checkpoints = tmp_path / "checkpoints"
     common = (f"checkpoint.dir={checkpoints}", "checkpoint.interval_steps=5")
@@ -38,6 +49,7 @@ def test_a_gpu_checkpoint_resumes_on_cpu_workers_and_another_model_is_refused(tm
             torch.save(state, path)
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(path, weights_only=True)
+        _record(path)  # as the GPU worker's checkpoint would have recorded its file
 
     resumed = _run(small_config, tmp_path / "resumed", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -77,3 +77,13 @@ def test_a_manifest_whose_files_are_not_names_and_digests_is_refused(tmp_path):
     with pytest.raises(ValueError, match="files must map a file name to its bytes and sha256"):
         checkpoints.read_manifest(path)
     assert checkpoints.latest(tmp_path) is None
+
+
+def test_a_manifest_whose_fields_have_the_wrong_types_is_refused_as_unreadable(tmp_path):
+    """Found by the fuzzer (tests/fuzz, target manifests): a position of 0.0 raised TypeError."""
+    path = _checkpoint(tmp_path, 4)
+    raw = json.loads((path / checkpoints.MANIFEST).read_text())
+    for field, value in (("position", 0.0), ("step", "4"), ("loaders", {}), ("num_ps", -1)):
+        (path / checkpoints.MANIFEST).write_text(json.dumps({**raw, field: value}))
+        with pytest.raises(ValueError, match="out of range or of the wrong type"):
+            checkpoints.read_manifest(path)
