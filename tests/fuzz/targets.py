@@ -53,11 +53,11 @@ def _codec_seeds() -> list[bytes]:
 
     a = np.arange(100, dtype=np.uint16)
     return [codec.encode({"a": a, "b": np.ones((3, 4), np.float32)}, {"k": 1}, compress={"a"}),
-            codec.encode(meta={"batch_ref": 7}), codec.encode({"x": np.zeros(0, np.uint64)})]
+            codec.encode(meta={"m": 7}), codec.encode({"x": np.zeros(0, np.uint64)})]
 
 
 FRAME_KINDS = ("sparse", "embeddings", "gradients", "lookup", "update", "rows", "shard_rows", "shard_pull", "applied",
-               "consumed", "received", "nn_batch", "batch_ref", "checked")
+               "consumed", "received", "nn_batch", "ref", "checked")
 
 
 def _frames(data: bytes) -> None:
@@ -83,7 +83,7 @@ def _frames(data: bytes) -> None:
         "consumed": lambda: frames.Consumed.decode(buf),
         "received": lambda: frames.Received.decode(buf),
         "nn_batch": lambda: frames.decode_nn_batch(buf, 3, 1, 2),
-        "batch_ref": lambda: frames.BatchRef.decode(buf),
+        "ref": lambda: frames.BatchRef.decode(buf),
         "checked": lambda: CheckedEmbeddings.decode(buf, [1]),
     }
     decoders[kind]()
@@ -113,7 +113,7 @@ def _frames_seeds() -> list[bytes]:
         "consumed": frames.Consumed("train", 4).encode(), "received": frames.Received(loader=1).encode(),
         "nn_batch": frames.DenseBatch(7, np.ones((4, 3), np.float32), np.zeros(4, np.float32), "train", seq=1,
                                       loader=1).encode(),
-        "batch_ref": frames.BatchRef(12).encode(),
+        "ref": frames.BatchRef(12).encode(),
         "checked": b"",
     }
     return [bytes([FRAME_KINDS.index(kind)]) + frame for kind, frame in encoded.items()]
