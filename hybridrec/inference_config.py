@@ -73,6 +73,14 @@ class InferenceConfig(_Model):
     need nothing)."""
     max_request_rows: Annotated[int, Field(ge=1, le=65535)] = 4096
     """Rows one request may carry; a larger one is refused (INVALID_ARGUMENT / 400)."""
+    max_request_bytes: Annotated[int, Field(gt=0, le=1 << 30)] | None = None
+    """The largest request either endpoint reads: past it gRPC answers RESOURCE_EXHAUSTED and REST 413 before
+    the request is read, so no size of request can make the server allocate much. None: `max_request_rows`
+    times `REQUEST_ROW_BYTES` (4 KiB: a Criteo row as text is about 300 bytes; raise it for long list
+    features given as strings)."""
+    max_concurrent_requests: Annotated[int, Field(ge=1)] = 256
+    """Requests in the server at once (being decoded, or waiting for their micro-batch): past it gRPC answers
+    RESOURCE_EXHAUSTED and REST 429 with a Retry-After header, at once."""
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     """Dynamic batching (see BatchingConfig)."""
     torch_threads: Annotated[int, Field(ge=0)] = 0
@@ -123,3 +131,12 @@ def load_inference_config(path: str | Path | None, *, values: dict[str, Any] | N
         return InferenceConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc, source)) from None
+
+
+REQUEST_ROW_BYTES = 4 << 10
+"""A request row's bytes in the default `max_request_bytes`."""
+
+
+def request_bytes(settings: InferenceConfig) -> int:
+    """The largest request the inference service reads (`max_request_bytes`, or its default)."""
+    return settings.max_request_bytes or min(settings.max_request_rows * REQUEST_ROW_BYTES, 1 << 30)

@@ -323,13 +323,15 @@ def training_status(address: str, timeout_s: float = 1.0) -> pb.TrainingStatus |
             return None
 
 
-def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
+               max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
     """A grpc.aio server that refuses (RESOURCE_EXHAUSTED) a request larger than `max_receive_bytes` before
     reading it whole: a data-plane service passes what its job's largest request can be
-    (`hybridrec.frames.max_request_bytes`)."""
+    (`hybridrec.frames.max_request_bytes`), the inference service its `max_request_bytes`; and, with
+    `max_concurrent_rpcs`, any call past that many in progress (RESOURCE_EXHAUSTED, at once)."""
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     return grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", int(max_receive_bytes))],
-                           maximum_concurrent_rpcs=None)
+                           maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

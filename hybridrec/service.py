@@ -138,7 +138,8 @@ class ServiceHost:
 
     @classmethod
     def standalone(cls, service: str, *, listen: str, replica: int = 0, metrics_port: int = 0,
-                   tls=None) -> "ServiceHost":
+                   tls=None, max_receive_bytes: int | None = None,
+                   max_concurrent_rpcs: int | None = None) -> "ServiceHost":
         """A replica without a training job's config (a read-only PS serving a bundle, the inference service).
 
         Binds `listen` (HOST:PORT; port 0 picks a free one, logged as `listening`);
@@ -150,6 +151,7 @@ class ServiceHost:
         bind_host, _ = split_address(listen)
         host = cls.__new__(cls)
         host.config = None
+        host._limits = (max_receive_bytes or rpc.MAX_MESSAGE_BYTES, max_concurrent_rpcs)
         host._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
         return host
 
@@ -169,9 +171,10 @@ class ServiceHost:
         rpc.use_authorization(control_identities, ps_identities)
         self.remote_server = remote_server
         # A job's data-plane service accepts what its largest request can be; a standalone one (inference, a
-        # read-only PS) gRPC's general limit.
-        limit = max_request_bytes(self.config) if self.config is not None else rpc.MAX_MESSAGE_BYTES
-        self.server = rpc.new_server(limit) if remote_server is None else None
+        # read-only PS) what it was started with (`standalone`).
+        limit, concurrent = ((max_request_bytes(self.config), None) if self.config is not None
+                             else getattr(self, "_limits", (rpc.MAX_MESSAGE_BYTES, None)))
+        self.server = rpc.new_server(limit, concurrent) if remote_server is None else None
         self.health = rpc.add_health(self.server) if remote_server is None else None
         self.stop = asyncio.Event()
         self.metrics_address: str | None = None

@@ -6,18 +6,31 @@ made here once, so both endpoints behave the same.
 """
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 from services.inference.batcher import Batcher
-from services.inference.inputs import BadInput, InputDecoder, NotFound, NotReady, Tensor
+from services.inference.inputs import BadInput, InputDecoder, NotFound, NotReady, Samples, Tensor
 from services.inference.model import ModelSource
 
 SERVER_NAME = "hybridrec-inference"
 OUTPUT = "probability"
 PLATFORM = "hybridrec_pytorch"
 SERVER_VERSION = "0.1.0"
+DECODE_ON_LOOP_BYTES = 256 << 10
+"""A request whose inputs take fewer bytes is decoded on the event loop; a larger one on a thread (`_decode`)."""
+
+
+def _nbytes(tensor: Tensor) -> int:
+    data = tensor.data
+    if isinstance(data, np.ndarray):
+        return data.nbytes
+    if isinstance(data, list):
+        return sum(len(item) for item in data)
+    return data.data.nbytes  # ByteElements
 
 
 @dataclass
@@ -49,6 +62,7 @@ class InferenceCore:
         self._decoder_of: tuple[object, InputDecoder] | None = None  # (manifest, its decoder)
         self._truncated_before = 0  # truncated_rows of the decoders of versions no longer served
         self.counters = {"bad_requests_total": 0, "not_found_total": 0}
+        self._decoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
 
     def serve(self, source: ModelSource, batcher: Batcher) -> None:
         """Start answering with `source` (the model is loaded)."""
@@ -118,7 +132,7 @@ class InferenceCore:
                 if out != OUTPUT and out not in tasks:
                     raise BadInput(f"unknown output {out!r}; this model answers "
                                    f"{', '.join(repr(o) for o in [OUTPUT, *tasks])}")
-            samples = self.decoder().decode(tensors)
+            samples = await self._decode(tensors)
         except BadInput:
             self.counters["bad_requests_total"] += 1
             raise
@@ -127,6 +141,15 @@ class InferenceCore:
         answers = {out: probs if out == OUTPUT else probs[:, tasks.index(out)] for out in outputs or [OUTPUT]}
         return Answer(self.model_name, str(result.version), answers,
                       {"model_version": str(result.version), "micro_batch_rows": int(result.micro_batch_rows)})
+
+    async def _decode(self, tensors: Sequence[Tensor]) -> Samples:
+        """The request's samples: decoded on the event loop when small (a thread hop would cost a one-row
+        request more than its decoding), on a thread of its own when large, so that one large request does not
+        hold up every other request and the health probes."""
+        decoder = self.decoder()
+        if sum(_nbytes(t) for t in tensors) < DECODE_ON_LOOP_BYTES:
+            return decoder.decode(tensors)
+        return await asyncio.get_running_loop().run_in_executor(self._decoding, decoder.decode, tensors)
 
     def stats(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counters.items()},

@@ -29,6 +29,7 @@ from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tens
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_BODY_BYTES = 256 << 20
+"""`make_app`'s default body limit; `hybridrec serve inference` passes its `max_request_bytes`."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -137,7 +138,11 @@ def parse_request(raw: bytes, header_len: str | None) -> tuple[dict[str, Any], l
     return body, tensors, outputs
 
 
-def make_app(core: InferenceCore) -> web.Application:
+def make_app(core: InferenceCore, *, max_body_bytes: int = MAX_BODY_BYTES,
+             max_concurrent: int | None = None) -> web.Application:
+    """The REST endpoints. A body past `max_body_bytes` is answered 413 before it is read; past
+    `max_concurrent` infer requests at once, another is answered 429 with a Retry-After header, at once."""
+    busy = [0]
     logger = log.get()
 
     def version_of(request: web.Request) -> str:
@@ -161,6 +166,20 @@ def make_app(core: InferenceCore) -> web.Application:
         return web.json_response({"name": core.model_name, "ready": ok}, status=200 if ok else 503)
 
     async def infer(request: web.Request) -> web.Response:
+        if max_concurrent is not None and busy[0] >= max_concurrent:
+            return web.json_response({"error": f"{busy[0]} requests in progress, the most this server takes at "
+                                               f"once (max_concurrent_requests): try again shortly"},
+                                     status=429, headers={"Retry-After": "1"})
+        busy[0] += 1
+        try:
+            return await _infer(request)
+        finally:
+            busy[0] -= 1
+
+    async def _infer(request: web.Request) -> web.Response:
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            # refused from its header, before a byte of it is read (aiohttp would read up to the limit first)
+            raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=request.content_length)
         core.check_model(request.match_info["name"], version_of(request))  # 404 before any parsing
         body, tensors, outputs = parse_request(await request.read(), request.headers.get(HEADER_LENGTH))
         answer = await core.infer(request.match_info["name"], version_of(request), tensors,
@@ -205,7 +224,7 @@ def make_app(core: InferenceCore) -> web.Application:
             logger.exception("rest_failed", path=request.path)
             return _error(500, f"{type(exc).__name__}: {exc}")
 
-    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes)
     base = "/v2/models/{name}"
     app.add_routes([
         web.get("/v2/health/live", live),

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from hybridrec import rpc
 from hybridrec.bundle import read_manifest
-from hybridrec.inference_config import InferenceConfig
+from hybridrec.inference_config import InferenceConfig, request_bytes
 from hybridrec.service import ServiceHost
 from services.inference.batcher import Batcher
 from services.inference.compiled import warm_up as compiled_warm_up
@@ -33,7 +33,8 @@ async def serve(settings: InferenceConfig) -> None:
     if settings.bundle is not None:
         read_manifest(settings.bundle)  # not a bundle: say so before binding anything
     host = ServiceHost.standalone("inference", listen=f"{settings.host}:{settings.grpc_port}",
-                                  metrics_port=settings.metrics_port)
+                                  metrics_port=settings.metrics_port, max_receive_bytes=request_bytes(settings),
+                                  max_concurrent_rpcs=settings.max_concurrent_requests)
     core = InferenceCore(settings.model_name, settings.max_request_rows)
     add_to_server(host.server, GRPCInferenceServicer(core))
     host.add(None, stats=core.stats)
@@ -41,7 +42,8 @@ async def serve(settings: InferenceConfig) -> None:
     runner = None
     http_port = None
     if settings.http_port is not None:
-        runner = web.AppRunner(make_app(core), access_log=None)
+        runner = web.AppRunner(make_app(core, max_body_bytes=request_bytes(settings),
+                                        max_concurrent=settings.max_concurrent_requests), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.http_port)
         await site.start()
