@@ -12,6 +12,7 @@ bytes), and prints libFuzzer's figures (executions, coverage, peak RSS).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -77,5 +78,21 @@ def main(argv: list[str]) -> None:
     atheris.Fuzz()
 
 
+def fresh_process(run) -> int:
+    """`run()` in a forked child, its exit status returned. Linux carries a process's peak RSS (ru_maxrss,
+    what libFuzzer's -rss_limit_mb reads) across exec: a fuzzer started by a test process that once held
+    gigabytes would be out of memory from its first input. A forked child starts its count afresh."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run()
+        except SystemExit as exc:
+            os._exit(exc.code if isinstance(exc.code, int) else 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 if __name__ == "__main__":
-    main(sys.argv)
+    code = fresh_process(lambda: main(sys.argv))
+    sys.exit(code if code >= 0 else 128 - code)
