@@ -151,13 +151,14 @@ class ServiceHost:
         bind_host, _ = split_address(listen)
         host = cls.__new__(cls)
         host.config = None
-        host._limits = (max_receive_bytes or rpc.MAX_MESSAGE_BYTES, max_concurrent_rpcs)
-        host._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls)
+        host._setup(service, replica, listen, bind_host=bind_host, metrics_port=metrics_port, tls=tls,
+                    limits=(max_receive_bytes or rpc.MAX_MESSAGE_BYTES, max_concurrent_rpcs))
         return host
 
     def _setup(self, service: str, replica: int, address: str, *, bind_host: str, metrics_port: int, tls,
                control_identities: list[str] | None = None, ps_identities: list[str] | None = None,
-               remote_server: "RemoteServer | None" = None) -> None:
+               remote_server: "RemoteServer | None" = None,
+               limits: tuple[int, int | None] = (rpc.MAX_MESSAGE_BYTES, None)) -> None:
         kind = SERVICES.get(service)
         self.proto_service = kind.proto_service if kind else None
         self.service, self.replica, self.address = service, replica, address
@@ -171,9 +172,8 @@ class ServiceHost:
         rpc.use_authorization(control_identities, ps_identities)
         self.remote_server = remote_server
         # A job's data-plane service accepts what its largest request can be; a standalone one (inference, a
-        # read-only PS) what it was started with (`standalone`).
-        limit, concurrent = ((max_request_bytes(self.config), None) if self.config is not None
-                             else getattr(self, "_limits", (rpc.MAX_MESSAGE_BYTES, None)))
+        # read-only PS) the `limits` it was started with (`standalone`): bytes a request, calls at once.
+        limit, concurrent = (max_request_bytes(self.config), None) if self.config is not None else limits
         self.server = rpc.new_server(limit, concurrent) if remote_server is None else None
         self.health = rpc.add_health(self.server) if remote_server is None else None
         self.stop = asyncio.Event()
