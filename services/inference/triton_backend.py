@@ -6,12 +6,14 @@ Each is decoded as the built-in server decodes one (`InputDecoder`: the same
 checks, the same hashing), the good ones are merged into one micro-batch and
 answered by `LoadedModel.predict` (the bundle's mmap'd tables, pooling, the
 ONNX Runtime forward), and the answers are split back per request. A request
-the decoder refuses gets INVALID_ARGUMENT with the built-in server's message;
-the others in its batch are answered.
+the decoder refuses gets INVALID_ARGUMENT with the built-in server's message,
+and one whose decoding or answer fails otherwise gets INTERNAL; either way the
+others in its batch are answered (`answer_requests`).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -92,27 +94,15 @@ class TritonPythonModel:
         self.tasks = task_names(self.model)
 
     def execute(self, requests: list) -> list:
-        samples: list[Samples | None] = []
-        errors: dict[int, str] = {}
-        for i, request in enumerate(requests):
-            try:
-                arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-                inputs = {name: (_datatype(array), array) for name, array in arrays.items()}
-                samples.append(self.decoder.decode(tensors_of(inputs, self.lists)))
-            except BadInput as exc:
-                samples.append(None)
-                errors[i] = str(exc)
-        good = [s for s in samples if s is not None]
-        probs = run_now(self.model.predict(Samples.concat(good))) if good else None
-        responses, at = [], 0
-        for i, s in enumerate(samples):
-            if s is None:
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)))
-                continue
-            part = probs[at:at + len(s)]
-            at += len(s)
-            responses.append(pb_utils.InferenceResponse(output_tensors=self._outputs(part)))
+        inputs = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
+        responses = []
+        for answer in answer_requests(self.model, self.decoder, self.lists, inputs):
+            if isinstance(answer, Refusal):
+                code = pb_utils.TritonError.INVALID_ARG if answer.bad_input else pb_utils.TritonError.INTERNAL
+                responses.append(pb_utils.InferenceResponse(output_tensors=[],
+                                                            error=pb_utils.TritonError(answer.message, code)))
+            else:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._outputs(answer)))
         return responses
 
     def _outputs(self, probs: np.ndarray) -> list:
@@ -124,6 +114,53 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why one request of a dynamic batch is not answered: its own input (`bad_input`: INVALID_ARGUMENT, the
+    built-in server's message) or an error while answering it (INTERNAL)."""
+
+    message: str
+    bad_input: bool
+
+
+def answer_requests(model, decoder: InputDecoder, lists: set[str],
+                    inputs: list[dict[str, np.ndarray]]) -> list[np.ndarray | Refusal]:
+    """Each request's probabilities, or why it is refused: the decodable ones in one micro-batch. A request
+    fails alone: one whose decoding raises anything is refused by itself, and when the merged micro-batch
+    fails, each of its requests is answered on its own, so only the one that fails is refused (Triton's
+    dynamic batch holds other clients' requests)."""
+    answers: list[np.ndarray | Refusal | Samples] = []
+    for arrays in inputs:
+        try:
+            named = {name: (_datatype(array), array) for name, array in arrays.items()}
+            answers.append(decoder.decode(tensors_of(named, lists)))
+        except BadInput as exc:
+            answers.append(Refusal(str(exc), bad_input=True))
+        except Exception as exc:  # noqa: BLE001 - one request's failure, whatever it is, is its own
+            answers.append(Refusal(f"this request could not be decoded: {type(exc).__name__}: {exc}", False))
+    good = [i for i, a in enumerate(answers) if isinstance(a, Samples)]
+    if not good:
+        return answers
+    try:
+        probs = run_now(model.predict(Samples.concat([answers[i] for i in good])))
+    except Exception:  # noqa: BLE001 - find the request that fails: each of the batch alone
+        for i in good:
+            answers[i] = _predict_alone(model, answers[i])
+        return answers
+    at = 0
+    for i in good:
+        n = len(answers[i])
+        answers[i], at = probs[at:at + n], at + n
+    return answers
+
+
+def _predict_alone(model, samples: Samples) -> np.ndarray | Refusal:
+    try:
+        return run_now(model.predict(samples))
+    except Exception as exc:  # noqa: BLE001 - reported to this request's client, the others answered
+        return Refusal(f"this request could not be answered: {type(exc).__name__}: {exc}", bad_input=False)
 
 
 def _followed(spec: dict, check: bool, compile: bool):
