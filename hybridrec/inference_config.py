@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hybridrec.config import ConfigError, apply_overrides, describe_errors, split_address
+from hybridrec.config import ConfigError, TLSConfig, apply_overrides, describe_errors, split_address
 
 
 class _Model(BaseModel):
@@ -36,6 +36,16 @@ class BatchingConfig(_Model):
     max_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 1.0
     """How long a micro-batch waits for more requests, once requests are arriving concurrently
     (a request arriving alone on an idle server never waits). 0: take only what is queued."""
+
+
+class ServingTLSConfig(TLSConfig):
+    """TLS on both inference endpoints (gRPC and REST, HTTPS) and on its calls to read-only PS shards: the
+    server presents `cert`; clients present a certificate signed by `ca` only if `require_client_cert`. The
+    PS shards are called with the same `cert` (they require one: their --tls is mutual)."""
+
+    require_client_cert: bool = False
+    """Refuse a client that presents no certificate signed by `ca` (mutual TLS on both endpoints); false: any
+    client that trusts the server's certificate is answered, a client certificate is not asked for."""
 
 
 class InferenceConfig(_Model):
@@ -83,6 +93,14 @@ class InferenceConfig(_Model):
     RESOURCE_EXHAUSTED and REST 429 with a Retry-After header, at once."""
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     """Dynamic batching (see BatchingConfig)."""
+    tls: ServingTLSConfig | None = None
+    """TLS on the gRPC and REST endpoints and the read-only PS calls (`--tls CA --tls CERT --tls KEY`); None:
+    plaintext, for a loopback or a mesh that encrypts (see ServingTLSConfig)."""
+    http_read_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A REST request's body must arrive within this many seconds of its headers, else 408: a client that
+    trickles a body cannot hold a request slot (one of `max_concurrent_requests`) for long."""
+    http_idle_timeout_s: Annotated[float, Field(gt=0)] = 75.0
+    """A REST connection with no request in progress is closed after this many seconds."""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """torch intra-op threads for the forward pass (0: torch's default)."""
     verify_bundle: bool = True

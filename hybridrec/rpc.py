@@ -177,12 +177,15 @@ def control_method(channel: grpc.aio.Channel, service_name: str, method: str) ->
 
 @dataclass(frozen=True)
 class Security:
-    """PEM bytes for mutual TLS; None in `_security` means plaintext channels."""
+    """PEM bytes for TLS; None in `_security` means plaintext channels."""
 
     ca: bytes
     cert: bytes
     key: bytes
     server_name: str | None = None
+    require_client_auth: bool = True
+    """Servers refuse a client without a certificate signed by `ca` (always, between a job's services; the
+    inference service's endpoints only with `tls.require_client_cert`)."""
 
     @classmethod
     def from_config(cls, tls) -> "Security":
@@ -192,7 +195,8 @@ class Security:
             except OSError as exc:
                 raise ValueError(f"cluster.tls.{what}: cannot read {path}: {exc.strerror}") from None
 
-        return cls(read(tls.ca, "ca"), read(tls.cert, "cert"), read(tls.key, "key"), tls.server_name)
+        return cls(read(tls.ca, "ca"), read(tls.cert, "cert"), read(tls.key, "key"), tls.server_name,
+                   require_client_auth=getattr(tls, "require_client_cert", True))
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
@@ -285,7 +289,8 @@ _security: Security | None = None
 
 
 def use_tls(tls) -> None:
-    """Make every channel and server of this process use mutual TLS (tls: config.TLSConfig or None)."""
+    """Make every channel and server of this process use mutual TLS (tls: config.TLSConfig or None; the
+    inference service's ServingTLSConfig may leave its servers' client certificates optional)."""
     global _security
     _security = Security.from_config(tls) if tls is not None else None
 
@@ -340,7 +345,7 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
         bound = server.add_insecure_port(f"{host}:{port}")
     else:
         credentials = grpc.ssl_server_credentials([(_security.key, _security.cert)], root_certificates=_security.ca,
-                                                  require_client_auth=True)
+                                                  require_client_auth=_security.require_client_auth)
         bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")

@@ -408,16 +408,24 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
                                                "'triton' (Triton's front end on the bundle; docs/serving.md)."),
                     tritonserver: Optional[str] = typer.Option(None, "--tritonserver", help="With --engine triton: "
                                                                "the tritonserver binary (default: on PATH, else "
-                                                               "the nvidia-pytriton wheel's).")):
+                                                               "the nvidia-pytriton wheel's)."),
+                    tls: Optional[list[Path]] = typer.Option(None, "--tls", help="TLS on both endpoints and the "
+                                                             "--ps calls, given three times: --tls CA --tls CERT "
+                                                             "--tls KEY (PEM files); client certificates: "
+                                                             "--set tls.require_client_cert=true.")):
     """The Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle or a job's versions."""
     from hybridrec.inference_config import load_inference_config
     from services.inference import server
 
+    if tls and len(tls) != 3:
+        _fail("--tls is given three times: --tls CA --tls CERT --tls KEY")
     try:
         settings = load_inference_config(config_path, overrides=overrides,
                                          values={"bundle": None if bundle is None else str(bundle),
                                                  "follow": None if follow is None else str(follow),
-                                                 "ps": ps or None})
+                                                 "ps": ps or None,
+                                                 "tls": dict(zip(("ca", "cert", "key"), map(str, tls))) if tls
+                                                 else None})
     except ConfigError as exc:
         _fail(str(exc))
     if engine not in ("builtin", "triton"):

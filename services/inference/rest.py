@@ -14,7 +14,9 @@ defaults. Errors answer {"error": reason} with 400 (bad input) or 404
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import ssl
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import prometheus_client
 from aiohttp import web
 
 from hybridrec import log
-from services.inference.core import InferenceCore
+from services.inference.core import DECODE_ON_LOOP_BYTES, InferenceCore
 from services.inference.byte_elements import ByteElements
 from services.inference.grpc_api import checked_shape, split_bytes
 from services.inference.inputs import DTYPES, BadInput, NotFound, NotReady, Tensor
@@ -138,10 +140,24 @@ def parse_request(raw: bytes, header_len: str | None) -> tuple[dict[str, Any], l
     return body, tensors, outputs
 
 
-def make_app(core: InferenceCore, *, max_body_bytes: int = MAX_BODY_BYTES,
-             max_concurrent: int | None = None) -> web.Application:
+def ssl_context(tls) -> ssl.SSLContext:
+    """The REST endpoint's TLS (tls: inference_config.ServingTLSConfig): HTTPS with `cert`; with
+    `require_client_cert`, a client certificate signed by `ca` is required, as on the gRPC endpoint."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.require_client_cert:
+        context.load_verify_locations(tls.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def make_app(core: InferenceCore, *, max_body_bytes: int = MAX_BODY_BYTES, max_concurrent: int | None = None,
+             read_timeout_s: float | None = None) -> web.Application:
     """The REST endpoints. A body past `max_body_bytes` is answered 413 before it is read; past
-    `max_concurrent` infer requests at once, another is answered 429 with a Retry-After header, at once."""
+    `max_concurrent` infer requests at once, another is answered 429 with a Retry-After header, at once; a
+    body that has not arrived within `read_timeout_s` of its headers is answered 408. A body larger than
+    `DECODE_ON_LOOP_BYTES` is parsed on a thread, so that the loop goes on answering other requests."""
     busy = [0]
     logger = log.get()
 
@@ -181,7 +197,16 @@ def make_app(core: InferenceCore, *, max_body_bytes: int = MAX_BODY_BYTES,
             # refused from its header, before a byte of it is read (aiohttp would read up to the limit first)
             raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=request.content_length)
         core.check_model(request.match_info["name"], version_of(request))  # 404 before any parsing
-        body, tensors, outputs = parse_request(await request.read(), request.headers.get(HEADER_LENGTH))
+        try:
+            raw = await asyncio.wait_for(request.read(), read_timeout_s)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": f"the body did not arrive within "
+                                                                   f"{read_timeout_s} s (http_read_timeout_s)"}),
+                                         content_type="application/json") from None
+        if len(raw) > DECODE_ON_LOOP_BYTES:
+            body, tensors, outputs = await asyncio.to_thread(parse_request, raw, request.headers.get(HEADER_LENGTH))
+        else:
+            body, tensors, outputs = parse_request(raw, request.headers.get(HEADER_LENGTH))
         answer = await core.infer(request.match_info["name"], version_of(request), tensors,
                                   [o["name"] for o in outputs])
         params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}

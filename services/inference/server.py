@@ -23,7 +23,7 @@ from services.inference.core import InferenceCore
 from services.inference.follow import FollowSource, inference_model
 from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
 from services.inference.model import RemotePSTable, StaticSource, load_model
-from services.inference.rest import make_app
+from services.inference.rest import make_app, ssl_context
 from services.inference.warm_up import warm_up, watch_compiles
 
 
@@ -33,7 +33,8 @@ async def serve(settings: InferenceConfig) -> None:
     if settings.bundle is not None:
         read_manifest(settings.bundle)  # not a bundle: say so before binding anything
     host = ServiceHost.standalone("inference", listen=f"{settings.host}:{settings.grpc_port}",
-                                  metrics_port=settings.metrics_port, max_receive_bytes=request_bytes(settings),
+                                  metrics_port=settings.metrics_port, tls=settings.tls,
+                                  max_receive_bytes=request_bytes(settings),
                                   max_concurrent_rpcs=settings.max_concurrent_requests)
     core = InferenceCore(settings.model_name, settings.max_request_rows)
     add_to_server(host.server, GRPCInferenceServicer(core))
@@ -43,12 +44,17 @@ async def serve(settings: InferenceConfig) -> None:
     http_port = None
     if settings.http_port is not None:
         runner = web.AppRunner(make_app(core, max_body_bytes=request_bytes(settings),
-                                        max_concurrent=settings.max_concurrent_requests), access_log=None)
+                                        max_concurrent=settings.max_concurrent_requests,
+                                        read_timeout_s=settings.http_read_timeout_s),
+                               access_log=None, keepalive_timeout=settings.http_idle_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.http_port)
+        site = web.TCPSite(runner, settings.host, settings.http_port,
+                           ssl_context=ssl_context(settings.tls) if settings.tls is not None else None)
         await site.start()
         http_port = runner.addresses[0][1]
-    host.log.info("endpoints", grpc_port=host.port, http_port=http_port)
+    host.log.info("endpoints", grpc_port=host.port, http_port=http_port,
+                  tls=None if settings.tls is None else "client certificate required"
+                  if settings.tls.require_client_cert else "server certificate")
 
     table = None
     if settings.ps:  # ready only once every shard answers: a shard still verifying its bundle is not SERVING

@@ -152,6 +152,9 @@ class TritonProcess:
                               "http_port may not be null")
         if settings.ps:
             raise ConfigError("--engine triton looks rows up in the bundle's own tables; --ps is not supported by it")
+        if settings.tls is not None:
+            raise ConfigError("--engine triton: tls is not supported by it (Triton's HTTP endpoint has no TLS); "
+                              "serve with --engine builtin, or put a TLS-terminating proxy in front")
         if settings.grpc_port == 0 or settings.http_port == 0:
             raise ConfigError("--engine triton needs fixed ports: grpc_port and http_port may not be 0")
         self.settings = settings

@@ -6,6 +6,7 @@ BYTES request was refused only after 12.4 s and 920 MiB, the JSON body after 38 
 from __future__ import annotations
 
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -110,5 +111,50 @@ def test_past_max_concurrent_requests_rest_answers_429_with_retry_after(bundle):
         assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
         assert all(after == "1" for code, after in results if code == 429)
         assert server.get("/v2/health/ready")[0] == 200
+    finally:
+        server.stop()
+
+
+def _read_reply(sock, timeout_s: float) -> bytes:
+    sock.settimeout(timeout_s)
+    reply = b""
+    try:
+        while chunk := sock.recv(4096):
+            reply += chunk
+    except TimeoutError:
+        pass
+    return reply
+
+
+def test_a_trickled_body_is_answered_408_and_an_idle_connection_closed(bundle):
+    """A client that sends its headers and then holds the body back cannot keep its request slot: 408 after
+    `http_read_timeout_s`; a connection that asks nothing is closed after `http_idle_timeout_s`. Meanwhile a
+    well-formed client is answered."""
+    import socket
+
+    tmp, known = bundle
+    server = Server(tmp / "bundle", tmp / "slow.log", "--set", "http_read_timeout_s=1",
+                    "--set", "http_idle_timeout_s=2")
+    try:
+        host, port = server.http.split(":")
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{\"inputs\": [".encode())
+        started = time.monotonic()
+        assert server.infer_grpc({"ids": random_ids(known, 1), "dense": np.ones((1, 13), np.float32)})
+        reply = _read_reply(slow, 30)
+        waited = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"http_read_timeout_s" in reply and 0.9 < waited < 20, (reply, waited)
+        slow.close()
+
+        idle = socket.create_connection((host, int(port)))
+        assert server.get("/v2/health/live")[0] == 200
+        started = time.monotonic()
+        idle.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")  # answered; then nothing more
+        reply = _read_reply(idle, 30)  # ends when the server closes the kept-alive connection
+        closed_after = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 200") and 1.5 < closed_after < 20, (reply[:100], closed_after)
+        idle.close()
     finally:
         server.stop()

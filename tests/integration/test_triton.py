@@ -231,6 +231,7 @@ def test_export_triton_writes_a_repository_that_tritonserver_serves(tmp_path):
     (["--follow", "versions", "--set", "http_port=null"], "http_port may not be null"),
     (["--bundle", "B", "--tritonserver", "/nonexistent/tritonserver"], "not an executable file"),
     (["--bundle", "B", "--engine", "onnx"], "--engine is 'builtin' or 'triton'"),
+    (["--bundle", "B", "--tls", "ca.pem", "--tls", "cert.pem", "--tls", "key.pem"], "tls is not supported"),
 ])
 def test_serve_engine_triton_refuses_what_it_cannot_do_by_name(tmp_path, args, message):
     bundle = tmp_path / "B"
