@@ -1,6 +1,6 @@
-"""A live inference server under hostile load: a well-formed client's latency while another client sends
-malformed and oversized requests as fast as it can, against the same client's latency on the idle server, in
-one invocation. Writes JSON.
+"""Live services under hostile load: a well-formed client's latency while another client sends malformed and
+oversized requests as fast as it can, against the same client's latency on the idle service, in one
+invocation; an inference server (`--target inference`) and a PS shard (`--target ps`). Writes JSON.
 
 The server is `hybridrec serve inference` of a random bundle of the README's shape (26 features, 13 dense).
 The well-formed client sends one-row gRPC requests back to back for --seconds, first alone (idle), then while
@@ -9,7 +9,13 @@ the attacker runs: a process that cycles through a malformed REST body, a REST b
 lie, and an input of the wrong datatype. Reported: p50/p99 of each phase, their ratio, the attacker's
 requests per second and the answers it got, and the server's peak RSS against its max_request_bytes.
 
-    python benchmarks/hostile_load.py --seconds 20 --out results/hostile_load.json
+The PS shard is `hybridrec serve embedding_ps` of the README's shape (26 features of width 16, batches of
+4,096, so `frames.max_ids` 212,992 and a receive limit of about 50 MB). The well-formed client is a training
+job's lookup: 50,000 unique IDs with `train`, back to back. The attacker cycles through a lookup of
+`max_ids` + 1 IDs (read and refused: INVALID_ARGUMENT), an update of as many, a frame past the receive limit
+(RESOURCE_EXHAUSTED before it is read) and a frame bomb (1 MB asking for 4 GiB).
+
+    python benchmarks/hostile_load.py --target both --seconds 20 --out results/hostile_load.json
 """
 from __future__ import annotations
 
@@ -44,16 +50,16 @@ def _latencies(server: Server, ids, seconds: float) -> list[float]:
     return out
 
 
-def _attack(grpc_address: str, http_address: str, seconds: float, results) -> None:
-    """In a process of its own: hostile requests as fast as one client sends them."""
+def _attack(grpc_address: str, http_address: str, seconds: float, results, kinds: list[int]) -> None:
+    """In a process of its own: hostile requests of `kinds` (indices of KINDS) in turn, as fast as one client
+    sends them."""
     import grpc
 
     from hybridrec.proto import grpc_predict_v2_pb2 as oip
 
     channel = grpc.insecure_channel(grpc_address)
-    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                request_serializer=lambda m: m.SerializeToString(),
-                                response_deserializer=oip.ModelInferResponse.FromString)
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",  # requests serialized once, below
+                               response_deserializer=oip.ModelInferResponse.FromString)
     big = oip.ModelInferRequest(model_name=MODEL)
     big.inputs.add(name="rows", datatype="BYTES", shape=[1])
     big.raw_input_contents.append(b"\0" * (17 << 20))  # just past the default 16 MiB
@@ -62,12 +68,15 @@ def _attack(grpc_address: str, http_address: str, seconds: float, results) -> No
     lying.raw_input_contents.append((1 << 30).to_bytes(4, "little") + b"abc")
     wrong = oip.ModelInferRequest(model_name=MODEL)
     wrong.inputs.add(name="ids", datatype="FP32", shape=[1, 26]).contents.fp32_contents.extend([0.5] * 26)
+    grpc_requests = [r.SerializeToString() for r in (big, lying, wrong)]
     url = f"http://{http_address}/v2/models/{MODEL}/infer"
     rest = [b'{"inputs": [' * 5000, b'{"inputs": [{"name": "dense", "shape": [0, 1e400]}]}']
     answers: Counter = Counter()
+    spent: Counter = Counter()  # seconds each kind of request took, sent and answered
     sent, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        kind = sent % 6
+        kind = kinds[sent % len(kinds)]
+        started = time.perf_counter()
         try:
             if kind < 2:
                 urllib.request.urlopen(urllib.request.Request(url, data=rest[kind], method="POST"), timeout=30)
@@ -77,7 +86,7 @@ def _attack(grpc_address: str, http_address: str, seconds: float, results) -> No
                                                  headers={"Content-Length": str(1 << 30)})
                 urllib.request.urlopen(request, timeout=30)
             else:
-                infer([big, lying, wrong][kind - 3], timeout=30)
+                call(grpc_requests[kind - 3], timeout=30)
                 answers["grpc OK"] += 1
         except urllib.error.HTTPError as exc:
             answers[f"rest {exc.code}"] += 1
@@ -85,8 +94,122 @@ def _attack(grpc_address: str, http_address: str, seconds: float, results) -> No
             answers[f"grpc {exc.code().name}"] += 1
         except OSError as exc:  # the server closed a connection whose body it would not read
             answers[f"rest {type(exc).__name__}"] += 1
+        spent[KINDS[kind]] += time.perf_counter() - started
         sent += 1
-    results.put({"sent": sent, "answers": dict(answers)})
+    results.put({"sent": sent, "answers": dict(answers), "ms_per_request": {
+        k: round(1e3 * v / max(1, sent // len(kinds)), 2) for k, v in spent.items()}})
+
+
+KINDS = ["rest unbalanced json", "rest 1e400 shape", "rest 1 GiB content-length", "grpc 17 MiB",
+         "grpc lying bytes lengths", "grpc wrong datatype"]
+
+
+PS_FEATURES = 26
+PS_WIDTH = 16
+TRAINING_IDS = 50_000
+
+
+def _ps_config(work: Path, address: str) -> Path:
+    import yaml
+
+    path = work / "ps.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"train": ["unused.tsv"]},
+        "features": [{"name": f"C{i + 1}", "group": i, "dim": PS_WIDTH} for i in range(PS_FEATURES)],
+        "ps": {"capacity": 4_000_000, "shm_dir": str(work / "shm")},
+        "cluster": {"ps": [address], "bind_host": "127.0.0.1"}}))
+    return path
+
+
+async def _ps_latencies(address: str, seconds: float, seed: int) -> list[float]:
+    from hybridrec import rpc
+    from hybridrec.frames import PSLookup
+
+    rng = np.random.default_rng(seed)
+    out, end = [], time.monotonic() + seconds
+    async with rpc.channel(address) as channel:
+        call = rpc.raw_method(channel, "EmbeddingPS", "Lookup")
+        while time.monotonic() < end:
+            ids = np.unique(rng.integers(1, 2_000_000, TRAINING_IDS * 11 // 10, dtype=np.uint64))[:TRAINING_IDS]
+            frame = PSLookup({PS_WIDTH: ids}, train=True).encode()
+            started = time.perf_counter()
+            await call(frame, timeout=60)
+            out.append(time.perf_counter() - started)
+    return out
+
+
+def _attack_ps(address: str, config_path: str, seconds: float, results) -> None:
+    """In a process of its own: oversized and malformed PS requests as fast as one client sends them."""
+    import asyncio
+
+    import grpc
+
+    from hybridrec import rpc
+    from hybridrec.config import load_config
+    from hybridrec.compress import ValueCodec
+    from hybridrec.frames import PSLookup, PSUpdate, max_ids, max_request_bytes
+    from tests.frame_bombs import bomb
+
+    config = load_config(config_path)
+    past = np.arange(1, max_ids(config) + 2, dtype=np.uint64)
+    frames = [("Lookup", PSLookup({PS_WIDTH: past}, train=True).encode()),
+              ("Update", PSUpdate({PS_WIDTH: past}, {PS_WIDTH: np.zeros((past.size, PS_WIDTH), np.float32)},
+                                  update_id=1).encode(ValueCodec())),
+              ("Lookup", b"\0" * (max_request_bytes(config) + (1 << 20))),
+              ("Lookup", bomb([f"p{i}" for i in range(16)], 256 << 20))]
+
+    async def run() -> dict:
+        answers: Counter = Counter()
+        sent, end = 0, time.monotonic() + seconds
+        async with rpc.channel(address) as channel:
+            while time.monotonic() < end:
+                method, frame = frames[sent % len(frames)]
+                try:
+                    await rpc.raw_method(channel, "EmbeddingPS", method)(frame, timeout=60)
+                    answers[f"{method} OK"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    answers[f"{method} {exc.code().name}"] += 1
+                sent += 1
+        return {"sent": sent, "answers": dict(answers)}
+
+    results.put(asyncio.run(run()))
+
+
+def _ps_trial(work: Path, seconds: float) -> dict:
+    """A PS shard's training lookups, idle and under oversized requests."""
+    import asyncio
+    import subprocess
+
+    from hybridrec import rpc
+    from hybridrec.app.ports import free_port
+    from tests.conftest import HYBRIDREC
+
+    address = f"127.0.0.1:{free_port()}"
+    config = _ps_config(work, address)
+    proc = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(work / "ps.log").open("wb"))
+    try:
+        asyncio.run(rpc.wait_until_serving([address], timeout_s=180))
+        asyncio.run(_ps_latencies(address, 3.0, seed=0))  # warm: the table admits its first IDs
+        idle = asyncio.run(_ps_latencies(address, seconds, seed=1))
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        attacker = context.Process(target=_attack_ps, args=(address, str(config), seconds + 6, results))
+        attacker.start()
+        time.sleep(4.0)  # the attacker's frames built and at full rate before the measurement
+        busy = asyncio.run(_ps_latencies(address, seconds, seed=2))
+        attack = results.get(timeout=seconds + 300)
+        attacker.join(60)
+        peak_mib = _peak_kib(proc.pid) / 1024
+        alive = proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"idle": _summary(idle), "under_attack": _summary(busy),
+            "p99_ratio": round(_summary(busy)["p99_ms"] / _summary(idle)["p99_ms"], 2),
+            "p50_ratio": round(_summary(busy)["p50_ms"] / _summary(idle)["p50_ms"], 2),
+            "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 6), 1)},
+            "ps_peak_rss_mib": round(peak_mib, 1), "ps_alive": alive}
 
 
 def _summary(latencies: list[float]) -> dict:
@@ -95,35 +218,54 @@ def _summary(latencies: list[float]) -> dict:
             "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="hostile-"))
+ATTACKS = {"oversized and malformed": list(range(len(KINDS))), "malformed only": [0, 1, 4, 5]}
+"""The inference attacker's mixes: every kind in turn (its pace set by the 17 MiB request), and the small
+malformed requests alone (hundreds a second)."""
+
+
+def _inference_trial(work: Path, seconds: float) -> dict:
+    """An inference server's one-row requests, idle and under each attack of ATTACKS."""
     _, known = make_bundle(work / "bundle")
     server = Server(work / "bundle", work / "server.log")
+    out: dict = {"max_request_bytes_mib": 16}
     try:
         ids = random_ids(known, 1)
         _latencies(server, ids, 2.0)  # warm
-        idle = _latencies(server, ids, args.seconds)
-        results = multiprocessing.get_context("spawn").Queue()
-        attacker = multiprocessing.get_context("spawn").Process(
-            target=_attack, args=(server.grpc, server.http, args.seconds + 4, results))
-        attacker.start()
-        time.sleep(2.0)  # the attacker at full rate before the measurement
-        busy = _latencies(server, ids, args.seconds)
-        attack = results.get(timeout=args.seconds + 120)
-        attacker.join(30)
-        peak_mib = _peak_kib(server.proc.pid) / 1024
-        alive = server.proc.poll() is None
+        idle = _latencies(server, ids, seconds)
+        out["idle"] = _summary(idle)
+        out["server_peak_rss_mib_idle"] = round(_peak_kib(server.proc.pid) / 1024, 1)
+        for name, kinds in ATTACKS.items():
+            context = multiprocessing.get_context("spawn")
+            results = context.Queue()
+            attacker = context.Process(target=_attack, args=(server.grpc, server.http, seconds + 4, results, kinds))
+            attacker.start()
+            time.sleep(2.0)  # the attacker at full rate before the measurement
+            busy = _latencies(server, ids, seconds)
+            attack = results.get(timeout=seconds + 120)
+            attacker.join(30)
+            out[name] = {"client": _summary(busy), "p99_ratio": round(_summary(busy)["p99_ms"] / out["idle"]["p99_ms"], 2),
+                         "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 4), 1)},
+                         "server_peak_rss_mib": round(_peak_kib(server.proc.pid) / 1024, 1)}
+        out["server_alive"] = server.proc.poll() is None
     finally:
         server.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    result = {"seconds": args.seconds, "idle": _summary(idle), "under_attack": _summary(busy),
-              "p99_ratio": round(_summary(busy)["p99_ms"] / _summary(idle)["p99_ms"], 2),
-              "attacker": {**attack, "per_s": round(attack["sent"] / (args.seconds + 4), 1)},
-              "server_peak_rss_mib": round(peak_mib, 1), "max_request_bytes_mib": 16, "server_alive": alive}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=["inference", "ps", "both"], default="both")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    result: dict = {"seconds": args.seconds}
+    for target, trial in (("inference", _inference_trial), ("ps", _ps_trial)):
+        if args.target in (target, "both"):
+            work = Path(tempfile.mkdtemp(prefix=f"hostile-{target}-"))
+            try:
+                result[target] = trial(work, args.seconds)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
