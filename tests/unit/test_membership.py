@@ -23,6 +23,17 @@ def _errors(out: Path) -> dict[str, str]:
     return {e.name: e.read_text() for e in out.glob("*.err")}
 
 
+def _a_correct_rank_joins(ctx, rank0, port: int, tmp_path) -> None:
+    """Rank 1 of the right config joins the waiting rank 0; both end with a group of two."""
+    correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
+    correct.start()
+    for p in (rank0, correct):
+        p.join(300)
+    assert rank0.exitcode == 0 and correct.exitcode == 0, (rank0.exitcode, correct.exitcode, _errors(tmp_path))
+    assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
+    assert json.loads((tmp_path / "rank1-good.json").read_text()) == {"joined": 1}
+
+
 def _run(procs: list, out: Path, timeout: float = 120) -> None:
     for p in procs:
         p.start()
@@ -67,13 +78,7 @@ def test_a_replacement_with_another_config_is_refused_and_the_group_waits_for_a_
                  "differs"}
     time.sleep(0.5)
     assert rank0.is_alive()  # still waiting for a correct rank 1
-    correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
-    correct.start()
-    for p in (rank0, correct):
-        p.join(300)
-    assert rank0.exitcode == 0 and correct.exitcode == 0, (rank0.exitcode, correct.exitcode, _errors(tmp_path))
-    assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
-    assert json.loads((tmp_path / "rank1-good.json").read_text()) == {"joined": 1}
+    _a_correct_rank_joins(ctx, rank0, port, tmp_path)
 
 
 def test_the_group_stops_naming_missing_ranks_and_refusals_after_the_timeout(tmp_path):
@@ -134,9 +139,4 @@ def test_a_malformed_lobby_entry_is_ignored_and_the_group_still_forms(tmp_path):
             time.sleep(0.02)
     time.sleep(0.3)
     assert rank0.is_alive(), _errors(tmp_path)
-    correct = ctx.Process(target=refusal_rank, args=(1, port, str(tmp_path), "good", 60))
-    correct.start()
-    for p in (rank0, correct):
-        p.join(300)
-    assert rank0.exitcode == 0 and correct.exitcode == 0, (rank0.exitcode, correct.exitcode, _errors(tmp_path))
-    assert json.loads((tmp_path / "rank0-good.json").read_text()) == {"joined": 1}
+    _a_correct_rank_joins(ctx, rank0, port, tmp_path)
