@@ -7,7 +7,9 @@ The well-formed client sends one-row gRPC requests back to back for --seconds, f
 the attacker runs: a process that cycles through a malformed REST body, a REST body past max_request_bytes
 (refused from its Content-Length), a gRPC request past it (RESOURCE_EXHAUSTED), a BYTES input whose lengths
 lie, and an input of the wrong datatype. Reported: p50/p99 of each phase, their ratio, the attacker's
-requests per second and the answers it got, and the server's peak RSS against its max_request_bytes.
+requests per second and the answers it got, and the server's peak RSS against its max_request_bytes. As a
+control, the same attack aimed at a second inference server on the machine: on two cores the attacker's own
+CPU slows the client down wherever it aims, and the difference is what the attacked server adds.
 
 The PS shard is `hybridrec serve embedding_ps` of the README's shape (26 features of width 16, batches of
 4,096, so `frames.max_ids` 212,992 and a receive limit of about 50 MB). The well-formed client is a training
@@ -223,10 +225,26 @@ ATTACKS = {"oversized and malformed": list(range(len(KINDS))), "malformed only":
 malformed requests alone (hundreds a second)."""
 
 
+def _attacked(server: Server, target: Server, ids, seconds: float, kinds: list[int]) -> dict:
+    """`server`'s well-formed client while one attacker of `kinds` sends to `target` (the same server, or
+    another one: the machine's share of the slowdown, two cores shared by the three processes)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    attacker = context.Process(target=_attack, args=(target.grpc, target.http, seconds + 4, results, kinds))
+    attacker.start()
+    time.sleep(2.0)  # the attacker at full rate before the measurement
+    busy = _latencies(server, ids, seconds)
+    attack = results.get(timeout=seconds + 120)
+    attacker.join(30)
+    return {"client": _summary(busy), "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 4), 1)}}
+
+
 def _inference_trial(work: Path, seconds: float) -> dict:
-    """An inference server's one-row requests, idle and under each attack of ATTACKS."""
+    """An inference server's one-row requests, idle and under each attack of ATTACKS; and, as a control, under
+    the same attack aimed at a second server on the machine."""
     _, known = make_bundle(work / "bundle")
     server = Server(work / "bundle", work / "server.log")
+    decoy = Server(work / "bundle", work / "decoy.log")
     out: dict = {"max_request_bytes_mib": 16}
     try:
         ids = random_ids(known, 1)
@@ -235,20 +253,16 @@ def _inference_trial(work: Path, seconds: float) -> dict:
         out["idle"] = _summary(idle)
         out["server_peak_rss_mib_idle"] = round(_peak_kib(server.proc.pid) / 1024, 1)
         for name, kinds in ATTACKS.items():
-            context = multiprocessing.get_context("spawn")
-            results = context.Queue()
-            attacker = context.Process(target=_attack, args=(server.grpc, server.http, seconds + 4, results, kinds))
-            attacker.start()
-            time.sleep(2.0)  # the attacker at full rate before the measurement
-            busy = _latencies(server, ids, seconds)
-            attack = results.get(timeout=seconds + 120)
-            attacker.join(30)
-            out[name] = {"client": _summary(busy), "p99_ratio": round(_summary(busy)["p99_ms"] / out["idle"]["p99_ms"], 2),
-                         "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 4), 1)},
-                         "server_peak_rss_mib": round(_peak_kib(server.proc.pid) / 1024, 1)}
+            control = _attacked(server, decoy, ids, seconds, kinds)
+            attacked = _attacked(server, server, ids, seconds, kinds)
+            out[name] = {**attacked, "p99_ratio": round(attacked["client"]["p99_ms"] / out["idle"]["p99_ms"], 2),
+                         "server_peak_rss_mib": round(_peak_kib(server.proc.pid) / 1024, 1),
+                         "control_attack_on_another_server": control,
+                         "control_p99_ratio": round(control["client"]["p99_ms"] / out["idle"]["p99_ms"], 2)}
         out["server_alive"] = server.proc.poll() is None
     finally:
         server.stop()
+        decoy.stop()
     return out
 
 
