@@ -84,8 +84,12 @@ class Serving:
         ps = f"127.0.0.1:{free_port()}"
         self._start(tmp / "ps.log", "embedding_ps", "--bundle", str(bundle), "--replica", "0", "--listen", ps,
                     *_tls_args(pki))
+        # use_tls is process-wide: reset it at once, or every later test of this process speaks TLS
         rpc.use_tls(TLSConfig(ca=str(pki / "ca.pem"), cert=str(pki / "service.pem"), key=str(pki / "service.key")))
-        asyncio.run(rpc.wait_until_serving([ps], timeout_s=90, what="read-only PS"))
+        try:
+            asyncio.run(rpc.wait_until_serving([ps], timeout_s=90, what="read-only PS"))
+        finally:
+            rpc.use_tls(None)
         self.grpc, self.http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.log = tmp / "inference.log"
         self._start(self.log, "inference", "--bundle", str(bundle), "--ps", ps, "--set", f"model_name={MODEL}",
