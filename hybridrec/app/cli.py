@@ -798,7 +798,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
                                                         "e.g. --table 1e9:16 --table 2e7:64; instead of --ids."),
          optimizer: str = typer.Option(EmbeddingOptimizer.ADAGRAD.value, "--optimizer",
                                        help=" | ".join(m.value for m in EmbeddingOptimizer)),
-         dtype: str = typer.Option("float32", "--dtype", help="Row dtype (the store keeps float32)."),
+         storage: str = typer.Option("fp32", "--storage", help="Weights: fp32 | fp16 | bf16 (ps.storage: 16-bit "
+                                                                  "weights, two a word; the state stays float32)."),
          shards: int = typer.Option(2, "--shards", min=1, help="PS shards (unless --host-memory is given)."),
          host_memory: Optional[str] = typer.Option(None, "--host-memory",
                                                    help="Memory of a PS host, e.g. 12TiB: plan the fewest shards "
@@ -825,8 +826,8 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
         job = JobPlan.read(run_dir)
         typer.echo(json.dumps(job.to_json(), indent=2) if as_json else "\n".join(job.lines()))
         return
-    if dtype != "float32":
-        _fail(f"--dtype {dtype}: the PS store keeps float32 rows (embedding and optimizer state)")
+    if storage not in ("fp32", "fp16", "bf16"):
+        _fail(f"--storage {storage}: one of fp32, fp16, bf16 (ps.storage)")
     try:
         if config_path is not None:
             config, layout = _fit(_load(config_path, None))
@@ -840,7 +841,7 @@ def plan(config_path: Optional[Path] = typer.Option(None, "--config", help="Plan
             tables = [_table(t, planner) for t in table] if table else \
                 [planner.Table(int(ids if ids is not None else params / dim), dim)]
             options = dict(optimizer=optimizer, admit_after=admit_after, ttl=ttl, sketch_width=sketch_width,
-                           sketch_depth=sketch_depth)
+                           sketch_depth=sketch_depth, storage=storage)
             result = (planner.hosts_for(tables, host_bytes=_bytes(host_memory, "--host-memory"), **options)
                       if host_memory else planner.plan_tables(tables, shards=shards, **options))
         result["checkpoint"] = planner.checkpoint_bytes(result, changed=changed, interval_s=interval_s)
@@ -859,6 +860,7 @@ def _echo_plan(result: dict, planner) -> None:
     if "job" in result:
         typer.echo("\n".join(JobPlan.from_json(result["job"]).lines()))
     typer.echo(f"PS shards: {result['shards']}   optimizer: {result['optimizer']}   "
+               f"weights: {result.get('storage', 'fp32')}   "
                f"rows per shard: {result['rows_per_shard']:,}")
     for name, nbytes in result["per_shard_parts"].items():
         typer.echo(f"  {name:<8} {h(nbytes):>14} per shard")

@@ -27,6 +27,7 @@ from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, EmbeddingO
 from services.embedding_ps.checkpoint import dump_memory_bytes, row_bytes
 from services.embedding_ps.kernels import MAX_STRIPE_ROWS
 from services.embedding_ps.optimizers import state_width
+from services.embedding_ps.row_storage import weight_words
 from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 from services.embedding_ps.tier import planned_bytes as planned_disk_bytes
@@ -46,14 +47,14 @@ class Table:
 
 def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes: int | None = None,
                 headroom: float = 1.0, admit_after: int = 1, ttl: bool = False, sketch_width: int = 1 << 22,
-                sketch_depth: int = 4) -> dict:
+                sketch_depth: int = 4, storage: str = "fp32") -> dict:
     """Per-shard and total bytes for tables sharded evenly over `shards` (capacity = ids/shards x headroom).
 
     Tables of one width share a store on each shard, as in the PS (one store per width), so their IDs add
     up into one capacity and one sketch; tables of different widths get stores of their own (`stores`:
     per width, its rows and bytes per shard). `num_stripes` defaults to 16, or more when a stripe would
     exceed the store's row limit. admit_after > 1 adds each store's sketch (sketch_width x sketch_depth
-    bytes), `ttl` the rows' stamps.
+    bytes), `ttl` the rows' stamps. `storage`: ps.storage (fp16 / bf16: two weights a word).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -81,11 +82,11 @@ def plan_tables(tables: list[Table], *, optimizer: str, shards: int, num_stripes
         spec = EmbeddingOptimizerConfig(name=optimizer)
         lifecycle = LifecycleConfig(admit_after=admit_after, ttl_steps=1 if ttl else None,
                                     sketch_width=sketch_width, sketch_depth=sketch_depth)
-        ps = PSConfig(capacity=capacity, num_stripes=stripes, lifecycle=lifecycle)
+        ps = PSConfig(capacity=capacity, num_stripes=stripes, lifecycle=lifecycle, storage=storage)
         configs.append(StoreConfig(dim=table.dim, optimizer=spec, ps=ps))
-        raw += capacity * (table.dim + state_width(spec, table.dim)) * 4
+        raw += capacity * configs[-1].row_width * 4
     result = _plan_stores(configs, shards)
-    return result | {"optimizer": optimizer, "parameters": sum(t.ids * t.dim for t in tables),
+    return result | {"optimizer": optimizer, "storage": storage, "parameters": sum(t.ids * t.dim for t in tables),
                      "overhead_vs_values_and_state": result["per_shard_bytes"] / raw if raw else None}
 
 
@@ -140,26 +141,45 @@ class TooManyStripes(ValueError):
 
 
 def hosts_for(tables: list[Table], *, optimizer: str, host_bytes: int, **options) -> dict:
-    """The plan with the fewest PS shards, each within `host_bytes` of memory, that hold `tables`, and how many
-    hosts of that memory they take (`hosts`, `shards_per_host`: more than one where the stores' stripe limit,
-    not the memory, sets the shard count)."""
+    """The plan that holds `tables` on the fewest hosts of `host_bytes` of memory: `hosts`, `shards_per_host`
+    and the PS shards' plan. The fewest shards that fit a host, each its own host, may not be it: where a
+    store's stripe limit, not the memory, sets the shard count, a host holds several; and a few more, smaller
+    shards may pack a host fuller (three of 4 TiB rather than two of 4.5 on 12 TiB)."""
+    shards, result = _fewest_shards(tables, optimizer, host_bytes, 1, **options)
+    best = _packed(result, shards, host_bytes)
+    for per_host in range(best["shards_per_host"] + 1, best["shards_per_host"] + 5):
+        shards, result = _fewest_shards(tables, optimizer, host_bytes, per_host, first=shards, **options)
+        packed = _packed(result, shards, host_bytes)
+        if packed["hosts"] < best["hosts"]:
+            best = packed
+    return best
+
+
+def _packed(result: dict, shards: int, host_bytes: int) -> dict:
+    per_host = host_bytes // result["per_shard_memory_bytes"]
+    return result | {"host_bytes": host_bytes, "shards_per_host": per_host, "hosts": math.ceil(shards / per_host)}
+
+
+def _fewest_shards(tables: list[Table], optimizer: str, host_bytes: int, per_host: int, *, first: int = 1,
+                   **options) -> tuple[int, dict]:
+    """The fewest shards (from `first` on) of which `per_host` fit in `host_bytes`, and their plan."""
     spec = EmbeddingOptimizerConfig(name=optimizer)
-    values = sum(t.ids * (t.dim + state_width(spec, t.dim)) * 4 for t in tables)
-    shards = max(1, math.ceil(values / host_bytes))  # values and state alone: a lower bound
+    packed = weight_words if options.get("storage", "fp32") != "fp32" else (lambda dim, _: dim)
+    values = sum(t.ids * (packed(t.dim, 1) + state_width(spec, t.dim)) * 4 for t in tables)
+    budget = host_bytes // per_host
+    shards = max(first, math.ceil(values / budget))  # values and state alone: a lower bound
     while True:
         try:
             result = plan_tables(tables, optimizer=optimizer, shards=shards, **options)
         except TooManyStripes as exc:
             shards = exc.least
             continue
-        if result["per_shard_memory_bytes"] <= host_bytes:  # a store's stripe limit may leave room for more
-            per_host = host_bytes // result["per_shard_memory_bytes"]
-            return result | {"host_bytes": host_bytes, "shards_per_host": per_host,
-                             "hosts": math.ceil(shards / per_host)}
+        if result["per_shard_memory_bytes"] <= budget:
+            return shards, result
         if result["rows_per_shard"] <= 16 * len(result["stores"]):
             raise ValueError(f"a host of {human(host_bytes)} cannot hold even a PS shard's fixed memory "
                              f"({human(result['per_shard_memory_bytes'])})")
-        shards = max(shards + 1, math.ceil(shards * result["per_shard_memory_bytes"] / host_bytes))
+        shards = max(shards + 1, math.ceil(shards * result["per_shard_memory_bytes"] / budget))
 
 
 def largest_capacity(config: Config, shards_on_host: int, memory_bytes: int, files_bytes: int) -> int:
@@ -186,7 +206,8 @@ def largest_capacity(config: Config, shards_on_host: int, memory_bytes: int, fil
 def plan_config(config: Config) -> dict:
     """What the configured PS allocates: one store per width with ps.capacity rows, on every shard."""
     configs = [StoreConfig.from_config(config, dim) for dim in config.dims]
-    return _plan_stores(configs, len(config.cluster.ps)) | {"optimizer": config.optimizer.embedding.name.value}
+    return _plan_stores(configs, len(config.cluster.ps)) | {"optimizer": config.optimizer.embedding.name.value,
+                                                             "storage": str(config.ps.storage)}
 
 
 def host_memory_bytes() -> int:

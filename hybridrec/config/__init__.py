@@ -20,7 +20,7 @@ from hybridrec.config.optimizers import (EmbeddingOptimizer, EmbeddingOptimizerC
     OptimizerConfig)
 from hybridrec.config.training import Mode, CompressionConfig, TrainingConfig
 from hybridrec.config.data import StreamConfig, DataConfig
-from hybridrec.config.ps import InitConfig, TableLifecycleConfig, LifecycleConfig, TierConfig, PSConfig
+from hybridrec.config.ps import WeightStorage, InitConfig, TableLifecycleConfig, LifecycleConfig, TierConfig, PSConfig
 from hybridrec.config.cluster import TLSConfig, AUTO, SIZED_BY_HOST, ClusterConfig, split_address
 from hybridrec.config.outputs import CheckpointConfig, PublishConfig, OutputConfig
 from hybridrec.config.job import (Config, parse_overrides, apply_overrides, from_dict, describe_errors, load_config,
@@ -30,7 +30,7 @@ __all__ = ["ConfigError", "Section", "Pooling", "FeatureKind", "TableConfig", "F
            "ids_per_sample",
            "resolve_tables", "ModelConfig", "EmbeddingOptimizer", "EmbeddingOptimizerConfig",
            "DenseOptimizerConfig", "OptimizerConfig", "Mode", "CompressionConfig", "TrainingConfig",
-           "StreamConfig", "DataConfig", "InitConfig", "TableLifecycleConfig", "LifecycleConfig",
+           "StreamConfig", "DataConfig", "WeightStorage", "InitConfig", "TableLifecycleConfig", "LifecycleConfig",
            "TierConfig", "PSConfig", "TLSConfig", "AUTO", "SIZED_BY_HOST", "ClusterConfig", "split_address",
            "CheckpointConfig", "PublishConfig", "OutputConfig", "Config", "parse_overrides",
            "apply_overrides", "from_dict", "describe_errors", "load_config", "dump_config"]

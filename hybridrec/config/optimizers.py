@@ -16,6 +16,7 @@ class EmbeddingOptimizer(str, enum.Enum):
     ADAGRAD = "adagrad"  # torch.optim.Adagrad (lr_decay=0); state: sum of squared gradients
     ADAM = "adam"  # torch.optim.Adam (L2 weight decay, not AdamW); state: m, v and a per-row step
     FTRL = "ftrl"  # FTRL-proximal as TensorFlow's ApplyFtrl; state: accumulator, linear
+    ROWWISE_ADAGRAD = "rowwise_adagrad"  # FBGEMM's row-wise Adagrad; state: one sum of mean squared gradients
 
     def __str__(self) -> str:  # the name alone in messages and f-strings, not "EmbeddingOptimizer.SGD"
         return self.value
@@ -33,9 +34,9 @@ class EmbeddingOptimizerConfig(Section):
     lr: Annotated[float, Field(gt=0)] = 0.05
     """Learning rate."""
     eps: Annotated[float, Field(ge=0)] = 1e-10
-    """Adagrad's epsilon (torch default 1e-10)."""
+    """Adagrad's and row-wise Adagrad's epsilon (torch default 1e-10)."""
     initial_accumulator_value: Annotated[float, Field(ge=0)] = 0.0
-    """Initial Adagrad sum / FTRL accumulator of a new row."""
+    """Initial Adagrad sum (row-wise: the row's one sum) / FTRL accumulator of a new row."""
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     """Adam first-moment decay."""
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999

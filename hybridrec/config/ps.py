@@ -1,12 +1,24 @@
 """The embedding PS: capacity, stripes, initialisation, the rows' lifecycle, the disk tier."""
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from hybridrec.ids import MAX_GROUPS
 from hybridrec.config.section import Section
+
+
+class WeightStorage(str, enum.Enum):
+    """How a store keeps its rows' weights (`ps.storage`); the optimizer state stays float32 either way."""
+
+    FP32 = "fp32"  # float32, as always
+    FP16 = "fp16"  # IEEE half, updated in float32 and written back with stochastic rounding
+    BF16 = "bf16"  # bfloat16 (8 exponent bits, 7 of mantissa), likewise
+
+    def __str__(self) -> str:  # the name alone in messages
+        return self.value
 
 
 class InitConfig(Section):
@@ -101,6 +113,10 @@ class PSConfig(Section):
     admit_probability: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Chance that a training lookup of a new ID inserts it, drawn once the ID has its `lifecycle.admit_after`
     occurrences (at once by default); each later lookup draws again, so an ID gets in after about 1/p of them."""
+    storage: WeightStorage = WeightStorage.FP32
+    """Weights of every store: fp32, or fp16 / bf16 (two weights a float32 word, updated in float32 and written
+    back with stochastic rounding; with `optimizer.embedding.name: rowwise_adagrad` a row of width 16 is 36
+    bytes instead of 128). Recorded in the store's files and checkpoints (docs/architecture.md#compact-rows)."""
     weight_bound: Annotated[float, Field(gt=0)] | None = None
     """Clip embedding weights to [-bound, bound] after each update (None: no clipping)."""
     init: InitConfig = Field(default_factory=InitConfig)

@@ -69,6 +69,7 @@ import numpy as np
 
 from hybridrec import checkpoints, log
 from hybridrec.files import HashingWriter, fsync_dir
+from services.embedding_ps import row_storage as R
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
@@ -148,7 +149,7 @@ def _dump_table(store: EmbeddingStore, into: Path, *, delta: bool, chunk_bytes: 
             part["touched"] = _write_npy(into / f"dim{dim}.{i:05d}.touched.npy", touched)
         parts.append(part)
         rows += part["rows"]
-    table = {"dim": dim, "state_width": state_width(config.optimizer, dim),
+    table = {"dim": dim, "state_width": state_width(config.optimizer, dim), "storage": str(config.ps.storage),
              "optimizer": config.optimizer.model_dump(mode="json"), "num_rows": rows,
              "capacity": config.capacity, "seed": config.seed,
              "init": {"distribution": config.ps.init.distribution, "scale": config.ps.init.scale},
@@ -297,6 +298,8 @@ def _normalized(path: Path, manifest) -> dict:
             raise bad(f"table {width}: optimizer")
         if not isinstance(table.get("clock", 0), int):
             raise bad(f"table {width}: clock")
+        if table.get("storage", "fp32") not in STORAGE_BY_NAME:
+            raise bad(f"table {width}: storage {table.get('storage')!r} (known: {', '.join(STORAGE_BY_NAME)})")
         table = dict(table)
         if version == 1:
             files = table.get("files") if isinstance(table.get("files"), dict) else {}
@@ -424,6 +427,44 @@ def _open_sketch(path: Path, table: dict, dim: int) -> np.ndarray | None:
     return sketch
 
 
+STORAGE_BY_NAME = {name: code for code, name in R.STORAGE_NAMES.items()}
+"""A table's `storage` in a manifest (absent before compact rows: fp32) -> row_storage code."""
+CONVERTIBLE_STATES = {("adagrad", "rowwise_adagrad")}
+"""Optimizer changes a restore converts the state of (source, store); any other change is refused. Adagrad's
+per-weight sums become row-wise Adagrad's one sum by their mean over the row (the row-wise sum accumulates
+the mean squared gradient, of which the per-weight sums are the parts)."""
+
+
+def storage_of(table: dict) -> int:
+    """The row_storage code of a manifest's table."""
+    return STORAGE_BY_NAME[table.get("storage", "fp32")]
+
+
+def table_row_width(table: dict) -> int:
+    """float32 words per row in a table's parts: its weights as stored, then its optimizer state."""
+    return R.weight_words(table["dim"], storage_of(table)) + table["state_width"]
+
+
+def _layout_name(table_or_store: dict | StoreConfig) -> str:
+    if isinstance(table_or_store, StoreConfig):
+        return f"{table_or_store.optimizer.name} rows of {table_or_store.ps.storage} weights"
+    return f"{table_or_store['optimizer']['name']} rows of {table_or_store.get('storage', 'fp32')} weights"
+
+
+def _converted(values: np.ndarray, table: dict, config: StoreConfig) -> np.ndarray:
+    """A part's rows in the store's layout: weights re-encoded (to nearest) when the storage differs, row-wise
+    sums from per-weight ones (CONVERTIBLE_STATES); the rows themselves when nothing differs."""
+    source, dim = storage_of(table), table["dim"]
+    same_state = table["optimizer"]["name"] == config.optimizer.name
+    if source == config.storage_code and same_state:
+        return values
+    state = np.asarray(values[:, R.weight_words(dim, source):])
+    if not same_state:
+        state = state.mean(axis=1, keepdims=True, dtype=np.float32)
+    weights = R.encode_weights(R.decode_weights(np.asarray(values), dim, source), config.storage_code)
+    return np.ascontiguousarray(np.hstack([weights, state]), np.float32)
+
+
 def _parts(chain: list[tuple[Path, dict]], dim: int) -> Iterator[tuple[Path, dict, dict]]:
     """(dump directory, table, part) of width `dim` along a chain, oldest first."""
     for path, manifest in chain:
@@ -443,9 +484,12 @@ def _check_chain(chain: list[tuple[Path, dict]], store_by_dim: dict[int, Embeddi
         for dim, store in store_by_dim.items():
             table = manifest["tables"][str(dim)]
             spec, want_state = store.config.optimizer, state_width(store.config.optimizer, dim)
-            if table["dim"] != dim or table["optimizer"]["name"] != spec.name or table["state_width"] != want_state:
-                raise ValueError(f"{path} dim {dim}: checkpoint rows hold optimizer {table['optimizer']['name']} "
-                                 f"state of width {table['state_width']}, the store uses {spec.name} ({want_state})")
+            names = (table["optimizer"]["name"], str(spec.name))
+            same_state = names[0] == names[1] and table["state_width"] == want_state
+            if table["dim"] != dim or not (same_state or names in CONVERTIBLE_STATES):
+                raise ValueError(f"{path} dim {dim}: checkpoint holds {_layout_name(table)} (state of width "
+                                 f"{table['state_width']}), the store {_layout_name(store.config)} ({want_state}); "
+                                 "no conversion between these optimizers (optimizer.embedding.name)")
             if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",
                              dim=dim, checkpoint=table["optimizer"], configured=spec.model_dump(mode="json"))
@@ -453,7 +497,7 @@ def _check_chain(chain: list[tuple[Path, dict]], store_by_dim: dict[int, Embeddi
                 _verify_file(path / entry["file"], entry)
             _open_sketch(path, table, dim)
             for part in table["parts"]:
-                keys, _, _ = _open_part(path, part, dim, dim + table["state_width"])
+                keys, _, _ = _open_part(path, part, dim, table_row_width(table))
                 stray = len(keys) - int(np.count_nonzero(np.asarray(shard_of(np.asarray(keys))) == shard))
                 if own and stray:
                     raise ValueError(f"{path} dim {dim}: {stray} rows do not belong to shard {shard} under the "
@@ -488,7 +532,8 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
     for chain in chains:  # everything verified: now insert
         for dim, store in store_by_dim.items():
             for path, table, part in _parts(chain, dim):
-                keys, values, touched = _open_part(path, part, dim, dim + table["state_width"])
+                keys, values, touched = _open_part(path, part, dim, table_row_width(table))
+                values = _converted(values, table, store.config)
                 mine = slice(None) if own else np.flatnonzero(np.asarray(shard_of(np.asarray(keys))) == shard)
                 keys = np.ascontiguousarray(keys[mine])
                 if len(keys) and store.tier is not None:  # onto disk in file order; memory warms as it trains
@@ -520,13 +565,14 @@ def load_shard(directory: str | Path, store_by_dim: dict[int, EmbeddingStore], *
 def _newest_rows(chain: list[tuple[Path, dict]], dim: int) -> tuple[np.ndarray, np.ndarray]:
     """(keys, embeddings without state) of width `dim` that a chain holds: each key as its newest dump has it.
     Memory-mapped when the chain is one dump of one part; else gathered (export's in-memory table)."""
-    opened = [_open_part(path, part, dim, dim + table["state_width"]) for path, table, part in _parts(chain, dim)]
+    opened = [(*_open_part(path, part, dim, table_row_width(table))[:2], storage_of(table))
+              for path, table, part in _parts(chain, dim)]
     if len(opened) == 1:
-        return opened[0][0], opened[0][1][:, :dim]
+        return opened[0][0], R.decode_weights(opened[0][1], dim, opened[0][2])
     if not opened:
         return np.zeros(0, np.uint64), np.zeros((0, dim), np.float32)
     keys = np.concatenate([k for k, _, _ in opened])
-    values = np.concatenate([v[:, :dim] for _, v, _ in opened])
+    values = np.concatenate([R.decode_weights(v, dim, storage) for _, v, storage in opened])
     if len(chain) == 1:  # one full dump: every key once
         return keys, values
     _, last = np.unique(keys[::-1], return_index=True)  # the newest occurrence of each key
@@ -560,7 +606,7 @@ def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, n
                     raise ValueError(f"{member / MANIFEST}: table {dim} says dim {table['dim']}")
                 for entry in (part["keys"], part["values"]):
                     _verify_file(member / entry["file"], entry)
-                keys, _, _ = _open_part(member, part, dim, dim + table["state_width"])
+                keys, _, _ = _open_part(member, part, dim, table_row_width(table))
                 if keys.size and not np.all(shard_of(np.asarray(keys), num_shards) == manifest["shard"]):
                     raise ValueError(f"{member / part['keys']['file']}: holds IDs of other shards than "
                                      f"{manifest['shard']} of {num_shards}")

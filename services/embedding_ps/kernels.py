@@ -14,7 +14,8 @@ The index, LRU and row code shares this one module on purpose: numba's
 on-disk cache (`cache=True`) only checks the source file of the function it
 compiled, so an njit function calling one from another module could keep
 running stale machine code after that module is edited. (The optimizer
-arithmetic in optimizers.py calls nothing from here.)
+arithmetic in optimizers.py calls nothing from here; both call row_storage.py,
+the one place that knows how 16-bit weights are stored: edit it, touch both.)
 
 Crash safety relies on the order of writes when a slot changes owner
 (see `_take_slot` / `insert_misses`): a slot's key is cleared before its row is
@@ -27,6 +28,8 @@ import math
 
 import numpy as np
 from numba import njit, types
+
+from services.embedding_ps.row_storage import FP32, decode16, encode16
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
@@ -55,6 +58,7 @@ F_REBUILDS = 10      # times the stripe was rebuilt after a crash
 F_STALE = 11         # index entries left by evictions, not yet swept (an upper bound)
 F_SKETCH_ADDS = 12   # occurrences counted in the stripe's sketch since its last halving
 F_SKETCH_HALVINGS = 13  # times the stripe's sketch counters were halved
+F_ROUNDS = 14        # updates applied to the stripe: a 16-bit store's rounding draws differ from one to the next
 STRIPE_FIELDS = 16
 
 # Per-table counters (tables.bin: int64 [stripe, feature group, field]).
@@ -215,7 +219,7 @@ def _resolve(ids, perm, lo, hi, slots, index, keys):
 
 
 @njit(inline="always", error_model="numpy")
-def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values):
+def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storage):
     """`_resolve`, then copy each found row into out[perm[j]], in two passes instead of three.
 
     The second pass copies the row its home entry points to while it checks
@@ -231,14 +235,14 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values):
         h = key_hash(key)
         if e >= 0 and e == _entry(h, e & SLOT_MASK):
             s = e & SLOT_MASK
-            _copy_row(out, perm[j], values, s, dim)
+            _copy_weights(out, perm[j], values, s, dim, storage)
             if keys[s] == key:
                 slots[j] = s
                 continue
         s = _find(index, keys, key, h)[0]
         slots[j] = s
         if s >= 0:
-            _copy_row(out, perm[j], values, s, dim)
+            _copy_weights(out, perm[j], values, s, dim, storage)
 
 
 # ---------------------------------------------------------------- LRU list
@@ -284,16 +288,41 @@ def _copy_row(dst, i, src, s, n):
 
 
 @njit(inline="always", error_model="numpy")
+def _copy_weights(dst, i, src, s, dim, storage):
+    """dst[i, :dim] = the float32 weights of row src[s], decoded from 16 bits unless `storage` is FP32."""
+    if storage == FP32:
+        _copy_row(dst, i, src, s, dim)
+    else:
+        halves = src[s].view(np.uint16)
+        for d in range(dim):
+            dst[i, d] = decode16(halves[d], storage)
+
+
+@njit(inline="always", error_model="numpy")
 def _zero_row(dst, i):
     for d in range(dst.shape[1]):
         dst[i, d] = 0.0
 
 
 @njit(inline="always", error_model="numpy")
-def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width):
+def _init_weight(row, halves, d, value, storage):
+    """Weight d of a new row: float32, or its 16-bit pattern rounded to nearest (deterministic)."""
+    if storage == FP32:
+        row[d] = np.float32(value)
+    else:
+        halves[d] = encode16(np.float32(value), 0.5, storage)
+
+
+@njit(inline="always", error_model="numpy")
+def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width, storage):
     """Deterministic initial embedding of row `s` from (seed, id), then the optimizer's initial state:
-    `acc_width` values of `init_acc` (Adagrad's sum, FTRL's accumulator), zeros after them."""
+    `acc_width` values of `init_acc` (Adagrad's sum, FTRL's accumulator), zeros after them. Weights of a
+    16-bit `storage` take (dim + 1) // 2 words, the last half of an odd width zero."""
     row = values[s]
+    halves = row.view(np.uint16)
+    packed = dim if storage == FP32 else (dim + 1) // 2
+    if storage != FP32:
+        row[packed - 1] = 0.0
     base = fmix64(key ^ init_key)
     if normal:
         for d in range(0, dim, 2):  # Box-Muller: one (log, sqrt) per pair of values
@@ -302,26 +331,25 @@ def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width)
             u1 = (np.float64(z1 >> _U11) + 1.0) * _INV_2_53  # (0, 1]: log is finite
             u2 = np.float64(z2 >> _U11) * _INV_2_53
             r = math.sqrt(-2.0 * math.log(u1)) * scale
-            row[d] = np.float32(r * math.cos(2.0 * math.pi * u2))
+            _init_weight(row, halves, d, r * math.cos(2.0 * math.pi * u2), storage)
             if d + 1 < dim:
-                row[d + 1] = np.float32(r * math.sin(2.0 * math.pi * u2))
+                _init_weight(row, halves, d + 1, r * math.sin(2.0 * math.pi * u2), storage)
     else:
         for d in range(dim):
             u = np.float64(fmix64(base + np.uint64(d + 1) * _GOLDEN) >> _U11) * _INV_2_53
-            row[d] = np.float32((2.0 * u - 1.0) * scale)
+            _init_weight(row, halves, d, (2.0 * u - 1.0) * scale, storage)
     acc = np.float32(init_acc)
-    for d in range(dim, dim + acc_width):
+    for d in range(packed, packed + acc_width):
         row[d] = acc
-    for d in range(dim + acc_width, values.shape[1]):
+    for d in range(packed + acc_width, values.shape[1]):
         row[d] = 0.0
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def init_rows_kernel(ids, out, init_key, normal, scale):
-    """The initial embeddings (no optimizer state) of `ids`: what `init_rows` returns."""
-    dim = out.shape[1]
+def init_rows_kernel(ids, out, dim, init_key, normal, scale, storage):
+    """The initial weights (no optimizer state) of `ids` as a store of `storage` holds them: `init_rows`."""
     for i in range(ids.shape[0]):
-        _init_row(out, i, ids[i], dim, init_key, normal, scale, 0.0, 0)
+        _init_row(out, i, ids[i], dim, init_key, normal, scale, 0.0, 0, storage)
 
 
 @njit(inline="always", error_model="numpy")
@@ -701,7 +729,7 @@ def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, head_moves,
-                  train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                  train, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width, storage,
                   touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier, defer):
     """Copy the rows of ids[perm[lo:hi]] (all of this stripe) into `out`.
 
@@ -733,8 +761,7 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     `read_misses`, so that the caller can first have the kernel read the disk pages they need
     (`advise_pages`); head_moves[0] then holds the move count they continue from.
     """
-    dim = out.shape[1]
-    _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values)
+    _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storage)
     moves0 = head_moves[0]
     moves = moves0
     if train:  # refresh hits: the list's head/tail stay in registers for the whole loop
@@ -768,22 +795,24 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     if defer:
         head_moves[0] = moves
     elif not train:
-        read_misses(ids, perm, lo, hi, slots, out, hdr, values.shape[1], tier)
+        read_misses(ids, perm, lo, hi, slots, out, hdr, values.shape[1], tier, storage)
     else:
         head_moves[0] = insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps,
                                       moves, admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
-                                      touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms,
+                                      storage, touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms,
                                       tier)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def read_misses(ids, perm, lo, hi, slots, out, hdr, width, tier):
+def read_misses(ids, perm, lo, hi, slots, out, hdr, width, tier, storage):
     """A read-only lookup's IDs not in memory (slots[j] < 0): their rows on disk (`width` values a row), or
     zeros, counted as read misses."""
     dim = out.shape[1]
+    row = np.empty((1, width), np.float32)
     for j in range(lo, hi):
         if slots[j] < 0:
-            if _tier_get(tier, ids[perm[j]], out, perm[j], dim, width):
+            if _tier_get(tier, ids[perm[j]], row, 0, width, width):
+                _copy_weights(out, perm[j], row, 0, dim, storage)
                 tier[2][TF_DISK_READS] += 1
             else:
                 _zero_row(out, perm[j])
@@ -792,7 +821,7 @@ def read_misses(ids, perm, lo, hi, slots, out, hdr, width, tier):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values, hdr, stamps, moves,
-                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width,
+                   admit_threshold, admit_key, init_key, normal, scale, init_acc, acc_width, storage,
                    touched, sketch, tables, admit_after, sketch_key, window, now_clock, now_ms, tier):
     """Admit, insert and serve the IDs that `lookup_stripe` did not find (slots[j] < 0).
 
@@ -863,7 +892,7 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         if _tier_get(tier, new_keys[q], ghost_rows, q, width, width):
             thdr[TF_FILLS] += 1
         else:
-            _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+            _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
         _tier_put(tier, new_keys[q], ghost_rows, q, width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
@@ -878,7 +907,7 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         if _tier_get(tier, new_keys[q], values, s, width, width):
             thdr[TF_FILLS] += 1
         else:
-            _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width)
+            _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
         if touched.shape[0] > 0:  # a new row counts as updated now (TTL)
             touched[s, 0] = now_clock
             touched[s, 1] = now_ms
@@ -904,9 +933,9 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         elif c < -1:
             q = -2 - c
             if q < ghosts:
-                _copy_row(out, perm[j], ghost_rows, q, dim)
+                _copy_weights(out, perm[j], ghost_rows, q, dim, storage)
             else:
-                _copy_row(out, perm[j], values, new_slots[q], dim)
+                _copy_weights(out, perm[j], values, new_slots[q], dim, storage)
     return moves
 
 

@@ -3,13 +3,17 @@
 On the embedding PS: every row of a store holds its embedding followed by the
 optimizer state (`state_width(dim)` float32 values). `apply_stripe` updates
 the rows of one stripe in place while the store holds that stripe's lock
-(numba, nogil). Its numba code only calls functions of this module: numba's
-on-disk cache notices edits to the defining file only.
+(numba, nogil). Its numba code only calls functions of this module and of
+row_storage.py (a store's 16-bit weights, decoded before the step and written
+back with stochastic rounding after it): numba's on-disk cache notices edits
+to the defining file only.
 
 The arithmetic is float32 in torch's operation order (SGD, Adagrad with
 lr_decay=0, Adam with L2 weight decay), so a row matches torch.optim on the
 same tensor within an ulp; Adam keeps a per-row step because rows are updated
-sparsely. FTRL follows TensorFlow's ApplyFtrl (float64 math).
+sparsely. FTRL follows TensorFlow's ApplyFtrl (float64 math). Row-wise Adagrad
+is FBGEMM's: one accumulator per row, of the mean over the row of the squared
+gradient, so its state is one value whatever the width.
 
 The optimizer and its hyper-parameters are `EmbeddingOptimizerConfig`
 (hybridrec/config/optimizers.py), used as it is: the functions at the end of this module
@@ -23,11 +27,13 @@ import numpy as np
 from numba import njit
 
 from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from services.embedding_ps.row_storage import FP32, decode16, encode16, mix64, uniform
 
-OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = 0, 1, 2, 3
+OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4
 OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
     EmbeddingOptimizer.SGD: OPT_SGD, EmbeddingOptimizer.ADAGRAD: OPT_ADAGRAD,
     EmbeddingOptimizer.ADAM: OPT_ADAM, EmbeddingOptimizer.FTRL: OPT_FTRL,
+    EmbeddingOptimizer.ROWWISE_ADAGRAD: OPT_ROWWISE_ADAGRAD,
 }
 """The kernel's code of each optimizer. Every store header records it: a code never changes meaning."""
 # Layout of the float64 hyper-parameter vector `hp` the kernel reads.
@@ -69,6 +75,19 @@ def _apply_row(row, g_row, dim, opt, hp, bounded):
             acc = row[dim + d] + g * g
             row[dim + d] = acc
             w = w + ((-lr) * g) / (np.sqrt(acc) + eps)
+            row[d] = _clip(w, bound) if bounded else w
+    elif opt == OPT_ROWWISE_ADAGRAD:  # state: [sum of the row's mean squared gradients]
+        eps = np.float32(hp[HP_EPS])
+        total = np.float32(0.0)
+        for d in range(dim):
+            g = g_row[d] + wd * row[d]
+            total += g * g
+        acc = row[dim] + total / np.float32(dim)
+        row[dim] = acc
+        step = (-lr) / (np.sqrt(acc) + eps)
+        for d in range(dim):
+            w = row[d]
+            w = w + step * (g_row[d] + wd * w)
             row[d] = _clip(w, bound) if bounded else w
     elif opt == OPT_ADAM:  # state: [exp_avg | exp_avg_sq | step]
         beta1 = hp[HP_BETA1]
@@ -112,20 +131,44 @@ def _apply_row(row, g_row, dim, opt, hp, bounded):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim):
+def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key):
     """One step on row slots[j] with gradient grads[perm[j]], for j in [lo, hi) with a slot; returns rows applied.
 
     `dim` is passed in rather than read from grads.shape, and the numpy error
     model (no ZeroDivisionError checks) is used: either one kept LLVM from
     vectorising the per-row loops (measured 6x slower).
+    A store of 16-bit weights (`storage` not FP32) has them decoded into a float32 row, stepped there, and
+    written back rounded at random from (round_key, keys[slot], position): see row_storage.py.
     """
     bounded = not np.isnan(hp[HP_BOUND])
     applied = 0
+    if storage == FP32:
+        for j in range(lo, hi):
+            s = slots[j]
+            if s >= 0:
+                _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
+                applied += 1
+        return applied
+    packed = (dim + 1) // 2
+    state = values.shape[1] - packed
+    scratch = np.empty(dim + state, np.float32)
     for j in range(lo, hi):
         s = slots[j]
-        if s >= 0:
-            _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
-            applied += 1
+        if s < 0:
+            continue
+        row = values[s]
+        halves = row.view(np.uint16)
+        for d in range(dim):
+            scratch[d] = decode16(halves[d], storage)
+        for d in range(state):
+            scratch[dim + d] = row[packed + d]
+        _apply_row(scratch, grads[perm[j]], dim, opt, hp, bounded)
+        base = mix64(keys[s] ^ round_key)
+        for d in range(dim):
+            halves[d] = encode16(scratch[d], uniform(mix64(base + np.uint64(d))), storage)
+        for d in range(state):
+            row[packed + d] = scratch[dim + d]
+        applied += 1
     return applied
 
 
@@ -137,11 +180,13 @@ def optimizer_code(opt: EmbeddingOptimizerConfig) -> int:
 def state_width(opt: EmbeddingOptimizerConfig, dim: int) -> int:
     """float32 values of optimizer state stored after a row's `dim` weights."""
     return {EmbeddingOptimizer.SGD: 0, EmbeddingOptimizer.ADAGRAD: dim, EmbeddingOptimizer.ADAM: 2 * dim + 1,
-            EmbeddingOptimizer.FTRL: 2 * dim}[opt.name]
+            EmbeddingOptimizer.FTRL: 2 * dim, EmbeddingOptimizer.ROWWISE_ADAGRAD: 1}[opt.name]
 
 
 def accumulator_width(opt: EmbeddingOptimizerConfig, dim: int) -> int:
     """How many state values of a new row start at initial_accumulator_value (the rest start at 0)."""
+    if opt.name == EmbeddingOptimizer.ROWWISE_ADAGRAD:
+        return 1
     return dim if opt.name in (EmbeddingOptimizer.ADAGRAD, EmbeddingOptimizer.FTRL) else 0
 
 

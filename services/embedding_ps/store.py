@@ -29,6 +29,7 @@ from hybridrec.config import Config
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O
+from services.embedding_ps import row_storage as R
 from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory, prefault)
 from services.embedding_ps.tier import DiskTier, no_region
@@ -37,7 +38,7 @@ __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 
 _log = log.get(__name__)
 
-_INIT_SALT, _ADMIT_SALT = 0x1D5E, 0xAD317
+_INIT_SALT, _ADMIT_SALT, _ROUND_SALT = 0x1D5E, 0xAD317, 0x50D1
 PRIVATE_BYTES_PER_SLOT = 5
 """Process memory a store holds per slot besides its files: the LRU stamps (uint32) and the changed-row
 marks (uint8). `hybridrec plan` counts it."""
@@ -52,12 +53,15 @@ _CHECK_MESSAGES = {
 }
 
 
-def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale: float) -> np.ndarray:
-    """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits)."""
+def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale: float,
+              storage: int = R.FP32) -> np.ndarray:
+    """The initial embeddings (n, dim) float32 the store gives these IDs (same kernel, same bits); `storage`:
+    as a store of 16-bit weights (a row_storage code) holds them, rounded to nearest."""
     ids = as_ids(ids, "ids")
-    out = np.empty((ids.shape[0], dim), np.float32)
-    K.init_rows_kernel(ids, out, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal", float(scale))
-    return out
+    words = np.empty((ids.shape[0], R.weight_words(dim, storage)), np.float32)
+    K.init_rows_kernel(ids, words, dim, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal",
+                       float(scale), storage)
+    return np.ascontiguousarray(R.decode_weights(words, dim, storage))
 
 
 T = TypeVar("T")
@@ -108,6 +112,7 @@ class EmbeddingStore(L.StoreLifecycle):
         # slow path (~1 ms of type inference per call).
         self._init_key = np.uint64(K.mix_seed(c.seed, _INIT_SALT))
         self._admit_key = np.uint64(K.mix_seed(c.seed, _ADMIT_SALT))
+        self._round_key = int(K.mix_seed(c.seed, _ROUND_SALT))
         self._admit_threshold = -1 if c.ps.admit_probability >= 1.0 else int(c.ps.admit_probability * 2.0**53)
         self._locks = [threading.Lock() for _ in range(c.num_stripes)]
         # Per stripe: a sequence number that a mutating call makes odd while it runs and even again after it
@@ -343,7 +348,7 @@ class EmbeddingStore(L.StoreLifecycle):
         offsets = K.partition(ids, self.config.num_stripes, perm)
         c = self.config
         init = (self._init_key, c.ps.init.distribution == "normal", c.ps.init.scale,
-                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim))
+                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim), c.storage_code)
         r = self._rules
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
@@ -361,7 +366,7 @@ class EmbeddingStore(L.StoreLifecycle):
                                                moves[0], self._admit_threshold, self._admit_key, *init,
                                                *self._life[s], *life, region)
                 else:
-                    K.read_misses(ids, perm, lo, hi, slots, out, hdr, c.row_width, region)
+                    K.read_misses(ids, perm, lo, hi, slots, out, hdr, c.row_width, region, c.storage_code)
             if hdr[K.F_INSERTS] != inserts:  # new rows: at the LRU head, where the kernel pushed them last
                 K.mark_newest(self._stripes[s][3], hdr, hdr[K.F_INSERTS] - inserts, self._marks[s])
             return 0
@@ -384,14 +389,15 @@ class EmbeddingStore(L.StoreLifecycle):
         grads = np.require(grads, requirements=["C", "W"])
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
-        code, hp = O.optimizer_code(self.config.optimizer), self._hp
+        code, hp, storage = O.optimizer_code(self.config.optimizer), self._hp, self.config.storage_code
         stamp = self.config.uses_ttl
         now = (np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
-            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim)
+            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, keys,
+                                     self._round_key_of(hdr))
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
                 applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads)
@@ -418,10 +424,18 @@ class EmbeddingStore(L.StoreLifecycle):
         between: with a tier, no gradient is dropped for it); returns how many."""
         rows, gperm, where, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
         if k:
-            O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows,
-                           O.optimizer_code(self.config.optimizer), self._hp, self.config.dim)
+            c = self.config
+            O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, O.optimizer_code(c.optimizer),
+                           self._hp, c.dim, c.storage_code, np.ascontiguousarray(ids[gperm[:k]]),
+                           self._round_key_of(self._stripes[s][5]))
             K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
+
+    def _round_key_of(self, hdr: np.ndarray) -> np.uint64:
+        """The rounding key of a stripe's next update (under its lock): the store's, moved on by the stripe's
+        update count, so every update of a 16-bit store draws afresh and a run reproduces."""
+        hdr[K.F_ROUNDS] += 1
+        return np.uint64((self._round_key + int(hdr[K.F_ROUNDS]) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
 
     def peek(self, ids: np.ndarray, *, state: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(rows (n, dim) float32, found (n,) bool) of `ids`: admits nothing, refreshes no recency, counts
@@ -429,6 +443,7 @@ class EmbeddingStore(L.StoreLifecycle):
         row_width) with the optimizer state, as `load_rows` takes them (a replicated update)."""
         ids = as_ids(ids, "ids")
         n, dim = ids.shape[0], (self.config.row_width if state else self.config.dim)
+        storage = R.FP32 if state else self.config.storage_code
         out = np.zeros((n, dim), np.float32)
         found = np.zeros(n, bool)
         perm = np.empty(n, np.int32)
@@ -440,11 +455,11 @@ class EmbeddingStore(L.StoreLifecycle):
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             at, where = perm[lo:hi], slots[lo:hi]
             hit = where >= 0
-            out[at[hit]] = values[where[hit], :dim]
+            out[at[hit]] = R.decode_weights(values[where[hit]], dim, storage)
             found[at[hit]] = True
             if self.tier is not None and not hit.all():  # the rows on disk (read only: nothing changes)
                 rows, gperm, _, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
-                out[gperm[:k]] = rows[:k, :dim]
+                out[gperm[:k]] = R.decode_weights(rows[:k], dim, storage)
                 found[gperm[:k]] = True
             return 0
 

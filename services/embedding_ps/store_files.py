@@ -44,6 +44,7 @@ from hybridrec import files, log
 from hybridrec.config import Config, EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import kernels as K
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
+from services.embedding_ps.row_storage import STORAGE_CODES, STORAGE_NAMES, weight_words
 
 _log = log.get(__name__)
 
@@ -51,11 +52,12 @@ MAGIC = int.from_bytes(b"HYRECPS\x01", "little")
 LAYOUT_VERSION = 3
 # Global header fields (int64), followed by num_stripes rows of kernels.STRIPE_FIELDS.
 (H_MAGIC, H_VERSION, H_DIM, H_CAPACITY, H_OPTIMIZER, H_STATE_WIDTH, H_NUM_STRIPES, H_SEED, H_INDEX_SLOTS,
- H_SKETCH_COLS, H_SKETCH_DEPTH, H_TTL, H_CLOCK, H_TIER) = range(14)
+ H_SKETCH_COLS, H_SKETCH_DEPTH, H_TTL, H_CLOCK, H_TIER, H_STORAGE) = range(15)
 # H_CLOCK: updates the store applied (`EmbeddingStore.tick`), the unit of step TTLs; survives restarts.
 # H_TIER: 1 when the store has a disk tier (ps.tier): its memory is then not the whole table, and re-attaching it
 # without its tier (or a tier to a store made without one) would serve a table with rows missing. Stores made
 # before this field read 0 there: without a tier, as they were.
+# H_STORAGE: how the weights are stored (row_storage's codes, ps.storage); stores made before it read 0: fp32.
 GLOBAL_FIELDS = 16
 DATA_FILES = {"index": np.int32, "keys": np.uint64, "prev": np.int32, "next": np.int32, "values": np.float32,
               "tables": np.int64, "sketch": np.uint8, "touched": np.int64}
@@ -190,9 +192,14 @@ class StoreConfig:
         return max(1, window // self.num_stripes)
 
     @property
+    def storage_code(self) -> int:
+        """How the weights are stored (ps.storage), as the kernels' code (row_storage.FP32, FP16, BF16)."""
+        return STORAGE_CODES[self.ps.storage]
+
+    @property
     def row_width(self) -> int:
-        """float32 values per row: the embedding, then the optimizer state."""
-        return self.dim + state_width(self.optimizer, self.dim)
+        """float32 words per row: the embedding (two weights a word when 16-bit), then the optimizer state."""
+        return weight_words(self.dim, self.storage_code) + state_width(self.optimizer, self.dim)
 
 
 @dataclass
@@ -237,7 +244,8 @@ class Layout:
                                 c.sketch_cols),
                 H_SKETCH_DEPTH: ("sketch depth (0: no sketch)", c.sketch_depth),
                 H_TTL: ("row stamps for TTLs (1: a table has a TTL)", int(c.uses_ttl)),
-                H_TIER: ("disk tier (1: ps.tier)", int(c.ps.tier is not None))}
+                H_TIER: ("disk tier (1: ps.tier)", int(c.ps.tier is not None)),
+                H_STORAGE: ("weight storage (ps.storage)", c.storage_code)}
 
 
 def as_ids(ids: np.ndarray, what: str) -> np.ndarray:
@@ -358,8 +366,11 @@ def attach_files(directory: Path, layout: Layout) -> dict[str, mmap.mmap] | None
     names = {code: name for name, code in OPTIMIZER_CODES.items()}
     for pos, (what, want) in layout.expected_header().items():
         if header[pos] != want:
-            have = names.get(int(header[pos]), int(header[pos])) if pos == H_OPTIMIZER else int(header[pos])
-            want = layout.config.optimizer.name if pos == H_OPTIMIZER else want
+            have = int(header[pos])
+            if pos == H_OPTIMIZER:
+                have, want = names.get(have, have), layout.config.optimizer.name
+            elif pos == H_STORAGE:
+                have, want = STORAGE_NAMES.get(have, have), STORAGE_NAMES[want]
             raise ValueError(f"embedding store {directory} was created with {what}={have}, "
                              f"but the config asks for {what}={want}")
     maps: dict[str, mmap.mmap] = {}

@@ -61,6 +61,31 @@ def test_a_shard_beyond_the_stripe_limit_names_the_shards_it_needs():
         plan_tables([Table(500_000_000_000, 16)], optimizer="adagrad", shards=2)
 
 
+def _no_fewer_hosts_hold(tables, plan, host, **options):
+    """No way of putting 1 to 8 shards on each of `plan["hosts"] - 1` hosts holds the tables."""
+    for per_host in range(1, 9):
+        try:
+            fewer = plan_tables(tables, shards=per_host * (plan["hosts"] - 1), **options)
+        except ValueError as exc:
+            assert "more than 1024 stripes" in str(exc)
+            continue
+        assert fewer["per_shard_memory_bytes"] * per_host > host
+
+
+def test_compact_rows_plan_persias_hundred_trillion_parameters_on_fewer_hosts_than_persia_used():
+    """Persia trained 1e14 parameters of width 128 on 30 hosts of 12 TB; fp16 weights with row-wise Adagrad
+    need at most 20 of 12 TiB (float32 Adagrad: 63)."""
+    from hybridrec.app.plan import hosts_for
+
+    host, tables = 12 << 40, [Table(10**14 // 128, 128)]
+    compact = hosts_for(tables, optimizer="rowwise_adagrad", storage="fp16", host_bytes=host)
+    full = hosts_for(tables, optimizer="adagrad", host_bytes=host)
+    assert compact["hosts"] <= 20 < 30 < full["hosts"]
+    assert compact["shards_per_host"] * compact["per_shard_memory_bytes"] <= host
+    _no_fewer_hosts_hold(tables, compact, host, optimizer="rowwise_adagrad", storage="fp16")
+    assert compact["full_checkpoint_bytes_per_shard"] == compact["rows_per_shard"] * (8 + 4 * (64 + 1))
+
+
 def test_the_hundred_trillion_parameter_table_on_paper():
     """1e14 parameters of width 16 on hosts of 12 TiB: the fewest shards whose memory fits a host, packed."""
     from hybridrec.app.plan import checkpoint_bytes, hosts_for
@@ -71,8 +96,7 @@ def test_the_hundred_trillion_parameter_table_on_paper():
     assert plan["hosts"] * plan["shards_per_host"] >= plan["shards"]
     assert plan["shards_per_host"] * plan["per_shard_memory_bytes"] <= host
     assert plan["rows_per_shard"] * plan["shards"] >= 10**14 // 16
-    with pytest.raises(ValueError, match="more than 1024 stripes"):  # one shard fewer could not hold it
-        plan_tables([Table(10**14 // 16, 16)], optimizer="adagrad", shards=plan["shards"] - 1)
+    _no_fewer_hosts_hold([Table(10**14 // 16, 16)], plan, host, optimizer="adagrad")
     writes = checkpoint_bytes(plan, changed=0.1, interval_s=30)
     assert writes["full_per_shard"] == plan["rows_per_shard"] * (8 + 32 * 4)
     assert writes["delta_bandwidth_per_shard"] == pytest.approx(writes["full_per_shard"] * 0.1 / 30, rel=1e-6)

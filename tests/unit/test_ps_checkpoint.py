@@ -196,7 +196,7 @@ def test_mismatched_stores_are_refused(checkpoint, stores):
     with pytest.raises(ValueError, match="widths"):
         load_shard(checkpoint, stores("w", dims=(4,)), shard=0, num_shards=2, shard_of=lambda i: shard_of(i, 2))
     other = stores("o", optimizer=EmbeddingOptimizerConfig(name="adagrad"))
-    with pytest.raises(ValueError, match="optimizer adam"):
+    with pytest.raises(ValueError, match="checkpoint holds adam rows of fp32 weights .* the store adagrad rows"):
         load_shard(checkpoint, other, shard=0, num_shards=2, shard_of=lambda i: shard_of(i, 2))
     assert all(store.stats()["rows"] == 0 for store in other.values())
 

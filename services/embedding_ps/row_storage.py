@@ -1,0 +1,143 @@
+"""How a store row's weights are stored: float32, or 16-bit floats updated with stochastic rounding.
+
+On the embedding PS. A row of a store is `row_width` float32 words (store_files.StoreConfig.row_width):
+the weights first, then the optimizer's state, always float32. With `ps.storage: fp32` the weights are
+`dim` words, as they always were. With `fp16` (IEEE half: 10 mantissa bits) or `bf16` (bfloat16: 7) two
+weights share a word, so `dim` weights take ceil(dim / 2) words: at width 16 with row-wise Adagrad a row is
+9 words (36 bytes) instead of 32 with float32 Adagrad.
+
+Every file, copy, dump, replica and tier record moves a row as its words, whatever they hold; only the code
+that reads or writes weights asks this module: the lookup kernels decode weights to float32 (the wire and the
+NN workers see float32 as before), the optimizer decodes, updates in float32 and writes back with stochastic
+rounding (`encode`: rounded up with probability equal to the distance from the lower neighbour, so the stored
+weight is unbiased and small updates are not lost to rounding), and a new row's initial weights are rounded to
+nearest. The rounding's random bits come from the row's key, the store's update count and the seed, so a run
+reproduces.
+
+The numba functions here are inlined into kernels.py and optimizers.py. numba's on-disk cache checks only the
+file of the function it compiled: after editing this module, touch those two files (or clear the cache), or
+their cached machine code keeps the old conversions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from hybridrec.config import WeightStorage
+
+FP32, FP16, BF16 = 0, 1, 2
+"""Storage codes the kernels take and the store header records (0, what stores made before had: float32)."""
+
+
+STORAGE_CODES = {WeightStorage.FP32: FP32, WeightStorage.FP16: FP16, WeightStorage.BF16: BF16}
+"""The kernels' code of each `ps.storage`."""
+STORAGE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
+"""The name of each storage code, for messages about a store's header."""
+
+# Per 16-bit format: mantissa bits, exponent bias, largest finite bit pattern.
+_MANT = (0, 10, 7)
+_BIAS = (0, 15, 127)
+_MAX_BITS = (0, 0x7BFF, 0x7F7F)
+
+
+def weight_words(dim: int, storage: int) -> int:
+    """float32 words a row's `dim` weights take."""
+    return dim if storage == FP32 else (dim + 1) // 2
+
+
+def _scales(storage: int) -> np.ndarray:
+    """Per exponent field: the value of one unit of the significand (index 0: subnormals, as exponent 1)."""
+    mant, bias = _MANT[storage], _BIAS[storage]
+    top = 1 << (15 - mant)
+    return np.array([math.ldexp(1.0, max(e, 1) - bias - mant) for e in range(top)], np.float64)
+
+
+_FP16_SCALES = _scales(FP16)
+_BF16_SCALES = _scales(BF16)
+
+
+@njit(inline="always", error_model="numpy")
+def decode16(h, storage):
+    """The float32 value of 16-bit pattern `h` (uint16) of `storage` (FP16 or BF16)."""
+    mant = 10 if storage == FP16 else 7
+    e = (np.int64(h) >> mant) & ((1 << (15 - mant)) - 1)
+    m = np.int64(h) & ((1 << mant) - 1)
+    if e == (1 << (15 - mant)) - 1:  # inf / NaN: never written by encode16, kept readable
+        v = np.inf if m == 0 else np.nan
+    else:
+        scale = _FP16_SCALES[e] if storage == FP16 else _BF16_SCALES[e]
+        v = np.float64(m + (np.int64(1) << mant if e > 0 else 0)) * scale
+    return np.float32(-v if np.int64(h) & 0x8000 else v)
+
+
+@njit(inline="always", error_model="numpy")
+def encode16(x, u, storage):
+    """`x` (float32) as a 16-bit pattern of `storage`, rounded down or up at random: up with probability
+    equal to its distance from the lower neighbour, in ulps, for `u` uniform in [0, 1) (u = 0.5: to nearest).
+    Magnitudes past the largest finite value saturate to it; NaN stays NaN."""
+    mant = 10 if storage == FP16 else 7
+    bias = 15 if storage == FP16 else 127
+    top = (1 << (15 - mant)) - 1
+    if x != x:
+        return np.uint16(0x7E00 if storage == FP16 else 0x7FC0)
+    sign = 0x8000 if x < 0 else 0
+    a = abs(np.float64(x))
+    if a == 0.0:
+        return np.uint16(sign)
+    e = math.frexp(a)[1] + bias - 1  # the exponent field of a normal number in [2**(e-bias), 2**(e-bias+1))
+    if e < 1:
+        e = 0
+    scale = _FP16_SCALES[e] if storage == FP16 else _BF16_SCALES[e]
+    k = np.int64(math.floor(a / scale + u))  # exact: a has 24 significant bits, u 24, in float64
+    bits = (np.int64(e) << mant) + k - (np.int64(1) << mant) if e > 0 else k  # a carry moves to the exponent
+    if e >= top or bits > (_MAX_BITS[1] if storage == FP16 else _MAX_BITS[2]):
+        bits = _MAX_BITS[1] if storage == FP16 else _MAX_BITS[2]
+    return np.uint16(bits | sign)
+
+
+@njit(inline="always", error_model="numpy")
+def mix64(z):
+    """splitmix64's finalizer: the rounding's random bits from (key, update count, position)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(inline="always", error_model="numpy")
+def uniform(z):
+    """A float64 in [0, 1) from the top 24 bits of z (as many as the rounding can use)."""
+    return np.float64(z >> np.uint64(40)) * (1.0 / 16777216.0)
+
+
+# ---------------------------------------------------------------- numpy: checkpoints, export, peek
+def decode_weights(rows: np.ndarray, dim: int, storage: int) -> np.ndarray:
+    """The float32 weights (n, dim) of rows (n, row_width float32 words) of a store of `storage`."""
+    if storage == FP32:
+        return rows[:, :dim]
+    halves = np.ascontiguousarray(rows[:, :weight_words(dim, storage)]).view(np.uint16)[:, :dim]
+    if storage == FP16:
+        return halves.view(np.float16).astype(np.float32)
+    return (halves.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode_weights(weights: np.ndarray, storage: int) -> np.ndarray:
+    """Weights (n, dim) float32 as the (n, weight_words) words of `storage`, rounded to nearest (even);
+    magnitudes past the format's largest finite value saturate to it."""
+    n, dim = weights.shape
+    if storage == FP32:
+        return np.ascontiguousarray(weights, np.float32)
+    halves = np.zeros((n, 2 * weight_words(dim, storage)), np.uint16)
+    w = np.asarray(weights, np.float32)
+    if storage == FP16:
+        big = float(np.finfo(np.float16).max)
+        halves[:, :dim] = np.clip(w, -big, big).astype(np.float16).view(np.uint16)
+    else:
+        bits = w.view(np.uint32).astype(np.uint64)
+        nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        finite = np.isfinite(w)
+        limit = np.where(np.signbit(w), 0xFF7F, 0x7F7F).astype(np.uint64)
+        rounded = np.where(finite & ((nearest & 0x7F80) != 0x7F80), nearest, np.where(finite, limit, bits >> 16))
+        halves[:, :dim] = rounded.astype(np.uint16)
+    return halves.view(np.float32)
