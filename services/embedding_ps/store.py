@@ -396,11 +396,11 @@ class EmbeddingStore(L.StoreLifecycle):
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
-            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, keys,
-                                     self._round_key_of(hdr))
+            round_key = self._round_key_of(hdr)
+            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, keys, round_key)
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
-                applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads)
+                applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads, round_key)
             hdr[K.F_MISSING_UPDATES] += hi - lo - applied
             if stamp or applied < hi - lo:  # rows' update times (TTL); dropped gradients per table
                 touched, _, tables = self._life[s]
@@ -419,15 +419,14 @@ class EmbeddingStore(L.StoreLifecycle):
         return rows, gperm, where, k
 
     def _update_on_disk(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
-                        grads: np.ndarray) -> int:
+                        grads: np.ndarray, round_key: np.uint64) -> int:
         """Apply the gradients of IDs that left memory since their lookup to their rows on disk (evicted in
         between: with a tier, no gradient is dropped for it); returns how many."""
         rows, gperm, where, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
         if k:
             c = self.config
             O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, O.optimizer_code(c.optimizer),
-                           self._hp, c.dim, c.storage_code, np.ascontiguousarray(ids[gperm[:k]]),
-                           self._round_key_of(self._stripes[s][5]))
+                           self._hp, c.dim, c.storage_code, np.ascontiguousarray(ids[gperm[:k]]), round_key)
             K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
 

@@ -80,7 +80,9 @@ def test_metrics_move_and_report_renders(tmp_path, watched_run):
         assert (run_dir / f"{png}.png").stat().st_size > 5000
 
 
-def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
+def _planned_and_allocated(tmp_path: Path, job: dict) -> tuple[dict, int]:
+    """`hybridrec plan --config` of a one-shard job, and the bytes its PS's store files take once it serves."""
+    import asyncio
     import tempfile
 
     import yaml
@@ -91,27 +93,43 @@ def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
     shm = Path(tempfile.mkdtemp(prefix="hybridrec-plan-", dir="/dev/shm"))
     address = f"127.0.0.1:{free_port()}"
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"train": ["unused.tsv"]},
-        "features": [{"name": "C1", "group": 0, "dim": 32}, {"name": "C2", "group": 1, "dim": 8}],
-        "optimizer": {"embedding": {"name": "adam"}},
-        # With the lifecycle on, so that its sketch, row stamps and counters are planned too
-        "ps": {"capacity": 300_000, "shm_dir": str(shm),
-               "lifecycle": {"ttl_steps": 100, "tables": {1: {"admit_after": 2}}}},
-        "cluster": {"ps": [address], "bind_host": "127.0.0.1"},
-    }))
+    job["ps"]["shm_dir"] = str(shm)
+    config.write_text(yaml.safe_dump({**job, "data": {"train": ["unused.tsv"]},
+                                      "cluster": {"ps": [address], "bind_host": "127.0.0.1"}}))
     planned = json.loads(subprocess.run(HYBRIDREC + ["plan", "--config", str(config), "--json"], cwd=REPO,
                                         capture_output=True, text=True, check=True).stdout)
     ps = subprocess.Popen(HYBRIDREC + ["serve", "embedding_ps", "--config", str(config), "--replica", "0"], cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import asyncio
         asyncio.run(rpc.wait_until_serving([address], timeout_s=120))
         allocated = sum(p.stat().st_blocks * 512 for p in shm.rglob("*") if p.is_file())
     finally:
         ps.terminate()
         ps.wait(timeout=30)
         shutil.rmtree(shm, ignore_errors=True)
+    return planned, allocated
+
+
+@pytest.mark.parametrize("dim,most", [(16, 64), (128, 300)])
+def test_compact_rows_take_the_planned_bytes_a_row_in_a_running_ps(tmp_path, dim, most):
+    """fp16 weights with row-wise Adagrad: at most 64 bytes a row at width 16 and 300 at width 128 (float32
+    Adagrad: about 152 and 1,048), as planned and as the PS's files take them."""
+    capacity = 1_000_000
+    planned, allocated = _planned_and_allocated(tmp_path, {
+        "features": [{"name": "C1", "group": 0, "dim": dim}],
+        "optimizer": {"embedding": {"name": "rowwise_adagrad"}},
+        "ps": {"capacity": capacity, "storage": "fp16"}})
+    assert planned["storage"] == "fp16" and planned["stores"][0]["row_bytes_in_checkpoints"] == 8 + 4 * (dim // 2 + 1)
+    assert planned["per_shard_bytes"] / capacity <= most
+    assert abs(planned["per_shard_bytes"] - allocated) <= 0.05 * allocated, (planned["per_shard_bytes"], allocated)
+
+
+def test_plan_agrees_with_what_a_ps_allocates(tmp_path):
+    planned, allocated = _planned_and_allocated(tmp_path, {
+        "features": [{"name": "C1", "group": 0, "dim": 32}, {"name": "C2", "group": 1, "dim": 8}],
+        "optimizer": {"embedding": {"name": "adam"}},
+        # With the lifecycle on, so that its sketch, row stamps and counters are planned too
+        "ps": {"capacity": 300_000, "lifecycle": {"ttl_steps": 100, "tables": {1: {"admit_after": 2}}}}})
     assert allocated > 0
     assert abs(planned["per_shard_bytes"] - allocated) <= 0.05 * allocated, (planned["per_shard_bytes"], allocated)
     parts = planned["per_shard_parts"]

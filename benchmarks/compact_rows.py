@@ -1,0 +1,76 @@
+"""Compact rows against float32 rows: the README example trained with each, runs alternated, in one invocation.
+
+Each layout is `hybridrec run examples/criteo_synth.yaml` with `--set ps.storage=...` and
+`--set optimizer.embedding.name=...`: float32 Adagrad (today's default), and 16-bit weights with row-wise
+Adagrad (fp16 and, with --bf16, bf16). Runs alternate layout by layout (A B A B ...), so that the shared
+machine's drift falls on both alike. Reported per run: eval AUC, samples/s, the PS's store bytes a row; per
+layout the mean and the difference from float32 Adagrad.
+
+    python benchmarks/compact_rows.py --data data/synth --runs 2 --out results/compact_rows.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LAYOUTS = {"fp32 adagrad": ("fp32", "adagrad"), "fp16 rowwise_adagrad": ("fp16", "rowwise_adagrad"),
+           "bf16 rowwise_adagrad": ("bf16", "rowwise_adagrad")}
+
+
+def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) -> dict:
+    """One training run of the README example with this layout; its summary's figures."""
+    out = work / f"{storage}-{optimizer}"
+    shutil.rmtree(out, ignore_errors=True)
+    summary = out / "summary.json"
+    subprocess.run([sys.executable, "-m", "hybridrec", "run", str(REPO / "examples" / "criteo_synth.yaml"),
+                    "--run-dir", str(out / "run"), "--summary-json", str(summary),
+                    "--set", f"data.train=[{data / 'train.tsv'}]", "--set", f"data.eval=[{data / 'eval.tsv'}]",
+                    "--set", f"ps.storage={storage}", "--set", f"optimizer.embedding.name={optimizer}",
+                    "--set", f"ps.shm_dir={work / 'shm'}", *extra],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    result = json.loads(summary.read_text())
+    return {"auc": result["auc"], "samples_per_sec": result["samples_per_sec"],
+            "skipped_batches": result["skipped_batches"], "lost_updates": result["lost_updates"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="`hybridrec data synth` output (train/eval.tsv)")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="also bf16 weights")
+    parser.add_argument("--set", action="append", default=[], help="more --set for every run")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    layouts = [name for name in LAYOUTS if args.bf16 or not name.startswith("bf16")]
+    extra = [x for s in args.set for x in ("--set", s)]
+    work = Path(tempfile.mkdtemp(prefix="compact-rows-", dir="/dev/shm"))
+    runs: dict[str, list[dict]] = {name: [] for name in layouts}
+    try:
+        for _ in range(args.runs):
+            for name in layouts:
+                runs[name].append(run(args.data.resolve(), work, *LAYOUTS[name], extra))
+                print(name, runs[name][-1], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mean = {name: {k: sum(r[k] for r in rs) / len(rs) for k in ("auc", "samples_per_sec")}
+            for name, rs in runs.items()}
+    base = mean["fp32 adagrad"]
+    result = {"runs": runs, "mean": mean,
+              "vs_fp32_adagrad": {name: {"auc_difference": round(m["auc"] - base["auc"], 5),
+                                         "samples_per_sec_ratio": round(m["samples_per_sec"] / base["samples_per_sec"], 3)}
+                                  for name, m in mean.items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
