@@ -9,6 +9,8 @@ PS shards. Layout:
                                                           (torch.load(..., weights_only=True))
     BUNDLE/embeddings/shard-00000-of-00002/dim16.keys.npy  uint64 (n,), sorted ascending
     BUNDLE/embeddings/shard-00000-of-00002/dim16.rows.npy  float32 (n, 16): trained rows, no optimizer state
+                                                          (int8 (n, 16) in a quantized bundle, beside
+    BUNDLE/embeddings/shard-00000-of-00002/dim16.scales.npy  float16 (n,): each row's scale)
 
 Embeddings are sharded like the PS (`hybridrec.sharding.shard_of`), one pair
 of arrays per shard and width. Keys are sorted so a lookup is a vectorised
@@ -19,6 +21,14 @@ zeros, as an ID never admitted does in training.
 A bundle is refused, naming the file, when its manifest does not parse, is of
 another format version, or when any file's size or sha256 differs from the
 manifest.
+
+`hybridrec export --quantize int8` writes each row as int8 with one float16
+scale (symmetric, row-wise: the row's largest magnitude maps to 127), 18
+bytes a row of width 16 instead of 64. Such a bundle is format version 2,
+which builds that cannot dequantize refuse by version rather than mis-read;
+a float32 bundle stays version 1. Every reader (the inference service, its
+read-only PS shards, `hybridrec predict`) dequantizes on lookup, so what
+they serve is the same float32 rows.
 """
 from __future__ import annotations
 
@@ -31,6 +41,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import FeatureConfig, ModelConfig
@@ -38,6 +50,9 @@ from hybridrec.files import write_json_atomic
 
 FORMAT = "hybridrec-bundle"
 FORMAT_VERSION = 1
+QUANTIZED_FORMAT_VERSION = 2
+"""The version of a bundle with quantized tables (`quantization`): one a build before them refuses."""
+QUANTIZATIONS = ("int8",)
 MANIFEST = "manifest.json"
 DENSE = "dense.pt"
 CONFIG = "config.yaml"
@@ -67,7 +82,9 @@ class BundleManifest(BaseModel):
     format: str = FORMAT
     """Always "hybridrec-bundle"."""
     format_version: int = FORMAT_VERSION
-    """Layout version; a reader refuses another."""
+    """Layout version: 1, or 2 with quantized tables; a reader refuses any other."""
+    quantization: Literal["int8"] | None = None
+    """None: float32 rows. "int8": each row as int8 with a float16 scale (`quantize_rows`)."""
     version: int = 0
     """Model version: 0 for an export, increasing for versions a training job publishes."""
     base_version: int | None = None
@@ -147,6 +164,34 @@ def table_files(shard: int, num_shards: int, dim: int) -> tuple[str, str]:
     return f"{base}.keys.npy", f"{base}.rows.npy"
 
 
+def scales_file(shard: int, num_shards: int, dim: int) -> str:
+    """Relative path of one shard's row scales of width `dim` (quantized bundles only)."""
+    return f"{EMBEDDINGS}/{shard_name(shard, num_shards)}/dim{dim}.scales.npy"
+
+
+def quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 rows, float16 scales) of float32 `rows`: row i is about q[i] * scales[i], each weight within half
+    a step (its row's largest magnitude / 127) of its value. The scale is rounded to float16 first and the
+    row divided by the rounded scale, so the step is exactly what a reader multiplies by."""
+    rows = np.asarray(rows, np.float32)
+    top = np.abs(rows).max(axis=1) if rows.shape[0] and rows.shape[1] else np.zeros(rows.shape[0], np.float32)
+    if top.size and float(top.max()) / 127 > float(np.finfo(np.float16).max):
+        raise BundleError(f"rows of magnitude up to {float(top.max()):.3g} have no float16 scale: not quantizable")
+    scales = (top / 127).astype(np.float16)
+    step = scales.astype(np.float32)
+    safe = np.where(step > 0, step, 1.0)[:, None]
+    q = np.clip(np.rint(rows / safe), -127, 127).astype(np.int8)
+    q[step == 0] = 0
+    return q, scales
+
+
+def dequantize(rows: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    """float32 rows of a table's rows (float32, or int8 with their float16 `scales`)."""
+    if scales is None:
+        return rows
+    return rows.astype(np.float32) * scales.astype(np.float32)[:, None]
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -197,7 +242,11 @@ class BundleWriter:
             raise ValueError(f"table of width {dim}: {keys.shape[0]} keys but rows of shape {rows.shape}")
         order = np.argsort(keys, kind="stable")
         keys_path, rows_path = table_files(shard, self.manifest.num_shards, dim)
-        for rel, array in ((keys_path, keys[order]), (rows_path, rows[order])):
+        arrays = [(keys_path, keys[order]), (rows_path, rows[order])]
+        if self.manifest.quantization == "int8":
+            q, scales = quantize_rows(rows[order])
+            arrays[1:] = [(rows_path, q), (scales_file(shard, self.manifest.num_shards, dim), scales)]
+        for rel, array in arrays:
             (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             np.save(self.tmp / rel, np.ascontiguousarray(array), allow_pickle=False)
             self._record(rel)
@@ -254,9 +303,12 @@ def read_manifest(path: Path) -> BundleManifest:
     except ValidationError as exc:
         raise BundleError(f"{file}: not a valid bundle manifest: {exc.errors()[0]['msg']} at "
                           f"{'.'.join(str(p) for p in exc.errors()[0]['loc'])}") from None
-    if manifest.format != FORMAT or manifest.format_version != FORMAT_VERSION:
-        raise BundleError(f"{file}: format {manifest.format!r} version {manifest.format_version}; this build reads "
-                          f"{FORMAT!r} version {FORMAT_VERSION}")
+    want = FORMAT_VERSION if manifest.quantization is None else QUANTIZED_FORMAT_VERSION
+    if manifest.format != FORMAT or manifest.format_version != want:
+        raise BundleError(f"{file}: format {manifest.format!r} version {manifest.format_version}"
+                          f"{f' ({manifest.quantization} tables)' if manifest.quantization else ''}; this build reads "
+                          f"{FORMAT!r} version {FORMAT_VERSION}, and version {QUANTIZED_FORMAT_VERSION} with "
+                          f"{' or '.join(QUANTIZATIONS)} tables")
     return manifest
 
 
@@ -265,7 +317,8 @@ def verify(path: Path, manifest: BundleManifest) -> None:
     path = Path(path)
     for shard in range(manifest.num_shards):
         for dim in manifest.widths:
-            for rel in table_files(shard, manifest.num_shards, dim):
+            quantized = (scales_file(shard, manifest.num_shards, dim),) if manifest.quantization else ()
+            for rel in (*table_files(shard, manifest.num_shards, dim), *quantized):
                 if rel not in manifest.files:
                     raise BundleError(f"{path / MANIFEST}: does not list {rel}")
     for rel, entry in manifest.files.items():
@@ -294,34 +347,52 @@ def load_dense(path: Path) -> dict[str, Any]:
 
 
 class ShardTable:
-    """One shard's rows, per width: sorted keys and rows, memory-mapped."""
+    """One shard's rows, per width: sorted keys and rows, memory-mapped; with quantized tables, int8 rows and
+    their float16 scales (`scales`; None for float32 rows), dequantized by every lookup."""
+
+    scales: dict[int, np.ndarray | None]
 
     def __init__(self, path: Path, manifest: BundleManifest, shard: int):
         self.keys: dict[int, np.ndarray] = {}
         self.rows: dict[int, np.ndarray] = {}
+        self.scales = {}
+        quantized = manifest.quantization is not None
         for dim in manifest.widths:
             keys_rel, rows_rel = table_files(shard, manifest.num_shards, dim)
+            scales_rel = scales_file(shard, manifest.num_shards, dim)
             try:
                 # Mapped, then viewed as plain arrays: numpy's memmap subclass costs microseconds per
                 # indexing call, which a batch-1 request pays several times over.
                 self.keys[dim] = np.load(path / keys_rel, mmap_mode="r", allow_pickle=False).view(np.ndarray)
                 self.rows[dim] = np.load(path / rows_rel, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+                self.scales[dim] = (np.load(path / scales_rel, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+                                    if quantized else None)
             except (OSError, ValueError) as exc:
                 raise BundleError(f"{path / keys_rel}: cannot map: {exc}") from None
-            if (self.keys[dim].dtype != np.uint64 or self.rows[dim].dtype != np.float32
-                    or self.rows[dim].shape != (self.keys[dim].shape[0], dim)):
+            n = self.keys[dim].shape[0]
+            if (self.keys[dim].dtype != np.uint64 or self.rows[dim].dtype != (np.int8 if quantized else np.float32)
+                    or self.rows[dim].shape != (n, dim)):
                 raise BundleError(f"{path / rows_rel}: keys {self.keys[dim].dtype} {self.keys[dim].shape} and rows "
-                                  f"{self.rows[dim].dtype} {self.rows[dim].shape} do not form a table of width {dim}")
+                                  f"{self.rows[dim].dtype} {self.rows[dim].shape} do not form a "
+                                  f"{manifest.quantization or 'float32'} table of width {dim}")
+            if quantized and (self.scales[dim].dtype != np.float16 or self.scales[dim].shape != (n,)):
+                raise BundleError(f"{path / scales_rel}: {self.scales[dim].dtype} {self.scales[dim].shape}, not the "
+                                  f"float16 scales of {n} rows")
+
+    def rows_at(self, dim: int, at: np.ndarray) -> np.ndarray:
+        """float32 rows at positions `at` of the width's table (dequantized where quantized)."""
+        scales = self.scales.get(dim)
+        return dequantize(self.rows[dim][at], None if scales is None else scales[at])
 
     def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
         """float32 (n, dim): each ID's row, zeros for IDs without one."""
-        keys, rows = self.keys[dim], self.rows[dim]
+        keys = self.keys[dim]
         out = np.zeros((ids.shape[0], dim), np.float32)
         if keys.shape[0] == 0 or ids.shape[0] == 0:
             return out
         at = np.minimum(np.searchsorted(keys, ids), keys.shape[0] - 1)
         hit = keys[at] == ids
-        out[hit] = rows[at[hit]]
+        out[hit] = self.rows_at(dim, at[hit])
         return out
 
 
@@ -331,21 +402,25 @@ class EmbeddingTable:
     def __init__(self, shards: list[ShardTable]):
         from hybridrec import table_lookup
 
-        table_lookup.warm_up()  # its kernel compiled (or loaded from numba's cache) now, not at the first lookup
+        quantized = any(v is not None for s in shards for v in getattr(s, "scales", {}).values())
+        table_lookup.warm_up(quantized)  # its kernel compiled (or loaded from numba's cache) now, not at the first lookup
         self.shards = shards
-        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # width -> every shard's keys, rows
+        # width -> every shard's keys, rows and scales (None: float32 rows)
+        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None]] = {}
 
     def lookup(self, dim: int, ids: np.ndarray) -> np.ndarray:
         """float32 (n, dim): each ID's row in the shard that owns it, zeros for IDs without one (one compiled
-        pass: `hybridrec.table_lookup`)."""
+        pass: `hybridrec.table_lookup`; quantized rows dequantized in it)."""
         from hybridrec.table_lookup import lookup_into
 
         arrays = self._arrays.get(dim)
         if arrays is None:
-            arrays = self._arrays[dim] = ([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards])
+            scales = [getattr(s, "scales", {}).get(dim) for s in self.shards]
+            arrays = self._arrays[dim] = ([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards],
+                                          None if any(x is None for x in scales) else scales)
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((ids.shape[0], dim), np.float32)
-        lookup_into(*arrays, ids, out)
+        lookup_into(arrays[0], arrays[1], ids, out, arrays[2])
         return out
 
 
@@ -359,8 +434,8 @@ def open_bundle(path: Path, *, check: bool = True) -> tuple[BundleManifest, Embe
 
 
 def iter_tables(path: Path, manifest: BundleManifest) -> Iterable[tuple[int, int, np.ndarray, np.ndarray]]:
-    """(shard, width, keys, rows) of every table of a bundle, memory-mapped."""
+    """(shard, width, keys, float32 rows) of every table of a bundle: memory-mapped, or dequantized."""
     for shard in range(manifest.num_shards):
         table = ShardTable(Path(path), manifest, shard)
         for dim in manifest.widths:
-            yield shard, dim, table.keys[dim], table.rows[dim]
+            yield shard, dim, table.keys[dim], dequantize(table.rows[dim], table.scales[dim])

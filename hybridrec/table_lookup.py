@@ -22,17 +22,33 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def lookup_into(keys: list[np.ndarray], rows: list[np.ndarray], ids: np.ndarray, out: np.ndarray) -> None:
+_NO_SCALES = np.zeros(0, np.uint16)
+
+
+def lookup_into(keys: list[np.ndarray], rows: list[np.ndarray], ids: np.ndarray, out: np.ndarray,
+                scales: list[np.ndarray] | None = None) -> None:
     """`out[i]` = the row of `ids[i]` in shard splitmix64(id) % len(keys) (sorted `keys[s]`, `rows[s]`), or
-    zeros for an ID without one."""
+    zeros for an ID without one; with `scales` (int8 rows of a quantized bundle), row * its scale."""
     shards = np.uint64(len(keys))
     for shard in range(len(keys)):
-        _find(keys[shard], rows[shard], ids, out, np.uint64(shard), shards)
+        # float16 scales as their bits: numba has no float16 type
+        _find(keys[shard], rows[shard], _NO_SCALES if scales is None else scales[shard].view(np.uint16), ids, out,
+              np.uint64(shard), shards)
+
+
+@numba.njit(inline="always")
+def _half(bits):
+    """The float32 value of float16 bits (a scale: finite)."""
+    e = (np.int64(bits) >> 10) & 31
+    m = np.int64(bits) & 1023
+    v = np.float64(m) * 2.0 ** -24 if e == 0 else np.float64(m + 1024) * 2.0 ** (e - 25)
+    return np.float32(-v if np.int64(bits) & 0x8000 else v)
 
 
 @numba.njit(cache=True, nogil=True)
-def _find(keys, rows, ids, out, shard, num_shards):
-    """The rows of shard `shard`'s IDs among `ids` into `out` (zeros where its `keys` lack one)."""
+def _find(keys, rows, scales, ids, out, shard, num_shards):
+    """The rows of shard `shard`'s IDs among `ids` into `out` (zeros where its `keys` lack one), multiplied by
+    their float16 scale (`scales`: its bits) when `scales` is not empty."""
     for i in range(ids.shape[0]):
         z = ids[i] + _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _M1
@@ -48,12 +64,17 @@ def _find(keys, rows, ids, out, shard, num_shards):
             else:
                 hi = mid
         if lo < keys.shape[0] and keys[lo] == ids[i]:
-            out[i, :] = rows[lo, :]
+            if scales.shape[0]:
+                step = _half(scales[lo])
+                for d in range(out.shape[1]):
+                    out[i, d] = np.float32(rows[lo, d]) * step
+            else:
+                out[i, :] = rows[lo, :]
         else:
             out[i, :] = 0.0
 
 
-def warm_up() -> None:
+def warm_up(quantized: bool = False) -> None:
     """Compile (or load from numba's cache) the kernel for every kind of array a lookup passes it: tables
     read-only (a bundle's, memory-mapped) or writable (a followed version's, merged in memory), and IDs read-only
     (views of a request's bytes) or writable. numba compiles one version per kind, at its first call: on the
@@ -66,3 +87,7 @@ def warm_up() -> None:
             keys.flags.writeable = rows.flags.writeable = tables_writable
             ids.flags.writeable = ids_writable
             lookup_into([keys], [rows], ids, out)
+            if quantized:
+                q, scales = np.ones((3, 2), np.int8), np.ones(3, np.float16)
+                q.flags.writeable = scales.flags.writeable = tables_writable
+                lookup_into([keys], [q], ids, out, [scales])

@@ -203,6 +203,7 @@ class ArrayShardTable(ShardTable):
 
     def __init__(self, keys: dict[int, np.ndarray], rows: dict[int, np.ndarray]):  # noqa: D107 - no files
         self.keys, self.rows = keys, rows
+        self.scales = {dim: None for dim in rows}  # float32 rows: versions are published unquantized
 
 
 def merge_rows(keys: np.ndarray, rows: np.ndarray, new_keys: np.ndarray,
@@ -243,6 +244,8 @@ def merge_tables(base: EmbeddingTable, delta: EmbeddingTable, widths: list[int])
     """A new table: `base` with every row of `delta` replaced or added, shard by shard. `base` is unchanged."""
     if len(base.shards) != len(delta.shards):
         raise BundleError(f"a delta of {len(delta.shards)} shards cannot apply to a table of {len(base.shards)}")
+    if any(v is not None for s in (*base.shards, *delta.shards) for v in getattr(s, "scales", {}).values()):
+        raise BundleError("a quantized table is served whole: versions a training job publishes are float32")
     shards = []
     for old, new in zip(base.shards, delta.shards):
         keys, rows = {}, {}

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridrec.bundle import BundleManifest, BundleWriter, EmbeddingTable, load_dense, open_bundle
+from hybridrec.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter, EmbeddingTable,
+                              load_dense, open_bundle)
 from hybridrec.config import FeatureConfig, ModelConfig
 from hybridrec.ids import GROUP_SHIFT
 from hybridrec.models import FeatureInfo, build_model
@@ -15,10 +16,12 @@ from hybridrec.sharding import shard_of
 
 def make_bundle(out: Path, *, num_features: int = 26, dim: int = 16, rows_per_feature: int = 200,
                 hidden=(32, 16), num_shards: int = 2, version: int = 3, seed: int = 0,
-                tokens: dict[int, list[str]] | None = None) -> tuple[BundleManifest, dict[int, np.ndarray]]:
+                tokens: dict[int, list[str]] | None = None, quantization: str | None = None
+                ) -> tuple[BundleManifest, dict[int, np.ndarray]]:
     """A bundle of a DNN with random weights and random rows; returns it and the known IDs per feature.
 
-    `tokens`: feature index -> Criteo tokens whose hashed IDs get rows too (for raw-row tests).
+    `tokens`: feature index -> Criteo tokens whose hashed IDs get rows too (for raw-row tests). `quantization`:
+    "int8" writes quantized tables.
     """
     from hybridrec.criteo_kernels import hash_token
 
@@ -27,7 +30,8 @@ def make_bundle(out: Path, *, num_features: int = 26, dim: int = 16, rows_per_fe
     features = [FeatureConfig(name=f"C{i + 1}", group=i, dim=dim) for i in range(num_features)]
     model_cfg = ModelConfig(path="hybridrec.models:DNN", kwargs={"hidden": list(hidden)})
     manifest = BundleManifest(version=version, step=10, features=features, num_dense=13, model=model_cfg,
-                              num_shards=num_shards)
+                              num_shards=num_shards, quantization=quantization,
+                              format_version=QUANTIZED_FORMAT_VERSION if quantization else FORMAT_VERSION)
     model = build_model(model_cfg.path, [FeatureInfo(f.name, f.dim) for f in features], 13, model_cfg.kwargs)
     known: dict[int, np.ndarray] = {}
     all_ids = []

@@ -710,7 +710,11 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
            triton: Optional[Path] = typer.Option(None, "--triton", metavar="REPO",
                                                  help="Also write a Triton model repository serving the bundle "
                                                       "(with SOURCE a bundle and no --out: only the repository)."),
-           model_name: str = typer.Option("hybridrec", "--model-name", help="With --triton: the model's name.")):
+           model_name: str = typer.Option("hybridrec", "--model-name", help="With --triton: the model's name."),
+           quantize: Optional[str] = typer.Option(None, "--quantize",
+                                                  help="int8: each row as int8 with a float16 scale (18 bytes a "
+                                                       "row of width 16 instead of 64); read by every server and "
+                                                       "by `hybridrec predict`.")):
     """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
     from hybridrec.bundle import BundleError, read_manifest, verify
 
@@ -730,11 +734,13 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
         return
     if source is None or out is None:
         _fail("give SOURCE and --out BUNDLE (or --inspect BUNDLE)")
+    if quantize not in (None, "int8"):
+        _fail(f"--quantize {quantize}: int8 is the one quantization (or leave it out: float32 rows)")
     from hybridrec.app import export as exporter
 
     started = time.monotonic()
     try:
-        checkpoint, manifest = exporter.export(source, out)
+        checkpoint, manifest = exporter.export(source, out, quantize=quantize)
     except (exporter.ExportError, BundleError) as exc:
         _fail(str(exc))
     except OSError as exc:  # e.g. --out on a volume the user cannot write: a message naming it, not a traceback
@@ -742,7 +748,8 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
     size = sum(entry.bytes for entry in manifest.files.values())
     rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
     typer.echo(f"wrote {out} from {checkpoint} in {time.monotonic() - started:.1f} s: step {manifest.step}, "
-               f"{manifest.num_shards} shard(s), rows {rows or 'none'}, {size / 2**20:.1f} MiB")
+               f"{manifest.num_shards} shard(s), rows {rows or 'none'}"
+               f"{f' ({manifest.quantization})' if manifest.quantization else ''}, {size / 2**20:.1f} MiB")
     if triton is not None:
         _triton_repository(out, triton, model_name)
 

@@ -9,9 +9,10 @@ From the checkpoint it takes:
 * `manifest.json` (the job manifest): the step;
 * `dense.pt`: the `model` state_dict (loaded with weights_only=True; the
   optimizer state is left behind);
-* `ps/shard-*/`: each shard's keys and the first `dim` columns of its values
-  (no optimizer state), with the checkpoint's shard count and sharding, every
-  file's sha256 verified on the way.
+* `ps/shard-*/`: each shard's keys and their weights (no optimizer state;
+  16-bit weights decoded), with the checkpoint's shard count and sharding,
+  every file's sha256 verified on the way; with `--quantize int8`, written as
+  int8 rows with a float16 scale each.
 
 Every problem is an `ExportError` whose message names the file.
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrec import checkpoints
-from hybridrec.bundle import BundleManifest, BundleWriter, input_types
+from hybridrec.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter,
+                              input_types)
 from hybridrec.config import ConfigError, load_config
 
 
@@ -50,8 +52,9 @@ def find_checkpoint(source: Path) -> Path:
                       f"{checkpoints.MANIFEST})")
 
 
-def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
-    """Write the bundle `out` from SOURCE; returns the checkpoint used and the bundle's manifest."""
+def export(source: Path, out: Path, *, quantize: str | None = None) -> tuple[Path, BundleManifest]:
+    """Write the bundle `out` from SOURCE; returns the checkpoint used and the bundle's manifest. `quantize`:
+    "int8" writes quantized tables (`hybridrec.bundle.quantize_rows`), None float32 ones."""
     import torch
 
     from services.embedding_ps.checkpoint import read_embeddings
@@ -89,7 +92,9 @@ def export(source: Path, out: Path) -> tuple[Path, BundleManifest]:
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
                               num_shards=ps["num_shards"], input_types=input_types(config),
-                              dense_columns=config.dense_columns, tasks=list(config.data.labels))
+                              dense_columns=config.dense_columns, tasks=list(config.data.labels),
+                              quantization=quantize,
+                              format_version=QUANTIZED_FORMAT_VERSION if quantize else FORMAT_VERSION)
     writer = BundleWriter(out, manifest)
     try:
         writer.add_dense(weights)

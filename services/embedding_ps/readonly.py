@@ -93,13 +93,13 @@ class ReadOnlyPSServicer:
 
     def _lookup(self, dim: int, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """(rows, how many IDs had one): ShardTable.lookup's binary search, counting the hits."""
-        keys, rows = self.table.keys[dim], self.table.rows[dim]
+        keys = self.table.keys[dim]
         out = np.zeros((ids.shape[0], dim), np.float32)
         if keys.shape[0] == 0 or ids.shape[0] == 0:
             return out, 0
         at = np.minimum(np.searchsorted(keys, ids), keys.shape[0] - 1)
         hit = keys[at] == ids
-        out[hit] = rows[at[hit]]
+        out[hit] = self.table.rows_at(dim, at[hit])  # dequantized from a quantized bundle's int8
         return out, int(np.count_nonzero(hit))
 
     async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

@@ -1,6 +1,6 @@
-"""From training to predictions: a run, `hybridrec export`, then `hybridrec serve inference` answers the eval
-file exactly as the exported model does offline — over gRPC and REST, from its own table and from two read-only
-PS shards serving the bundle."""
+"""From training to predictions: a run, `hybridrec export` (float32, and `--quantize int8`), then `hybridrec serve
+inference` answers the eval file exactly as the exported model does offline — over gRPC and REST, from its own
+table and from two read-only PS shards serving the bundle."""
 from __future__ import annotations
 
 import asyncio
@@ -39,13 +39,18 @@ def _served(server: Server, rows: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(grpc_out), np.concatenate(rest_out)
 
 
-@pytest.fixture(scope="module")
-def exported(exported_run, tmp_path_factory):
-    """The shared exported run (tests/integration/conftest.py), its eval rows as a client sends them, and the
-    bundle's own offline predictions of them."""
-    data = exported_run.data
-    offline, _ = predict(exported_run.bundle, [str(data / "eval.tsv")], load_config(exported_run.config))
-    return tmp_path_factory.mktemp("serving-e2e"), exported_run.bundle, _eval_rows(data / "eval.tsv"), offline
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def exported(request, exported_run, tmp_path_factory):
+    """The shared exported run (tests/integration/conftest.py) as a float32 bundle and as an int8 one (`export
+    --quantize int8`), its eval rows as a client sends them, and the bundle's own offline predictions of them."""
+    data, tmp = exported_run.data, tmp_path_factory.mktemp("serving-e2e")
+    bundle = exported_run.bundle
+    if request.param == "int8":
+        bundle = tmp / "int8"
+        subprocess.run(HYBRIDREC + ["export", str(exported_run.run_dir), "--out", str(bundle), "--quantize", "int8"],
+                       cwd=REPO, check=True, capture_output=True, timeout=300)
+    offline, _ = predict(bundle, [str(data / "eval.tsv")], load_config(exported_run.config))
+    return tmp, bundle, _eval_rows(data / "eval.tsv"), offline
 
 
 def test_served_predictions_equal_offline_ones_from_the_in_process_table(exported):

@@ -44,13 +44,14 @@ def _dlrm_config(tmp_path):
     return path
 
 
-@pytest.fixture(scope="module", params=["readme", "dlrm", "din", "multitask"])
+@pytest.fixture(scope="module", params=["readme", "readme_int8", "dlrm", "din", "multitask"])
 def served(request, tmp_path_factory):
     """(bundle, client-side model name, gRPC address, HTTP address) of a running Triton on one model."""
     tmp = tmp_path_factory.mktemp(request.param)
     bundle = tmp / "bundle"
-    if request.param == "readme":
-        make_bundle(bundle, rows_per_feature=VOCABULARY)
+    if request.param in ("readme", "readme_int8"):  # and its tables quantized (export --quantize int8)
+        make_bundle(bundle, rows_per_feature=VOCABULARY,
+                    quantization="int8" if request.param.endswith("int8") else None)
     elif request.param == "dlrm":
         make_config_bundle(bundle, _dlrm_config(tmp), vocabulary=VOCABULARY)
     else:
