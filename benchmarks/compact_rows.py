@@ -3,8 +3,9 @@
 Each layout is `hybridrec run examples/criteo_synth.yaml` with `--set ps.storage=...` and
 `--set optimizer.embedding.name=...`: float32 Adagrad (today's default), and 16-bit weights with row-wise
 Adagrad (fp16 and, with --bf16, bf16). Runs alternate layout by layout (A B A B ...), so that the shared
-machine's drift falls on both alike. Reported per run: eval AUC, samples/s, the PS's store bytes a row; per
-layout the mean and the difference from float32 Adagrad.
+machine's drift falls on both alike. Reported per run: eval AUC, samples/s; per layout the mean and the
+difference from float32 Adagrad. The first float32 run is also exported twice, as float32 and with
+`--quantize int8`, and `hybridrec predict` scores the eval file from each: their AUCs and table bytes.
 
     python benchmarks/compact_rows.py --data data/synth --runs 2 --out results/compact_rows.json
 """
@@ -38,7 +39,31 @@ def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) 
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     result = json.loads(summary.read_text())
     return {"auc": result["auc"], "samples_per_sec": result["samples_per_sec"],
-            "skipped_batches": result["skipped_batches"], "lost_updates": result["lost_updates"]}
+            "skipped_batches": result["skipped_batches"], "lost_updates": result["lost_updates"],
+            "run_dir": str(out / "run")}
+
+
+def exports(run_dir: Path, data: Path, work: Path) -> dict:
+    """The run exported as float32 and as int8: `hybridrec predict`'s eval AUC and the tables' bytes of each."""
+    import numpy as np
+
+    from hybridrec.bundle import read_manifest
+    from hybridrec.evaluation import binary_metrics
+
+    labels = np.loadtxt(data / "eval.tsv", delimiter="\t", usecols=0, dtype=np.float32)
+    out = {}
+    for name, extra in (("float32", []), ("int8", ["--quantize", "int8"])):
+        bundle, scores = work / f"bundle-{name}", work / f"predict-{name}.csv"
+        for args in (["export", str(run_dir), "--out", str(bundle), *extra],
+                     ["predict", str(bundle), str(data / "eval.tsv"), "--out", str(scores)]):
+            subprocess.run([sys.executable, "-m", "hybridrec", *args], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        probs = np.loadtxt(scores, delimiter=",", skiprows=1, dtype=np.float32)
+        files = read_manifest(bundle).files
+        out[name] = {"auc": binary_metrics(labels, probs)["auc"],
+                     "table_bytes": sum(e.bytes for rel, e in files.items() if rel.endswith((".rows.npy", ".scales.npy")))}
+    out["auc_difference"] = round(out["int8"]["auc"] - out["float32"]["auc"], 5)
+    out["tables_smaller"] = round(out["float32"]["table_bytes"] / out["int8"]["table_bytes"], 2)
+    return out
 
 
 def main() -> None:
@@ -53,17 +78,21 @@ def main() -> None:
     extra = [x for s in args.set for x in ("--set", s)]
     work = Path(tempfile.mkdtemp(prefix="compact-rows-", dir="/dev/shm"))
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
+    quantized = None
     try:
-        for _ in range(args.runs):
+        for i in range(args.runs):
             for name in layouts:
                 runs[name].append(run(args.data.resolve(), work, *LAYOUTS[name], extra))
                 print(name, runs[name][-1], flush=True)
+                if quantized is None and name == "fp32 adagrad":
+                    quantized = exports(Path(runs[name][-1]["run_dir"]), args.data.resolve(), work)
+                    print("exports", quantized, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mean = {name: {k: sum(r[k] for r in rs) / len(rs) for k in ("auc", "samples_per_sec")}
             for name, rs in runs.items()}
     base = mean["fp32 adagrad"]
-    result = {"runs": runs, "mean": mean,
+    result = {"runs": runs, "mean": mean, "int8_export": quantized,
               "vs_fp32_adagrad": {name: {"auc_difference": round(m["auc"] - base["auc"], 5),
                                          "samples_per_sec_ratio": round(m["samples_per_sec"] / base["samples_per_sec"], 3)}
                                   for name, m in mean.items()}}
