@@ -228,6 +228,12 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
     needed) is then resolved by a full probe and copied again.
     """
     dim = out.shape[1]
+    if storage != FP32:  # 16-bit rows resolved, then decoded: the float32 loop below stays a plain copy
+        _resolve(ids, perm, lo, hi, slots, index, keys)
+        for j in range(lo, hi):
+            if slots[j] >= 0:
+                _copy_weights(out, perm[j], values, slots[j], dim, storage)
+        return
     _home_entries(ids, perm, lo, hi, slots, index)
     for j in range(lo, hi):
         e = slots[j]
@@ -235,14 +241,14 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
         h = key_hash(key)
         if e >= 0 and e == _entry(h, e & SLOT_MASK):
             s = e & SLOT_MASK
-            _copy_weights(out, perm[j], values, s, dim, storage)
+            _copy_row(out, perm[j], values, s, dim)
             if keys[s] == key:
                 slots[j] = s
                 continue
         s = _find(index, keys, key, h)[0]
         slots[j] = s
         if s >= 0:
-            _copy_weights(out, perm[j], values, s, dim, storage)
+            _copy_row(out, perm[j], values, s, dim)
 
 
 # ---------------------------------------------------------------- LRU list

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
-from services.embedding_ps.row_storage import FP32, decode16, encode16, mix64, uniform
+from services.embedding_ps.row_storage import FP32, decode16_bits, encode16_bits, mix64
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4
 OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
@@ -149,26 +149,62 @@ def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys
                 _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
                 applied += 1
         return applied
+    return _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key, bounded)
+
+
+_BLOCK = 64
+"""Rows a 16-bit store's update gathers, steps and scatters at a time."""
+
+
+@njit(inline="always", error_model="numpy")
+def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key, bounded):
+    """`apply_stripe` on 16-bit weights, a block of rows at a time: their gradient rows and their stored words
+    are first copied to local buffers in a loop that does nothing else, so the cache misses of the block's
+    random rows overlap (stepping each row where it lies left them one after another: 3x slower), then each
+    row is decoded into float32, stepped by `_apply_row`, encoded back with stochastic rounding, and the block's
+    rows are written back."""
+    width = values.shape[1]
     packed = (dim + 1) // 2
-    state = values.shape[1] - packed
+    state = width - packed
+    words = np.empty((_BLOCK, width), np.float32)
+    gbuf = np.empty((_BLOCK, dim), np.float32)
+    at = np.empty(_BLOCK, np.int64)
     scratch = np.empty(dim + state, np.float32)
-    for j in range(lo, hi):
-        s = slots[j]
-        if s < 0:
-            continue
-        row = values[s]
-        halves = row.view(np.uint16)
-        for d in range(dim):
-            scratch[d] = decode16(halves[d], storage)
-        for d in range(state):
-            scratch[dim + d] = row[packed + d]
-        _apply_row(scratch, grads[perm[j]], dim, opt, hp, bounded)
-        base = mix64(keys[s] ^ round_key)
-        for d in range(dim):
-            halves[d] = encode16(scratch[d], uniform(mix64(base + np.uint64(d))), storage)
-        for d in range(state):
-            row[packed + d] = scratch[dim + d]
-        applied += 1
+    scratch_bits = scratch.view(np.uint32)
+    applied = 0
+    j = lo
+    while j < hi:
+        k = 0
+        while j < hi and k < _BLOCK:  # gather
+            s = slots[j]
+            if s >= 0:
+                at[k] = s
+                for d in range(dim):
+                    gbuf[k, d] = grads[perm[j], d]
+                for d in range(width):
+                    words[k, d] = values[s, d]
+                k += 1
+            j += 1
+        for q in range(k):  # step
+            row = words[q]
+            halves = row.view(np.uint16)
+            for d in range(dim):
+                scratch_bits[d] = decode16_bits(halves[d], storage)
+            for d in range(state):
+                scratch[dim + d] = row[packed + d]
+            _apply_row(scratch, gbuf[q], dim, opt, hp, bounded)
+            base = mix64(keys[at[q]] ^ round_key)
+            draws = base
+            for d in range(dim):
+                if d % 4 == 0:  # 64 random bits: 16 for each of four weights
+                    draws = mix64(base + np.uint64(d))
+                halves[d] = encode16_bits(scratch_bits[d], scratch[d], draws >> np.uint64(16 * (d % 4)), storage)
+            for d in range(state):
+                row[packed + d] = scratch[dim + d]
+        for q in range(k):  # scatter
+            for d in range(width):
+                values[at[q], d] = words[q, d]
+        applied += k
     return applied
 
 

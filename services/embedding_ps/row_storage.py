@@ -98,6 +98,48 @@ def encode16(x, u, storage):
 
 
 @njit(inline="always", error_model="numpy")
+def decode16_bits(h, storage):
+    """The float32 bit pattern (uint32) of 16-bit pattern `h` of `storage`: the update's decoding, bit
+    operations only (fp16 subnormals, rare in a trained table, through `decode16`)."""
+    h32 = np.uint32(h)
+    if storage != FP16:
+        return h32 << np.uint32(16)
+    sign = (h32 & np.uint32(0x8000)) << np.uint32(16)
+    e = (h32 >> np.uint32(10)) & np.uint32(31)
+    if e == 0 or e == 31:
+        return _float_bits_slow(decode16(h, storage))
+    return sign | (((h32 & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(112 << 23))
+
+
+@njit(inline="always", error_model="numpy")
+def _float_bits_slow(x):
+    """The bit pattern of float32 x, through a one-element array (numba has no scalar bit cast)."""
+    box = np.empty(1, np.float32)
+    box[0] = x
+    return box.view(np.uint32)[0]
+
+
+@njit(inline="always", error_model="numpy")
+def encode16_bits(bits, x, random16, storage):
+    """float32 `x` (its bit pattern `bits`) as a 16-bit pattern of `storage`, rounded at random with 16 random
+    bits: the bits float32 has past the format's mantissa get `random16`'s low ones added before they are
+    dropped, which rounds up with probability exactly their value, in ulps (13 bits for fp16, 16 for bf16).
+    fp16's subnormal range and overflow go through `encode16` (saturating)."""
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    if storage != FP16:
+        if magnitude >= np.uint32(0x7F800000):  # inf / NaN: encode16 saturates or keeps NaN
+            return encode16(x, 0.5, storage)
+        rounded = (magnitude + (np.uint32(random16) & np.uint32(0xFFFF))) >> np.uint32(16)
+        return np.uint16(sign | (rounded if rounded < np.uint32(0x7F80) else np.uint32(0x7F7F)))
+    e = magnitude >> np.uint32(23)
+    if e < np.uint32(113) or e > np.uint32(142):  # below fp16's normals, or past its range
+        return encode16(x, np.float64(np.uint32(random16) & np.uint32(0xFFFF)) * (1.0 / 65536.0), storage)
+    rounded = ((magnitude + (np.uint32(random16) & np.uint32(0x1FFF))) >> np.uint32(13)) - np.uint32(112 << 10)
+    return np.uint16(sign | (rounded if rounded <= np.uint32(0x7BFF) else np.uint32(0x7BFF)))
+
+
+@njit(inline="always", error_model="numpy")
 def mix64(z):
     """splitmix64's finalizer: the rounding's random bits from (key, update count, position)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

@@ -290,7 +290,8 @@ class EmbeddingPSServicer:
                            f"dim{dim}_evictions_total": st["evictions"],
                            f"dim{dim}_admission_drops_total": st["admission_drops"],
                            f"dim{dim}_missing_updates_total": st["missing_updates"],
-                           f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"]})
+                           f"dim{dim}_shm_bytes": st["shm_bytes"], f"dim{dim}_sketch_bytes": st["sketch_bytes"],
+                           f"dim{dim}_row_bytes": st["row_bytes"]})
             if st["tier"] is not None:  # the disk tier (ps.tier)
                 t = st["tier"]
                 values.update({f"dim{dim}_disk_rows": t["rows"], f"dim{dim}_disk_bytes": t["bytes"],

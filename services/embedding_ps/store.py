@@ -671,6 +671,7 @@ class EmbeddingStore(L.StoreLifecycle):
         return {
             "rows": int(rows[K.F_USED]), "capacity": self.config.capacity, "dim": self.config.dim,
             "state_width": O.state_width(self.config.optimizer, self.config.dim),
+            "row_bytes": 4 * self.config.row_width, "storage": str(self.config.ps.storage),
             "optimizer": self.config.optimizer.name.value, "num_stripes": self.config.num_stripes,
             "evictions": int(rows[K.F_EVICTIONS]), "inserts": int(rows[K.F_INSERTS]),
             "admission_drops": int(rows[K.F_ADMISSION_DROPS]), "missing_updates": int(rows[K.F_MISSING_UPDATES]),

@@ -204,7 +204,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         compute_cpu_s=totals["compute_cpu_s"], eval_samples=int(labels.shape[0]), **first, tasks=tasks,
         oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
-        publish=PublishSummary(**publish) if publish is not None else None,
+        publish=PublishSummary(**publish) if publish is not None else None, ps_storage=str(config.ps.storage),
         **_progressive(progressive),
         **recovered,
     )
