@@ -34,6 +34,7 @@ def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) 
     subprocess.run([sys.executable, "-m", "hybridrec", "run", str(REPO / "examples" / "criteo_synth.yaml"),
                     "--run-dir", str(out / "run"), "--summary-json", str(summary),
                     "--set", f"data.train=[{data / 'train.tsv'}]", "--set", f"data.eval=[{data / 'eval.tsv'}]",
+                    "--set", f"data.oracle={data / 'oracle.json'}",
                     "--set", f"ps.storage={storage}", "--set", f"optimizer.embedding.name={optimizer}",
                     "--set", f"ps.shm_dir={work / 'shm'}", *extra],
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
