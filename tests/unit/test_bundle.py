@@ -7,17 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import (BundleError, BundleManifest, BundleWriter, load_dense, open_bundle, read_manifest,
-                              table_files)
+from hybridrec.bundle import (BundleError, BundleManifest, BundleWriter, load_dense, open_bundle, quantize_rows,
+                              read_manifest, table_files)
 from hybridrec.config import FeatureConfig, ModelConfig
 from hybridrec.sharding import shard_of
 
 FEATURES = [FeatureConfig(name="C1", group=0, dim=8), FeatureConfig(name="C2", group=1, dim=4)]
 
 
-def _write(path, num_shards=2, rows_per_dim=1000, seed=0):
+def _write(path, num_shards=2, rows_per_dim=1000, seed=0, quantization=None):
+    """A bundle (`quantization` "int8": of int8 tables) and, per width, {key: the float32 row written}."""
+    from hybridrec.bundle import FORMAT_VERSION, QUANTIZED_FORMAT_VERSION
+
     rng = np.random.default_rng(seed)
-    manifest = BundleManifest(features=FEATURES, num_dense=3, model=ModelConfig(), num_shards=num_shards, step=7)
+    manifest = BundleManifest(features=FEATURES, num_dense=3, model=ModelConfig(), num_shards=num_shards, step=7,
+                              quantization=quantization,
+                              format_version=QUANTIZED_FORMAT_VERSION if quantization else FORMAT_VERSION)
     writer = BundleWriter(path, manifest)
     writer.add_dense({"w": torch.arange(6.0).reshape(2, 3)})
     truth = {}
@@ -77,51 +82,31 @@ def test_an_aborted_writer_leaves_no_bundle(tmp_path):
         _write(tmp_path / "c")
 
 
-def _write_quantized(path, num_shards=2, rows_per_dim=2000, seed=3):
-    """A bundle of int8 tables and the float32 rows they were quantized from."""
-    from hybridrec.bundle import QUANTIZED_FORMAT_VERSION
-
-    rng = np.random.default_rng(seed)
-    manifest = BundleManifest(features=FEATURES, num_dense=3, model=ModelConfig(), num_shards=num_shards,
-                              quantization="int8", format_version=QUANTIZED_FORMAT_VERSION)
-    writer = BundleWriter(path, manifest)
-    writer.add_dense({"w": torch.zeros(2)})
-    truth = {}
-    for dim in (8, 4):
-        keys = rng.choice(1 << 40, size=rows_per_dim, replace=False).astype(np.uint64)
-        rows = (rng.standard_normal((rows_per_dim, dim)) * rng.uniform(1e-3, 2.0, (rows_per_dim, 1))).astype(np.float32)
-        rows[:3] = 0.0
-        truth[dim] = (keys, rows)
-        owner = shard_of(keys, num_shards)
-        for shard in range(num_shards):
-            writer.add_table(shard, dim, keys[owner == shard], rows[owner == shard])
-    writer.commit()
-    return truth
-
-
 def test_an_int8_bundle_serves_each_row_within_half_a_step_in_dim_plus_2_bytes(tmp_path):
     from hybridrec.bundle import ShardTable, scales_file
 
-    truth = _write_quantized(tmp_path / "q")
+    truth = _write(tmp_path / "q", rows_per_dim=2000, seed=3, quantization="int8")
     manifest, table = open_bundle(tmp_path / "q")
     assert manifest.quantization == "int8" and manifest.format_version == 2
-    for dim, (keys, rows) in truth.items():
+    shards = [ShardTable(tmp_path / "q", manifest, s) for s in range(2)]
+    for dim, by_key in truth.items():
+        keys, rows = np.array(list(by_key), np.uint64), np.stack(list(by_key.values()))
         got = table.lookup(dim, np.concatenate([keys, [1 << 41]]).astype(np.uint64))
         step = np.abs(rows).max(axis=1, keepdims=True) / 127
-        assert (np.abs(got[:-1] - rows) <= step * 0.5 * (1 + 2 ** -10) + 1e-12).all()
-        assert not got[-1].any() and not got[:3].any()
-        shards = [ShardTable(tmp_path / "q", manifest, s) for s in range(2)]
-        for shard in shards:  # the numpy path (read-only PS shards) answers the compiled one's rows
-            mine = keys[shard_of(keys, 2) == shards.index(shard)]
+        assert (np.abs(got[:-1] - rows) <= step * 0.5 * (1 + 2 ** -10) + 1e-12).all() and not got[-1].any()
+        for s, shard in enumerate(shards):  # the numpy path (read-only PS shards) answers the compiled one's rows
+            mine = keys[shard_of(keys, 2) == s]
             np.testing.assert_array_equal(shard.lookup(dim, mine), table.lookup(dim, mine))
     files = manifest.files
     int8 = sum(files[r].bytes for s in range(2) for r in (table_files(s, 2, 8)[1], scales_file(s, 2, 8)))
     assert 2000 * (8 + 2) <= int8 <= 2000 * (8 + 2) + 4 * 128  # (dim + 2) bytes a row, .npy headers aside:
     # 18 instead of 64 at width 16 (3.56x), 10 instead of 32 here
+    zeros = _write(tmp_path / "z", rows_per_dim=10, quantization="int8")  # a row of zeros: scale 0, read as zeros
+    assert zeros and not quantize_rows(np.zeros((2, 4), np.float32))[1].any()
 
 
 def test_an_int8_bundle_is_refused_by_version_where_it_cannot_be_read(tmp_path):
-    _write_quantized(tmp_path / "q")
+    _write(tmp_path / "q", quantization="int8")
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
     manifest["format_version"] = 1  # as a build before quantized tables would have to read it
     (tmp_path / "q" / "manifest.json").write_text(json.dumps(manifest))
