@@ -386,6 +386,8 @@ class RunSummary(BaseModel):
     ps_rows: int | None = None
     """Embedding rows the PS shards held at the end of the run (every shard and width); None when a shard
     did not answer."""
+    ps_storage: str = "fp32"
+    """How the PS stores held the weights (ps.storage: fp32, or 16-bit fp16 / bf16)."""
     progressive_auc: float | None = None
     """Progressive validation: AUC of the last `progressive_samples` training samples' predictions, each made
     before the step that trained on it (every rank's window; `training.progressive_window`). The online

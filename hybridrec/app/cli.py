@@ -247,7 +247,8 @@ def _print_summary(summary: RunSummary) -> None:
     if summary.batches_recovered or summary.updates_deduplicated:  # an embedding worker or PS restarted
         rows.insert(-2, ("recovered batches / deduplicated updates",
                          f"{fmt_int(summary.batches_recovered)} / {fmt_int(summary.updates_deduplicated)}"))
-    rows.insert(-2, ("PS rows held at the end", fmt_int(summary.ps_rows)))
+    held = fmt_int(summary.ps_rows) + (f" ({summary.ps_storage} weights)" if summary.ps_storage != "fp32" else "")
+    rows.insert(-2, ("PS rows held at the end", held))
     for loss in summary.store_losses or []:  # a PS shard came back without its store: say what it cost
         rows.insert(-2, (f"[bold {'yellow' if loss.from_replica and not loss.lost else 'red'}]PS shard "
                          f"{loss.shard} lost its store[/]", loss.describe()))
