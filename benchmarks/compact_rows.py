@@ -39,9 +39,9 @@ def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) 
                     "--set", f"ps.shm_dir={work / 'shm'}", *extra],
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     result = json.loads(summary.read_text())
-    return {"auc": result["auc"], "samples_per_sec": result["samples_per_sec"],
+    return {"auc": result["auc"], "oracle_auc": result.get("oracle_auc"), "samples_per_sec": result["samples_per_sec"],
             "skipped_batches": result["skipped_batches"], "lost_updates": result["lost_updates"],
-            "run_dir": str(out / "run")}
+            "ps_rows": result.get("ps_rows"), "ps_storage": result.get("ps_storage"), "run_dir": str(out / "run")}
 
 
 def exports(run_dir: Path, data: Path, work: Path) -> dict:
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="also bf16 weights")
     parser.add_argument("--set", action="append", default=[], help="more --set for every run")
+    parser.add_argument("--no-export", action="store_true", help="skip the float32 / int8 exports")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     layouts = [name for name in LAYOUTS if args.bf16 or not name.startswith("bf16")]
@@ -85,7 +86,7 @@ def main() -> None:
             for name in layouts:
                 runs[name].append(run(args.data.resolve(), work, *LAYOUTS[name], extra))
                 print(name, runs[name][-1], flush=True)
-                if quantized is None and name == "fp32 adagrad":
+                if quantized is None and name == "fp32 adagrad" and not args.no_export:
                     quantized = exports(Path(runs[name][-1]["run_dir"]), args.data.resolve(), work)
                     print("exports", quantized, flush=True)
     finally:

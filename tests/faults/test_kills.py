@@ -162,6 +162,21 @@ def test_a_ps_over_a_disk_tier_killed_mid_run_reopens_both_tiers_and_loses_nothi
     assert len(created) == 1, created  # created once (not a warm-up's scratch tier); the restart reopened it
 
 
+def test_a_ps_of_compact_rows_killed_mid_run_reattaches_them_and_learns_as_float32_adagrad(fault_config,
+                                                                                          undisturbed, tmp_path):
+    """ps.storage fp16 with row-wise Adagrad (36 bytes a row of width 16): a PS killed with SIGKILL re-attaches
+    its 16-bit store (header checked, dirty stripes rebuilt) and serves again; nothing skipped or lost, and the
+    run learns as the undisturbed float32 Adagrad one did."""
+    result = _run(fault_config, tmp_path / "run", kill="embedding_ps",
+                  args=("--set", "ps.storage=fp16", "--set", "optimizer.embedding.name=rowwise_adagrad"))
+    (recovery,) = result["recoveries"]
+    assert (recovery["service"], recovery["exit_code"], recovery["action"]) == ("embedding_ps", -9, "restart")
+    assert result["ps_storage"] == "fp16" and "fp16 weights" in result["printed"]
+    assert result["skipped_batches"] == 0 and result["lost_updates"] == 0, result
+    assert result["samples"] == undisturbed["samples"]
+    assert abs(result["auc"] - undisturbed["auc"]) <= 0.005, (result["auc"], undisturbed["auc"])
+
+
 def test_a_receiver_killed_mid_run_is_replaced_and_loses_nothing(fault_config, undisturbed, tmp_path):
     """`training.receiver`: rank 0's receiver process SIGKILLed mid-run. The NN worker starts another and sends it
     every call the dead one had not answered (lookups and pushes are both safe to repeat): the NN worker itself
