@@ -38,11 +38,9 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import numpy as np
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridrec.config import FeatureConfig, ModelConfig
@@ -402,7 +400,7 @@ class EmbeddingTable:
     def __init__(self, shards: list[ShardTable]):
         from hybridrec import table_lookup
 
-        quantized = any(v is not None for s in shards for v in getattr(s, "scales", {}).values())
+        quantized = any(v is not None for s in shards for v in s.scales.values())
         table_lookup.warm_up(quantized)  # its kernel compiled (or loaded from numba's cache) now, not at the first lookup
         self.shards = shards
         # width -> every shard's keys, rows and scales (None: float32 rows)
@@ -415,7 +413,7 @@ class EmbeddingTable:
 
         arrays = self._arrays.get(dim)
         if arrays is None:
-            scales = [getattr(s, "scales", {}).get(dim) for s in self.shards]
+            scales = [s.scales[dim] for s in self.shards]
             arrays = self._arrays[dim] = ([s.keys[dim] for s in self.shards], [s.rows[dim] for s in self.shards],
                                           None if any(x is None for x in scales) else scales)
         ids = np.ascontiguousarray(ids, dtype=np.uint64)

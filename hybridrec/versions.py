@@ -244,7 +244,7 @@ def merge_tables(base: EmbeddingTable, delta: EmbeddingTable, widths: list[int])
     """A new table: `base` with every row of `delta` replaced or added, shard by shard. `base` is unchanged."""
     if len(base.shards) != len(delta.shards):
         raise BundleError(f"a delta of {len(delta.shards)} shards cannot apply to a table of {len(base.shards)}")
-    if any(v is not None for s in (*base.shards, *delta.shards) for v in getattr(s, "scales", {}).values()):
+    if any(v is not None for s in (*base.shards, *delta.shards) for v in s.scales.values()):
         raise BundleError("a quantized table is served whole: versions a training job publishes are float32")
     shards = []
     for old, new in zip(base.shards, delta.shards):

@@ -23,11 +23,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig, PSConfig
+from hybridrec.config import (Config, ConfigError, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig,
+                              PSConfig, WeightStorage)
 from services.embedding_ps.checkpoint import dump_memory_bytes, row_bytes
 from services.embedding_ps.kernels import MAX_STRIPE_ROWS
 from services.embedding_ps.optimizers import state_width
-from services.embedding_ps.row_storage import weight_words
+from services.embedding_ps.row_storage import STORAGE_CODES, weight_words
 from services.embedding_ps.store import PRIVATE_BYTES_PER_SLOT
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 from services.embedding_ps.tier import planned_bytes as planned_disk_bytes
@@ -164,8 +165,8 @@ def _fewest_shards(tables: list[Table], optimizer: str, host_bytes: int, per_hos
                    **options) -> tuple[int, dict]:
     """The fewest shards (from `first` on) of which `per_host` fit in `host_bytes`, and their plan."""
     spec = EmbeddingOptimizerConfig(name=optimizer)
-    packed = weight_words if options.get("storage", "fp32") != "fp32" else (lambda dim, _: dim)
-    values = sum(t.ids * (packed(t.dim, 1) + state_width(spec, t.dim)) * 4 for t in tables)
+    storage = STORAGE_CODES[WeightStorage(options.get("storage", "fp32"))]
+    values = sum(t.ids * (weight_words(t.dim, storage) + state_width(spec, t.dim)) * 4 for t in tables)
     budget = host_bytes // per_host
     shards = max(first, math.ceil(values / budget))  # values and state alone: a lower bound
     while True:

@@ -445,10 +445,8 @@ def table_row_width(table: dict) -> int:
     return R.weight_words(table["dim"], storage_of(table)) + table["state_width"]
 
 
-def _layout_name(table_or_store: dict | StoreConfig) -> str:
-    if isinstance(table_or_store, StoreConfig):
-        return f"{table_or_store.optimizer.name} rows of {table_or_store.ps.storage} weights"
-    return f"{table_or_store['optimizer']['name']} rows of {table_or_store.get('storage', 'fp32')} weights"
+def _layout_name(optimizer: str, storage: str) -> str:
+    return f"{optimizer} rows of {storage} weights"
 
 
 def _converted(values: np.ndarray, table: dict, config: StoreConfig) -> np.ndarray:
@@ -487,8 +485,8 @@ def _check_chain(chain: list[tuple[Path, dict]], store_by_dim: dict[int, Embeddi
             names = (table["optimizer"]["name"], str(spec.name))
             same_state = names[0] == names[1] and table["state_width"] == want_state
             if table["dim"] != dim or not (same_state or names in CONVERTIBLE_STATES):
-                raise ValueError(f"{path} dim {dim}: checkpoint holds {_layout_name(table)} (state of width "
-                                 f"{table['state_width']}), the store {_layout_name(store.config)} ({want_state}); "
+                raise ValueError(f"{path} dim {dim}: checkpoint holds {_layout_name(names[0], table.get('storage', 'fp32'))} (state of width "
+                                 f"{table['state_width']}), the store {_layout_name(names[1], str(store.config.ps.storage))} ({want_state}); "
                                  "no conversion between these optimizers (optimizer.embedding.name)")
             if table["optimizer"] != spec.model_dump(mode="json"):
                 _log.warning("checkpoint optimizer hyper-parameters differ; using the configured ones",

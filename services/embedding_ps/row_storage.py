@@ -147,12 +147,6 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-@njit(inline="always", error_model="numpy")
-def uniform(z):
-    """A float64 in [0, 1) from the top 24 bits of z (as many as the rounding can use)."""
-    return np.float64(z >> np.uint64(40)) * (1.0 / 16777216.0)
-
-
 # ---------------------------------------------------------------- numpy: checkpoints, export, peek
 def decode_weights(rows: np.ndarray, dim: int, storage: int) -> np.ndarray:
     """The float32 weights (n, dim) of rows (n, row_width float32 words) of a store of `storage`."""

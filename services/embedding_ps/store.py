@@ -396,7 +396,7 @@ class EmbeddingStore(L.StoreLifecycle):
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
-            round_key = self._round_key_of(hdr)
+            round_key = self._round_key_of(hdr) if storage != R.FP32 else np.uint64(0)  # fp32 rounds nothing
             applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, keys, round_key)
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
