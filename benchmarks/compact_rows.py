@@ -26,8 +26,9 @@ LAYOUTS = {"fp32 adagrad": ("fp32", "adagrad"), "fp16 rowwise_adagrad": ("fp16",
            "bf16 rowwise_adagrad": ("bf16", "rowwise_adagrad")}
 
 
-def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) -> dict:
-    """One training run of the README example with this layout; its summary's figures."""
+def run(data: Path, work: Path, shm: Path, storage: str, optimizer: str, extra: list[str]) -> dict:
+    """One training run of the README example with this layout (run directory and checkpoints under `work`,
+    the PS stores under `shm`); its summary's figures."""
     out = work / f"{storage}-{optimizer}"
     shutil.rmtree(out, ignore_errors=True)
     summary = out / "summary.json"
@@ -36,7 +37,7 @@ def run(data: Path, work: Path, storage: str, optimizer: str, extra: list[str]) 
                     "--set", f"data.train=[{data / 'train.tsv'}]", "--set", f"data.eval=[{data / 'eval.tsv'}]",
                     "--set", f"data.oracle={data / 'oracle.json'}",
                     "--set", f"ps.storage={storage}", "--set", f"optimizer.embedding.name={optimizer}",
-                    "--set", f"ps.shm_dir={work / 'shm'}", *extra],
+                    "--set", f"ps.shm_dir={shm}", *extra],
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     result = json.loads(summary.read_text())
     return {"auc": result["auc"], "oracle_auc": result.get("oracle_auc"), "samples_per_sec": result["samples_per_sec"],
@@ -74,23 +75,29 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="also bf16 weights")
     parser.add_argument("--set", action="append", default=[], help="more --set for every run")
     parser.add_argument("--no-export", action="store_true", help="skip the float32 / int8 exports")
+    parser.add_argument("--work", type=Path, default=Path("/dev/shm"),
+                        help="where the runs' directories and checkpoints go (a disk for large tables: a 100M-row "
+                             "table's checkpoints do not fit in memory beside its store)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     layouts = [name for name in LAYOUTS if args.bf16 or not name.startswith("bf16")]
     extra = [x for s in args.set for x in ("--set", s)]
-    work = Path(tempfile.mkdtemp(prefix="compact-rows-", dir="/dev/shm"))
+    work = Path(tempfile.mkdtemp(prefix="compact-rows-", dir=args.work))
+    shm = Path(tempfile.mkdtemp(prefix="compact-rows-shm-", dir="/dev/shm"))
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
     quantized = None
     try:
         for i in range(args.runs):
             for name in layouts:
-                runs[name].append(run(args.data.resolve(), work, *LAYOUTS[name], extra))
+                runs[name].append(run(args.data.resolve(), work, shm, *LAYOUTS[name], extra))
                 print(name, runs[name][-1], flush=True)
                 if quantized is None and name == "fp32 adagrad" and not args.no_export:
                     quantized = exports(Path(runs[name][-1]["run_dir"]), args.data.resolve(), work)
                     print("exports", quantized, flush=True)
+                shutil.rmtree(Path(runs[name][-1]["run_dir"]) / "checkpoints", ignore_errors=True)  # disk, for 100M rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     mean = {name: {k: sum(r[k] for r in rs) / len(rs) for k in ("auc", "samples_per_sec")}
             for name, rs in runs.items()}
     base = mean["fp32 adagrad"]

@@ -152,19 +152,21 @@ def fill(store: EmbeddingStore, rows: int, batch: int = 1 << 20) -> float:
     return time.perf_counter() - started
 
 
-def job_config(rows: int, dim: int, stripes: int, shm: Path, address: str) -> Config:
+def job_config(rows: int, dim: int, stripes: int, shm: Path, address: str, storage: str = "fp32",
+               optimizer: str = "adagrad") -> Config:
     """A one-shard job whose PS store of width `dim` holds `rows` rows: the store this benchmark fills is the
     one `hybridrec serve embedding_ps` opens with it."""
     capacity = int(rows * 1.02) + 64 * stripes  # stripes are not even: room for every row in each
     return Config.model_validate({
         "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": dim}],
-        "optimizer": {"embedding": {"name": "adagrad", "lr": 0.05}}, "training": {"seed": 1},
-        "ps": {"capacity": capacity, "num_stripes": stripes, "shm_dir": str(shm)},
+        "optimizer": {"embedding": {"name": optimizer, "lr": 0.05}}, "training": {"seed": 1},
+        "ps": {"capacity": capacity, "num_stripes": stripes, "shm_dir": str(shm), "storage": storage},
         "cluster": {"ps": [address], "bind_host": "127.0.0.1"}})
 
 
-def store_config(rows: int, dim: int, stripes: int) -> StoreConfig:
-    return StoreConfig.from_config(job_config(rows, dim, stripes, Path("/unused"), "127.0.0.1:1"), dim)
+def store_config(rows: int, dim: int, stripes: int, storage: str = "fp32", optimizer: str = "adagrad") -> StoreConfig:
+    return StoreConfig.from_config(job_config(rows, dim, stripes, Path("/unused"), "127.0.0.1:1", storage,
+                                              optimizer), dim)
 
 
 def serving_after(start, address: str, ids: dict[int, np.ndarray], log: Path,
@@ -221,10 +223,12 @@ def ps_restart(config: Config, work: Path, dim: int, rows: int) -> dict:
 
 
 def measure(rows: int, args, shm: Path, ckpt: Path) -> dict:
-    job = job_config(rows, args.dim, args.stripes, shm / f"rows{rows}", f"127.0.0.1:{free_port()}")
+    job = job_config(rows, args.dim, args.stripes, shm / f"rows{rows}", f"127.0.0.1:{free_port()}", args.storage,
+                     args.optimizer)
     config = StoreConfig.from_config(job, args.dim)
     (store,) = open_stores_in(shard_dir(job, 0), job).values()  # where the PS finds it
     out: dict = {"rows": rows, "dim": args.dim, "stripes": args.stripes, "capacity": config.capacity,
+                 "storage": args.storage, "optimizer": args.optimizer,
                  "row_bytes": row_bytes(store.config), "store_shm_bytes": store.shm_bytes,
                  "chunk_bytes": args.chunk_bytes,
                  "bound_bytes": dump_memory_bytes(store.config, args.chunk_bytes)}
@@ -398,6 +402,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000, 100_000_000])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--stripes", type=int, default=16)
+    parser.add_argument("--storage", default="fp32", choices=["fp32", "fp16", "bf16"], help="ps.storage of the store")
+    parser.add_argument("--optimizer", default="adagrad", help="the embedding optimizer (rowwise_adagrad: one "
+                        "accumulator a row)")
     parser.add_argument("--unique", type=int, default=72_000, help="distinct IDs per training batch")
     parser.add_argument("--steps-per-s", type=float, default=10.0,
                         help="the training thread's pace (10: about 40k samples/s of 4096-sample batches; 0: flat out)")
@@ -426,7 +433,8 @@ def main() -> int:
     shm = Path(tempfile.mkdtemp(prefix="hybridrec-scale-", dir=args.shm_dir))
     ckpt = Path(tempfile.mkdtemp(prefix="hybridrec-scale-", dir=args.ckpt_dir))
     try:
-        with EmbeddingStore.open(shm / "warm", store_config(1000, args.dim, 2)) as warm:
+        with EmbeddingStore.open(shm / "warm", store_config(1000, args.dim, 2, args.storage,
+                                                            args.optimizer)) as warm:
             train = Trainer(warm, 1000, 100, seed=0, steps_per_s=0)
             train.step()  # the kernels compiled before anything is measured: a step, a dump, a restore
             dump_shard({args.dim: warm}, ckpt / "warm", shard=0, num_shards=1, step=0)

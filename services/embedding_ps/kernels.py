@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import njit, types
 
-from services.embedding_ps.row_storage import FP32, decode16, encode16
+from services.embedding_ps.row_storage import FP32, decode_row16, encode16
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
@@ -228,12 +228,22 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
     needed) is then resolved by a full probe and copied again.
     """
     dim = out.shape[1]
-    if storage != FP32:  # 16-bit rows resolved, then decoded: the float32 loop below stays a plain copy
-        _resolve(ids, perm, lo, hi, slots, index, keys)
-        for j in range(lo, hi):
-            if slots[j] >= 0:
-                _copy_weights(out, perm[j], values, slots[j], dim, storage)
+    if storage == FP32:
+        _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, dim, perm, 0)
         return
+    # 16-bit rows: their words copied as they are resolved (the same overlapped misses as a float32 row's), to
+    # a buffer in batch order, then decoded from it (decoding where a row lies left its misses one by one)
+    words = np.empty((hi - lo, (dim + 1) // 2), np.float32)
+    at = np.arange(hi - lo)
+    _resolve_and_copy_rows(ids, perm, lo, hi, slots, words, index, keys, values, words.shape[1], at, lo)
+    for j in range(lo, hi):
+        if slots[j] >= 0:
+            decode_row16(words[j - lo].view(np.uint16), out[perm[j]].view(np.uint32), dim, storage)
+
+
+@njit(inline="always", error_model="numpy")
+def _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, width, dst, shift):
+    """`_resolve_and_copy`'s loop: out[dst[j - shift], :width] = values[slot of ids[perm[j]], :width]."""
     _home_entries(ids, perm, lo, hi, slots, index)
     for j in range(lo, hi):
         e = slots[j]
@@ -241,14 +251,14 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
         h = key_hash(key)
         if e >= 0 and e == _entry(h, e & SLOT_MASK):
             s = e & SLOT_MASK
-            _copy_row(out, perm[j], values, s, dim)
+            _copy_row(out, dst[j - shift], values, s, width)
             if keys[s] == key:
                 slots[j] = s
                 continue
         s = _find(index, keys, key, h)[0]
         slots[j] = s
         if s >= 0:
-            _copy_row(out, perm[j], values, s, dim)
+            _copy_row(out, dst[j - shift], values, s, width)
 
 
 # ---------------------------------------------------------------- LRU list
@@ -299,9 +309,7 @@ def _copy_weights(dst, i, src, s, dim, storage):
     if storage == FP32:
         _copy_row(dst, i, src, s, dim)
     else:
-        halves = src[s].view(np.uint16)
-        for d in range(dim):
-            dst[i, d] = decode16(halves[d], storage)
+        decode_row16(src[s].view(np.uint16), dst[i].view(np.uint32), dim, storage)
 
 
 @njit(inline="always", error_model="numpy")

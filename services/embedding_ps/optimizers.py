@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
-from services.embedding_ps.row_storage import FP32, decode16_bits, encode16_bits, mix64
+from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4
 OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
@@ -131,14 +131,14 @@ def _apply_row(row, g_row, dim, opt, hp, bounded):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key):
+def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key):
     """One step on row slots[j] with gradient grads[perm[j]], for j in [lo, hi) with a slot; returns rows applied.
 
     `dim` is passed in rather than read from grads.shape, and the numpy error
     model (no ZeroDivisionError checks) is used: either one kept LLVM from
     vectorising the per-row loops (measured 6x slower).
     A store of 16-bit weights (`storage` not FP32) has them decoded into a float32 row, stepped there, and
-    written back rounded at random from (round_key, keys[slot], position): see row_storage.py.
+    written back rounded at random from (round_key, the row's key ids[perm[j]], position): see row_storage.py.
     """
     bounded = not np.isnan(hp[HP_BOUND])
     applied = 0
@@ -149,7 +149,7 @@ def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys
                 _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
                 applied += 1
         return applied
-    return _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key, bounded)
+    return _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key, bounded)
 
 
 _BLOCK = 64
@@ -157,20 +157,24 @@ _BLOCK = 64
 
 
 @njit(inline="always", error_model="numpy")
-def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, keys, round_key, bounded):
-    """`apply_stripe` on 16-bit weights, a block of rows at a time: their gradient rows and their stored words
-    are first copied to local buffers in a loop that does nothing else, so the cache misses of the block's
-    random rows overlap (stepping each row where it lies left them one after another: 3x slower), then each
-    row is decoded into float32, stepped by `_apply_row`, encoded back with stochastic rounding, and the block's
-    rows are written back."""
+def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key, bounded):
+    """`apply_stripe` on 16-bit weights, a block of rows at a time: their gradient rows, their stored words and
+    their keys (the IDs of the batch, not the store's key array: one cache miss less a row) are first copied
+    to local buffers in a loop that does nothing else, so the cache misses of the block's random rows overlap
+    (stepping each row where it lies left them one after another: 3x slower), then each row is decoded into
+    float32 (`decode_row16`), stepped by `_apply_row`, encoded back with stochastic rounding (`encode_row16`),
+    and the block's rows are written back."""
     width = values.shape[1]
     packed = (dim + 1) // 2
     state = width - packed
     words = np.empty((_BLOCK, width), np.float32)
     gbuf = np.empty((_BLOCK, dim), np.float32)
     at = np.empty(_BLOCK, np.int64)
+    kbuf = np.empty(_BLOCK, np.uint64)
     scratch = np.empty(dim + state, np.float32)
     scratch_bits = scratch.view(np.uint32)
+    draws = np.empty((dim + 3) // 4, np.uint64)
+    random16 = draws.view(np.uint16)  # 16 random bits a weight: four from each 64-bit draw (little-endian)
     applied = 0
     j = lo
     while j < hi:
@@ -179,6 +183,7 @@ def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ke
             s = slots[j]
             if s >= 0:
                 at[k] = s
+                kbuf[k] = ids[perm[j]]
                 for d in range(dim):
                     gbuf[k, d] = grads[perm[j], d]
                 for d in range(width):
@@ -188,17 +193,14 @@ def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ke
         for q in range(k):  # step
             row = words[q]
             halves = row.view(np.uint16)
-            for d in range(dim):
-                scratch_bits[d] = decode16_bits(halves[d], storage)
+            decode_row16(halves, scratch_bits, dim, storage)
             for d in range(state):
                 scratch[dim + d] = row[packed + d]
             _apply_row(scratch, gbuf[q], dim, opt, hp, bounded)
-            base = mix64(keys[at[q]] ^ round_key)
-            draws = base
-            for d in range(dim):
-                if d % 4 == 0:  # 64 random bits: 16 for each of four weights
-                    draws = mix64(base + np.uint64(d))
-                halves[d] = encode16_bits(scratch_bits[d], scratch[d], draws >> np.uint64(16 * (d % 4)), storage)
+            base = mix64(kbuf[q] ^ round_key)
+            for i in range(draws.size):
+                draws[i] = mix64(base + np.uint64(4 * i))
+            encode_row16(scratch_bits, scratch, random16, halves, dim, storage)
             for d in range(state):
                 row[packed + d] = scratch[dim + d]
         for q in range(k):  # scatter

@@ -140,6 +140,51 @@ def encode16_bits(bits, x, random16, storage):
 
 
 @njit(inline="always", error_model="numpy")
+def decode_row16(halves, bits, dim, storage):
+    """bits[:dim] = the float32 bit patterns of 16-bit weights halves[:dim]. One pass without branches (which
+    LLVM vectorises) when every weight is an fp16 normal, as a trained row's are; element by element through
+    `decode16_bits` when one is not (zero, subnormal, inf/NaN): the same patterns either way."""
+    if storage != FP16:
+        for d in range(dim):
+            bits[d] = np.uint32(halves[d]) << np.uint32(16)
+        return
+    odd = np.uint32(0)
+    for d in range(dim):
+        h = np.uint32(halves[d])
+        e = (h >> np.uint32(10)) & np.uint32(31)
+        odd |= np.uint32(e - np.uint32(1) >= np.uint32(30))  # e == 0 wraps past 30
+        bits[d] = ((h & np.uint32(0x8000)) << np.uint32(16)) | (((h & np.uint32(0x7FFF)) << np.uint32(13))
+                                                                 + np.uint32(112 << 23))
+    if odd:
+        for d in range(dim):
+            bits[d] = decode16_bits(halves[d], storage)
+
+
+@njit(inline="always", error_model="numpy")
+def encode_row16(bits, x, random16, halves, dim, storage):
+    """halves[:dim] = float32 weights x[:dim] (their bit patterns `bits`) rounded at random to 16 bits with
+    random16[:dim]: `encode16_bits` for each, in one branch-free pass when every weight is within the format's
+    normal range (the common case), element by element when one is not: the same patterns either way."""
+    odd = np.uint32(0)
+    if storage == FP16:
+        for d in range(dim):
+            magnitude = bits[d] & np.uint32(0x7FFFFFFF)
+            odd |= np.uint32((magnitude >> np.uint32(23)) - np.uint32(113) > np.uint32(29))  # e < 113 wraps
+            rounded = ((magnitude + (np.uint32(random16[d]) & np.uint32(0x1FFF))) >> np.uint32(13)) \
+                - np.uint32(112 << 10)
+            halves[d] = np.uint16(((bits[d] >> np.uint32(16)) & np.uint32(0x8000)) | min(rounded, np.uint32(0x7BFF)))
+    else:
+        for d in range(dim):
+            magnitude = bits[d] & np.uint32(0x7FFFFFFF)
+            odd |= np.uint32(magnitude >= np.uint32(0x7F800000))
+            rounded = (magnitude + np.uint32(random16[d])) >> np.uint32(16)
+            halves[d] = np.uint16(((bits[d] >> np.uint32(16)) & np.uint32(0x8000)) | min(rounded, np.uint32(0x7F7F)))
+    if odd:
+        for d in range(dim):
+            halves[d] = encode16_bits(bits[d], x[d], random16[d], storage)
+
+
+@njit(inline="always", error_model="numpy")
 def mix64(z):
     """splitmix64's finalizer: the rounding's random bits from (key, update count, position)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

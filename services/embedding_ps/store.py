@@ -397,7 +397,7 @@ class EmbeddingStore(L.StoreLifecycle):
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             round_key = self._round_key_of(hdr) if storage != R.FP32 else np.uint64(0)  # fp32 rounds nothing
-            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, keys, round_key)
+            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, ids, round_key)
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
                 applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads, round_key)
@@ -426,7 +426,7 @@ class EmbeddingStore(L.StoreLifecycle):
         if k:
             c = self.config
             O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, O.optimizer_code(c.optimizer),
-                           self._hp, c.dim, c.storage_code, np.ascontiguousarray(ids[gperm[:k]]), round_key)
+                           self._hp, c.dim, c.storage_code, ids, round_key)
             K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
 

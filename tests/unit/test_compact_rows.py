@@ -77,6 +77,43 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(storage):
         assert abs(float(draws.astype(np.float64).mean()) - float(value)) <= ulp / 4096 + 1e-12
 
 
+@njit
+def _rows_both_ways(halves, x, random16, storage):
+    """Row by row: (decode_row16, decode16_bits each, encode_row16, encode16_bits each)."""
+    n, dim = x.shape
+    dec_row = np.empty((n, dim), np.uint32)
+    dec_one = np.empty((n, dim), np.uint32)
+    enc_row = np.empty((n, dim), np.uint16)
+    enc_one = np.empty((n, dim), np.uint16)
+    for i in range(n):
+        R.decode_row16(halves[i], dec_row[i], dim, storage)
+        bits = x[i].view(np.uint32)
+        R.encode_row16(bits, x[i], random16[i], enc_row[i], dim, storage)
+        for d in range(dim):
+            dec_one[i, d] = R.decode16_bits(halves[i, d], storage)
+            enc_one[i, d] = R.encode16_bits(bits[d], x[i, d], random16[i, d], storage)
+    return dec_row, dec_one, enc_row, enc_one
+
+
+@pytest.mark.parametrize("storage", [R.FP16, R.BF16])
+def test_whole_row_coding_equals_the_element_by_element_one(storage):
+    """The update's and lookup's row passes (branch-free when every weight is a normal of the format) give the
+    same bit patterns as the element-wise functions, also for rows with a zero, a subnormal, an inf, a NaN or
+    a weight past the format's range in them."""
+    rng = np.random.default_rng(5)
+    n, dim = 4000, 16
+    halves = rng.integers(0, 1 << 16, (n, dim)).astype(np.uint16)
+    halves[: n // 2] = R.encode_weights(rng.standard_normal((n // 2, dim)).astype(np.float32) * 0.05,
+                                        storage).view(np.uint16)[:, :dim]  # trained-like rows: all normal
+    x = (rng.standard_normal((n, dim)) * 0.05).astype(np.float32)
+    specials = np.array([0.0, -0.0, 1e-6, -3e-8, 7e4, -1e5, np.inf, np.nan, 1e-40, 3.4e38], np.float32)
+    x[n // 2:, 3] = specials[rng.integers(0, specials.size, n - n // 2)]
+    random16 = rng.integers(0, 1 << 16, (n, dim)).astype(np.uint16)
+    dec_row, dec_one, enc_row, enc_one = _rows_both_ways(halves, x, random16, storage)
+    np.testing.assert_array_equal(dec_row, dec_one)
+    np.testing.assert_array_equal(enc_row, enc_one)
+
+
 def _store(tmp_path, name: str, storage: str, opt: EmbeddingOptimizerConfig, dim: int = 16) -> EmbeddingStore:
     ps = PSConfig(capacity=2 * KEYS.size, num_stripes=4, storage=storage, init={"scale": 0.05})
     return EmbeddingStore.open(tmp_path / name, StoreConfig(dim=dim, optimizer=opt, ps=ps, seed=3))
