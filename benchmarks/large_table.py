@@ -36,7 +36,8 @@ BEFORE_S = 2.0
 
 
 class PSMemory:
-    """Samples RssAnon of every process whose command line is `hybridrec serve embedding_ps ... --replica N`."""
+    """Samples RssAnon of every process whose command line is `hybridrec serve embedding_ps ... --replica N` (a PS
+    forked by `hybridrec run` sets its title to that: one string, words separated by spaces, not NULs)."""
 
     def __init__(self) -> None:
         self.samples: dict[int, list[tuple[float, int]]] = {}  # replica -> (unix time, bytes)
@@ -55,7 +56,7 @@ class PSMemory:
         while not self._stop.wait(SAMPLE_S):
             for proc in Path("/proc").glob("[0-9]*"):
                 try:
-                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").split()  # a retitled process: spaces
                     if b"embedding_ps" not in argv or b"--replica" not in argv:
                         continue
                     replica = int(argv[argv.index(b"--replica") + 1])

@@ -158,8 +158,11 @@ def job_config(rows: int, dim: int, stripes: int, shm: Path, address: str, stora
     one `hybridrec serve embedding_ps` opens with it."""
     capacity = int(rows * 1.02) + 64 * stripes  # stripes are not even: room for every row in each
     return Config.model_validate({
-        "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": dim}],
-        "optimizer": {"embedding": {"name": optimizer, "lr": 0.05}}, "training": {"seed": 1},
+        "data": {"train": ["unused.tsv"]},
+        "features": [{"name": "C1", "group": 0, "dim": dim}, {"name": "C2", "group": 0, "dim": dim}],
+        "optimizer": {"embedding": {"name": optimizer, "lr": 0.05}},
+        # a PS refuses a lookup of more IDs than a batch holds: two features of a batch of half of them
+        "training": {"seed": 1, "batch_size": LOOKUP_IDS // 2},
         "ps": {"capacity": capacity, "num_stripes": stripes, "shm_dir": str(shm), "storage": storage},
         "cluster": {"ps": [address], "bind_host": "127.0.0.1"}})
 
