@@ -1,4 +1,5 @@
-"""Eval metrics of a CTR model: the exact ROC AUC and the log loss.
+"""Eval metrics: a binary task's exact ROC AUC and log loss, a regression task's RMSE and MAE, each
+optionally weighted by the samples' weights (`data.weight_column`).
 
 Both are computed here with numpy rather than with scikit-learn's `roc_auc_score` and `log_loss`, which give
 the same numbers (tests/unit/test_evaluation.py checks them against each other, ties included): importing
@@ -18,8 +19,10 @@ from hybridrec import log
 EPS = 1e-7
 
 
-def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float | None]:
-    """AUC (None when only one class is present) and log loss of predicted click probabilities."""
+def binary_metrics(labels: np.ndarray, probs: np.ndarray,
+                   weights: np.ndarray | None = None) -> dict[str, float | None]:
+    """AUC (None when only one class is present) and log loss of predicted click probabilities; with `weights`,
+    each sample counts its weight (a pair of samples in the AUC the product of theirs)."""
     labels = np.asarray(labels, dtype=np.float64).reshape(-1)
     probs = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), EPS, 1 - EPS)
     if labels.size != probs.size:
@@ -29,9 +32,51 @@ def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float | N
     positive = labels == 1
     if not np.all(positive | (labels == 0)):
         raise ValueError("labels must be 0 or 1")
-    auc = roc_auc(positive, probs) if 0 < positive.sum() < labels.size else None
-    logloss = -float(np.mean(np.where(positive, np.log(probs), np.log1p(-probs))))
-    return {"auc": auc, "logloss": logloss}
+    losses = np.where(positive, np.log(probs), np.log1p(-probs))
+    if weights is None:
+        auc = roc_auc(positive, probs) if 0 < positive.sum() < labels.size else None
+        return {"auc": auc, "logloss": -float(np.mean(losses))}
+    weights = _weights(weights, labels.size)
+    pos_w, neg_w = float(weights[positive].sum()), float(weights[~positive].sum())
+    auc = weighted_roc_auc(positive, probs, weights) if pos_w > 0 and neg_w > 0 else None
+    return {"auc": auc, "logloss": -float(np.sum(weights * losses) / (pos_w + neg_w)) if pos_w + neg_w else None}
+
+
+def regression_metrics(labels: np.ndarray, values: np.ndarray,
+                       weights: np.ndarray | None = None) -> dict[str, float | None]:
+    """RMSE and MAE of predicted values (weighted means of the squared and absolute errors with `weights`)."""
+    labels = np.asarray(labels, dtype=np.float64).reshape(-1)
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    if labels.size != values.size:
+        raise ValueError(f"{labels.size} labels and {values.size} predictions")
+    w = np.ones(labels.size) if weights is None else _weights(weights, labels.size)
+    if labels.size == 0 or not w.sum():
+        return {"rmse": None, "mae": None}
+    error = values - labels
+    return {"rmse": float(np.sqrt(np.sum(w * error * error) / w.sum())),
+            "mae": float(np.sum(w * np.abs(error)) / w.sum())}
+
+
+def _weights(weights: np.ndarray, n: int) -> np.ndarray:
+    weights = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if weights.size != n:
+        raise ValueError(f"{n} labels and {weights.size} weights")
+    if not np.all(np.isfinite(weights) & (weights >= 0)):
+        raise ValueError("weights must be finite and >= 0")
+    return weights
+
+
+def weighted_roc_auc(positive: np.ndarray, scores: np.ndarray, weights: np.ndarray) -> float:
+    """`roc_auc` with each sample counted `weights` times: the weighted share of (positive, negative) pairs
+    ordered right, a tie counting 1/2. Equal weights give `roc_auc`'s value. Scores are sorted, and each run
+    of equal scores takes its positives' weight times the negative weight below it plus half its own."""
+    order = np.argsort(scores, kind="stable")
+    ordered = scores[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    pos_w = np.add.reduceat(np.where(positive[order], weights[order], 0.0), starts)
+    neg_w = np.add.reduceat(np.where(positive[order], 0.0, weights[order]), starts)
+    below = np.cumsum(neg_w) - neg_w
+    return float(np.sum(pos_w * (below + 0.5 * neg_w)) / (pos_w.sum() * neg_w.sum()))
 
 
 def roc_auc(positive: np.ndarray, scores: np.ndarray) -> float:
@@ -75,15 +120,17 @@ def _read_oracle(path: Path) -> float:
     return float(json.loads(path.read_text())["oracle_auc"])
 
 
-def find_task_oracles(config) -> dict[str, float]:
-    """Oracle AUC of each task: the `tasks` entry of the oracle file (`hybridrec data synth --format parquet`
-    writes one per label column), empty when there is none."""
+def find_task_oracles(config) -> dict[str, dict[str, float]]:
+    """Each task's oracle figures (`oracle_auc` of a binary task, `oracle_rmse` and `oracle_mae` of a regression
+    one): the `tasks` entry of the oracle file (`hybridrec data synth --format parquet` writes one per label
+    column), empty when there is none."""
     paths = [Path(config.data.oracle)] if config.data.oracle else [Path(t).parent / "oracle.json"
                                                                     for t in config.data.train[:1]]
     for path in paths:
         try:
             tasks = json.loads(path.read_text()).get("tasks", {})
-            return {name: float(entry["oracle_auc"]) for name, entry in tasks.items()}
+            return {name: {key: float(entry[key]) for key in ("oracle_auc", "oracle_rmse", "oracle_mae")
+                           if entry.get(key) is not None} for name, entry in tasks.items()}
         except (OSError, KeyError, ValueError, TypeError, AttributeError):
             continue
     return {}

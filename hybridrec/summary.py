@@ -335,12 +335,20 @@ class TaskMetrics(BaseModel):
 
     name: str
     """The label column."""
-    auc: float | None
-    """Eval AUC of the task's predictions (None with one class only)."""
-    logloss: float | None
+    kind: str = "binary"
+    """binary (AUC, log loss) or regression (RMSE, MAE): `data.labels`' kind of the task."""
+    auc: float | None = None
+    """Eval AUC of the task's predictions (None with one class only, and for a regression task)."""
+    logloss: float | None = None
     """Eval log loss of the task's predictions."""
+    rmse: float | None = None
+    """A regression task: eval root mean squared error (weighted by the samples' weights, when there are)."""
+    mae: float | None = None
+    """A regression task: eval mean absolute error."""
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities of this task, when the data says so."""
+    oracle_rmse: float | None = None
+    """A regression task: RMSE of the planted model's true mean, when the data says so."""
     progressive_auc: float | None = None
     """Progressive validation of this task over the run's window (as the summary's `progressive_auc`)."""
     progressive_logloss: float | None = None
@@ -423,8 +431,14 @@ class RunSummary(BaseModel):
     auc: float | None
     """Eval AUC on the held-out files (None without eval data or with one class only)."""
     logloss: float | None
+    rmse: float | None = None
+    """A regression first task: eval RMSE (`auc` and `logloss` are then None)."""
+    mae: float | None = None
+    """A regression first task: eval MAE."""
     oracle_auc: float | None = None
     """AUC of the planted model's true probabilities on the eval file, when the data says so."""
+    oracle_rmse: float | None = None
+    """A regression first task: RMSE of the planted model's true mean on the eval file, when the data says so."""
     tasks: list[TaskMetrics] | None = None
     """Multi-task models (several data.labels): every task's eval metrics; `auc`, `logloss` and `oracle_auc`
     above are the first task's. None with one task."""
@@ -457,11 +471,14 @@ class RunSummary(BaseModel):
     """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
 
     def task_metrics(self) -> dict[str, float]:
-        """Every task's eval AUC and log loss as metric values (`eval_auc_<task>`, `eval_logloss_<task>`)."""
+        """Every task's eval metrics as metric values: `eval_auc_<task>` and `eval_logloss_<task>`, or
+        `eval_rmse_<task>` and `eval_mae_<task>` for a regression task."""
         out: dict[str, float] = {}
-        for task in self.tasks or [TaskMetrics(name="", auc=self.auc, logloss=self.logloss)]:
+        for task in self.tasks or [TaskMetrics(name="", auc=self.auc, logloss=self.logloss, rmse=self.rmse,
+                                               mae=self.mae)]:
             suffix = "".join(c if c.isalnum() else "_" for c in task.name)
-            for key, value in (("eval_auc", task.auc), ("eval_logloss", task.logloss)):
+            for key, value in (("eval_auc", task.auc), ("eval_logloss", task.logloss), ("eval_rmse", task.rmse),
+                               ("eval_mae", task.mae)):
                 if value is not None:
                     out[f"{key}_{suffix}" if suffix else key] = float(value)
         return out

@@ -488,7 +488,8 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                gzip: bool = typer.Option(False, "--gzip", help="Write .tsv.gz files."),
                format: str = typer.Option("tsv", "--format",
                                           help="tsv: Criteo-format files; parquet: the multi-task data set (multi-hot "
-                                               "and sequence features, two correlated tasks)."),
+                                               "and sequence features, two correlated binary tasks, a regression "
+                                               "label watch_time, a sample-weight column weight)."),
                drift_at: Optional[int] = typer.Option(None, "--drift-at", min=0, help="Plant a drift: from this training "
                                                       "row on, --drift-ids IDs (tsv: of one slot; parquet: items) "
                                                       "change their effect; the eval file is drawn after it."),
@@ -505,8 +506,13 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
                tail_share: Optional[float] = typer.Option(None, "--tail-share", help="With --ids: the share of "
                                                           "the large slots' occurrences that are rare IDs, fixed "
                                                           "(their vocabulary sized to --ids instead): data sets "
-                                                          "of other --ids with the same IDs per batch.")):
-    """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet)."""
+                                                          "of other --ids with the same IDs per batch."),
+               negative_rate: Optional[float] = typer.Option(None, "--negative-rate", help="parquet: keep each "
+                                                             "training row whose click is 0 with this probability "
+                                                             "(0 < R <= 1), at weight 1/R in the weight column; "
+                                                             "positives and the eval file keep weight 1.")):
+    """Write train/eval files drawn from a planted model, and its oracle AUC (per task for parquet, and the
+    RMSE and MAE of watch_time's true mean)."""
     started = time.monotonic()
     if format == "parquet":
         from hybridrec.app.synth_parquet import Drift as ItemDrift, synthesize_multitask
@@ -515,18 +521,28 @@ def data_synth(out: Path = typer.Option(..., "--out", help="Output directory."),
             _fail("--drift-slot: the parquet data set drifts items (item_id); a slot is for tsv")
         if ids is not None:
             _fail("--ids: for the tsv data set (its large slots); convert it with `hybridrec data to-parquet`")
+        if negative_rate is not None and not 0 < negative_rate <= 1:  # NaN fails too
+            _fail(f"--negative-rate: {negative_rate} is not in (0, 1]: the share of negative training rows kept")
         drift = None if drift_at is None else ItemDrift(at_row=drift_at, ids=drift_ids, shift=drift_shift)
         try:
-            result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed, drift=drift)
+            result = synthesize_multitask(out, rows=rows, eval_rows=eval_rows, seed=seed, drift=drift,
+                                          negative_rate=negative_rate)
         except ValueError as exc:
             _fail(str(exc))
         oracles = ", ".join(f"{task} {auc:.4f}" for task, auc in result.oracle_auc.items())
-        typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {oracles}")
+        watch = result.extra["tasks"]["watch_time"]
+        typer.echo(f"wrote {out} in {time.monotonic() - started:.1f} s; oracle AUC {oracles}; watch_time oracle "
+                   f"RMSE {watch['oracle_rmse']:.3f} (the mean's {watch['mean_rmse']:.3f})")
+        if negative_rate is not None:
+            typer.echo(f"negatives down-sampled to {negative_rate:g} at weight {1 / negative_rate:g}: "
+                       f"{result.extra['train_rows_written']:,} of {rows:,} training rows written")
         if drift is not None:
             _echo_drift(result.extra["drift"], drift_at, drift_shift)
         return
     if format != "tsv":
         _fail(f"--format: {format!r} is not tsv or parquet")
+    if negative_rate is not None:
+        _fail("--negative-rate: for the parquet data set (--format parquet), whose files have a weight column")
     from hybridrec.app.synth import Drift, synthesize
 
     drift = None if drift_at is None else Drift(at_row=drift_at, slot=drift_slot, ids=drift_ids, shift=drift_shift)

@@ -92,7 +92,8 @@ def export(source: Path, out: Path, *, quantize: str | None = None) -> tuple[Pat
     manifest = BundleManifest(step=job.step, features=list(config.features), num_dense=config.num_dense,
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
                               num_shards=ps["num_shards"], input_types=input_types(config),
-                              dense_columns=config.dense_columns, tasks=list(config.data.labels),
+                              dense_columns=config.dense_columns, tasks=config.data.label_names,
+                              task_kinds=[t.kind for t in config.data.tasks],
                               quantization=quantize,
                               format_version=QUANTIZED_FORMAT_VERSION if quantize else FORMAT_VERSION)
     writer = BundleWriter(out, manifest)

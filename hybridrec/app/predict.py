@@ -33,7 +33,8 @@ class Predicted:
 
 
 def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
-    """Score every good row of `data` with `bundle`; write the probabilities to `out`."""
+    """Score every good row of `data` with `bundle`; write the predictions to `out` (a binary task's
+    probability, a regression task's value)."""
     from services.dataloader import batching, sources
     from services.inference.inputs import Samples
     from services.inference.model import load_model
@@ -49,7 +50,8 @@ def predict(bundle: Path, data: Sequence[str], out: Path) -> Predicted:
 
     asyncio.run(score())
     probs = np.concatenate(parts) if parts else np.zeros((0, model.outputs) if model.outputs > 1 else 0, np.float32)
-    columns = list(config.data.labels) if model.outputs > 1 else ["probability"]
+    columns = (config.data.label_names if model.outputs > 1 else
+               ["probability" if config.data.tasks[0].binary else "value"])
     write(out, columns, probs.reshape(probs.shape[0], len(columns)))
     return Predicted(int(probs.shape[0]), columns, out)
 

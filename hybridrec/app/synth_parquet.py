@@ -1,11 +1,13 @@
 """Synthetic multi-task Parquet data (`hybridrec data synth --format parquet`) drawn from a planted model.
 
 Runs wherever data is prepared, not in a service. Like `synth.py` for TSV,
-it exists so that the Parquet path, multi-hot bags, sequences and multi-task
-training are judged against a known answer: `oracle.json` records, per task,
-the AUC of the true probabilities on the eval file.
+it exists so that the Parquet path, multi-hot bags, sequences, multi-task
+training, a regression head and weighted training are judged against a known
+answer: `oracle.json` records under `tasks`, per binary task, the AUC of the
+true probabilities on the eval file, and for the regression label the RMSE and
+MAE of its true mean: what a perfect model scores.
 
-Columns (one row group per block of BLOCK_ROWS rows):
+Columns (one row group per block of BLOCK_ROWS drawn rows):
 
 | column | type | planted effect |
 |---|---|---|
@@ -16,6 +18,8 @@ Columns (one row group per block of BLOCK_ROWS rows):
 | item_cat | int64 | the item's category (per-category effect on click) |
 | tags | list<int64>, 1..6 | multi-hot interests: sum of tag effects / sqrt(count) |
 | hist_cats | list<int64>, 0..40 | behaviour sequence of categories, oldest first |
+| watch_time | float32, > 0 | regression label: its true mean times lognormal noise of mean 1 |
+| weight | float32 | sample weight: 1, or 1 / negative_rate on kept training negatives |
 
 **The sequence effect needs order and the target.** hist_cats holds the
 categories of the user's past items; each element is the target's category
@@ -35,6 +39,21 @@ effects (scaled) with click and has an item effect correlated with click's
 ID_TAPER_FREQ, as in `synth.py`, so that the oracle holds little signal no
 model can learn from rare IDs in one epoch.
 
+**A regression label**: watch_time's true mean is exp(WATCH_SHARE * the click logit's user, item, category,
+tag and sequence effects + its own dense weights on d0..d3 + a bias that puts its mean at about WATCH_MEAN):
+a function of the row's features, as click's probability is, that a DNN on them can learn. The label is that
+mean times exp(WATCH_NOISE * z - WATCH_NOISE ** 2 / 2), z standard normal, so the mean is the best
+prediction in squared error; oracle.json's `tasks` entry of it records its RMSE and MAE on the eval file,
+beside those of the training rows' mean. The noise has random streams of its own, so click, conversion and
+every feature are what they were before watch_time existed, for the same seed.
+
+**Sample weights** (`negative_rate`, `hybridrec data synth --format parquet --negative-rate R`): the training
+file keeps each row with click == 0 with probability R (a random stream of its own, so the kept rows are the
+same rows as without it) and weights them 1 / R; positives keep weight 1. Weighted, the kept rows estimate the
+undown-sampled file's means (click rate, watch time); a trainer that ignores the weights learns a click rate
+about 1 / (rate + R (1 - rate)) times too high. The eval file is never down-sampled (weight 1), and the
+oracle's train-side figures (`rate`, `mean`, label_correlation) are of the drawn rows, before down-sampling.
+
 **A planted drift** (`Drift`, `hybridrec data synth --format parquet --drift-at ROW`): from a training row
 on, a few frequent items (the 5th most frequent and the next ones by default, each in 1-3 % of rows) add a
 shift to both tasks' logits, as when items suddenly become popular. An item's own effect is in no planted
@@ -42,7 +61,9 @@ interaction (the sequence effect depends on its category, which does not change)
 after the drift, and `drift_probes.parquet` holds rows carrying each drifted item, and as many rows of as many
 control items (the next ones in frequency of other categories, unchanged), in the training data's columns: what the inference
 service's named inputs take (labels are placeholders, 0, so that `hybridrec predict` reads the file with the
-job's config). `oracle.json` records their true probabilities per task before and after the drift.
+job's config; watch_time 0, weight 1). `oracle.json` records their true probabilities per task before
+and after the drift. The drift shifts click and conversion only, not watch_time; --drift-at counts drawn
+training rows (before any down-sampling).
 
 Deterministic given the seed; rows are drawn in blocks with their own random
 streams, and a drift changes the labels' probabilities only, not the rows.
@@ -76,7 +97,17 @@ category: a recent match attracts, an old one has gone stale and repels a little
 CONV_ITEM_CORR = 0.6
 TARGET_CTR, TARGET_CVR = 0.2, 0.1
 TASKS = ("click", "conversion")
-GENERATOR_VERSION = "1"
+"""The binary tasks (labels), in their columns' order; the entries of oracle.json's `tasks` with an oracle_auc."""
+REGRESSION_TASKS = ("watch_time",)
+"""The regression labels; the entries of oracle.json's `tasks` with an oracle_rmse and oracle_mae."""
+WATCH_MEAN, WATCH_SHARE, WATCH_NOISE = 30.0, 0.5, 0.5
+"""watch_time: its mean, the share of the click logit's non-dense effects in its log mean, and the sigma of
+its lognormal noise (coefficient of variation about 0.53)."""
+WEIGHT_COLUMN = "weight"
+WATCH_KEY, NEGATIVE_KEY = 5, 6
+"""First `_stream` keys of watch_time's noise and of the negatives' down-sampling, after the seed: none of the
+other streams' keys (0-4) starts with them, so these draws leave every other column as it was."""
+GENERATOR_VERSION = "2"
 DRIFT_COLUMN = "item_id"
 PROBE_FILE = "drift_probes.parquet"
 PROBE_ROWS_PER_ID = 100
@@ -130,6 +161,8 @@ class _Planted:
     dense_click: np.ndarray
     dense_conv: np.ndarray
     bias: np.ndarray  # (2,) per task
+    dense_watch: np.ndarray
+    watch_bias: float = 0.0  # log-mean offset, calibrated so watch_time's mean is about WATCH_MEAN
 
 
 def _stream(seed: int, *key: int) -> np.random.Generator:
@@ -163,8 +196,9 @@ def _build(seed: int) -> _Planted:
         item_cat=np.searchsorted(cat_cdf, rng.random(NUM_ITEMS), side="right").clip(0, NUM_CATEGORIES - 1),
         cat_eff=_effects(rng, cat_pmf, CATEGORY_SCALE), tag_eff=rng.standard_normal(NUM_TAGS) * TAG_SCALE,
         dense_click=np.array([0.3, -0.2, 0.1, 0.0]), dense_conv=np.array([0.2, 0.0, -0.3, 0.2]),
-        bias=np.zeros(2))
-    logits = _draw(planted, _stream(seed, 3), 100_000)[0]
+        bias=np.zeros(2), dense_watch=np.array([0.0, 0.25, 0.2, -0.3]))
+    logits, sample = _draw(planted, _stream(seed, 3), 100_000)
+    planted.watch_bias = math.log(WATCH_MEAN / float(np.mean(np.exp(sample["watch_log"]))))
     for t, target in enumerate((TARGET_CTR, TARGET_CVR)):  # calibrate each task's bias on a sample
         lo, hi = -10.0, 10.0
         for _ in range(50):
@@ -179,7 +213,8 @@ def _draw_ids(cdf: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _draw(m: _Planted, rng: np.random.Generator, n: int, items: np.ndarray | None = None):
-    """(logits without bias (n, 2), columns) of n rows (whose items are `items`, when given)."""
+    """(logits without bias (n, 2), columns) of n rows (whose items are `items`, when given). Draws nothing
+    for watch_time: its noise comes from a stream of its own (`_watch_time`)."""
     user = _draw_ids(m.user_cdf, rng, n)
     user_null = rng.random(n) < 0.05
     item = _draw_ids(m.item_cdf, rng, n)
@@ -199,14 +234,17 @@ def _draw(m: _Planted, rng: np.random.Generator, n: int, items: np.ndarray | Non
                                        minlength=n)
     dense = rng.standard_normal((n, NUM_DENSE))
     user_term = np.where(user_null, 0.0, m.user_eff[user])
-    click = user_term + m.item_eff[item] + m.cat_eff[cat] + tag_term + seq_term + dense @ m.dense_click
+    shared = user_term + m.item_eff[item] + m.cat_eff[cat] + tag_term + seq_term
+    click = shared + dense @ m.dense_click  # the same sums, in the same order, as before watch_time
     conv = 0.7 * user_term + m.item_conv_eff[item] + 0.5 * tag_term + 0.5 * seq_term + dense @ m.dense_conv
     columns = {"user": user, "user_null": user_null, "item": item, "cat": cat, "num_tags": num_tags, "tags": tags,
-               "hist_len": hist_len, "hist": hist, "dense": dense}
+               "hist_len": hist_len, "hist": hist, "dense": dense,
+               "watch_log": WATCH_SHARE * shared + dense @ m.dense_watch}  # watch_time's log mean, less watch_bias
     return np.stack([click, conv], axis=1), columns
 
 
-def _table(columns: dict, labels: np.ndarray):
+def _table(columns: dict, labels: np.ndarray, watch_time: np.ndarray, weight: np.ndarray):
+    """The file's columns; watch_time and weight come last, so the other columns keep their places."""
     import pyarrow as pa
 
     def lists(lengths, values):
@@ -221,6 +259,8 @@ def _table(columns: dict, labels: np.ndarray):
     arrays["item_cat"] = pa.array(columns["cat"].astype(np.int64))
     arrays["tags"] = lists(columns["num_tags"], columns["tags"])
     arrays["hist_cats"] = lists(columns["hist_len"], columns["hist"])
+    arrays["watch_time"] = pa.array(watch_time.astype(np.float32))
+    arrays[WEIGHT_COLUMN] = pa.array(weight.astype(np.float32))
     return pa.table(arrays)
 
 
@@ -229,35 +269,83 @@ def _item_names(items: np.ndarray) -> np.ndarray:
     return np.char.add("it", np.char.mod("%05x", np.asarray(items)))
 
 
+@dataclass
+class _Written:
+    """What _write drew, for every drawn row (kept or not): labels (rows, 2), true probabilities (rows, 2),
+    watch_time as the file holds it and its true mean; and how many rows the file holds."""
+
+    labels: np.ndarray
+    p: np.ndarray
+    watch_time: np.ndarray
+    watch_mean: np.ndarray
+    rows_written: int
+
+    @staticmethod
+    def concat(parts: list[_Written]) -> _Written:
+        joined = [np.concatenate([getattr(part, name) for part in parts])
+                  for name in ("labels", "p", "watch_time", "watch_mean")]
+        return _Written(*joined, sum(part.rows_written for part in parts))
+
+
+def _watch_time(m: _Planted, columns: dict, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(watch_time as the file holds it, float32; its true mean): the mean times lognormal noise of mean 1,
+    so that the true mean is the best prediction in squared error; finite and > 0."""
+    mean = np.exp(columns["watch_log"] + m.watch_bias)
+    noise = np.exp(WATCH_NOISE * rng.standard_normal(mean.shape[0]) - WATCH_NOISE ** 2 / 2)
+    return (mean * noise).astype(np.float32), mean
+
+
+def _sample_negatives(click: np.ndarray, rng: np.random.Generator,
+                      negative_rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rows kept, every row's weight): each positive at weight 1, each negative with probability
+    `negative_rate` at weight 1 / negative_rate, so that weighted means over the kept rows estimate the means
+    over all of them."""
+    positive = click == 1
+    keep = positive | (rng.random(click.shape[0]) < negative_rate)
+    return keep, np.where(positive, 1.0, 1.0 / negative_rate)
+
+
+def _block(m: _Planted, seed: int, file_key: int, block: int, start: int, n: int,
+           drift: tuple[int, np.ndarray, float] | None, negative_rate: float | None):
+    """(the block's table, down-sampled when `negative_rate` is given; what was drawn for its n rows)."""
+    rng = _stream(seed, file_key, block)
+    logits, columns = _draw(m, rng, n)
+    if drift is not None:
+        at_row, drifted, shift = drift
+        after = np.arange(start, start + n) >= at_row
+        logits += np.where(after & np.isin(columns["item"], drifted), shift, 0.0)[:, None]
+    p = 1 / (1 + np.exp(-(logits + m.bias)))
+    labels = (rng.random(p.shape) < p).astype(np.int8)
+    watch_time, watch_mean = _watch_time(m, columns, _stream(seed, WATCH_KEY, file_key, block))
+    keep, weight = np.ones(n, bool), np.ones(n)
+    if negative_rate is not None:
+        keep, weight = _sample_negatives(labels[:, 0], _stream(seed, NEGATIVE_KEY, file_key, block), negative_rate)
+    table = _table(columns, labels, watch_time, weight)
+    if not keep.all():
+        table = table.filter(keep)
+    return table, _Written(labels, p, watch_time, watch_mean, table.num_rows)
+
+
 def _write(path: Path, m: _Planted, seed: int, file_key: int, rows: int,
-           drift: tuple[int, np.ndarray, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Write `rows` rows; returns (labels (rows, 2), true probabilities (rows, 2)). `drift`: (first row it
-    applies to, drifted items, shift)."""
+           drift: tuple[int, np.ndarray, float] | None = None, negative_rate: float | None = None) -> _Written:
+    """Draw `rows` rows and write them, or (`negative_rate`) the positives and a share of the negatives.
+    `drift`: (first drawn row it applies to, drifted items, shift)."""
     import pyarrow.parquet as pq
 
-    all_labels, all_p = [], []
+    parts = []
     writer = None
     try:
         for block, start in enumerate(range(0, rows, BLOCK_ROWS)):
-            rng = _stream(seed, file_key, block)
-            n = min(BLOCK_ROWS, rows - start)
-            logits, columns = _draw(m, rng, n)
-            if drift is not None:
-                at_row, drifted, shift = drift
-                after = np.arange(start, start + n) >= at_row
-                logits += np.where(after & np.isin(columns["item"], drifted), shift, 0.0)[:, None]
-            p = 1 / (1 + np.exp(-(logits + m.bias)))
-            labels = (rng.random(p.shape) < p).astype(np.int8)
-            table = _table(columns, labels)
+            table, part = _block(m, seed, file_key, block, start, min(BLOCK_ROWS, rows - start), drift,
+                                 negative_rate)
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema)
             writer.write_table(table, row_group_size=BLOCK_ROWS)
-            all_labels.append(labels)
-            all_p.append(p)
+            parts.append(part)
     finally:
         if writer is not None:
             writer.close()
-    return np.concatenate(all_labels), np.concatenate(all_p)
+    return _Written.concat(parts)
 
 
 def _plant_drift(out: Path, m: _Planted, seed: int, drift: Drift, rows: int) -> dict:
@@ -275,7 +363,8 @@ def _plant_drift(out: Path, m: _Planted, seed: int, drift: Drift, rows: int) -> 
     control = later[~np.isin(m.item_cat[later], m.item_cat[drifted])][:len(drifted)]
     items = np.concatenate([drifted, control])
     logits, columns = _draw(m, _stream(seed, 4), PROBE_ROWS_PER_ID * len(items), np.repeat(items, PROBE_ROWS_PER_ID))
-    pq.write_table(_table(columns, np.zeros((len(logits), 2), np.int8)), out / PROBE_FILE)
+    n = len(logits)
+    pq.write_table(_table(columns, np.zeros((n, 2), np.int8), np.zeros(n), np.ones(n)), out / PROBE_FILE)
     shifts = np.repeat(np.where(np.arange(len(items)) < len(drifted), drift.shift, 0.0), PROBE_ROWS_PER_ID)
     sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
     per_id = lambda p: p.reshape(len(items), PROBE_ROWS_PER_ID, 2).mean(1)  # noqa: E731
@@ -292,36 +381,71 @@ def _plant_drift(out: Path, m: _Planted, seed: int, drift: Drift, rows: int) -> 
             "control_p": {task: rounded(before[n:, t]) for t, task in enumerate(TASKS)}}
 
 
+def _check_negative_rate(negative_rate: float | None) -> None:
+    if negative_rate is not None and not 0 < negative_rate <= 1:  # NaN fails too
+        raise ValueError(f"negative_rate must be in (0, 1], got {negative_rate}")
+
+
+def _binary_tasks(train: _Written, eval_: _Written) -> dict:
+    """oracle.json's `tasks` of the binary tasks: per task, the true probabilities' AUC and log loss on the
+    eval file, and the label's rate in the drawn training rows and in the eval file."""
+    tasks = {}
+    for t, name in enumerate(TASKS):
+        metrics = binary_metrics(eval_.labels[:, t], eval_.p[:, t])
+        tasks[name] = {"oracle_auc": round(metrics["auc"], 6), "oracle_logloss": round(metrics["logloss"], 6),
+                       "rate": round(float(train.labels[:, t].mean()), 6),
+                       "eval_rate": round(float(eval_.labels[:, t].mean()), 6), "kind": "binary"}
+    return tasks
+
+
+def _regression_tasks(train: _Written, eval_: _Written) -> dict:
+    """oracle.json's `tasks` entry of watch_time: its RMSE and MAE on the eval file of its true mean (what a
+    perfect model scores), beside those of the drawn training rows' mean (a model that learnt no feature)."""
+    label = eval_.watch_time.astype(np.float64)
+    mean = float(np.mean(train.watch_time, dtype=np.float64))
+    rmse = lambda error: round(float(np.sqrt(np.mean(error ** 2))), 6)  # noqa: E731
+    mae = lambda error: round(float(np.mean(np.abs(error))), 6)  # noqa: E731
+    return {"watch_time": {"oracle_rmse": rmse(label - eval_.watch_mean), "oracle_mae": mae(label - eval_.watch_mean),
+                           "mean": round(mean, 6), "eval_mean": round(float(label.mean()), 6),
+                           "mean_rmse": rmse(label - mean), "mean_mae": mae(label - mean), "kind": "regression"}}
+
+
 def synthesize_multitask(out_dir: str | os.PathLike, *, rows: int, eval_rows: int | None = None,
-                         seed: int = 0, drift: Drift | None = None) -> MultitaskSummary:
-    """Write train.parquet, eval.parquet and oracle.json (per task under `tasks`; the top-level oracle_auc
-    is click's). `eval_rows` defaults to rows // 10, at least 10,000. With `drift`, also drift_probes.parquet;
-    the eval file is drawn after the drift."""
+                         seed: int = 0, drift: Drift | None = None,
+                         negative_rate: float | None = None) -> MultitaskSummary:
+    """Write train.parquet, eval.parquet and oracle.json (per task under `tasks`: oracle_auc of click and
+    conversion, oracle_rmse and oracle_mae of watch_time; the top-level oracle_auc is click's). `eval_rows`
+    defaults to rows // 10, at least 10,000. With `drift`, also drift_probes.parquet; the eval file is drawn
+    after the drift. With `negative_rate` (0 < R <= 1), the training file keeps a share R of the `rows` drawn
+    rows whose click is 0, at weight 1 / R."""
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     eval_rows = max(rows // 10, 10_000) if eval_rows is None else eval_rows
     if eval_rows <= 0:
         raise ValueError(f"eval_rows must be positive, got {eval_rows}")
+    _check_negative_rate(negative_rate)
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     planted = _build(seed)
     drifted = _plant_drift(out, planted, seed, drift, rows) if drift is not None else None
     shift = (np.asarray(drifted["ranks"]), drift.shift) if drift is not None else None
-    train_labels, _ = _write(out / "train.parquet", planted, seed, 1, rows, (drift.at_row, *shift) if shift else None)
-    eval_labels, eval_p = _write(out / "eval.parquet", planted, seed, 2, eval_rows, (0, *shift) if shift else None)
-    oracle_of = [binary_metrics(eval_labels[:, t], eval_p[:, t]) for t in range(len(TASKS))]
-    tasks = {name: {"oracle_auc": round(oracle_of[t]["auc"], 6), "oracle_logloss": round(oracle_of[t]["logloss"], 6),
-                    "rate": round(float(train_labels[:, t].mean()), 6)} for t, name in enumerate(TASKS)}
+    train = _write(out / "train.parquet", planted, seed, 1, rows, (drift.at_row, *shift) if shift else None,
+                   negative_rate)
+    eval_ = _write(out / "eval.parquet", planted, seed, 2, eval_rows, (0, *shift) if shift else None)
+    tasks = {**_binary_tasks(train, eval_), **_regression_tasks(train, eval_)}
     oracle = {"generator_version": GENERATOR_VERSION, "format": "parquet", "seed": seed, "train_rows": rows,
               "eval_rows": eval_rows, "train_file": "train.parquet", "eval_file": "eval.parquet",
               "oracle_auc": tasks["click"]["oracle_auc"], "tasks": tasks,
-              "label_correlation": round(float(np.corrcoef(train_labels.T)[0, 1]), 4),
+              "label_correlation": round(float(np.corrcoef(train.labels.T)[0, 1]), 4),
               "sequence": {"match_p": MATCH_P, "scale": SEQ_SCALE, "decay": SEQ_DECAY, "stale": SEQ_STALE,
                            "max_history": MAX_HISTORY},
+              "watch_time": {"mean": WATCH_MEAN, "share": WATCH_SHARE, "noise_sigma": WATCH_NOISE,
+                             "dense": planted.dense_watch.tolist()},
+              "weight_column": WEIGHT_COLUMN, "negative_rate": negative_rate, "train_rows_written": train.rows_written,
               **({"drift": drifted} if drifted is not None else {})}
     oracle_path = out / "oracle.json"
     oracle_path.write_text(json.dumps(oracle, indent=2) + "\n")
     return MultitaskSummary(str(out), str(out / "train.parquet"), str(out / "eval.parquet"), str(oracle_path),
-                            {name: t["oracle_auc"] for name, t in tasks.items()}, time.perf_counter() - started,
+                            {name: tasks[name]["oracle_auc"] for name in TASKS}, time.perf_counter() - started,
                             oracle)

@@ -19,7 +19,7 @@ from hybridrec.config.features import (Pooling, FeatureKind, TableConfig, Featur
 from hybridrec.config.optimizers import (EmbeddingOptimizer, EmbeddingOptimizerConfig, DenseOptimizerConfig,
     OptimizerConfig)
 from hybridrec.config.training import Mode, CompressionConfig, TrainingConfig
-from hybridrec.config.data import StreamConfig, DataConfig
+from hybridrec.config.data import StreamConfig, TaskConfig, DataConfig
 from hybridrec.config.ps import WeightStorage, InitConfig, TableLifecycleConfig, LifecycleConfig, TierConfig, PSConfig
 from hybridrec.config.cluster import TLSConfig, AUTO, SIZED_BY_HOST, ClusterConfig, split_address
 from hybridrec.config.outputs import CheckpointConfig, PublishConfig, OutputConfig

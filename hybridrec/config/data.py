@@ -85,6 +85,39 @@ DenseTransform = Literal["none", "log1p"]
 reader applies to Criteo's integer columns; `none` is the value as stored."""
 
 
+class TaskConfig(Section):
+    """One task of the model: its label column, its kind and its loss. A `data.labels` entry given as a plain
+    column name is a binary task."""
+
+    name: str = Field(min_length=1)
+    """The label column."""
+    kind: Literal["binary", "regression"] = "binary"
+    """binary: a 0/1 label, trained with log loss, evaluated by AUC and log loss, served as a probability (the
+    sigmoid of the model's output); regression: a finite real label (a watch time, a dwell time), trained with
+    `loss`, evaluated by RMSE and MAE, served as the model's output itself."""
+    loss: Literal["bce", "mse", "huber"] | None = None
+    """The task's loss: bce for binary tasks (the only one they take), mse (default) or huber for regression."""
+    huber_delta: Annotated[float, Field(gt=0)] = 1.0
+    """huber: where the loss turns from squared to linear, in the label's units."""
+
+    @model_validator(mode="after")
+    def _loss_fits_kind(self) -> "TaskConfig":
+        if self.kind == "binary" and self.loss not in (None, "bce"):
+            raise ValueError(f"loss: {self.loss} is a regression loss; a binary task trains with bce")
+        if self.kind == "regression" and self.loss == "bce":
+            raise ValueError("loss: bce needs 0/1 labels; a regression task trains with mse or huber")
+        return self
+
+    @property
+    def binary(self) -> bool:
+        return self.kind == "binary"
+
+    @property
+    def loss_name(self) -> str:
+        """The loss, its default filled in."""
+        return self.loss or ("bce" if self.binary else "mse")
+
+
 class DataConfig(Section):
     """The dataset: Criteo TSV or Parquet files, or their prepared form (`hybridrec data prepare`), or a stream."""
 
@@ -102,8 +135,14 @@ class DataConfig(Section):
     """tsv: Criteo TSV (one label, I1..I13, C1..C26); parquet: columns named by `labels`, `dense_columns` and
     each feature's column, read one row group at a time (services/dataloader/parquet.py). Prepared directories
     keep their source's format: it is part of the schema they are checked against."""
-    labels: list[str] = Field(default_factory=lambda: ["label"], min_length=1)
-    """Label columns, one task each (the model returns one logit per task). TSV: exactly one (the first field)."""
+    labels: list[str | TaskConfig] = Field(default_factory=lambda: ["label"], min_length=1)
+    """Label columns, one task each (the model returns one output per task): a column name (a binary task), or
+    a `TaskConfig` mapping (`{name: watch_time, kind: regression, loss: huber}`). TSV: exactly one, binary
+    (the first field)."""
+    weight_column: str | None = None
+    """Parquet (and Arrow stream messages): a column of sample weights (finite, >= 0), each sample's weight in
+    the training loss and in the eval metrics (a negative down-sampled to a tenth weighted 10 keeps the model
+    calibrated). None: every sample weighs 1."""
     dense_columns: list[str] | None = None
     """Parquet: the float columns of the dense features, num_dense of them (None: I1..I<num_dense>)."""
     dense_transform: DenseTransform | dict[str, DenseTransform] | None = None
@@ -122,6 +161,16 @@ class DataConfig(Section):
     naming the file and line (TSV) or row (Parquet)."""
     chunk_rows: Annotated[int, Field(gt=0)] = 65536
     """Rows the data loader parses per chunk."""
+
+    @property
+    def tasks(self) -> list[TaskConfig]:
+        """Every `labels` entry as a `TaskConfig` (a plain column name: a binary task)."""
+        return [t if isinstance(t, TaskConfig) else TaskConfig(name=t) for t in self.labels]
+
+    @property
+    def label_names(self) -> list[str]:
+        """The label columns, in task order."""
+        return [t.name for t in self.tasks]
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":

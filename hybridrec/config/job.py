@@ -78,15 +78,24 @@ class Config(Section):
     @model_validator(mode="after")
     def _check_data(self) -> "Config":
         data = self.data
-        if len(set(data.labels)) != len(data.labels):
+        names = data.label_names
+        if len(set(names)) != len(names):
             raise ValueError("data.labels: label columns must be unique")
+        if data.weight_column is not None and data.weight_column in names:
+            raise ValueError(f"data.weight_column: {data.weight_column!r} is a label column (data.labels)")
         weights = self.training.task_weights
-        if weights is not None and len(weights) != len(data.labels):
-            raise ValueError(f"training.task_weights: {len(weights)} weights for {len(data.labels)} tasks "
+        if weights is not None and len(weights) != len(names):
+            raise ValueError(f"training.task_weights: {len(weights)} weights for {len(names)} tasks "
                              f"(data.labels)")
         if data.format == "tsv":
-            if len(data.labels) != 1:
+            if len(names) != 1:
                 raise ValueError("data.labels: a TSV file has one label; several tasks need data.format: parquet")
+            if not data.tasks[0].binary:
+                raise ValueError("data.labels.0.kind: a TSV file's label is a 0/1 click; regression needs "
+                                 "data.format: parquet")
+            if data.weight_column is not None:
+                raise ValueError("data.weight_column: a TSV file has no weight column; weights need data.format: "
+                                 "parquet")
             if data.dense_columns is not None:
                 raise ValueError("data.dense_columns: TSV dense columns are I1..I13; only Parquet names them")
             for i, f in enumerate(self.features):
@@ -108,7 +117,7 @@ class Config(Section):
     @property
     def num_tasks(self) -> int:
         """Label columns: the model returns one logit per task."""
-        return len(self.data.labels)
+        return len(self.data.tasks)
 
     @property
     def dense_columns(self) -> list[str]:

@@ -83,8 +83,15 @@ class TrainingConfig(Section):
     log_every_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between two progress log lines of an NN worker."""
     task_weights: list[Annotated[float, Field(ge=0)]] | None = None
-    """Multi-task: the weight of each task's log loss in the training loss, one per `data.labels` entry
+    """Multi-task: the weight of each task's loss in the training loss, one per `data.labels` entry
     (None: 1 each)."""
+    loss: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] | None = None
+    """`module:function`: the training loss is `function(logits, labels, weights)` instead of the built-in
+    one (each task's own loss, weighted by `task_weights`). logits and labels are float32 (batch,) tensors with
+    one task, (batch, tasks) with several; weights is the (batch,) sample weights (`data.weight_column`; ones
+    without one). It must return a finite scalar tensor, differentiable in logits: the summary's losses are its
+    values. The module is imported by the NN workers (and by `hybridrec check`), so it must be importable
+    there (installed, or on PYTHONPATH)."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A training step whose loss or gradients are not finite (NaN or inf: a model can make one from finite
     input) updates nothing, on every rank alike: not the dense model, not its optimizer's state, not a PS row.

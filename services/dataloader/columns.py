@@ -3,9 +3,11 @@ record batch from a stream message (stream.py), so both read the same columns wi
 
 Columns are mapped by the config (README "Parquet input"):
 
-* each of `data.labels` is a label column (boolean, or integer or float of any width holding 0 or 1): one task
-  each; a null or other value makes the row bad (`data.bad_lines`: skipped and counted, or an error naming
-  where and the row);
+* each of `data.labels` is a label column (boolean, integer, float or decimal): one task each, holding 0 or 1
+  for a binary task, any finite number for a regression one; `data.weight_column`, when set, holds each row's
+  sample weight (finite, >= 0) and is read as one more label column, after the tasks'. A null or another
+  value makes the row bad (`data.bad_lines`: skipped and counted, or an error naming where, the row and the
+  column);
 * `data.dense_columns` (default I1..I<num_dense>) are float, integer, decimal or boolean columns, each
   transformed as `data.dense_transform` says (`none`, or `log1p`: log1p(max(x, 0)), what the TSV reader
   computes from its integer columns); a null reads 0.0 (as an empty TSV field). A NaN or infinite value, or
@@ -49,7 +51,7 @@ class ColumnFormatError(ValueError):
 
 
 class RowError(ColumnFormatError):
-    """A row refused under a policy set to `error` (`data.bad_lines`: a null or non-0/1 label;
+    """A row refused under a policy set to `error` (`data.bad_lines`: a bad label or weight;
     `data.non_finite`: a NaN or infinite dense value), naming where, the row and the column."""
 
 
@@ -74,12 +76,24 @@ class ColumnSpec:
     features: tuple[FeatureColumn, ...]
     transforms: tuple[str, ...] = ()
     """Each dense column's `data.dense_transform` (none or log1p); empty: none for all."""
+    regression: tuple[bool, ...] = ()
+    """Which labels are a regression task's (any finite number), not a binary one's (0 or 1); empty: none."""
+    weight: str | None = None
+    """`data.weight_column`: read after the labels, as one more label column (finite, >= 0)."""
 
     @classmethod
     def from_config(cls, config: Config) -> "ColumnSpec":
-        return cls(tuple(config.data.labels), tuple(config.dense_columns),
+        return cls(tuple(config.data.label_names), tuple(config.dense_columns),
                    tuple(FeatureColumn(f"features.{i} ({f.name})", f.source, f.group, f.kind, f.max_len)
-                         for i, f in enumerate(config.features)), tuple(config.dense_transforms))
+                         for i, f in enumerate(config.features)), tuple(config.dense_transforms),
+                   tuple(not t.binary for t in config.data.tasks), config.data.weight_column)
+
+    @property
+    def label_columns(self) -> list[tuple[str, str, str]]:
+        """(config key, column, kind: binary, regression or weight) of every column read into the labels."""
+        kinds = self.regression or (False,) * len(self.labels)
+        out = [(f"data.labels ({c})", c, "regression" if r else "binary") for c, r in zip(self.labels, kinds)]
+        return out + ([("data.weight_column", self.weight, "weight")] if self.weight else [])
 
     def transform(self, j: int) -> str:
         return self.transforms[j] if self.transforms else "none"
@@ -87,12 +101,13 @@ class ColumnSpec:
     @property
     def columns(self) -> list[str]:
         """Every column read, once each."""
-        return list(dict.fromkeys([*self.labels, *self.dense, *(f.column for f in self.features)]))
+        return list(dict.fromkeys([*(c for _, c, _ in self.label_columns), *self.dense,
+                                   *(f.column for f in self.features)]))
 
     def keyed_columns(self) -> list[tuple[str, str]]:
         """(config key, column) of every column read, labels first: what messages name."""
-        return ([(f"data.labels ({c})", c) for c in self.labels] + [(f"data.dense_columns ({c})", c)
-                                                                  for c in self.dense]
+        return ([(key, c) for key, c, _ in self.label_columns] + [(f"data.dense_columns ({c})", c)
+                                                                for c in self.dense]
                 + [(f"{f.key}.column", f.column) for f in self.features])
 
     def missing(self, names: Iterable[str]) -> tuple[str, str] | None:
@@ -113,8 +128,8 @@ def check_types(schema: pa.Schema, spec: ColumnSpec, where: str) -> None:
     converter would refuse (labels, dense columns, features): what `hybridrec check` reads of every file before
     anything starts, from its schema alone."""
     check_names(schema.names, spec, where)
-    for name in spec.labels:
-        _check_label_type(schema.field(name).type, f"{where}: data.labels ({name})")
+    for key, name, _ in spec.label_columns:
+        _check_label_type(schema.field(name).type, f"{where}: {key}")
     for name in spec.dense:
         _check_dense_type(schema.field(name).type, f"{where}: data.dense_columns ({name})")
     for feature in spec.features:
@@ -126,7 +141,7 @@ def check_types(schema: pa.Schema, spec: ColumnSpec, where: str) -> None:
 
 
 def empty_rows(spec: ColumnSpec) -> Rows:
-    n = len(spec.labels)
+    n = len(spec.label_columns)
     return Rows(np.zeros((0,) if n == 1 else (0, n), np.float32), np.zeros((0, len(spec.dense)), np.float32),
                 KeyedBags(np.zeros(0, np.uint64), np.zeros((len(spec.features), 0), np.int64)))
 
@@ -139,7 +154,8 @@ class Converted:
     kept: np.ndarray
     """The source row number of each good row."""
     bad: int
-    """Rows with a null or non-0/1 label (`data.bad_lines: skip`)."""
+    """Rows with a bad label or weight (`data.bad_lines: skip`): null, a binary label not 0 or 1, a regression
+    label not finite, a weight not finite or negative."""
     non_finite: int
     """Rows with a NaN or infinite dense value (`data.non_finite: skip`)."""
     truncated: int
@@ -151,7 +167,7 @@ def convert(table: pa.Table, spec: ColumnSpec, where: str, first_row: int, in_pa
     """`table`'s rows (row `first_row` of its source onwards; row `in_part` of the part `where` names, a Parquet
     row group or a stream message). Raises ColumnFormatError naming `where` and the key for a column of the
     wrong type, and, under the ERROR policies, for a bad label or a value that is not finite."""
-    labels, good = _labels(table, spec.labels, where, first_row, in_part, policy)
+    labels, good = _labels(table, spec.label_columns, where, first_row, in_part, policy)
     dense, finite_values = _dense(table, spec, where)
     finite = finite_values.all(axis=1)
     not_finite = good & ~finite  # a row with a bad label is counted as that
@@ -208,29 +224,45 @@ def _check_dense_type(kind: pa.DataType, key: str) -> None:
         raise ColumnFormatError(f"{key}: a dense column must be float, integer, decimal or boolean, not {kind}")
 
 
-def _labels(table: pa.Table, names: Sequence[str], where: str, first_row: int, in_part: int,
+def _labels(table: pa.Table, columns: Sequence[tuple[str, str, str]], where: str, first_row: int, in_part: int,
             policy: BadLinePolicy) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (rows, tasks) labels and the mask of good rows (every label present and 0 or 1), each value
-    compared in its own type (no cast that could fail or round: an int64 above 2**24 is not 1)."""
-    out = np.zeros((table.num_rows, len(names)), np.float32)
+    """float32 (rows, columns) labels (the weights last, with a weight column) and the mask of good rows (every
+    value present and of its kind: `_binary` or `_finite`)."""
+    out = np.zeros((table.num_rows, len(columns)), np.float32)
     good = np.ones(table.num_rows, bool)
-    for t, name in enumerate(names):
+    for t, (key, name, kind) in enumerate(columns):
         column = _decoded(table.column(name))
-        _check_label_type(column.type, f"{where}: data.labels ({name})")
+        _check_label_type(column.type, f"{where}: {key}")
         if pa.types.is_boolean(column.type) or pa.types.is_float16(column.type):  # no comparison kernels
             column = pc.cast(column, pa.int8() if pa.types.is_boolean(column.type) else pa.float32())
-        one = pc.equal(column, pa.scalar(1, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
-        zero = pc.equal(column, pa.scalar(0, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
-        ok = one | zero
+        values, ok, wanted = _binary(column) if kind == "binary" else _finite(column, kind == "weight")
         if policy is BadLinePolicy.ERROR and not ok.all():
             i = int(np.flatnonzero(~ok)[0])
             value = column[i].as_py()
-            what = "null" if value is None else f"{value}, not 0 or 1"
-            raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): label column "
-                                    f"{name!r} is {what}")
-        out[:, t] = one
+            noun = "weight" if kind == "weight" else "label"
+            raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): {noun} column {name!r} is {'null' if value is None else f'{value}, not {wanted}'}")
+        out[:, t] = values
         good &= ok
     return out, good
+
+
+def _binary(column) -> tuple[np.ndarray, np.ndarray, str]:
+    """A binary label: each value compared in its own type (no cast that could fail or round: an int64 above
+    2**24 is not 1)."""
+    one = pc.equal(column, pa.scalar(1, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
+    zero = pc.equal(column, pa.scalar(0, column.type)).fill_null(False).to_numpy(zero_copy_only=False)
+    return one, one | zero, "0 or 1"
+
+
+def _finite(column, weight: bool) -> tuple[np.ndarray, np.ndarray, str]:
+    """A regression label (finite as float32) or a weight (also >= 0); nulls are bad rows."""
+    if pa.types.is_decimal(column.type):
+        column = pc.cast(column, pa.float64())
+    values = column.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls read NaN
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = values.astype(np.float32)
+        ok = np.isfinite(values) & (values >= 0 if weight else True)
+    return np.where(ok, values, 0.0).astype(np.float32), ok, "a finite number >= 0" if weight else "a finite number"
 
 
 def _dense(table: pa.Table, spec: ColumnSpec, where: str) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ loader slices batches out of memory-mapped arrays and parses nothing, in
 every epoch. Layout (`prepared_write.py` writes it):
 
     DIR/manifest.json                 written last: versions, sources, schema, shards, file sizes and checksums
-    DIR/shard-00000/labels.npy        float32 (n,), or (n, tasks) with several data.labels
+    DIR/shard-00000/labels.npy        float32 (n,), or (n, columns) with several data.labels or a weight column
     DIR/shard-00000/dense.npy         float32 (n, num_dense)
     DIR/shard-00000/ids.npy           TSV: uint64 (n, features), the configured features' columns
     DIR/shard-00000/present.npy       TSV: bool (n, features)
@@ -163,8 +163,13 @@ def schema(config: Config) -> dict[str, Any]:
     transform = _DENSE_TRANSFORM[data.format]
     if data.format == "parquet" and any(t != "none" for t in transforms):
         transform = ", ".join(f"{c} {t}" for c, t in zip(dense, transforms)) + "; log1p(max(x, 0)), null 0"
-    return {"data.format": data.format, "data.labels": list(data.labels), "data.dense_columns": dense,
-            "dense_transform": transform, "features": features}
+    schema_ = {"data.format": data.format, "data.labels": data.label_names, "data.dense_columns": dense,
+               "dense_transform": transform, "features": features}
+    if any(not t.binary for t in data.tasks):  # only when set: the fingerprints of earlier directories hold
+        schema_["data.label_kinds"] = [t.kind for t in data.tasks]
+    if data.weight_column is not None:
+        schema_["data.weight_column"] = data.weight_column
+    return schema_
 
 
 def fingerprint(schema_: dict[str, Any]) -> str:
@@ -357,7 +362,8 @@ class MappedShard:
 def _load_shard(directory: Path, manifest: Manifest, shard: ShardEntry) -> MappedShard:
     """The shard's arrays, memory-mapped (nothing is read until a batch is sliced)."""
     where, n, sch = directory / shard.name, shard.rows, manifest.schema_
-    num_labels, num_dense, num_features = len(sch["data.labels"]), len(sch["data.dense_columns"]), len(sch["features"])
+    num_labels = len(sch["data.labels"]) + ("data.weight_column" in sch)  # the weights are one more column
+    num_dense, num_features = len(sch["data.dense_columns"]), len(sch["features"])
     labels = _load(where / "labels.npy", np.float32, (n,) if num_labels == 1 else (n, num_labels))
     dense = _load(where / "dense.npy", np.float32, (n, num_dense))
     if sch["data.format"] == "tsv":

@@ -30,6 +30,7 @@ from hybridrec.frames import PSLookup, PSRows
 from hybridrec.models import build_model, feature_infos
 from hybridrec.pooling import PooledEmbeddings, Pooler
 from hybridrec.sharding import split_by_shard
+from hybridrec.tasks import answers
 from services.inference.compiled import CompiledDense
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ class LoadedModel:
     """The dense forward in ONNX Runtime (the inference service's), or None: PyTorch, eagerly."""
 
     def forward(self, dense: np.ndarray, bags) -> np.ndarray:
-        """float32 probabilities (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in)."""
+        """float32 answers (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in): a binary
+        task's probability, a regression task's value (`hybridrec.tasks.answers`)."""
         if self.compiled is not None:
             probs = self.compiled(dense, self.pooler.pool_host(bags))
         else:
@@ -119,7 +121,7 @@ class LoadedModel:
                 _, pooled = self.pooler.pool(bags, torch.device("cpu"), grad=False)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
                     logits = self.model(torch.from_numpy(dense), pooled)
-                probs = torch.sigmoid(logits.float()).numpy()
+                probs = answers(logits, self.manifest.binary_outputs).numpy()
         if probs.ndim == 2 and probs.shape[1] == 1:
             probs = probs[:, 0]
         return probs
@@ -234,5 +236,5 @@ def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table, *,
     compiled = None
     if compile:
         compiled = CompiledDense.build(model, pooler.pool_host(bags), manifest.num_dense,
-                                       precision=manifest.precision)
+                                       precision=manifest.precision, binary=tuple(manifest.binary_outputs))
     return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs, compiled)

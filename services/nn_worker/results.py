@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from hybridrec import log, rpc
 from hybridrec.config import Config
-from hybridrec.evaluation import binary_metrics, find_oracle, find_task_oracles
+from hybridrec.evaluation import find_oracle, find_task_oracles
 from hybridrec.proto import pb
+from hybridrec.tasks import Tasks
 from hybridrec.summary import (DiskTierSummary, PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle,
                                TaskMetrics)
 from services.nn_worker.distributed import control_group
@@ -27,22 +28,24 @@ from services.nn_worker.trainer import Trainer
 
 
 def gather_eval(preds: np.ndarray, labels: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's predictions and labels, on every rank (padded all_gather: no pickled objects). (n,) arrays
-    with one task, (n, tasks) with several."""
-    tasks = 1 if preds.ndim == 1 else preds.shape[1]
+    """Every rank's predictions and labels, on every rank (padded all_gather: no pickled objects). Each keeps
+    its shape's kind: (n,) arrays with one column, (n, columns) with several (labels: tasks, then weights)."""
     n = preds.shape[0]
-    local = torch.from_numpy(np.concatenate([preds.reshape(n, tasks).T, labels.reshape(n, tasks).T]).astype(np.float32))
+    tasks = 1 if preds.ndim == 1 else preds.shape[1]
+    columns = 1 if labels.ndim == 1 else labels.shape[1]
+    local = torch.from_numpy(np.concatenate([preds.reshape(n, tasks).T, labels.reshape(n, columns).T])
+                             .astype(np.float32))
+    rows = tasks + columns
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(sizes, torch.tensor([local.shape[1]]), group=control_group())
     longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(2 * tasks, longest)
+    padded = torch.zeros(rows, longest)
     padded[:, :local.shape[1]] = local
-    parts = [torch.zeros(2 * tasks, longest) for _ in range(world_size)]
+    parts = [torch.zeros(rows, longest) for _ in range(world_size)]
     dist.all_gather(parts, padded, group=control_group())
     joined = torch.cat([p[:, :int(n.item())] for p, n in zip(parts, sizes)], dim=1).numpy()
-    if preds.ndim == 1:
-        return joined[0], joined[1]
-    return joined[:tasks].T, joined[tasks:].T
+    all_preds = joined[0] if preds.ndim == 1 else joined[:tasks].T
+    return all_preds, joined[tasks] if labels.ndim == 1 else joined[tasks:].T
 
 
 def reduce_window(window: ProgressiveWindow) -> list[WindowMetrics]:
@@ -184,8 +187,9 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
     recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds).
     `progressive`: each task's progressive-validation metrics over every rank's window (`reduce_window`)."""
     wall = totals["train_wall_s"]
-    tasks = _task_metrics(config, labels, preds, progressive)
-    first = (tasks[0].model_dump(include={"auc", "logloss"}) if tasks else binary_metrics(labels, preds))
+    every = _task_metrics(config, labels, preds, progressive)
+    first = every[0].model_dump(include={"auc", "logloss", "rmse", "mae", "oracle_rmse"})
+    tasks = every if len(every) > 1 else None
     recovered = recovery_counters(config)
     # The embedding workers keep a looked-up training batch until its update is applied, so what they still
     # hold now is every lost update — including pushes lost with an NN worker that died, which no surviving
@@ -202,10 +206,11 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         staleness=Staleness.from_histogram(totals["staleness_hist"]),
         exposed_wait_per_step_s=totals["exposed_wait_per_step_s"], compute_per_step_s=totals["compute_per_step_s"],
         compute_cpu_s=totals["compute_cpu_s"], eval_samples=int(labels.shape[0]), **first, tasks=tasks,
-        oracle_auc=tasks[0].oracle_auc if tasks else find_oracle(config), wall_s=time.monotonic() - started, data=data,
+        oracle_auc=find_oracle(config) if tasks is None and every[0].kind == "binary" else every[0].oracle_auc,
+        wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
         publish=PublishSummary(**publish) if publish is not None else None, ps_storage=str(config.ps.storage),
-        **_progressive(progressive),
+        **_progressive(progressive if every[0].kind == "binary" else None),
         **recovered,
     )
 
@@ -221,15 +226,20 @@ def _progressive(window: list[WindowMetrics] | None) -> dict:
 
 
 def _task_metrics(config: Config, labels: np.ndarray, preds: np.ndarray,
-                  window: list[WindowMetrics] | None = None) -> list[TaskMetrics] | None:
-    """Each task's eval AUC, log loss and oracle, and its progressive validation (None with one task: the
-    summary's top-level fields say it)."""
-    if config.num_tasks == 1:
-        return None
-    oracles = find_task_oracles(config)
-    return [TaskMetrics(name=name, **binary_metrics(labels[:, t], preds[:, t]), oracle_auc=oracles.get(name),
-                        **_window_fields(window[t] if window else None))
-            for t, name in enumerate(config.data.labels)]
+                  window: list[WindowMetrics] | None = None) -> list[TaskMetrics]:
+    """Each task's eval metrics by its kind (weighted by the weight column, when there is one), its oracle and,
+    for a binary task, its progressive validation."""
+    tasks = Tasks.from_config(config, load=False)
+    task_labels, weights = tasks.split(labels)
+    task_labels, preds = task_labels.reshape(len(preds), -1), preds.reshape(len(preds), -1)
+    oracles = find_task_oracles(config) if tasks.count > 1 or not tasks.specs[0].binary else {}
+    out = []
+    for t, spec in enumerate(tasks.specs):
+        oracle = {k: v for k, v in oracles.get(spec.name, {}).items() if k in ("oracle_auc", "oracle_rmse")}
+        out.append(TaskMetrics(name=spec.name, kind=spec.kind, **tasks.metrics(t, task_labels[:, t], preds[:, t],
+                                                                               weights),
+                               **oracle, **(_window_fields(window[t] if window else None) if spec.binary else {})))
+    return out
 
 
 def _window_fields(metrics: WindowMetrics | None) -> dict:

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybridrec.config import Config, TrainingConfig
 from hybridrec.frames import DenseBatch, Gradients
 from hybridrec.pooling import BatchEmbeddings, Pooler
+from hybridrec.tasks import Tasks
 from services.nn_worker.distributed import DenseSync, DistEnv, group_for
 from services.nn_worker.feed import DeviceFeed
 
@@ -52,15 +52,14 @@ class StepMath:
     """The dense model's steps on one rank (module docstring). `sync` and `optimizer` are set by the trainer
     once the group is formed (`Trainer.setup`), and again when it re-forms."""
 
-    def __init__(self, model: torch.nn.Module, env: DistEnv, training: TrainingConfig, num_tasks: int,
+    def __init__(self, model: torch.nn.Module, env: DistEnv, training: TrainingConfig, tasks: Tasks,
                  pooler: Pooler):
-        self.env, self.training, self.num_tasks, self.pooler = env, training, num_tasks, pooler
+        self.env, self.training, self.tasks, self.pooler = env, training, tasks, pooler
+        self.num_tasks = tasks.count
         self.model = model.to(env.device)
         self.feed = DeviceFeed(env.device, overlap=training.overlap_copies)
         self.sync: DenseSync | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        weights = training.task_weights or [1.0] * num_tasks
-        self.task_weights = torch.tensor(weights, dtype=torch.float32, device=env.device)
         self._one = torch.ones(1, device=env.device)
 
     def train(self, batch: DenseBatch, emb: BatchEmbeddings, step: int, lost: bool = False,
@@ -140,23 +139,21 @@ class StepMath:
 
     @torch.no_grad()
     def predict(self, batch: DenseBatch, emb: BatchEmbeddings) -> np.ndarray:
-        """The batch's predicted probabilities: (B,), or (B, tasks) with several tasks."""
+        """The batch's predictions (a binary task's probability, a regression task's value): (B,), or (B, tasks)
+        with several tasks."""
         dense, _, staged = self.feed.stage(batch.dense, None, emb)
         _, embeddings = self.pooler.pool(staged, self.env.device, grad=False)
         with self.autocast():
             logits = self.logits(self.model(dense, embeddings))
-        return torch.sigmoid(logits).cpu().numpy()
+        return self.tasks.outputs(logits).cpu().numpy()
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's output as (B,) logits with one task, (B, tasks) with several."""
         return out.reshape(-1).float() if self.num_tasks == 1 else out.reshape(out.shape[0], self.num_tasks).float()
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Log loss; with several tasks, the sum of each task's mean log loss times its weight."""
-        if self.num_tasks == 1:
-            return F.binary_cross_entropy_with_logits(logits, labels)
-        per_task = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(dim=0)
-        return (per_task * self.task_weights).sum()
+        """The training loss (`Tasks.loss`: each task's own, weighted by the samples' weights, or the user's)."""
+        return self.tasks.loss(logits, labels)
 
     def autocast(self):
         """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""

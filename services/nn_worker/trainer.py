@@ -38,6 +38,7 @@ from hybridrec.config import Config, ConfigError, Mode
 from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients
 from hybridrec.metrics import STALENESS
 from hybridrec.pooling import BatchEmbeddings, Pooler
+from hybridrec.tasks import Tasks
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import DistEnv, barrier
 from services.nn_worker.feed import ready
@@ -96,7 +97,7 @@ class Trainer:
         self.compute = compute
         self.values = ValueCodec(fp16=self.training.compression.fp16, kappa=self.training.compression.kappa)
         self.pooler = Pooler(config.features, self.values)
-        self.math = StepMath(model, env, self.training, config.num_tasks, self.pooler)
+        self.math = StepMath(model, env, self.training, Tasks.from_config(config), self.pooler)
         self.checkpointer = collaborators.checkpointer
         self.publisher = collaborators.publisher
         self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
@@ -413,8 +414,9 @@ class Trainer:
     def refresh_train_auc(self) -> float:
         """The progressive window's AUC (the first task's) as `stats.train_auc`: O(window + buckets), so computed
         when asked (status, metrics: about once a second), only when the window changed, and without the log
-        loss, which the progress line does not show (its logarithms were half of a `Status` call)."""
-        if self.progressive.seen != self._auc_at:
+        loss, which the progress line does not show (its logarithms were half of a `Status` call). A first task
+        that is a regression has no AUC: NaN."""
+        if self.progressive.seen != self._auc_at and self.math.tasks.specs[0].binary:
             self._auc_at = self.progressive.seen
             auc = self.progressive.auc(0)
             if auc == auc:  # a window of one class keeps the last AUC (and a replacement its predecessor's)
@@ -423,7 +425,7 @@ class Trainer:
 
     # -- evaluation --------------------------------------------------------------------------
     async def evaluate(self) -> tuple[np.ndarray, np.ndarray, dict]:
-        """Predicted probabilities and labels of every eval batch this rank received."""
+        """Predictions and labels (weight column included) of every eval batch this rank received."""
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
         end: dict = {}
@@ -436,7 +438,7 @@ class Trainer:
                 looked.release()
                 labels.append(np.array(batch.labels))
                 self.ledger.predicted(batch.loader, batch.seq)
-        tasks = self.config.num_tasks
-        empty = np.zeros((0,) if tasks == 1 else (0, tasks), np.float32)
-        cat = lambda xs: np.concatenate(xs) if xs else empty  # noqa: E731
-        return cat(preds), cat(labels), end
+        tasks, columns = self.math.tasks.count, self.math.tasks.label_columns
+        empty = lambda n: np.zeros((0,) if n == 1 else (0, n), np.float32)  # noqa: E731
+        return (np.concatenate(preds) if preds else empty(tasks), np.concatenate(labels) if labels else empty(columns),
+                end)

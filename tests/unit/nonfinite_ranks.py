@@ -52,6 +52,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         from hybridrec.frames import DenseBatch, Embeddings
         from hybridrec.jagged import KeyedBags
         from hybridrec.pooling import Pooler
+        from hybridrec.tasks import Tasks
         from services.nn_worker.distributed import DenseSync, DistEnv, open_groups
         from services.nn_worker.step import StepMath, make_dense_optimizer
 
@@ -66,7 +67,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         model = _model()
         env = DistEnv(rank=rank, world_size=WORLD, backend="gloo", device=torch.device("cpu"))
         values = ValueCodec(fp16=False)
-        math = StepMath(model, env, config.training, config.num_tasks, Pooler(config.features, values))
+        math = StepMath(model, env, config.training, Tasks.from_config(config), Pooler(config.features, values))
         math.sync = DenseSync(model, env, config.training)
         math.optimizer = make_dense_optimizer(math.sync.module, config)
         rng = np.random.default_rng(rank)

@@ -2,8 +2,9 @@
 importing the core and itself) <- the app (hybridrec/app/: the CLI, the launcher, reports, data tools, export).
 
 The check reads the real import graph of every module, imports inside functions included, and refuses an
-import by string (`importlib.import_module`, `__import__`) of our own code: the one import by string left is
-the model plugin (`hybridrec.models`), which imports the user's model class named in the config.
+import by string (`importlib.import_module`, `__import__`) of our own code: the imports by string left are the
+plugins, which import what the config names of the user's code: the model class (`hybridrec.models`) and the
+training loss (`hybridrec.tasks`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ PACKAGE = Path(hybridrec.__file__).resolve().parent
 REPO = PACKAGE.parent
 CORE, SERVICES, APP = 0, 1, 2
 LAYER_NAMES = ("core", "services", "app")
-MODEL_PLUGIN = "hybridrec.models"
+PLUGINS = ("hybridrec.models", "hybridrec.tasks")
 
 
 def _module_name(path: Path) -> str:
@@ -91,7 +92,7 @@ def _arrows_up() -> list[str]:
             elif target == SERVICES and _layer(module) == SERVICES and _service(name) not in (None, _service(module)):
                 offending.append(f"{where} (another service)")
         for line, argument in _string_imports(tree):
-            if module != MODEL_PLUGIN:
+            if module not in PLUGINS:
                 offending.append(f"{path.relative_to(REPO)}:{line}: imports by string: {argument}")
     return offending
 

@@ -123,7 +123,7 @@ def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tm
 
     s = synthesize_multitask(tmp_path, rows=20_000, eval_rows=10_000, seed=1)
     oracle = json.loads((tmp_path / "oracle.json").read_text())
-    assert set(oracle["tasks"]) == {"click", "conversion"} and oracle["oracle_auc"] == oracle["tasks"]["click"]["oracle_auc"]
+    assert set(oracle["tasks"]) == {"click", "conversion", "watch_time"} and oracle["oracle_auc"] == oracle["tasks"]["click"]["oracle_auc"]
     assert 0.65 < s.oracle_auc["click"] < 0.9 and 0.6 < s.oracle_auc["conversion"] < 0.9
     assert oracle["label_correlation"] > 0.02  # the tasks share effects
     table = pq.read_table(tmp_path / "train.parquet")

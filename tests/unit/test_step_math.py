@@ -21,6 +21,7 @@ from hybridrec.frames import DenseBatch, Embeddings
 from hybridrec.jagged import KeyedBags
 from hybridrec.models import FeatureInfo, build_model
 from hybridrec.pooling import Pooler
+from hybridrec.tasks import Tasks
 from services.nn_worker.distributed import DenseSync, DistEnv, close_groups, open_groups
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
@@ -36,7 +37,7 @@ def _setup():
                         config.model.kwargs)
     env = DistEnv(rank=0, world_size=1, backend="gloo", device=torch.device("cpu"))
     values = ValueCodec(fp16=False)
-    math = StepMath(model, env, config.training, config.num_tasks, Pooler(config.features, values))
+    math = StepMath(model, env, config.training, Tasks.from_config(config), Pooler(config.features, values))
     math.optimizer = make_dense_optimizer(model, config)
     rng = np.random.default_rng(0)
     counts = np.array([3, 2], np.int32)

@@ -1,0 +1,148 @@
+"""The model's tasks: what each output is (a click or a value), how it trains, and how a batch's labels carry the
+sample weights.
+
+One owner for what `data.labels`, `data.weight_column` and `training.loss` mean once data is read: the NN
+worker's training loss and predictions, and the eval metrics. A binary task trains with log loss on a logit and
+answers the sigmoid of it, a probability; a regression task trains with MSE or Huber on the output itself and
+answers it as it is. A batch's labels are float32 (batch,) with one task and no weights, else (batch, columns):
+one column per task, then, with `data.weight_column`, the weights (the readers append them: one array to frame,
+ship and slice, whatever the task count).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridrec.config import Config, ConfigError, TaskConfig
+from hybridrec.evaluation import binary_metrics, regression_metrics
+
+LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_loss(path: str) -> LossFunction:
+    """The function `module:function` names (`training.loss`); ConfigError naming the key when it does not
+    import or is not callable."""
+    module_name, _, name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except Exception as exc:  # an import can raise anything; the message says what
+        raise ConfigError(f"training.loss: {path!r} does not import: {type(exc).__name__}: {exc}") from exc
+    if not callable(function):
+        raise ConfigError(f"training.loss: {path!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def answers(out: torch.Tensor, binary: list[bool]) -> torch.Tensor:
+    """A model's answers from its raw outputs, float32: the sigmoid of a binary task's output (a probability),
+    a regression task's output as it is. `out` is (batch,) or (batch, 1) with one task, (batch, tasks) with
+    several; training, `hybridrec predict` and both serving engines answer through this."""
+    out = out.float()
+    if all(binary):
+        return torch.sigmoid(out)
+    if not any(binary):
+        return out
+    return torch.where(torch.tensor(binary, device=out.device), torch.sigmoid(out), out)
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """The job's tasks (`data.labels`), whether its labels carry weights, and the loss they train with."""
+
+    specs: tuple[TaskConfig, ...]
+    weighted: bool
+    task_weights: tuple[float, ...]
+    custom: LossFunction | None = None
+    custom_name: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Config, load: bool = True) -> "Tasks":
+        """`load`: import `training.loss` (the NN workers do; a caller that only splits labels need not)."""
+        specs = tuple(config.data.tasks)
+        path = config.training.loss
+        return cls(specs, config.data.weight_column is not None,
+                   tuple(config.training.task_weights or [1.0] * len(specs)),
+                   load_loss(path) if path and load else None, path)
+
+    @property
+    def count(self) -> int:
+        return len(self.specs)
+
+    @property
+    def label_columns(self) -> int:
+        """Columns of a batch's labels: the tasks', and the weights' with a weight column."""
+        return self.count + self.weighted
+
+    @property
+    def binary(self) -> np.ndarray:
+        """bool (tasks,): which outputs are probabilities."""
+        return np.array([t.binary for t in self.specs])
+
+    def split(self, labels: np.ndarray | torch.Tensor):
+        """A batch's labels as (labels, weights): labels (batch,) with one task, (batch, tasks) with several;
+        weights (batch,), or None without a weight column."""
+        if not self.weighted:
+            return labels, None
+        task_labels = labels[:, 0] if self.count == 1 else labels[:, :self.count]
+        return task_labels, labels[:, self.count]
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch's outputs against its labels (weight column included): the user's
+        function, or each task's own loss, a weighted mean over the samples, summed over tasks times
+        `training.task_weights`."""
+        task_labels, weights = self.split(labels)
+        if self.custom is not None:
+            if weights is None:
+                weights = torch.ones(task_labels.shape[0], dtype=task_labels.dtype, device=task_labels.device)
+            return self._checked(self.custom(logits, task_labels, weights))
+        if self.count == 1:
+            return self._task_loss(self.specs[0], logits, task_labels, weights)
+        total = logits.new_zeros(())
+        for t, spec in enumerate(self.specs):
+            total = total + self.task_weights[t] * self._task_loss(spec, logits[:, t], task_labels[:, t], weights)
+        return total
+
+    @staticmethod
+    def _task_loss(spec: TaskConfig, out: torch.Tensor, labels: torch.Tensor,
+                   weights: torch.Tensor | None) -> torch.Tensor:
+        """One task's loss: the mean over the batch, weighted by the samples' weights (sum of weight times loss
+        over sum of weights: a batch of weights 1 gives the unweighted mean exactly)."""
+        name = spec.loss_name
+        if weights is None:
+            if name == "bce":
+                return F.binary_cross_entropy_with_logits(out, labels)
+            if name == "mse":
+                return F.mse_loss(out, labels)
+            return F.huber_loss(out, labels, delta=spec.huber_delta)
+        if name == "bce":
+            per = F.binary_cross_entropy_with_logits(out, labels, reduction="none")
+        elif name == "mse":
+            per = F.mse_loss(out, labels, reduction="none")
+        else:
+            per = F.huber_loss(out, labels, reduction="none", delta=spec.huber_delta)
+        return (per * weights).sum() / weights.sum().clamp_min(torch.finfo(per.dtype).tiny)
+
+    def _checked(self, loss) -> torch.Tensor:
+        """The user's loss, refused (naming `training.loss`) unless it is a scalar tensor; whether it is finite
+        is the step's non-finite check (`training.on_nonfinite`), as for the built-in losses."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.dtype.is_floating_point:
+            what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+                    else f"a {type(loss).__name__}")
+            raise ValueError(f"training.loss: {self.custom_name} returned {what}, not a floating-point scalar "
+                             f"tensor")
+        return loss.reshape(())
+
+    def outputs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's answers from its raw outputs (`answers`)."""
+        return answers(logits, [t.binary for t in self.specs])
+
+    def metrics(self, t: int, labels: np.ndarray, predictions: np.ndarray,
+                weights: np.ndarray | None) -> dict[str, float | None]:
+        """Task t's eval metrics: AUC and log loss, or RMSE and MAE (weighted with `weights`)."""
+        if self.specs[t].binary:
+            return binary_metrics(labels, predictions, weights)
+        return regression_metrics(labels, predictions, weights)
