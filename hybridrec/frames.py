@@ -86,7 +86,7 @@ def max_request_bytes(config: Config) -> int:
     batch = max(training.batch_size, training.eval_batch_size)
     width = max((f.dim for f in config.features), default=1)
     per_id = 8 + 2 + 4 * 3 * width + 8
-    per_sample = 4 * (config.num_dense + config.num_tasks) + 2 * len(config.features)
+    per_sample = 4 * (config.num_dense + config.label_columns) + 2 * len(config.features)
     return min(max_ids(config) * per_id + batch * per_sample + (4 << 20), MAX_REQUEST_BYTES)
 
 
@@ -340,12 +340,13 @@ class EndOfPhase:
                                   "rows_sent": int(self.rows_sent), **self.meta})
 
 
-def decode_nn_batch(buf: bytes | memoryview, num_dense: int, num_tasks: int = 1,
+def decode_nn_batch(buf: bytes | memoryview, num_dense: int, label_columns: int = 1,
                     loaders: int = 1) -> DenseBatch | EndOfPhase:
     """What a data loader sent an NN worker: a dense batch, or the end of a phase. Labels are (B,) with one
-    task, (B, num_tasks) with several; `loaders`: how many data loaders there are (cluster.dataloader)."""
+    column, (B, label_columns) with several (`Config.label_columns`: the tasks', then a weight column's);
+    `loaders`: how many data loaders there are (cluster.dataloader)."""
     if bytes(memoryview(buf)[:len(_DENSE_MAGIC)]) == _DENSE_MAGIC:
-        return _decode_dense(buf, num_dense, num_tasks, loaders)
+        return _decode_dense(buf, num_dense, label_columns, loaders)
     frame = codec.decode(buf)
     loader = frame.meta_int("loader", default=0)
     if not 0 <= loader < loaders:
@@ -364,7 +365,7 @@ def decode_nn_batch(buf: bytes | memoryview, num_dense: int, num_tasks: int = 1,
                       end_seq=end_seq, rows_sent=rows_sent)
 
 
-def _decode_dense(buf: bytes | memoryview, num_dense: int, num_tasks: int, loaders: int) -> DenseBatch:
+def _decode_dense(buf: bytes | memoryview, num_dense: int, label_columns: int, loaders: int) -> DenseBatch:
     """`DenseBatch.encode`'s bytes: its arrays are views of `buf`."""
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
@@ -379,8 +380,9 @@ def _decode_dense(buf: bytes | memoryview, num_dense: int, num_tasks: int, loade
         raise FrameError(f"loader {loader} is not one of the {loaders} data loaders")
     if npos > MAX_POSITION_FIELDS:
         raise FrameError(f"position of {npos} fields; at most {MAX_POSITION_FIELDS}")
-    if columns != (0 if num_tasks == 1 else num_tasks):
-        raise FrameError(f"labels of {columns or 1} column(s) do not hold {num_tasks} tasks")
+    if columns != (0 if label_columns == 1 else label_columns):
+        raise FrameError(f"labels of {columns or 1} column(s), not the job's {label_columns} (its tasks', and a "
+                         f"weight column's when it has one)")
     if width != num_dense or rows == 0:
         raise FrameError(f"dense ({rows}, {width}) and labels do not form a batch with {num_dense} dense features")
     if rows > MAX_BATCH:

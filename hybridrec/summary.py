@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -328,6 +328,17 @@ class Phases(BaseModel):
     """The NN workers exited: evaluation done, summary written."""
     end: float | None = None
     """Every service stopped."""
+
+
+def task_row(task: dict, fmt: Callable[[Any], str]) -> tuple[str, str]:
+    """A task's eval results as one (label, value) row of the CLI's table and the report, by its kind: AUC,
+    oracle AUC and log loss, or RMSE, oracle RMSE and MAE. `task`: a `TaskMetrics` as a dict."""
+    name = f"task {task.get('name')}: " if task.get("name") else ""
+    if task.get("kind") == "regression":
+        return (f"{name}eval RMSE / oracle / MAE",
+                f"{fmt(task.get('rmse'))} / {fmt(task.get('oracle_rmse'))} / {fmt(task.get('mae'))}")
+    return (f"{name}eval AUC / oracle / logloss",
+            f"{fmt(task.get('auc'))} / {fmt(task.get('oracle_auc'))} / {fmt(task.get('logloss'))}")
 
 
 class TaskMetrics(BaseModel):

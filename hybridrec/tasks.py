@@ -126,6 +126,26 @@ class Tasks:
             per = F.huber_loss(out, labels, reduction="none", delta=spec.huber_delta)
         return (per * weights).sum() / weights.sum().clamp_min(torch.finfo(per.dtype).tiny)
 
+    def probe(self) -> None:
+        """Run the user's loss once on a batch of two samples (outputs 0, labels 0 and 1, weights 1), before
+        training: ConfigError naming `training.loss` when it raises, or returns what `_checked` refuses, or a
+        value that is not finite or not differentiable in the outputs. A no-op with the built-in losses."""
+        if self.custom is None:
+            return
+        shape = (2,) if self.count == 1 else (2, self.count)
+        logits = torch.zeros(shape, requires_grad=True)
+        labels = torch.tensor([0.0, 1.0]).reshape(2, *([1] * (len(shape) - 1))).expand(shape).contiguous()
+        try:
+            loss = self._checked(self.custom(logits, labels, torch.ones(2)))
+            if not bool(torch.isfinite(loss)):
+                raise ValueError(f"training.loss: {self.custom_name} returned {float(loss)} on outputs of 0")
+            loss.backward()
+        except ValueError as exc:
+            raise ConfigError(str(exc) if str(exc).startswith("training.loss") else
+                              f"training.loss: {self.custom_name} failed: ValueError: {exc}") from None
+        except Exception as exc:  # the user's code can raise anything; the message says what
+            raise ConfigError(f"training.loss: {self.custom_name} failed: {type(exc).__name__}: {exc}") from None
+
     def _checked(self, loss) -> torch.Tensor:
         """The user's loss, refused (naming `training.loss`) unless it is a scalar tensor; whether it is finite
         is the step's non-finite check (`training.on_nonfinite`), as for the built-in losses."""

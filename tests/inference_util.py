@@ -170,7 +170,9 @@ def make_config_bundle(out: Path, config_path: Path, *, vocabulary: int = 20_000
     manifest = BundleManifest(version=1, step=10, features=config.features, num_dense=config.num_dense,
                               num_tasks=num_tasks, model=config.model, num_shards=num_shards,
                               input_types={f.name: "INT64" for f in config.features},
-                              dense_columns=list(config.data.dense_columns or []))
+                              dense_columns=list(config.data.dense_columns or []),
+                              tasks=config.data.label_names if num_tasks > 1 else [],
+                              task_kinds=[t.kind for t in config.data.tasks])
     model = build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
                         num_tasks=num_tasks)
     writer = BundleWriter(out, manifest)

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
-from hybridrec.summary import RunSummary
+from hybridrec.summary import RunSummary, task_row
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
@@ -156,15 +156,19 @@ def check_rows(config: Config) -> None:
 
 
 def check_model(config: Config) -> None:
-    """Build the configured model once (ConfigError naming what is wrong). It imports torch, about 2 core-s:
+    """Build the configured model once, and import `training.loss` (ConfigError naming what is wrong). It
+    imports torch, about 2 core-s:
     `hybridrec run` does it on a thread while the services start, not before."""
     from hybridrec.models import ModelImportError, build_model, feature_infos
+    from hybridrec.tasks import Tasks
 
     try:
         build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
                     num_tasks=config.num_tasks)
     except (ModelImportError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    if config.training.loss:  # ConfigError naming training.loss when it does not import, or answers no loss
+        Tasks.from_config(config).probe()
 
 
 @app.command()
@@ -274,9 +278,11 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("versions published / full / skipped / failed",
                          f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
                          f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
+    if summary.rmse is not None:  # a regression task alone
+        rows.insert(-2, task_row({"kind": "regression", **summary.model_dump(include={"rmse", "oracle_rmse", "mae"})},
+                                 fmt_sig))
     for task in summary.tasks or []:
-        rows.insert(-2, (f"task {task.name}: eval AUC / oracle / logloss",
-                         f"{fmt_sig(task.auc)} / {fmt_sig(task.oracle_auc)} / {fmt_sig(task.logloss)}"))
+        rows.insert(-2, task_row(task.model_dump(), fmt_sig))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)

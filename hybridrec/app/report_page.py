@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridrec.app.report_series import num as _num
-from hybridrec.summary import ServiceInfo, describe_store_loss
+from hybridrec.summary import ServiceInfo, describe_store_loss, task_row
 
 if TYPE_CHECKING:
     from hybridrec.app.report_series import Recorder
@@ -136,11 +136,16 @@ def _store_loss(loss: dict) -> str:
 
 
 def _task_rows(s: dict) -> list[tuple[str, str]]:
-    """A multi-task run's per-task eval results (the top-level AUC and log loss are the first task's)."""
+    """A multi-task run's per-task eval results by kind (the top-level ones are the first task's), or a
+    regression task's alone."""
     tasks = s.get("tasks") if isinstance(s.get("tasks"), list) else []
-    return [(f"Task {t.get('name')}: eval AUC / oracle / log loss",
-             f"{fmt_sig(t.get('auc'))} / {fmt_sig(t.get('oracle_auc'))} / {fmt_sig(t.get('logloss'))}")
-            for t in tasks if isinstance(t, dict)]
+    if not tasks and s.get("rmse") is not None:
+        tasks = [{"kind": "regression", "rmse": s.get("rmse"), "oracle_rmse": s.get("oracle_rmse"), "mae": s.get("mae")}]
+    return [_capitalised(task_row(t, fmt_sig)) for t in tasks if isinstance(t, dict)]
+
+
+def _capitalised(row: tuple[str, str]) -> tuple[str, str]:
+    return row[0][:1].upper() + row[0][1:], row[1]
 
 
 def _result_rows(s: dict) -> list[tuple[str, str]]:

@@ -120,6 +120,11 @@ class Config(Section):
         return len(self.data.tasks)
 
     @property
+    def label_columns(self) -> int:
+        """Columns of a batch's labels: one per task, and the sample weights' with `data.weight_column`."""
+        return self.num_tasks + (self.data.weight_column is not None)
+
+    @property
     def dense_columns(self) -> list[str]:
         """Parquet: the dense features' columns."""
         return self.data.dense_columns or [f"I{i + 1}" for i in range(self.num_dense)]

@@ -222,7 +222,7 @@ class ReceiverLink:
         (which it reuses once the call is answered), or out of the message: writable arrays either way."""
         config = self.config
         frame = message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
-        item = decode_nn_batch(frame, config.num_dense, config.num_tasks, self.loaders)
+        item = decode_nn_batch(frame, config.num_dense, config.label_columns, self.loaders)
         if isinstance(item, DenseBatch):
             item.dense, item.labels = item.dense.copy(), item.labels.copy()
         return item

@@ -60,7 +60,7 @@ class NNWorkerServicer:
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Queue a batch for the trainer (`admit`); the reply says how far this rank has trained that loader's
         stream."""
-        item = decode_nn_batch(request, self.config.num_dense, self.config.num_tasks, self.inbox.loaders)
+        item = decode_nn_batch(request, self.config.num_dense, self.config.label_columns, self.inbox.loaders)
         return (await self.admit(item)).encode()
 
     async def admit(self, item: DenseBatch | EndOfPhase) -> Consumed:

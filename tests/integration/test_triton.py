@@ -44,7 +44,7 @@ def _dlrm_config(tmp_path):
     return path
 
 
-@pytest.fixture(scope="module", params=["readme", "readme_int8", "dlrm", "din", "multitask"])
+@pytest.fixture(scope="module", params=["readme", "readme_int8", "dlrm", "din", "multitask", "watch_time"])
 def served(request, tmp_path_factory):
     """(bundle, client-side model name, gRPC address, HTTP address) of a running Triton on one model."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -55,7 +55,8 @@ def served(request, tmp_path_factory):
     elif request.param == "dlrm":
         make_config_bundle(bundle, _dlrm_config(tmp), vocabulary=VOCABULARY)
     else:
-        example = {"din": "din_parquet.yaml", "multitask": "multitask_parquet.yaml"}[request.param]
+        example = {"din": "din_parquet.yaml", "multitask": "multitask_parquet.yaml",
+                   "watch_time": "watch_time_parquet.yaml"}[request.param]
         make_config_bundle(bundle, REPO_ROOT / "examples" / example, vocabulary=VOCABULARY)
     settings = InferenceConfig(bundle=str(bundle), model_name=request.param, grpc_port=free_port(),
                                http_port=free_port(), triton_instances=1)  # one model load, not one per core
@@ -150,6 +151,8 @@ def test_triton_answers_as_hybridrec_over_grpc_and_rest(served, n, tmp_path):
         np.testing.assert_allclose(got["probability"], expected, atol=1e-5, rtol=0)
         for k, task in enumerate(outputs[1:]):  # one output per named task: its column
             np.testing.assert_allclose(got[task][:, 0], expected[:, k], atol=1e-5, rtol=0)
+    if name == "watch_time":  # a binary and a regression task, each output by name (tests/unit/test_tasks.py
+        assert outputs[1:] == ["click", "watch_time"]  # shows the regression one is not a sigmoid)
 
 
 def test_a_malformed_request_is_refused_by_name_and_the_server_keeps_answering(served, tmp_path):

@@ -186,8 +186,8 @@ def test_inconsistent_frames_are_refused():
     batch = DenseBatch(1, np.ones((4, 3), np.float32), np.ones(4, np.float32), loader=1).encode()
     with pytest.raises(FrameError, match="do not form a batch with 5 dense features"):
         decode_nn_batch(batch, 5, loaders=2)
-    with pytest.raises(FrameError, match="do not hold 2 tasks"):
-        decode_nn_batch(batch, 3, num_tasks=2, loaders=2)
+    with pytest.raises(FrameError, match=r"labels of 1 column\(s\), not the job's 2"):
+        decode_nn_batch(batch, 3, label_columns=2, loaders=2)
     with pytest.raises(FrameError, match="takes 128 bytes, not 124"):
         decode_nn_batch(batch[:-4], 3, loaders=2)
     with pytest.raises(FrameError, match="loader 1 is not one of the 1 data loaders"):
@@ -284,7 +284,7 @@ def test_a_dense_batch_crosses_whole(tasks):
                        labels=rng.random((rows, tasks) if tasks > 1 else rows, dtype=np.float32), phase="eval",
                        seq=-1 if tasks == 1 else 41, position=(3, 0, (1 << 64) - 1, 17)[:tasks + 1],
                        rows_before=123456789, loader=2)
-    got = decode_nn_batch(batch.encode(), 13, num_tasks=tasks, loaders=3)
+    got = decode_nn_batch(batch.encode(), 13, label_columns=tasks, loaders=3)
     assert (got.batch_ref, got.phase, got.seq, got.position, got.rows_before, got.loader) == (
         batch.batch_ref, batch.phase, batch.seq, batch.position, batch.rows_before, batch.loader)
     np.testing.assert_array_equal(got.dense, batch.dense)
