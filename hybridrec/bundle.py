@@ -43,7 +43,7 @@ from typing import Any, Iterable, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridrec.config import FeatureConfig, ModelConfig
+from hybridrec.config import FeatureConfig, ModelConfig, TaskConfig
 from hybridrec.files import write_json_atomic
 
 FORMAT = "hybridrec-bundle"
@@ -97,7 +97,7 @@ class BundleManifest(BaseModel):
     num_dense: int
     """Dense features the model takes."""
     num_tasks: int = 1
-    """Label columns the model was trained on: one output per task (`task_kinds`)."""
+    """Label columns the model was trained on: one output per task (`heads`)."""
     model: ModelConfig
     """Import path and keyword arguments of the dense model."""
     precision: str = "fp32"
@@ -116,18 +116,19 @@ class BundleManifest(BaseModel):
     tasks: list[str] = Field(default_factory=list)
     """The task (label column) of each output, in order, so a multi-task model's answers can be asked for by
     name; empty in bundles written before they were recorded."""
-    task_kinds: list[str] = Field(default_factory=list)
-    """Each output's kind (binary: a probability, the sigmoid of the model's output; regression: the output
-    itself), in order; empty: every output binary (bundles written before regression tasks)."""
+    heads: list[TaskConfig] = Field(default_factory=list)
+    """Each output's task as the job configured it (`data.labels`), in order: its kind says how the output is
+    answered (binary: the sigmoid of the model's output, a probability; regression: offset + scale x the
+    output, a value); empty: every output binary (bundles written before regression tasks)."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every other file of the bundle, by path relative to it."""
     created: float = Field(default_factory=time.time)
     """Unix time the bundle was written."""
 
     @property
-    def binary_outputs(self) -> list[bool]:
-        """Which outputs are probabilities (`task_kinds`; every one in an older bundle)."""
-        return [k == "binary" for k in self.task_kinds] if self.task_kinds else [True] * self.num_tasks
+    def task_heads(self) -> list[TaskConfig]:
+        """`heads`, or every output binary in an older bundle."""
+        return list(self.heads) or [TaskConfig(name=f"task{t}") for t in range(self.num_tasks)]
 
     @property
     def widths(self) -> list[int]:

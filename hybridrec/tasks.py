@@ -3,8 +3,8 @@ sample weights.
 
 One owner for what `data.labels`, `data.weight_column` and `training.loss` mean once data is read: the NN
 worker's training loss and predictions, and the eval metrics. A binary task trains with log loss on a logit and
-answers the sigmoid of it, a probability; a regression task trains with MSE or Huber on the output itself and
-answers it as it is. A batch's labels are float32 (batch,) with one task and no weights, else (batch, columns):
+answers the sigmoid of it, a probability; a regression task's value is offset + scale x its output (the
+`data.labels` entry's), trained with MSE or Huber against the label and answered as it is. A batch's labels are float32 (batch,) with one task and no weights, else (batch, columns):
 one column per task, then, with `data.weight_column`, the weights (the readers append them: one array to frame,
 ship and slice, whatever the task count).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -37,16 +37,20 @@ def load_loss(path: str) -> LossFunction:
     return function
 
 
-def answers(out: torch.Tensor, binary: list[bool]) -> torch.Tensor:
-    """A model's answers from its raw outputs, float32: the sigmoid of a binary task's output (a probability),
-    a regression task's output as it is. `out` is (batch,) or (batch, 1) with one task, (batch, tasks) with
-    several; training, `hybridrec predict` and both serving engines answer through this."""
+def answers(out: torch.Tensor, heads: Sequence[TaskConfig]) -> torch.Tensor:
+    """A model's answers from its raw outputs, float32, by each output's task (`heads`): the sigmoid of a binary
+    task's output (a probability), offset + scale x a regression task's (its value). `out` is (batch,) or
+    (batch, 1) with one task, (batch, tasks) with several; training's eval, `hybridrec predict` and both serving
+    engines answer through this. An empty `heads`: every output binary."""
     out = out.float()
-    if all(binary):
+    if all(h.binary for h in heads):
         return torch.sigmoid(out)
-    if not any(binary):
-        return out
-    return torch.where(torch.tensor(binary, device=out.device), torch.sigmoid(out), out)
+    offset = torch.tensor([h.offset for h in heads], device=out.device)
+    scale = torch.tensor([h.scale for h in heads], device=out.device)
+    values = out * scale + offset if out.ndim == 2 else out * scale[0] + offset[0]
+    if not any(h.binary for h in heads):
+        return values
+    return torch.where(torch.tensor([h.binary for h in heads], device=out.device), torch.sigmoid(out), values)
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,6 @@ class Tasks:
         """Columns of a batch's labels: the tasks', and the weights' with a weight column."""
         return self.count + self.weighted
 
-    @property
-    def binary(self) -> np.ndarray:
-        """bool (tasks,): which outputs are probabilities."""
-        return np.array([t.binary for t in self.specs])
-
     def split(self, labels: np.ndarray | torch.Tensor):
         """A batch's labels as (labels, weights): labels (batch,) with one task, (batch, tasks) with several;
         weights (batch,), or None without a weight column."""
@@ -110,8 +109,11 @@ class Tasks:
     def _task_loss(spec: TaskConfig, out: torch.Tensor, labels: torch.Tensor,
                    weights: torch.Tensor | None) -> torch.Tensor:
         """One task's loss: the mean over the batch, weighted by the samples' weights (sum of weight times loss
-        over sum of weights: a batch of weights 1 gives the unweighted mean exactly)."""
+        over sum of weights: a batch of weights 1 gives the unweighted mean exactly); a regression task's of its
+        value, offset + scale x the output."""
         name = spec.loss_name
+        if not spec.binary and (spec.offset, spec.scale) != (0.0, 1.0):
+            out = out * spec.scale + spec.offset  # the task's value, in the label's units
         if weights is None:
             if name == "bce":
                 return F.binary_cross_entropy_with_logits(out, labels)
@@ -158,7 +160,7 @@ class Tasks:
 
     def outputs(self, logits: torch.Tensor) -> torch.Tensor:
         """The model's answers from its raw outputs (`answers`)."""
-        return answers(logits, [t.binary for t in self.specs])
+        return answers(logits, self.specs)
 
     def metrics(self, t: int, labels: np.ndarray, predictions: np.ndarray,
                 weights: np.ndarray | None) -> dict[str, float | None]:

@@ -93,7 +93,7 @@ def export(source: Path, out: Path, *, quantize: str | None = None) -> tuple[Pat
                               num_tasks=config.num_tasks, model=config.model, precision=config.training.precision,
                               num_shards=ps["num_shards"], input_types=input_types(config),
                               dense_columns=config.dense_columns, tasks=config.data.label_names,
-                              task_kinds=[t.kind for t in config.data.tasks],
+                              heads=config.data.tasks,
                               quantization=quantize,
                               format_version=QUANTIZED_FORMAT_VERSION if quantize else FORMAT_VERSION)
     writer = BundleWriter(out, manifest)

@@ -99,11 +99,20 @@ class TaskConfig(Section):
     """The task's loss: bce for binary tasks (the only one they take), mse (default) or huber for regression."""
     huber_delta: Annotated[float, Field(gt=0)] = 1.0
     """huber: where the loss turns from squared to linear, in the label's units."""
+    offset: float = 0.0
+    """regression: the task's value is offset + scale x the model's output, trained and served so. Set them to
+    about the label's mean and spread (a watch time of mean 30 minutes: 30 and 30): a model's output starts
+    near 0, and a head that must first walk to 30 trains for hundreds of steps on its bias alone."""
+    scale: Annotated[float, Field(gt=0)] = 1.0
+    """regression: see `offset`."""
 
     @model_validator(mode="after")
     def _loss_fits_kind(self) -> "TaskConfig":
         if self.kind == "binary" and self.loss not in (None, "bce"):
             raise ValueError(f"loss: {self.loss} is a regression loss; a binary task trains with bce")
+        if self.kind == "binary" and (self.offset, self.scale) != (0.0, 1.0):
+            raise ValueError("offset, scale: a binary task answers the sigmoid of its output; they are for "
+                             "regression tasks")
         if self.kind == "regression" and self.loss == "bce":
             raise ValueError("loss: bce needs 0/1 labels; a regression task trains with mse or huber")
         return self

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hybridrec import log
+from hybridrec.config import TaskConfig
 from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
 from hybridrec.tasks import answers
 
@@ -55,11 +56,11 @@ class FlatInput:
 
 class _Flat(torch.nn.Module):
     """The model over flat tensors: rebuilds the `PooledEmbeddings` it was trained with, then its answers (the
-    sigmoid of each binary output, regression outputs as they are: `hybridrec.tasks.answers`)."""
+    sigmoid of each binary output, a regression output's value: `hybridrec.tasks.answers`)."""
 
-    def __init__(self, model: torch.nn.Module, slots: list[FlatInput], binary: tuple[bool, ...] = ()):
+    def __init__(self, model: torch.nn.Module, slots: list[FlatInput], heads: tuple[TaskConfig, ...] = ()):
         super().__init__()
-        self.model, self.slots, self.binary = model, slots, list(binary)
+        self.model, self.slots, self.heads = model, slots, list(heads)
 
     def forward(self, dense: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         pooled, i = PooledEmbeddings(), 0
@@ -73,7 +74,7 @@ class _Flat(torch.nn.Module):
                 for j, name in enumerate(slot.names):
                     pooled[name] = block[:, j]
                 i += 1
-        return answers(self.model(dense, pooled), self.binary)
+        return answers(self.model(dense, pooled), self.heads)
 
 
 def slots_of(pooled: PooledEmbeddings) -> list[FlatInput]:
@@ -103,9 +104,9 @@ class CompiledDense:
     output's probability, a regression output's value), shaped as the model answers its outputs."""
 
     def __init__(self, session, slots: list[FlatInput], names: list[str], reweighted: bool = False,
-                 binary: tuple[bool, ...] = ()):
+                 heads: tuple[TaskConfig, ...] = ()):
         """Use `build`."""
-        self.session, self.slots, self.names, self.binary = session, slots, names, binary
+        self.session, self.slots, self.names, self.heads = session, slots, names, heads
         self._outputs = [o.name for o in session.get_outputs()]
         # The session's C++ `run` itself where the binding exposes it (every ONNX Runtime release so far): the
         # public wrapper checks the feeds' names again on every call, a quarter of a batch-1 forward's time
@@ -123,20 +124,20 @@ class CompiledDense:
 
     @classmethod
     def build(cls, model: torch.nn.Module, pooled: PooledEmbeddings, num_dense: int,
-              *, precision: str = "fp32", binary: tuple[bool, ...] = ()) -> "CompiledDense | None":
+              *, precision: str = "fp32", heads: tuple[TaskConfig, ...] = ()) -> "CompiledDense | None":
         """`model` compiled, given what the pooler makes of a probe batch (`pooled`, from `pool` or `pool_host`:
-        its structure, not its values) and which outputs are probabilities (`binary`; empty: all); None, with the reason
+        its structure, not its values) and the tasks of its outputs (`heads`; empty: all binary); None, with the reason
         logged, when it cannot be (the service then runs it eagerly)."""
         why = _cannot(precision)
-        binary = () if all(binary) else tuple(binary)  # (): every output a probability, whatever their count
+        heads = () if all(h.binary for h in heads) else tuple(heads)  # (): every output a probability
         if why is None:
             slots = slots_of(pooled)
-            key = _architecture(model, slots, num_dense, binary)
-            compiled = _TEMPLATES.reweight(key, model, slots, binary)
+            key = _architecture(model, slots, num_dense, heads)
+            compiled = _TEMPLATES.reweight(key, model, slots, heads)
             if compiled is not None and compiled._answers_as(model, pooled, num_dense):
                 return compiled
             try:
-                compiled = cls.export(model, slots, pooled, num_dense, key, binary)
+                compiled = cls.export(model, slots, pooled, num_dense, key, heads)
                 why = compiled._differs(model, pooled, num_dense)
             except Exception as exc:  # noqa: BLE001 - any exporter or runtime refusal: the eager path serves
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -147,7 +148,7 @@ class CompiledDense:
 
     @classmethod
     def export(cls, model: torch.nn.Module, slots: list[FlatInput], pooled: PooledEmbeddings,
-                num_dense: int, key: str, binary: tuple[bool, ...] = ()) -> "CompiledDense":
+                num_dense: int, key: str, heads: tuple[TaskConfig, ...] = ()) -> "CompiledDense":
         example = _random_inputs(slots, pooled, num_dense, rows=2, seed=0)
         names = [f"in{i}" for i in range(len(example) - 1)]
         buf = io.BytesIO()
@@ -155,11 +156,11 @@ class CompiledDense:
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
             # No constant folding: every weight stays an initializer named as in the state dict, so a later
             # version's weights can be put in by name (`_Templates.reweight`); ONNX Runtime folds the constants.
-            torch.onnx.export(_Flat(model, slots, binary).eval(), tuple(example), buf, input_names=["dense", *names],
+            torch.onnx.export(_Flat(model, slots, heads).eval(), tuple(example), buf, input_names=["dense", *names],
                               output_names=["probability"], dynamo=False, do_constant_folding=False,
                               dynamic_axes={name: {0: "batch"} for name in ["dense", *names, "probability"]})
         graph = buf.getvalue()
-        compiled = cls(_session(graph), slots, names, binary=binary)
+        compiled = cls(_session(graph), slots, names, heads=heads)
         _TEMPLATES.keep(key, graph, names)
         return compiled
 
@@ -177,7 +178,7 @@ class CompiledDense:
         """Why this session cannot stand in for `model` (answers off by more than TOLERANCE), or None."""
         dense, *tensors = _random_inputs(self.slots, pooled, num_dense, rows=CHECK_ROWS, seed=1)
         with torch.inference_mode():
-            want = _Flat(model, self.slots, self.binary)(dense, *tensors).numpy()
+            want = _Flat(model, self.slots, self.heads)(dense, *tensors).numpy()
         feeds = {"dense": dense.numpy(), **{n: t.numpy() for n, t in zip(self.names, tensors)}}
         got = self.session.run(None, feeds)[0]
         if got.shape != want.shape:
@@ -212,12 +213,12 @@ def _session(graph: bytes):
     return onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
-def _architecture(model: torch.nn.Module, slots: list[FlatInput], num_dense: int, binary: tuple[bool, ...]) -> str:
+def _architecture(model: torch.nn.Module, slots: list[FlatInput], num_dense: int, heads: tuple[TaskConfig, ...]) -> str:
     """What must match for one export to serve another version: the model's class and structure (its repr:
-    layers and their sizes), the flat signature, which outputs are probabilities, and every weight's name, shape
+    layers and their sizes), the flat signature, the outputs' tasks, and every weight's name, shape
     and dtype."""
     weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in _Flat(model, slots).state_dict().items()]
-    return repr((type(model).__module__, type(model).__qualname__, repr(model), slots, num_dense, tuple(binary),
+    return repr((type(model).__module__, type(model).__qualname__, repr(model), slots, num_dense, tuple(heads),
                  weights))
 
 
@@ -236,7 +237,7 @@ class _Templates:
                 del self._graphs[next(iter(self._graphs))]
 
     def reweight(self, key: str, model: torch.nn.Module, slots: list[FlatInput],
-                 binary: tuple[bool, ...] = ()) -> CompiledDense | None:
+                 heads: tuple[TaskConfig, ...] = ()) -> CompiledDense | None:
         """`model` in a session of the graph exported for its architecture, with its own weights; None when
         there is none (or ONNX Runtime refuses it: the caller exports afresh). Still to be checked (`_differs`)."""
         with self._lock:
@@ -252,9 +253,9 @@ class _Templates:
         state = _Flat(model, slots).state_dict()
         try:
             for init in proto.graph.initializer:
-                if init.name in state:  # others are the graph's own constants (the binary outputs' mask): kept
+                if init.name in state:  # others are the graph's own constants (the heads' masks, offsets): kept
                     init.CopyFrom(numpy_helper.from_array(state[init.name].detach().cpu().numpy(), init.name))
-            return CompiledDense(_session(proto.SerializeToString()), slots, names, reweighted=True, binary=binary)
+            return CompiledDense(_session(proto.SerializeToString()), slots, names, reweighted=True, heads=heads)
         except Exception as exc:  # noqa: BLE001 - an initializer that is not a weight, a refused graph: export
             log.get().info("dense_forward_reexported", why=f"{type(exc).__name__}: {exc}")
             return None

@@ -121,7 +121,7 @@ class LoadedModel:
                 _, pooled = self.pooler.pool(bags, torch.device("cpu"), grad=False)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.manifest.precision == "bf16"):
                     logits = self.model(torch.from_numpy(dense), pooled)
-                probs = answers(logits, self.manifest.binary_outputs).numpy()
+                probs = answers(logits, self.manifest.task_heads).numpy()
         if probs.ndim == 2 and probs.shape[1] == 1:
             probs = probs[:, 0]
         return probs
@@ -236,5 +236,5 @@ def assemble(manifest: BundleManifest, model: torch.nn.Module, table: Table, *,
     compiled = None
     if compile:
         compiled = CompiledDense.build(model, pooler.pool_host(bags), manifest.num_dense,
-                                       precision=manifest.precision, binary=tuple(manifest.binary_outputs))
+                                       precision=manifest.precision, heads=tuple(manifest.task_heads))
     return LoadedModel(manifest.version, manifest.step, manifest, model, table, pooler, outputs, compiled)

@@ -172,7 +172,7 @@ class Publisher:
                 num_tasks=self.config.num_tasks,
                 precision=t.precision, num_shards=len(self.ps_addresses), rows=rows, files=files,
                 input_types=self.input_types, dense_columns=self.config.dense_columns,
-                tasks=self.config.data.label_names, task_kinds=[t.kind for t in self.config.data.tasks])
+                tasks=self.config.data.label_names, heads=self.config.data.tasks)
             await asyncio.get_running_loop().run_in_executor(None, self._write_dense_and_manifest, path, state,
                                                              manifest, self.config)
         except Exception as exc:  # noqa: BLE001 - a failed version is counted; training goes on

@@ -75,7 +75,7 @@ def requests(path, config, *, dense_by_column: bool) -> list[tuple[list[Tensor],
             tensors.append(_ids_tensor(feature.name, flat.filter(pa.array(valid))))
             if feature.kind == FeatureKind.LIST or not valid.all():
                 tensors.append(Tensor(feature.name + LENGTHS_SUFFIX, "INT64", lengths.shape, lengths))
-        labels = np.stack([part[name].to_numpy().astype(np.float32) for name in config.data.labels], 1)
+        labels = np.stack([part[name].to_numpy().astype(np.float32) for name in config.data.label_names], 1)
         out.append((tensors, labels))
     return out
 

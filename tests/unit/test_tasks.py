@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrec.config import ConfigError, from_dict
+from hybridrec.config import ConfigError, TaskConfig, from_dict
 from hybridrec.evaluation import binary_metrics, regression_metrics, roc_auc
 from hybridrec.tasks import Tasks, answers
 from services.dataloader.columns import BadLinePolicy, ColumnSpec, RowError, convert
@@ -166,18 +166,22 @@ def test_weighted_metrics_count_each_sample_its_weight():
 
 def test_a_regression_output_is_answered_as_it_is_eager_and_compiled(tmp_path):
     out = torch.tensor([[-2.0, 40.0], [0.0, -3.0]])
-    np.testing.assert_allclose(answers(out, [True, False]), [[torch.sigmoid(torch.tensor(-2.0)), 40.0], [0.5, -3.0]])
+    heads = [TaskConfig(name="click"), TaskConfig(name="watch_time", kind="regression")]
+    np.testing.assert_allclose(answers(out, heads), [[torch.sigmoid(torch.tensor(-2.0)), 40.0], [0.5, -3.0]])
+    heads[1] = TaskConfig(name="watch_time", kind="regression", offset=30, scale=10)
+    np.testing.assert_allclose(answers(out, heads)[:, 1], [430.0, 0.0])
+    np.testing.assert_allclose(answers(out[:, 1], heads[1:]), [430.0, 0.0])
     bundle = tmp_path / "bundle"
     make_config_bundle(bundle, REPO / "examples" / "watch_time_parquet.yaml", vocabulary=50)
     model = load_model(bundle, compile=False)
-    assert model.manifest.task_kinds == ["binary", "regression"] and model.manifest.binary_outputs == [True, False]
-    with torch.no_grad():  # watch time's tower answers 40 more: no probability could
+    assert [h.kind for h in model.manifest.task_heads] == ["binary", "regression"]
+    with torch.no_grad():  # watch time's tower answers 40 more (1,230 minutes more): no probability could
         model.model.towers[1][-1].bias.add_(40.0)
     bags = _probe(model, 3)
     eager = model.forward(np.zeros((3, model.manifest.num_dense), np.float32), bags)
     assert eager.shape == (3, 2) and ((eager[:, 0] > 0) & (eager[:, 0] < 1)).all() and (eager[:, 1] > 30).all()
     compiled = CompiledDense.build(model.model, model.pooler.pool_host(bags), model.manifest.num_dense,
-                                   binary=(True, False))
+                                   heads=tuple(model.manifest.task_heads))
     assert compiled is not None  # it answered as the eager model on its own check inputs
     np.testing.assert_allclose(compiled(np.zeros((3, model.manifest.num_dense), np.float32),
                                         model.pooler.pool_host(bags)), eager, atol=1e-5, rtol=0)

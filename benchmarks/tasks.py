@@ -1,0 +1,87 @@
+"""Tasks by kind on the synthetic Parquet data: the click + watch-time example (examples/watch_time_parquet.yaml)
+trained, and its watch time's RMSE against the oracle's (the RMSE of the planted true mean); then the same data
+with its negatives down-sampled (`--negative-rate`) trained weighted and unweighted, and each model's mean
+predicted click probability on the eval file (`hybridrec predict` of its export) against the eval file's click
+rate: calibrated, and not.
+
+    python benchmarks/tasks.py --rows 1000000 --sampled-rows 3000000 --out results/tasks.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+EXAMPLE = REPO / "examples" / "watch_time_parquet.yaml"
+
+
+def cli(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "hybridrec", *args], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+
+
+def synth(out: Path, rows: int, negative_rate: float | None) -> dict:
+    extra = ["--negative-rate", str(negative_rate)] if negative_rate else []
+    cli("data", "synth", "--format", "parquet", "--out", str(out), "--rows", str(rows), *extra)
+    return json.loads((out / "oracle.json").read_text())
+
+
+def train(data: Path, run: Path, *sets: str) -> dict:
+    """The example on `data`; its summary, and the mean of each task's predictions on the eval file."""
+    import pyarrow.parquet as pq
+
+    args = ["run", str(EXAMPLE), "--run-dir", str(run), "--set", f"data.train=[{data / 'train.parquet'}]",
+            "--set", f"data.eval=[{data / 'eval.parquet'}]", "--set", f"data.oracle={data / 'oracle.json'}"]
+    for item in sets:
+        args += ["--set", item]
+    cli(*args)
+    cli("export", str(run), "--out", str(run / "bundle"))
+    cli("predict", str(run / "bundle"), str(data / "eval.parquet"), "--out", str(run / "predicted.parquet"))
+    predicted = pq.read_table(run / "predicted.parquet")
+    summary = json.loads((run / "summary.json").read_text())
+    return {"tasks": summary["tasks"], "samples_per_sec": summary["samples_per_sec"], "steps": summary["steps"],
+            "train_rows": summary["data"]["train"]["rows"],
+            "mean_prediction": {c: float(predicted[c].to_numpy().mean()) for c in predicted.column_names}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="training rows of the unsampled data")
+    parser.add_argument("--sampled-rows", type=int, default=3_000_000,
+                        help="training rows drawn before down-sampling the negatives")
+    parser.add_argument("--negative-rate", type=float, default=0.1)
+    parser.add_argument("--work", type=Path, default=None, help="where data and runs go (default: a temp dir)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tasks-", dir=args.work))
+    try:
+        oracle = synth(work / "data", args.rows, None)["tasks"]
+        full = train(work / "data", work / "full")
+        watch = next(t for t in full["tasks"] if t["name"] == "watch_time")
+        click = next(t for t in full["tasks"] if t["name"] == "click")
+        result = {"rows": args.rows, "full": full,
+                  "watch_time_rmse_vs_oracle": round(watch["rmse"] / oracle["watch_time"]["oracle_rmse"], 4),
+                  "watch_time_rmse_of_the_mean": oracle["watch_time"]["mean_rmse"],
+                  "click_auc_vs_oracle": round(click["auc"] - oracle["click"]["oracle_auc"], 5)}
+        sampled = synth(work / "sampled", args.sampled_rows, args.negative_rate)
+        rate = sampled["tasks"]["click"]["eval_rate"]
+        runs = {name: train(work / "sampled", work / name, *sets) for name, sets in
+                (("weighted", ()), ("unweighted", ("data.weight_column=null",)))}
+        result |= {"sampled_rows": args.sampled_rows, "negative_rate": args.negative_rate, "eval_click_rate": rate,
+                   "sampled": runs, "calibration": {name: round(run["mean_prediction"]["click"] / rate, 4)
+                                                    for name, run in runs.items()}}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: result[k] for k in ("watch_time_rmse_vs_oracle", "click_auc_vs_oracle",
+                                                 "calibration")}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
