@@ -101,8 +101,8 @@ def _parquet_chunks(path: str, config: Config) -> Iterator[_Chunk]:
 
 def _writers(where: Path, config: Config) -> dict[str, _NpyWriter]:
     """One writer per shard file, named as `prepared.shard_files` lists them."""
-    tasks, features = config.num_tasks, len(config.features)
-    writers = {"labels.npy": _NpyWriter(where / "labels.npy", np.float32, () if tasks == 1 else (tasks,)),
+    columns, features = config.label_columns, len(config.features)  # the tasks', then a weight column's
+    writers = {"labels.npy": _NpyWriter(where / "labels.npy", np.float32, () if columns == 1 else (columns,)),
                "dense.npy": _NpyWriter(where / "dense.npy", np.float32, (config.num_dense,))}
     if config.data.format == "tsv":
         writers["ids.npy"] = _NpyWriter(where / "ids.npy", np.uint64, (features,))

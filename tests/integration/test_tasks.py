@@ -102,12 +102,15 @@ def test_weights_of_one_train_the_model_of_no_weight_column_bit_for_bit(data, tm
 
 
 def test_negatives_sampled_down_and_weighted_up_keep_the_model_calibrated(tmp_path):
+    """Sync mode (hybrid's stale embeddings shift a model's mean prediction by a few %, weighted or not: see
+    docs/benchmarks.md#tasks-regression-and-sample-weights); a short run, so within 10 % here, 5 % measured at
+    full size by benchmarks/tasks.py."""
     data = tmp_path / "sampled"
-    synthesize_multitask(data, rows=200_000, eval_rows=20_000, seed=3, negative_rate=0.1)
+    synthesize_multitask(data, rows=400_000, eval_rows=20_000, seed=3, negative_rate=0.1)
     rate = json.loads((data / "oracle.json").read_text())["tasks"]["click"]["eval_rate"]
     means = {}
     for name, extra in (("weighted", ()), ("unweighted", ("data.weight_column=null",))):
-        _train(data, tmp_path / name, "cluster.nn_workers=[127.0.0.1:0]", *extra)
+        _train(data, tmp_path / name, "cluster.nn_workers=[127.0.0.1:0]", "training.mode=sync", *extra)
         _cli(["export", str(tmp_path / name), "--out", str(tmp_path / f"{name}-bundle")])
         _cli(["predict", str(tmp_path / f"{name}-bundle"), str(data / "eval.parquet"), "--out",
               str(tmp_path / f"{name}.parquet")])

@@ -102,22 +102,24 @@ def multitask(tmp_path_factory):
     return out
 
 
-def _parquet_config(train, eval_):
-    return load_config(REPO / "examples/multitask_parquet.yaml",
+def _parquet_config(train, eval_, example="multitask_parquet"):
+    return load_config(REPO / f"examples/{example}.yaml",
                        [f"data.train=[{','.join(map(str, train))}]", f"data.eval=[{','.join(map(str, eval_))}]",
                         f"training.batch_size={BATCH - 300}"])
 
 
-def test_parquet_prepared_batches_equal_the_source(multitask):
-    raw = _parquet_config([multitask / "train.parquet"], [multitask / "eval.parquet"])
-    prepare([multitask / "train.parquet"], multitask / "train.prep", raw)
-    prepare([multitask / "eval.parquet"], multitask / "eval.prep", raw)
-    prep = _parquet_config([multitask / "train.prep"], [multitask / "eval.prep"])
+@pytest.mark.parametrize("example, label_columns", [("multitask_parquet", 2), ("watch_time_parquet", 3)])
+def test_parquet_prepared_batches_equal_the_source(multitask, example, label_columns):
+    """Two binary tasks; and a binary and a regression task with a weight column (the labels' last)."""
+    raw = _parquet_config([multitask / "train.parquet"], [multitask / "eval.parquet"], example)
+    prepare([multitask / "train.parquet"], multitask / f"{example}-train.prep", raw)
+    prepare([multitask / "eval.parquet"], multitask / f"{example}-eval.prep", raw)
+    prep = _parquet_config([multitask / f"{example}-train.prep"], [multitask / f"{example}-eval.prep"], example)
     counts_raw, counts_prep = ReadCounters(), ReadCounters()
     a, b = list(train_batches(raw, counts_raw)), list(train_batches(prep, counts_prep))
     assert len(a) == len(b) == 8 and len(b[-1][0]) == 5_000 - 7 * 700
     for (ra, _), (rb, _) in zip(a, b):
-        assert rb.labels.shape == (len(rb), 2) and rb.bags.num_features == 5
+        assert rb.labels.shape == (len(rb), label_columns) and rb.bags.num_features == 5
         _same_batch(ra, rb)
     assert vars(counts_raw) == vars(counts_prep) and counts_prep.truncated_rows > 0
     ea = list(iter_batches(eval_rows(raw, ReadCounters()), 512))
