@@ -87,8 +87,9 @@ class TrainingConfig(Section):
     (None: 1 each)."""
     loss: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] | None = None
     """`module:function`: the training loss is `function(logits, labels, weights)` instead of the built-in
-    one (each task's own loss, weighted by `task_weights`). logits and labels are float32 (batch,) tensors with
-    one task, (batch, tasks) with several; weights is the (batch,) sample weights (`data.weight_column`; ones
+    one (each task's own loss, weighted by `task_weights`). logits (the model's raw outputs: a regression
+    task's offset and scale are not applied) and labels are float32 (batch,) tensors with one task,
+    (batch, tasks) with several; weights is the (batch,) sample weights (`data.weight_column`; ones
     without one). It must return a finite scalar tensor, differentiable in logits: the summary's losses are its
     values. The module is imported by the NN workers (and by `hybridrec check`), so it must be importable
     there (installed, or on PYTHONPATH)."""

@@ -127,7 +127,8 @@ def test_a_loss_by_import_path_is_the_loss_trained_and_reported(data, tmp_path):
             # the built-in loss of the example (as hybridrec.tasks computes it), plus 7: the same gradients
             click = (F.binary_cross_entropy_with_logits(logits[:, 0], labels[:, 0], reduction="none")
                      * weights).sum() / weights.sum()
-            watch = (F.mse_loss(logits[:, 1], labels[:, 1], reduction="none") * weights).sum() / weights.sum()
+            value = logits[:, 1] * 30.0 + 30.0  # the example's offset and scale: the function gets raw outputs
+            watch = (F.mse_loss(value, labels[:, 1], reduction="none") * weights).sum() / weights.sum()
             return logits.new_zeros(()) + 1.0 * click + 0.001 * watch + 7.0
 
         def a_vector(logits, labels, weights):

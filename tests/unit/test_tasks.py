@@ -193,3 +193,19 @@ def _probe(model, n: int):
     bags = model.pooler.from_columns(np.zeros((n, features), np.uint64), np.zeros((n, features), bool))[1]
     bags.rows = {d: np.zeros((0, d), np.float32) for d in model.pooler.dims}
     return bags
+
+
+def test_the_summary_reports_each_task_by_its_kind_weighted():
+    from hybridrec.summary import RunSummary, task_row
+    from services.nn_worker.results import _task_metrics
+
+    config = _config(["click", {"name": "watch_time", "kind": "regression"}], data={"weight_column": "w"})
+    labels = np.array([[1, 10.0, 1], [0, 20.0, 3], [1, 40.0, 0]], np.float32)  # the last row weighs nothing
+    preds = np.array([[0.9, 12.0], [0.2, 20.0], [0.1, 0.0]], np.float32)
+    click, watch = _task_metrics(config, labels, preds)
+    assert (click.kind, click.auc, watch.kind, watch.auc) == ("binary", 1.0, "regression", None)
+    assert watch.rmse == pytest.approx(np.sqrt((1 * 4 + 3 * 0) / 4)) and watch.mae == pytest.approx(2 / 4)
+    assert task_row(watch.model_dump(), str)[0] == "task watch_time: eval RMSE / oracle / MAE"
+    summary = RunSummary.model_construct(tasks=[click, watch], auc=None, logloss=None, rmse=None, mae=None)
+    assert set(summary.task_metrics()) == {"eval_auc_click", "eval_logloss_click", "eval_rmse_watch_time",
+                                           "eval_mae_watch_time"}
