@@ -330,6 +330,16 @@ class Phases(BaseModel):
     """Every service stopped."""
 
 
+def task_entries(summary: dict) -> list[dict]:
+    """The tasks a run's table and report list (a `RunSummary` as a dict, perhaps from an older or partial
+    file): every task of a multi-task run, or a regression task alone from the top-level fields (a binary task
+    alone is the table's own AUC rows); none otherwise."""
+    tasks = summary.get("tasks") if isinstance(summary.get("tasks"), list) else []
+    if not tasks and summary.get("rmse") is not None:
+        tasks = [{"kind": "regression", **{k: summary.get(k) for k in ("rmse", "oracle_rmse", "mae")}}]
+    return [t for t in tasks if isinstance(t, dict)]
+
+
 def task_row(task: dict, fmt: Callable[[Any], str]) -> tuple[str, str]:
     """A task's eval results as one (label, value) row of the CLI's table and the report, by its kind: AUC,
     oracle AUC and log loss, or RMSE, oracle RMSE and MAE. `task`: a `TaskMetrics` as a dict."""

@@ -4,12 +4,14 @@ sample weights.
 One owner for what `data.labels`, `data.weight_column` and `training.loss` mean once data is read: the NN
 worker's training loss and predictions, and the eval metrics. A binary task trains with log loss on a logit and
 answers the sigmoid of it, a probability; a regression task's value is offset + scale x its output (the
-`data.labels` entry's), trained with MSE or Huber against the label and answered as it is. A batch's labels are float32 (batch,) with one task and no weights, else (batch, columns):
-one column per task, then, with `data.weight_column`, the weights (the readers append them: one array to frame,
-ship and slice, whatever the task count).
+`data.labels` entry's), trained with MSE or Huber against the label and answered as it is. A batch's labels
+are float32 (batch,) with one task and no weights, else (batch, columns): one column per task, then, with
+`data.weight_column`, the weights (the readers append them: one array to frame, ship and slice, whatever the
+task count).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -76,11 +78,6 @@ class Tasks:
     def count(self) -> int:
         return len(self.specs)
 
-    @property
-    def label_columns(self) -> int:
-        """Columns of a batch's labels: the tasks', and the weights' with a weight column."""
-        return self.count + self.weighted
-
     def split(self, labels: np.ndarray | torch.Tensor):
         """A batch's labels as (labels, weights): labels (batch,) with one task, (batch, tasks) with several;
         weights (batch,), or None without a weight column."""
@@ -114,18 +111,11 @@ class Tasks:
         name = spec.loss_name
         if not spec.binary and (spec.offset, spec.scale) != (0.0, 1.0):
             out = out * spec.scale + spec.offset  # the task's value, in the label's units
+        loss = (F.binary_cross_entropy_with_logits if name == "bce" else F.mse_loss if name == "mse" else
+                functools.partial(F.huber_loss, delta=spec.huber_delta))
         if weights is None:
-            if name == "bce":
-                return F.binary_cross_entropy_with_logits(out, labels)
-            if name == "mse":
-                return F.mse_loss(out, labels)
-            return F.huber_loss(out, labels, delta=spec.huber_delta)
-        if name == "bce":
-            per = F.binary_cross_entropy_with_logits(out, labels, reduction="none")
-        elif name == "mse":
-            per = F.mse_loss(out, labels, reduction="none")
-        else:
-            per = F.huber_loss(out, labels, reduction="none", delta=spec.huber_delta)
+            return loss(out, labels)
+        per = loss(out, labels, reduction="none")
         return (per * weights).sum() / weights.sum().clamp_min(torch.finfo(per.dtype).tiny)
 
     def probe(self) -> None:
@@ -138,14 +128,18 @@ class Tasks:
         logits = torch.zeros(shape, requires_grad=True)
         labels = torch.tensor([0.0, 1.0]).reshape(2, *([1] * (len(shape) - 1))).expand(shape).contiguous()
         try:
-            loss = self._checked(self.custom(logits, labels, torch.ones(2)))
-            if not bool(torch.isfinite(loss)):
-                raise ValueError(f"training.loss: {self.custom_name} returned {float(loss)} on outputs of 0")
-            loss.backward()
-        except ValueError as exc:
-            raise ConfigError(str(exc) if str(exc).startswith("training.loss") else
-                              f"training.loss: {self.custom_name} failed: ValueError: {exc}") from None
+            answer = self.custom(logits, labels, torch.ones(2))
         except Exception as exc:  # the user's code can raise anything; the message says what
+            raise ConfigError(f"training.loss: {self.custom_name} failed: {type(exc).__name__}: {exc}") from None
+        try:
+            loss = self._checked(answer)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not bool(torch.isfinite(loss)):
+            raise ConfigError(f"training.loss: {self.custom_name} returned {float(loss)} on outputs of 0")
+        try:
+            loss.backward()
+        except Exception as exc:  # not differentiable in the outputs (a detached result, a custom op)
             raise ConfigError(f"training.loss: {self.custom_name} failed: {type(exc).__name__}: {exc}") from None
 
     def _checked(self, loss) -> torch.Tensor:

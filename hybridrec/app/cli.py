@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
-from hybridrec.summary import RunSummary, task_row
+from hybridrec.summary import RunSummary, task_entries, task_row
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
@@ -278,11 +278,8 @@ def _print_summary(summary: RunSummary) -> None:
         rows.insert(-2, ("versions published / full / skipped / failed",
                          f"{p.published} / {p.full} / {p.skipped} / {p.failed} (last v{p.last_version}, "
                          f"mean {fmt_duration(p.mean_s)}) in {p.directory}"))
-    if summary.rmse is not None:  # a regression task alone
-        rows.insert(-2, task_row({"kind": "regression", **summary.model_dump(include={"rmse", "oracle_rmse", "mae"})},
-                                 fmt_sig))
-    for task in summary.tasks or []:
-        rows.insert(-2, task_row(task.model_dump(), fmt_sig))
+    for task in task_entries(summary.model_dump()):
+        rows.insert(-2, task_row(task, fmt_sig))
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridrec.app.report_series import num as _num
-from hybridrec.summary import ServiceInfo, describe_store_loss, task_row
+from hybridrec.summary import ServiceInfo, describe_store_loss, task_entries, task_row
 
 if TYPE_CHECKING:
     from hybridrec.app.report_series import Recorder
@@ -138,10 +138,7 @@ def _store_loss(loss: dict) -> str:
 def _task_rows(s: dict) -> list[tuple[str, str]]:
     """A multi-task run's per-task eval results by kind (the top-level ones are the first task's), or a
     regression task's alone."""
-    tasks = s.get("tasks") if isinstance(s.get("tasks"), list) else []
-    if not tasks and s.get("rmse") is not None:
-        tasks = [{"kind": "regression", "rmse": s.get("rmse"), "oracle_rmse": s.get("oracle_rmse"), "mae": s.get("mae")}]
-    return [_capitalised(task_row(t, fmt_sig)) for t in tasks if isinstance(t, dict)]
+    return [_capitalised(task_row(t, fmt_sig)) for t in task_entries(s)]
 
 
 def _capitalised(row: tuple[str, str]) -> tuple[str, str]:

@@ -239,8 +239,9 @@ def _labels(table: pa.Table, columns: Sequence[tuple[str, str, str]], where: str
         if policy is BadLinePolicy.ERROR and not ok.all():
             i = int(np.flatnonzero(~ok)[0])
             value = column[i].as_py()
-            noun = "weight" if kind == "weight" else "label"
-            raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): {noun} column {name!r} is {'null' if value is None else f'{value}, not {wanted}'}")
+            what = "null" if value is None else f"{value}, not {wanted}"
+            raise RowError(f"{where}, row {in_part + i} (file row {first_row + i}): "
+                           f"{'weight' if kind == 'weight' else 'label'} column {name!r} is {what}")
         out[:, t] = values
         good &= ok
     return out, good

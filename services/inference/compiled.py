@@ -40,7 +40,8 @@ from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
 from hybridrec.tasks import answers
 
 TOLERANCE = 1e-5
-"""Largest difference from the eager model allowed on the check inputs (probabilities)."""
+"""Largest difference from the eager model allowed on the check inputs: a probability's, or a regression task's
+value's divided by its scale (its output's difference, before the scale)."""
 CHECK_ROWS = 3
 TEMPLATES_KEPT = 4
 """Exported graphs kept for re-weighting, newest first: one per architecture a process serves."""
@@ -183,8 +184,16 @@ class CompiledDense:
         got = self.session.run(None, feeds)[0]
         if got.shape != want.shape:
             return f"the exported model answers shape {got.shape}, the model {want.shape}"
-        diff = float(np.abs(got - want).max())
+        diff = float((np.abs(got - want).reshape(got.shape[0], -1) / self._scales(got)).max())
         return None if diff <= TOLERANCE else f"the exported model differs from the model by {diff:.2e}"
+
+    def _scales(self, answers: np.ndarray) -> np.ndarray:
+        """What each answer column's difference is divided by: 1 for a probability, a regression task's scale
+        for its value (an ulp of the output before the scale is an ulp times the scale after it)."""
+        columns = 1 if answers.ndim == 1 else answers.shape[1]
+        heads = list(self.heads) if self.heads and len(self.heads) == columns else []
+        return np.array([1.0 if h.binary else max(1.0, abs(h.scale)) for h in heads]
+                        or [1.0] * columns, np.float32)
 
 
 def warm_up() -> None:

@@ -438,7 +438,7 @@ class Trainer:
                 looked.release()
                 labels.append(np.array(batch.labels))
                 self.ledger.predicted(batch.loader, batch.seq)
-        tasks, columns = self.math.tasks.count, self.math.tasks.label_columns
+        tasks, columns = self.config.num_tasks, self.config.label_columns
         empty = lambda n: np.zeros((0,) if n == 1 else (0, n), np.float32)  # noqa: E731
         return (np.concatenate(preds) if preds else empty(tasks), np.concatenate(labels) if labels else empty(columns),
                 end)

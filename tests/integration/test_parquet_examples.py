@@ -94,10 +94,18 @@ def serve(bundle, batches) -> np.ndarray:
     return np.concatenate(asyncio.run(go())), decoder
 
 
-def over_the_wire(server, batches, tmp_path) -> dict[str, np.ndarray]:
-    """Every request through tritonclient's gRPC and HTTP clients (tests/integration/oip_named_client.py, a
-    process of its own): named tensors, as a user's client sends them, every output the metadata lists asked
-    for by name."""
+def over_the_wire(bundle, batches, tmp_path) -> dict[str, np.ndarray]:
+    """Every request to `hybridrec serve inference` on `bundle` through tritonclient's gRPC and HTTP clients
+    (tests/integration/oip_named_client.py, a process of its own): named tensors, as a user's client sends them,
+    every output the metadata lists asked for by name."""
+    server = Server(bundle, tmp_path / "inference.log")
+    try:
+        return _named_client(server, batches, tmp_path)
+    finally:
+        server.stop()
+
+
+def _named_client(server, batches, tmp_path) -> dict[str, np.ndarray]:
     arrays = {}
     for index, (tensors, _) in enumerate(batches):
         for t in tensors:
@@ -166,11 +174,7 @@ def test_served_named_features_give_the_runs_eval_auc_per_task(tmp_path, trained
         assert abs(served - task["auc"]) <= 1e-4, (task["name"], served, task["auc"])
 
     # The same requests from a stock OIP client (tritonclient) to `hybridrec serve inference`, gRPC and REST.
-    server = Server(tmp_path / "bundle", tmp_path / "inference.log")
-    try:
-        wire = over_the_wire(server, batches, tmp_path)
-    finally:
-        server.stop()
+    wire = over_the_wire(tmp_path / "bundle", batches, tmp_path)
     for kind in ("grpc", "http"):
         np.testing.assert_allclose(wire[kind], probs, rtol=0, atol=1e-5)
         # The metadata names each task as an output of its own: that column of the probabilities.
