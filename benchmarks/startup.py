@@ -6,6 +6,9 @@ the data loader, six processes) twice on one numba cache directory:
 * cold: an empty NUMBA_CACHE_DIR, so every compiled kernel is compiled in the services' start-up;
 * warm: the cache the cold run left, as on every run after the first.
 
+With `--cache DIR` every run uses DIR instead (the first is cold only if DIR is empty): a cache another checkout
+filled shows that a second checkout of the same code starts warm (`hybridrec/kernel_cache.py`).
+
 The operating system's file cache is warm in both (the Python packages were read before). For each run it
 reports `first_step_s`, from starting the command to the first training step of any NN worker (the summary's
 `train_started_at`: the moment a rank has its first batch's embeddings and starts computing), the launcher's
@@ -169,6 +172,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000, help="synthetic training rows when there is no --data")
     parser.add_argument("--steps", type=int, default=20, help="training steps per NN worker of each run")
     parser.add_argument("--eval-rows", type=int, default=20_000)
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="the kernel cache directory (NUMBA_CACHE_DIR) of every run; default: an empty one, so "
+                             "the first run is cold. Another checkout's cache shows what a second checkout of the "
+                             "same code starts with")
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one")
     parser.add_argument("--recovery-kills", type=int, default=3,
                         help="kills of each service kind in the recovery runs (0: no recovery runs)")
@@ -180,8 +187,8 @@ def main() -> None:
         eval_file = head(data / "eval.tsv", scratch / "eval.tsv", args.eval_rows)
         overrides = [f"data.train=[{data / 'train.tsv'}]", f"data.eval=[{eval_file}]", "data.oracle=null",
                      f"training.max_steps={args.steps}"]
-        cache = scratch / "numba-cache"
-        cache.mkdir()
+        cache = args.cache or scratch / "numba-cache"
+        cache.mkdir(parents=True, exist_ok=True)
         runs = [run_once(args.config, scratch / "run-cold", cache, overrides)]
         for i in range(args.warm_runs):
             runs.append(run_once(args.config, scratch / f"run-warm-{i}", cache, overrides))

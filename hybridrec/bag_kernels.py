@@ -17,7 +17,8 @@ the pooled vectors sample-major, (batch, features, width): the layout the dense 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from hybridrec.kernel_cache import njit
 
 
 @njit(nogil=True, cache=True)
@@ -71,13 +72,18 @@ def pool_backward(grad, pos, lengths, start, base, feats, powers, out):
 
 def warm_up() -> None:
     """Load both kernels (numba's on-disk cache, or a compilation) for a frame's argument types: uint16
-    positions and lengths, int64 starts, bases and feature indices. The dense fork server calls it, so that
-    no NN worker pays numba's start-up (about a CPU-second each) at its first step."""
+    positions and lengths, int64 starts, bases and feature indices; positions and lengths read-only (views of
+    a received frame's bytes) and writable (a batch assembled in memory). The dense fork server calls it, so
+    that no NN worker pays numba's start-up (about a CPU-second each) at its first step, nor compiles a kernel
+    once it serves."""
     rows = np.zeros((2, 4), np.float32)
     pos, lengths = np.zeros(2, np.uint16), np.ones((1, 2), np.uint16)
     start, base, feats = np.array([0, 2], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
     powers = np.zeros(1, np.float32)
     pooled = np.empty((2, 1, 4), np.float32)
-    pool_forward(rows, pos, lengths, start, base, feats, powers, pooled)
-    pool_backward(pooled, pos, lengths, start, base, feats, powers, np.zeros_like(rows))
+    for writable in (True, False):
+        pos.setflags(write=writable)
+        lengths.setflags(write=writable)
+        pool_forward(rows, pos, lengths, start, base, feats, powers, pooled)
+        pool_backward(pooled, pos, lengths, start, base, feats, powers, np.zeros_like(rows))
 

@@ -26,11 +26,11 @@ changed without invalidating the cached machine code of its callers.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
 from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
+from hybridrec.kernel_cache import njit
 
 # numba's cache does not track hybridrec.ids or hybridrec.criteo_format either: after
 # changing the ID layout or the column counts there, delete
@@ -50,7 +50,7 @@ _OK, _E_FIELDS, _E_LABEL, _E_INT, _E_CTRL, _E_NONFINITE = 0, 1, 2, 3, 4, 5
 _INF = np.inf
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _hash_field(buf, start, end):
     """56-bit hash of buf[start:end]; never 0 (0 marks an empty field)."""
     h = _FNV_OFFSET
@@ -64,7 +64,7 @@ def _hash_field(buf, start, end):
     return h
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _bad(buf, s, e, code, detail):
     """Report a wrong field count in preference to whatever it caused."""
     num_fields = 1
@@ -76,7 +76,7 @@ def _bad(buf, s, e, code, detail):
     return code, detail
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
     """Parse buf[s:e] (no newline) into row r. Returns (error code, detail)."""
     if e - s < 2 or buf[s + 1] != _TAB:
@@ -130,7 +130,7 @@ def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
     return _OK, 0
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
                  row0, max_rows, stop_on_bad, stop_on_nonfinite):
     """Parse whole lines of buf[pos:end] into rows row0.. until max_rows rows.
@@ -176,7 +176,7 @@ def _parse_lines(buf, pos, end, is_final, group_hi, labels, dense, ids, present,
     return pos, num_rows, num_lines, num_bad, num_nonfinite, first_row, _OK, 0
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def join_rows(data, offsets, out):
     """The inference service's `rows` (row i is data[offsets[i]:offsets[i + 1]], a line with or without its
     label) as newline-terminated lines with a label, as `_parse_lines` reads them, written to ``out`` (at
@@ -210,7 +210,7 @@ def join_rows(data, offsets, out):
     return w, -1, not ascii_only
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def hash_strings(data, offsets, group_hi, out, present):
     """IDs of an Arrow string column (its data bytes and int32/int64 offsets): string i is
     data[offsets[i]:offsets[i + 1]], hashed exactly as a TSV field, so a Criteo file converted to Parquet gives
@@ -230,7 +230,7 @@ def hash_strings(data, offsets, group_hi, out, present):
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def hash_ints(values, group_hi, out):
     """IDs of integer tokens (a Parquet int64 ID column): splitmix64's finaliser, 56 bits, never 0."""
     for i in range(values.shape[0]):

@@ -20,7 +20,8 @@ it is deterministic for the same input.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from hybridrec.kernel_cache import njit
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

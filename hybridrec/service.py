@@ -207,6 +207,12 @@ class ServiceHost:
         self.log.info("listening", port=bound, pid=os.getpid(), metrics=self.metrics_address)
 
     async def set_serving(self, serving: bool = True) -> None:
+        """Report SERVING (or NOT_SERVING); from the first SERVING on, a kernel compiled is logged
+        (`hybridrec.kernel_cache.watch_compiles`): every service compiles its kernels before it serves."""
+        if serving:
+            from hybridrec import kernel_cache
+
+            kernel_cache.watch_compiles()
         if self.remote_server is not None:
             await self.remote_server.set_serving(serving)
         else:

@@ -14,8 +14,9 @@ invalidate it.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from hybridrec.kernel_cache import njit
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -36,7 +37,7 @@ def lookup_into(keys: list[np.ndarray], rows: list[np.ndarray], ids: np.ndarray,
               np.uint64(shard), shards)
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _half(bits):
     """The float32 value of float16 bits (a scale: finite)."""
     e = (np.int64(bits) >> 10) & 31
@@ -45,7 +46,7 @@ def _half(bits):
     return np.float32(-v if np.int64(bits) & 0x8000 else v)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _find(keys, rows, scales, ids, out, shard, num_shards):
     """The rows of shard `shard`'s IDs among `ids` into `out` (zeros where its `keys` lack one), multiplied by
     their float16 scale (`scales`: its bits) when `scales` is not empty."""

@@ -11,8 +11,9 @@ The image build runs `python -m hybridrec.app.numba_seed` with `NUMBA_CACHE_DIR`
 (`deploy/Dockerfile`): it calls every service's warm-up, which compiles its kernels into that directory. Each
 `hybridrec` command then starts with `seed()`: when `HYBRIDREC_NUMBA_SEED` names that directory and the
 container's `NUMBA_CACHE_DIR` does not exist yet, it is copied there (numba refuses a cache directory it cannot
-write to, so the image's own copy cannot be used in place). numba only takes a cached kernel whose source file's
-timestamp and CPU match, so on another CPU the copy is ignored and the kernels compile as before.
+write to, so the image's own copy cannot be used in place). A cached kernel is only taken for the same kernel
+build (`hybridrec.kernel_cache`: the kernel files' content) and the same CPU, so on another CPU the copy is
+ignored and the kernels compile as before.
 """
 from __future__ import annotations
 

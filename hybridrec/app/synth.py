@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numba
 import numpy as np
 
 from hybridrec.criteo_format import NUM_DENSE, NUM_SPARSE
 from hybridrec.evaluation import binary_metrics
+from hybridrec.kernel_cache import njit
 
 GENERATOR_VERSION = "2"
 BLOCK_ROWS = 1 << 15
@@ -411,7 +411,7 @@ def _draw_rows(model: _PlantedModel, rng: np.random.Generator, n: int, tail: Opt
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
-@numba.njit(cache=True)
+@njit(cache=True)
 def _token(rank, key):
     """Rank -> 32-bit token: add, xorshift and odd multiplies are bijections."""
     m = 0xFFFFFFFF
@@ -421,7 +421,7 @@ def _token(rank, key):
     return x ^ (x >> 16)
 
 
-@numba.njit(cache=True)
+@njit(cache=True)
 def _token64(i, key):
     """Tail ID -> 64-bit token: splitmix64 of the ID and the slot's key (a bijection per slot)."""
     x = i * np.uint64(0x9E3779B97F4A7C15) + key
@@ -430,7 +430,7 @@ def _token64(i, key):
     return x ^ (x >> np.uint64(31))
 
 
-@numba.njit(cache=True)
+@njit(cache=True)
 def _format_rows(labels, ints, int_empty, ranks, keys, hexd, out, tail_keys):
     """Write rows as Criteo TSV bytes into ``out``; returns the byte count. `tail_keys`: per slot, the key of
     its tail IDs' tokens (ranks below -1)."""

@@ -10,12 +10,12 @@ Kernels use error_model="numpy" (a float division by zero gives inf, as in
 numpy, instead of raising): the Python error model's zero checks keep LLVM
 from vectorising loops.
 
-The index, LRU and row code shares this one module on purpose: numba's
-on-disk cache (`cache=True`) only checks the source file of the function it
-compiled, so an njit function calling one from another module could keep
-running stale machine code after that module is edited. (The optimizer
-arithmetic in optimizers.py calls nothing from here; both call row_storage.py,
-the one place that knows how 16-bit weights are stored: edit it, touch both.)
+The index, LRU and row code shares this one module; the optimizer arithmetic
+(optimizers.py) calls nothing from here, and both call row_storage.py, the one
+place that knows how 16-bit weights are stored. numba's own on-disk cache
+checks only the source file of the function it compiled; the project's
+(`hybridrec.kernel_cache`) is keyed by every kernel file, so an edit to any of
+them compiles every kernel again, never running stale inlined code.
 
 Crash safety relies on the order of writes when a slot changes owner
 (see `_take_slot` / `insert_misses`): a slot's key is cleared before its row is
@@ -27,8 +27,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import types
 
+from hybridrec.kernel_cache import njit
 from services.embedding_ps.row_storage import FP32, decode_row16, encode16
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)

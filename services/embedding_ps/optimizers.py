@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from hybridrec.kernel_cache import njit
 from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4

@@ -94,6 +94,16 @@ def warm_up(config: Config) -> None:
                     store.peek(more, state=True)
             finally:
                 store.close()
+    _warm_decoders(config)
+
+
+def _warm_decoders(config: Config) -> None:
+    """Decode an update as a request arrives (read-only arrays over the request's bytes): its duplicate check
+    is a kernel of its own."""
+    values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
+    ids = {dim: np.arange(1, 9, dtype=np.uint64) for dim in config.dims}
+    grads = {dim: np.zeros((8, dim), np.float32) for dim in config.dims}
+    PSUpdate.decode(PSUpdate(ids, grads, 1).encode(values), values, config.dims)
 
 
 def open_stores(config: Config, shard: int) -> dict[int, EmbeddingStore]:

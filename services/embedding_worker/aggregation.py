@@ -9,7 +9,8 @@ batch-unique ID before the PS update: `scatter_add_rows`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from hybridrec.kernel_cache import njit
 
 
 @njit(nogil=True, cache=True)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numba
 import numpy as np
+
+from hybridrec.kernel_cache import njit
 
 _OK, _E_PREFIX, _E_PAST_END = 0, 1, 2
 
@@ -61,7 +62,7 @@ class ByteElements:
         return ByteElements(data[:offsets[count]], offsets[:count + 1])
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _split(buf, data, offsets):
     """Pack the length-prefixed elements of `buf` into `data`, their bounds into `offsets`: (count, error code,
     the length that ran past the end)."""

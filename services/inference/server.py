@@ -24,7 +24,7 @@ from services.inference.follow import FollowSource, inference_model
 from services.inference.grpc_api import GRPCInferenceServicer, add_to_server
 from services.inference.model import RemotePSTable, StaticSource, load_model
 from services.inference.rest import make_app, ssl_context
-from services.inference.warm_up import warm_up, watch_compiles
+from services.inference.warm_up import warm_up
 
 
 async def serve(settings: InferenceConfig) -> None:
@@ -87,7 +87,6 @@ async def serve(settings: InferenceConfig) -> None:
     # every kernel a request reaches, compiled before the model is ready; then any other compilation is logged
     warm_started = time.monotonic()
     probes = await warm_up(model, batcher, settings.model_name, settings.max_request_rows)
-    watch_compiles()
     batcher.start()
     core.serve(batcher.source, batcher)
     host.log.info("model_loaded", bundle=settings.bundle, follow=settings.follow, version=model.version,

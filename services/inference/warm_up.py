@@ -16,14 +16,14 @@ through the service's own decoding and forward, with rows of zeros for the
 embeddings (not through the batcher's counters or the metrics). What it
 misses is caught: after it, a kernel that still compiles is logged as
 `kernel_compiled_while_serving`, with its name and how long it took
-(`watch_compiles`).
+(`hybridrec.kernel_cache.watch_compiles`, which every service starts as it
+turns SERVING).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import struct
-import time
 from typing import Iterator
 
 import numpy as np
@@ -120,25 +120,3 @@ def _run_probes(decoder: InputDecoder, batcher, model, model_name: str) -> int:
         return count
 
     return asyncio.run(probes())
-
-
-def watch_compiles() -> None:
-    """From now on, log every numba compilation in this process (`kernel_compiled_while_serving`, a warning):
-    one is a kernel the warm-up missed, compiled while requests wait."""
-    from numba.core import event
-
-    class Watch(event.Listener):
-        def __init__(self):
-            self.started: dict[int, float] = {}
-
-        def on_start(self, ev) -> None:
-            self.started[id(ev.data["dispatcher"])] = time.perf_counter()
-
-        def on_end(self, ev) -> None:
-            dispatcher = ev.data["dispatcher"]
-            began = self.started.pop(id(dispatcher), None)
-            log.get().warning("kernel_compiled_while_serving", kernel=dispatcher.py_func.__qualname__,
-                              module=dispatcher.py_func.__module__, args=str(ev.data.get("args")),
-                              seconds=None if began is None else round(time.perf_counter() - began, 3))
-
-    event.register("numba:compile", Watch())

@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from hybridrec.evaluation import EPS
+from hybridrec.kernel_cache import njit
 
 BUCKETS = 1 << 16
 LOGIT_RANGE = 16.0
@@ -124,7 +124,7 @@ class ProgressiveWindow:
         return window_metrics(self.task_counts(task).reshape(BUCKETS, 2).T, float("nan")).auc
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _add_samples(codes, ring_logits, logits, labels, first):
     """Samples i = 0..n-1 of (n, tasks) `logits` and `labels` into ring slots (first + i) % size of every task:
     each slot takes its sample's code (bucket * 2 + label, the bucket as `bucket_of`) and logit: sequential
