@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.containers.cluster import DATALOADERS, NN_WORKERS, PS, SERVERS, Cluster
+from tests.containers.cluster import DATALOADERS, EMBEDDING_WORKERS, NN_WORKERS, PS, SERVERS, Cluster
 from tests.containers.conftest import AUC_THRESHOLD, SYNTH_ROWS
 
 START_TIMEOUT_S = 300
@@ -89,11 +89,17 @@ def trained(docker_client, image, synthetic_data, log_root):
     run = Run(cluster)
     try:
         start_servers(cluster, run)
-        started = time.monotonic()
-        start_loaders(cluster)
-        # A loader is SERVING from its start until it has sent the eval set.
-        for node in DATALOADERS:
-            run.health[node.name] = cluster.wait_serving(node.name, timeout_s=START_TIMEOUT_S)
+        # A loader is SERVING from its start until it has sent the eval set, which can take less than a
+        # `hybridrec health` exec'd in its container: asked while the embedding worker is paused, so that
+        # the loaders wait for it (SERVING) instead of sending.
+        cluster.docker(EMBEDDING_WORKERS[0].name).pause()
+        try:
+            started = time.monotonic()
+            start_loaders(cluster)
+            for node in DATALOADERS:
+                run.health[node.name] = cluster.wait_serving(node.name, timeout_s=START_TIMEOUT_S)
+        finally:
+            cluster.docker(EMBEDDING_WORKERS[0].name).unpause()
         finish(cluster, run, started)
         yield run
     finally:
