@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hybridrec.ids import GROUP_SHIFT
+from hybridrec.core.wire.ids import GROUP_SHIFT
 from services.dataloader.tsv import NUM_SPARSE, read_criteo
 
 FEATURES = [f"C{i + 1}" for i in range(NUM_SPARSE)]
@@ -75,7 +75,7 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike], *, cache: bool 
 def _prepared_rows(directory: str | os.PathLike):
     """The rows of a directory `hybridrec data prepare` wrote from Criteo TSV (the default 26 features),
     checked as the data loader checks it: the same hashed IDs and transformed dense values as `read_criteo`."""
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
     from services.dataloader.batching import ReadCounters
     from services.dataloader.prepared import iter_rows
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from benchmarks.baseline_data import FEATURES, Tensors, _prepare, jagged
 from benchmarks.baseline_train import ADAGRAD_EPS, INIT_SCALE, BaselineResult, _check, _dnn, _train_loop
-from hybridrec.models import DNN
+from hybridrec.core.model.models import DNN
 
 
 def torchrec_available() -> tuple[bool, str]:

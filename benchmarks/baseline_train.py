@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks.baseline_data import FEATURES, Tensors
-from hybridrec.models import DNN, FeatureInfo
+from hybridrec.core.model.models import DNN, FeatureInfo
 from services.dataloader.tsv import NUM_DENSE
 
 INIT_SCALE = 0.01  # hybridrec's default ps.init: uniform(-0.01, 0.01)

@@ -3,7 +3,7 @@
 Both train the model hybridrec trains by default -- one sum-pooled embedding bag
 of ``table_rows`` x ``dim`` per Criteo categorical feature (C1..C26, hashing
 trick: row = id % table_rows; a missing value is an empty bag), concatenated
-after the 13 dense features and fed to ``hybridrec.models.DNN`` (the very same
+after the 13 dense features and fed to ``hybridrec.core.model.models.DNN`` (the very same
 module, hidden 512-256-128), BCE-with-logits mean loss -- on the same data
 (read with hybridrec's own ``read_criteo``), with Adagrad on the embeddings
 (element-wise, eps 1e-10, rows initialised uniform(-0.01, 0.01), as the PS

@@ -30,11 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrec import codec, rpc  # noqa: E402
-from hybridrec.frames import Embeddings, Gradients, PSLookup, PSRows, SparseBatch  # noqa: E402
-from hybridrec.compress import ValueCodec  # noqa: E402
-from hybridrec.config import Config  # noqa: E402
-from hybridrec.proto import pb  # noqa: E402
+from hybridrec.core.wire import codec  # noqa: E402
+
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.frames import Embeddings, Gradients, PSLookup, PSRows, SparseBatch  # noqa: E402
+from hybridrec.core.wire.compress import ValueCodec  # noqa: E402
+from hybridrec.core.config import Config  # noqa: E402
+from hybridrec.core.wire.proto import pb  # noqa: E402
 
 BATCH, FEATURES, DIM = 4096, 26, 16
 

@@ -49,8 +49,8 @@ def exports(run_dir: Path, data: Path, work: Path) -> dict:
     """The run exported as float32 and as int8: `hybridrec predict`'s eval AUC and the tables' bytes of each."""
     import numpy as np
 
-    from hybridrec.bundle import read_manifest
-    from hybridrec.evaluation import binary_metrics
+    from hybridrec.core.layouts.bundle import read_manifest
+    from hybridrec.core.model.evaluation import binary_metrics
 
     labels = np.loadtxt(data / "eval.tsv", delimiter="\t", usecols=0, dtype=np.float32)
     out = {}

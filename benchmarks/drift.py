@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.online import HYBRIDREC, README_CONFIG, _log, run, start_broker  # noqa: E402
 from hybridrec.app.broker import create_stream  # noqa: E402
 from hybridrec.app.ports import free_port  # noqa: E402
-from hybridrec.config import StreamConfig  # noqa: E402
+from hybridrec.core.config import StreamConfig  # noqa: E402
 
 BOUND_S = 30.0
 

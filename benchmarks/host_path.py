@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.modes import accounting, thread_cpu_s_per_call  # noqa: E402
-from hybridrec.summary import RunSummary  # noqa: E402
+from hybridrec.core.layouts.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 TARGETS = {"nn_worker_core_s_per_1m": 1.0, "compute_ms_per_step": 3.0}
@@ -153,9 +153,9 @@ def model_ms_per_step(batch: int = 4096, steps: int = 30) -> float:
     (batch, 26 x 16) block as the pooler hands them over: the model's own share of a step."""
     import torch
 
-    from hybridrec.config import Config
-    from hybridrec.models import DNN, FeatureInfo
-    from hybridrec.pooling import PooledEmbeddings
+    from hybridrec.core.config import Config
+    from hybridrec.core.model.models import DNN, FeatureInfo
+    from hybridrec.core.model.pooling import PooledEmbeddings
 
     config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]}})
     features = [FeatureInfo(f.name, f.dim) for f in config.features]

@@ -57,7 +57,7 @@ def _attack(grpc_address: str, http_address: str, seconds: float, results, kinds
     sends them."""
     import grpc
 
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     channel = grpc.insecure_channel(grpc_address)
     call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",  # requests serialized once, below
@@ -124,8 +124,8 @@ def _ps_config(work: Path, address: str) -> Path:
 
 
 async def _ps_latencies(address: str, seconds: float, seed: int) -> list[float]:
-    from hybridrec import rpc
-    from hybridrec.frames import PSLookup
+    from hybridrec.core.runtime import rpc
+    from hybridrec.core.wire.frames import PSLookup
 
     rng = np.random.default_rng(seed)
     out, end = [], time.monotonic() + seconds
@@ -146,10 +146,10 @@ def _attack_ps(address: str, config_path: str, seconds: float, results) -> None:
 
     import grpc
 
-    from hybridrec import rpc
-    from hybridrec.config import load_config
-    from hybridrec.compress import ValueCodec
-    from hybridrec.frames import PSLookup, PSUpdate, max_ids, max_request_bytes
+    from hybridrec.core.runtime import rpc
+    from hybridrec.core.config import load_config
+    from hybridrec.core.wire.compress import ValueCodec
+    from hybridrec.core.wire.frames import PSLookup, PSUpdate, max_ids, max_request_bytes
     from tests.frame_bombs import bomb
 
     config = load_config(config_path)
@@ -182,7 +182,7 @@ def _ps_trial(work: Path, seconds: float) -> dict:
     import asyncio
     import subprocess
 
-    from hybridrec import rpc
+    from hybridrec.core.runtime import rpc
     from hybridrec.app.ports import free_port
     from tests.conftest import HYBRIDREC
 

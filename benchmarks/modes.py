@@ -39,7 +39,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hybridrec.summary import RunSummary  # noqa: E402
+from hybridrec.core.layouts.summary import RunSummary  # noqa: E402
 
 MODES = ("hybrid", "sync", "async", "shadow")
 BASELINES = ("pytorch", "torchrec")
@@ -188,8 +188,8 @@ def mlp_core_s_per_1m(hidden: tuple[int, ...] = (512, 256, 128), batch: int = 40
         return _MLP_CACHE[key]
     import torch
 
-    from hybridrec.config import Config
-    from hybridrec.models import DNN, FeatureInfo
+    from hybridrec.core.config import Config
+    from hybridrec.core.model.models import DNN, FeatureInfo
 
     config = Config.model_validate({"data": {"train": ["unused"]}, "cluster": {"ps": ["127.0.0.1:1"]}})
     features = [FeatureInfo(f.name, f.dim) for f in config.features]

@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
 from hybridrec.app.ports import free_port  # noqa: E402
-from hybridrec.config import StreamConfig  # noqa: E402
-from hybridrec.log import timestamp_of  # noqa: E402
-from hybridrec.summary import RunSummary  # noqa: E402
+from hybridrec.core.config import StreamConfig  # noqa: E402
+from hybridrec.core.runtime.log import timestamp_of  # noqa: E402
+from hybridrec.core.layouts.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 HYBRIDREC = [sys.executable, "-m", "hybridrec"]

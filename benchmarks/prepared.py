@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrec.config import from_dict  # noqa: E402
-from hybridrec.frames import DenseBatch  # noqa: E402
+from hybridrec.core.config import from_dict  # noqa: E402
+from hybridrec.core.wire.frames import DenseBatch  # noqa: E402
 from services.dataloader.batching import ReadCounters  # noqa: E402
 from services.dataloader.prepared_write import prepare  # noqa: E402
 from services.dataloader.sources import train_batches  # noqa: E402

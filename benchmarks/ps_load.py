@@ -26,9 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybridrec import rpc  # noqa: E402
-from hybridrec.compress import ValueCodec  # noqa: E402
-from hybridrec.frames import PSLookup, PSUpdate  # noqa: E402
+from hybridrec.core.runtime import rpc  # noqa: E402
+from hybridrec.core.wire.compress import ValueCodec  # noqa: E402
+from hybridrec.core.wire.frames import PSLookup, PSUpdate  # noqa: E402
 from hybridrec.app.ports import free_port  # noqa: E402
 
 DIM = 16
@@ -75,7 +75,7 @@ async def _drive(address: str, clients: int, duration_s: float, capacity: int, b
                          *(_client(address, s, stop_at, capacity, batch, lat, errors) for s in range(clients)))
     stats = {}
     async with rpc.channel(address) as ch:
-        from hybridrec.proto import pb
+        from hybridrec.core.wire.proto import pb
         reply = await rpc.control_method(ch, "EmbeddingPS", "Stats")(pb.Empty(), timeout=10)
         stats = dict(reply.values)
     return {"lat": lat, "errors": errors, "memory": memory, "ps_stats": stats}

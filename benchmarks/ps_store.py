@@ -31,8 +31,8 @@ import numpy as np
 from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybridrec.sharding import splitmix64  # noqa: E402
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
+from hybridrec.core.wire.sharding import splitmix64  # noqa: E402
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
 from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
 
 LR, EPS, INIT_ACC = 0.01, 1e-10, 0.1

@@ -24,7 +24,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hybridrec.summary import RunSummary  # noqa: E402
+from hybridrec.core.layouts.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 

@@ -44,14 +44,14 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybridrec import checkpoints  # noqa: E402
-from hybridrec import rpc  # noqa: E402
+from hybridrec.core.layouts import checkpoints  # noqa: E402
+from hybridrec.core.runtime import rpc  # noqa: E402
 from hybridrec.app.forkserver import ForkServer  # noqa: E402
 from hybridrec.app.ports import free_port  # noqa: E402
-from hybridrec.frames import PSLookup  # noqa: E402
-from hybridrec.config import Config, TierConfig  # noqa: E402
-from hybridrec.rpc import is_serving  # noqa: E402
-from hybridrec.sharding import shard_of  # noqa: E402
+from hybridrec.core.wire.frames import PSLookup  # noqa: E402
+from hybridrec.core.config import Config, TierConfig  # noqa: E402
+from hybridrec.core.runtime.rpc import is_serving  # noqa: E402
+from hybridrec.core.wire.sharding import shard_of  # noqa: E402
 from services.embedding_ps.checkpoint import (CHUNK_BYTES, dump_bytes, dump_memory_bytes,  # noqa: E402
                                               dump_shard, load_shard, row_bytes)
 from services.embedding_ps.replica import open_stores_in  # noqa: E402

@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from hybridrec.proto import grpc_predict_v2_pb2 as oip  # noqa: E402
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip  # noqa: E402
 from services.inference.inputs import InputDecoder, Tensor  # noqa: E402
 from services.inference.model import load_model  # noqa: E402
 from tests.inference_util import make_bundle, make_config_bundle, random_ids  # noqa: E402
@@ -153,7 +153,7 @@ class TritonServer(Process):
     """`hybridrec serve inference --engine triton`'s server (services/inference/triton_server.py) on a bundle."""
 
     def __init__(self, bundle: Path, log: Path, *sets: str):
-        from hybridrec.inference_config import load_inference_config
+        from hybridrec.core.config.inference import load_inference_config
         from services.inference.triton_server import TritonProcess
 
         settings = load_inference_config(None, values={"bundle": str(bundle), "model_name": MODEL,

@@ -39,7 +39,7 @@ def probe_requests(probes: Path, config, rows_per_id: int) -> tuple[list[list[tu
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from hybridrec.config import FeatureKind
+    from hybridrec.core.config import FeatureKind
 
     table = pq.read_table(probes)
     items = table.num_rows // rows_per_id
@@ -74,7 +74,7 @@ def probe_requests(probes: Path, config, rows_per_id: int) -> tuple[list[list[tu
 
 
 def serialize(model: str, tensors) -> bytes:
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     request = oip.ModelInferRequest(model_name=model)
     for name, datatype, shape, raw in tensors:
@@ -86,8 +86,8 @@ def serialize(model: str, tensors) -> bytes:
 def main() -> None:
     import grpc
 
-    from hybridrec.config import load_config
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.config import load_config
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc", required=True)

@@ -7,7 +7,7 @@ the data loader, six processes) twice on one numba cache directory:
 * warm: the cache the cold run left, as on every run after the first.
 
 With `--cache DIR` every run uses DIR instead (the first is cold only if DIR is empty): a cache another checkout
-filled shows that a second checkout of the same code starts warm (`hybridrec/kernel_cache.py`).
+filled shows that a second checkout of the same code starts warm (`hybridrec/core/runtime/kernel_cache.py`).
 
 The operating system's file cache is warm in both (the Python packages were read before). For each run it
 reports `first_step_s`, from starting the command to the first training step of any NN worker (the summary's
@@ -36,8 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hybridrec.log import timestamp_of  # noqa: E402
-from hybridrec.summary import RunSummary  # noqa: E402
+from hybridrec.core.runtime.log import timestamp_of  # noqa: E402
+from hybridrec.core.layouts.summary import RunSummary  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
 README_DATA = REPO / "data" / "synth"
@@ -129,7 +129,7 @@ def recovery_run(config: Path, run_dir: Path, cache_dir: Path, overrides: list[s
     time `gap_steps` steps of NN rank 0 after the last replacement was at work: seconds from each kill to the
     replacement's first piece of work (its `at_work` line), and what the run lost."""
     from hybridrec.app.launcher import rank_step
-    from hybridrec.summary import read_services
+    from hybridrec.core.layouts.summary import read_services
 
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "hybridrec", "run", str(config), "--run-dir", str(run_dir)]

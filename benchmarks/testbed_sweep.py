@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.testbed.bed import TestbedError, run_testbed  # noqa: E402
 from benchmarks.testbed.interference import cpu_interference  # noqa: E402
 from benchmarks.testbed.spec import cpus_option, format_rate, parse_rate, two_hosts  # noqa: E402
-from hybridrec.config import load_config  # noqa: E402
+from hybridrec.core.config import load_config  # noqa: E402
 
 MODES = ("hybrid", "sync", "async")
 FULL_RATES = ("unshaped", "1gbit", "200mbit", "100mbit", "50mbit", "25mbit", "12mbit")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig  # noqa: E402
 from services.embedding_ps.store import EmbeddingStore, StoreConfig  # noqa: E402
 
 WIDTH = 32

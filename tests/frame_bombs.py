@@ -1,4 +1,4 @@
-"""Frames that ask their receiver to allocate far more than they weigh (tests of hybridrec/codec.py and of the
+"""Frames that ask their receiver to allocate far more than they weigh (tests of hybridrec/core/wire/codec.py and of the
 live services): table entries that all point at one lz4 block of zeros."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import lz4.block
 import numpy as np
 
-from hybridrec import codec
+from hybridrec.core.wire import codec
 
 _FIXED = struct.Struct("<4sBBHII")
 _ENTRY = struct.Struct("<BBBBQQQ")

@@ -6,12 +6,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridrec.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter, EmbeddingTable,
+from hybridrec.core.layouts.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter,
+                              EmbeddingTable,
                               load_dense, open_bundle)
-from hybridrec.config import FeatureConfig, ModelConfig
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.models import FeatureInfo, build_model
-from hybridrec.sharding import shard_of
+from hybridrec.core.config import FeatureConfig, ModelConfig
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.model.models import FeatureInfo, build_model
+from hybridrec.core.wire.sharding import shard_of
 
 
 def make_bundle(out: Path, *, num_features: int = 26, dim: int = 16, rows_per_feature: int = 200,
@@ -23,7 +24,7 @@ def make_bundle(out: Path, *, num_features: int = 26, dim: int = 16, rows_per_fe
     `tokens`: feature index -> Criteo tokens whose hashed IDs get rows too (for raw-row tests). `quantization`:
     "int8" writes quantized tables.
     """
-    from hybridrec.criteo_kernels import hash_token
+    from hybridrec.core.layouts.criteo_kernels import hash_token
 
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -115,9 +116,9 @@ class FakePS:
         import grpc
         from concurrent import futures
 
-        from hybridrec.bundle import ShardTable, read_manifest
-        from hybridrec.compress import ValueCodec
-        from hybridrec.frames import PSLookup, PSRows
+        from hybridrec.core.layouts.bundle import ShardTable, read_manifest
+        from hybridrec.core.wire.compress import ValueCodec
+        from hybridrec.core.wire.frames import PSLookup, PSRows
 
         manifest = read_manifest(bundle)
         table = ShardTable(Path(bundle), manifest, shard)
@@ -159,9 +160,9 @@ def make_config_bundle(out: Path, config_path: Path, *, vocabulary: int = 20_000
     """A bundle of a job config's model (its features, tables and model; random weights) whose tables hold a
     row for every integer 0..vocabulary-1 of every feature group, hashed as the Parquet reader hashes integer
     IDs: requests by feature name with such integers find their rows."""
-    from hybridrec.config import load_config
-    from hybridrec.criteo_kernels import hash_ints
-    from hybridrec.models import feature_infos
+    from hybridrec.core.config import load_config
+    from hybridrec.core.layouts.criteo_kernels import hash_ints
+    from hybridrec.core.model.models import feature_infos
 
     config = load_config(config_path)
     rng = np.random.default_rng(seed)

@@ -12,7 +12,7 @@ import yaml
 from benchmarks.testbed.bed import Fault, TestbedError, run_testbed
 from benchmarks.testbed.net import NetError, cleanup
 from benchmarks.testbed.spec import SpecError, cpus_option, load_spec, two_hosts
-from hybridrec.config import ConfigError, load_config
+from hybridrec.core.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,11 +24,11 @@ import psutil
 
 from benchmarks.testbed.net import Network, NetError, bridge_ns, host_ns, leftovers
 from benchmarks.testbed.spec import SpecError, TestbedSpec, format_rate
-from hybridrec.config import Config, dump_config, from_dict
+from hybridrec.core.config import Config, dump_config, from_dict
 from hybridrec.app.launcher import LaunchError, LocalCluster, ServiceProcess
 from hybridrec.app.layout import Host, fit
-from hybridrec.service import SERVICE_KINDS
-from hybridrec.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
+from hybridrec.core.runtime.service import SERVICE_KINDS
+from hybridrec.core.layouts.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
 
 BASE_PORT = 7100  # gRPC port of the i-th replica overall: BASE_PORT + i; metrics: METRICS_PORT + i
 METRICS_PORT = 9300

@@ -10,9 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from hybridrec import log
+from hybridrec.core.runtime import log
 from hybridrec.app.ports import free_port
-from hybridrec.config import Config, ConfigError, StreamConfig
+from hybridrec.core.config import Config, ConfigError, StreamConfig
 
 START_TIMEOUT_S = 20.0
 

@@ -22,8 +22,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from hybridrec.config import Config, ConfigError, EmbeddingOptimizer, load_config
-from hybridrec.summary import RunSummary, task_entries, task_row
+from hybridrec.core.config import Config, ConfigError, EmbeddingOptimizer, load_config
+from hybridrec.core.layouts.summary import RunSummary, task_entries, task_row
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hybrid sync/async training of recommender models with a sharded embedding PS.")
@@ -94,8 +94,8 @@ def preflight(config: Config, *, model: bool = True, rows: bool = True) -> None:
     to `check_rows` (`hybridrec run` reads them while the services' parents import, before any service
     starts). `hybridrec check` and `hybridrec run` both make every one of these checks, so a config and files
     that `check` passes are not refused by `run` before training."""
-    from hybridrec import checkpoints
-    from hybridrec.criteo_format import feature_columns
+    from hybridrec.core.layouts import checkpoints
+    from hybridrec.core.layouts.criteo_format import feature_columns
 
     from services.dataloader import sources
 
@@ -159,8 +159,8 @@ def check_model(config: Config) -> None:
     """Build the configured model once, and import `training.loss` (ConfigError naming what is wrong). It
     imports torch, about 2 core-s:
     `hybridrec run` does it on a thread while the services start, not before."""
-    from hybridrec.models import ModelImportError, build_model, feature_infos
-    from hybridrec.tasks import Tasks
+    from hybridrec.core.model.models import ModelImportError, build_model, feature_infos
+    from hybridrec.core.model.tasks import Tasks
 
     try:
         build_model(config.model.path, feature_infos(config.features), config.num_dense, config.model.kwargs,
@@ -197,7 +197,7 @@ def run(config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML con
         _fail(str(exc))
     for note in data_notes(config):
         typer.echo(f"hybridrec: note: {note}", err=True)
-    from hybridrec import log
+    from hybridrec.core.runtime import log
     from hybridrec.app import launcher
     from hybridrec.app.progress import Progress
 
@@ -293,7 +293,7 @@ Overrides = Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)]
 
 
 def _replica(replica: Optional[int]) -> int:
-    from hybridrec.service import default_replica
+    from hybridrec.core.runtime.service import default_replica
 
     try:
         return default_replica() if replica is None else replica
@@ -312,7 +312,7 @@ def _run_service(main, usage_errors: tuple[type[BaseException], ...] = ()) -> No
     bundle met at start-up exits 2 naming it. A service that ends exits 0 without the interpreter's teardown."""
     import uvloop
 
-    from hybridrec.bundle import BundleError
+    from hybridrec.core.layouts.bundle import BundleError
 
     try:
         uvloop.run(main)
@@ -418,7 +418,7 @@ def serve_inference(config_path: Optional[Path] = typer.Option(None, "--config",
                                                              "--tls KEY (PEM files); client certificates: "
                                                              "--set tls.require_client_cert=true.")):
     """The Open Inference Protocol (KServe v2) over gRPC and REST, for one model bundle or a job's versions."""
-    from hybridrec.inference_config import load_inference_config
+    from hybridrec.core.config.inference import load_inference_config
     from services.inference import server
 
     if tls and len(tls) != 3:
@@ -476,7 +476,7 @@ def health(address: str = typer.Argument(..., help="HOST:PORT"),
            timeout: float = typer.Option(3.0, "--timeout", help="Seconds."),
            service: str = typer.Option("", "--service", help="Health service name: '' (ready) or 'liveness'.")):
     """Exit 0 iff the service at ADDRESS answers the gRPC health check with SERVING."""
-    from hybridrec.rpc import is_serving
+    from hybridrec.core.runtime.rpc import is_serving
 
     ok = asyncio.run(is_serving(address, timeout_s=timeout, service=service))
     typer.echo("SERVING" if ok else "NOT_SERVING")
@@ -596,7 +596,7 @@ def data_replay(files: list[Path] = typer.Argument(..., metavar="FILE...", help=
     import asyncio
 
     from hybridrec.app.replay import ReplayInputError, check_files, replay
-    from hybridrec.event_stream import split_target
+    from hybridrec.core.layouts.event_stream import split_target
 
     try:
         url, subject = split_target(to)
@@ -647,7 +647,7 @@ def _prepare_config(config_path: Optional[Path], overrides: Optional[list[str]],
     without one the default Criteo features, Parquet if every source ends in .parquet."""
     if config_path is not None:
         return _load(config_path, overrides)
-    from hybridrec.config import apply_overrides, from_dict
+    from hybridrec.core.config import apply_overrides, from_dict
 
     parquet = [s.suffix == ".parquet" for s in sources]
     if any(parquet) and not all(parquet):
@@ -736,7 +736,7 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
                                                        "row of width 16 instead of 64); read by every server and "
                                                        "by `hybridrec predict`.")):
     """Write a model bundle (dense weights + embedding rows, no optimizer state) for serving."""
-    from hybridrec.bundle import BundleError, read_manifest, verify
+    from hybridrec.core.layouts.bundle import BundleError, read_manifest, verify
 
     if triton is not None and source is not None and out is None:
         _triton_repository(source, triton, model_name)
@@ -776,8 +776,8 @@ def export(source: Optional[Path] = typer.Argument(None, metavar="SOURCE",
 
 def _triton_repository(bundle: Path, repo: Path, model_name: str) -> None:
     """`export --triton`: the Triton model repository of a bundle (services/inference/triton_repository.py)."""
-    from hybridrec.bundle import BundleError
-    from hybridrec.inference_config import load_inference_config
+    from hybridrec.core.layouts.bundle import BundleError
+    from hybridrec.core.config.inference import load_inference_config
     from services.inference.triton_repository import write_repository
 
     try:
@@ -799,7 +799,7 @@ def predict(bundle: Path = typer.Argument(..., help="A model bundle (hybridrec e
             out: Path = typer.Option(..., "--out", help="Output file: Parquet (.parquet) or CSV; one probability "
                                      "column per task.")):
     """Score every row of DATA offline with the same lookup and model code as `serve inference`."""
-    from hybridrec.bundle import BundleError
+    from hybridrec.core.layouts.bundle import BundleError
     from hybridrec.app.predict import predict as run_predict
 
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""`hybridrec export`: a finished run or a job checkpoint as a model bundle (hybridrec/bundle.py).
+"""`hybridrec export`: a finished run or a job checkpoint as a model bundle (hybridrec/core/layouts/bundle.py).
 
 Part of the app, not of the PS: it runs once, offline, in the CLI, and reads the
 shard dumps through their owner (`services/embedding_ps/checkpoint.py`).
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec import checkpoints
-from hybridrec.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter,
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.layouts.bundle import (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, BundleManifest, BundleWriter,
                               input_types)
-from hybridrec.config import ConfigError, load_config
+from hybridrec.core.config import ConfigError, load_config
 
 
 class ExportError(ValueError):
@@ -54,7 +54,7 @@ def find_checkpoint(source: Path) -> Path:
 
 def export(source: Path, out: Path, *, quantize: str | None = None) -> tuple[Path, BundleManifest]:
     """Write the bundle `out` from SOURCE; returns the checkpoint used and the bundle's manifest. `quantize`:
-    "int8" writes quantized tables (`hybridrec.bundle.quantize_rows`), None float32 ones."""
+    "int8" writes quantized tables (`hybridrec.core.layouts.bundle.quantize_rows`), None float32 ones."""
     import torch
 
     from services.embedding_ps.checkpoint import read_embeddings

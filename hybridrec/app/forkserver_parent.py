@@ -35,7 +35,7 @@ while the first services start on the same cores)."""
 def preload_base() -> None:
     """What the data loader, PS and embedding worker import, and the loader's and worker's kernels.
 
-    torch too: the PS shards and the embedding workers use it for fp16 values (`hybridrec.compress`), and
+    torch too: the PS shards and the embedding workers use it for fp16 values (`hybridrec.core.wire.compress`), and
     each of them imported it after the fork (1.8-2.4 s of CPU apiece, three processes in the smallest run,
     on the cores the dense parent was importing torch on): imported once here, their children share it."""
     import numpy  # noqa: F401
@@ -60,7 +60,7 @@ def preload_dense() -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by DDP and the optimizer whether or not anything is compiled)
 
-    from hybridrec import bag_kernels
+    from hybridrec.core.model import bag_kernels
     from hybridrec.app import cli  # noqa: F401
     from services.nn_worker import progressive, server as _nn  # noqa: F401
 
@@ -70,7 +70,7 @@ def preload_dense() -> None:
 
 def warm_up_ps(config_path: Path) -> None:
     """Compile (or load from numba's cache) the PS kernels for the run's config, on a scratch table."""
-    from hybridrec.config import load_config
+    from hybridrec.core.config import load_config
     from services.embedding_ps import server as ps_server
 
     ps_server.warm_up(load_config(config_path, []))

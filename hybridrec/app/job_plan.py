@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hybridrec.config import Config, split_address
+from hybridrec.core.config import Config, split_address
 
 PLAN_FILE = "plan.json"
 SERVICES = ("dataloader", "embedding_worker", "embedding_ps", "nn_worker")

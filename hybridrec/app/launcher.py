@@ -23,10 +23,10 @@ from pathlib import Path
 
 import grpc
 
-from hybridrec import log, rpc
-from hybridrec.config import Config, ConfigError, dump_config, from_dict
-from hybridrec.proto import pb
-from hybridrec.evaluation import find_oracle
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.config import Config, ConfigError, dump_config, from_dict
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.model.evaluation import find_oracle
 from hybridrec.app.ports import free_port
 from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
 from hybridrec.app.job_plan import JobPlan
@@ -34,10 +34,11 @@ from hybridrec.app.layout import Layout
 from hybridrec.app.report import write_report
 from hybridrec.app.report_plots import preload_plots
 from hybridrec.app.report_series import Recorder
-from hybridrec.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
-from hybridrec.summary import SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary, write_services
+from hybridrec.core.runtime.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
+from hybridrec.core.layouts.summary import (SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary,
+                                            write_services)
 
-# The role lists, derived from the one table in hybridrec/service.py (see ServiceKind).
+# The role lists, derived from the one table in hybridrec/core/runtime/service.py (see ServiceKind).
 START_ORDER = tuple(kind.name for kind in SERVICE_KINDS)
 FINISHING = tuple(kind.name for kind in SERVICE_KINDS if kind.finishes)
 GROUP = tuple(kind.name for kind in SERVICE_KINDS if kind.restart_as_group)

@@ -24,7 +24,7 @@ import glob
 import os
 from dataclasses import dataclass
 
-from hybridrec.config import AUTO, Config, ConfigError, from_dict
+from hybridrec.core.config import AUTO, Config, ConfigError, from_dict
 
 SPARSE_SHARES = {"ps": 0.42, "embedding_workers": 0.31, "dataloader": 0.27}
 """Each sparse-side service's share of the sparse side's CPU per training sample (README example)."""

@@ -12,7 +12,7 @@ The image build runs `python -m hybridrec.app.numba_seed` with `NUMBA_CACHE_DIR`
 `hybridrec` command then starts with `seed()`: when `HYBRIDREC_NUMBA_SEED` names that directory and the
 container's `NUMBA_CACHE_DIR` does not exist yet, it is copied there (numba refuses a cache directory it cannot
 write to, so the image's own copy cannot be used in place). A cached kernel is only taken for the same kernel
-build (`hybridrec.kernel_cache`: the kernel files' content) and the same CPU, so on another CPU the copy is
+build (`hybridrec.core.runtime.kernel_cache`: the kernel files' content) and the same CPU, so on another CPU the copy is
 ignored and the kernels compile as before.
 """
 from __future__ import annotations
@@ -54,9 +54,9 @@ def compile_all(scratch: Path) -> None:
     batch deduplication, the embedding worker's deduplication and gradient aggregation, the PS store's lookup,
     update and sweep (on a scratch table under `scratch`), the NN worker's CPU pooling and progressive window, the
     inference service's table lookup, and the synthetic data writer's."""
-    from hybridrec import bag_kernels, table_lookup
+    from hybridrec.core.model import bag_kernels, table_lookup
     from hybridrec.app.synth import synthesize
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
     from services.dataloader import tsv
     from services.embedding_ps.server import warm_up as warm_up_ps
     from services.embedding_worker.server import warm_up as warm_up_embedding_worker

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from hybridrec.criteo_format import DENSE_COLUMNS, SPARSE_COLUMNS
+from hybridrec.core.layouts.criteo_format import DENSE_COLUMNS, SPARSE_COLUMNS
 
 DEFAULT_ROW_GROUP_ROWS = 131_072
 

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrec.config import (Config, ConfigError, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig,
+from hybridrec.core.config import (Config, ConfigError, EmbeddingOptimizer, EmbeddingOptimizerConfig, LifecycleConfig,
                               PSConfig, WeightStorage)
 from services.embedding_ps.checkpoint import dump_memory_bytes, row_bytes
 from services.embedding_ps.kernels import MAX_STRIPE_ROWS

@@ -3,7 +3,7 @@
 The data is read by the data loader's own readers, configured by the job's
 config the bundle carries (`config.yaml`): TSV, Parquet or prepared data,
 hashed, truncated and transformed exactly as training read it. Each chunk's
-features become one `hybridrec.jagged.KeyedBags`, and from there the
+features become one `hybridrec.core.wire.jagged.KeyedBags`, and from there the
 inference service's code answers: `LoadedModel.predict`, the one owner of
 a request's lookup, pooling and forward pass. So a row scored here and the same row sent to
 `hybridrec serve inference` by feature name get the same probability (the
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridrec.bundle import bundle_config
+from hybridrec.core.layouts.bundle import bundle_config
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import sys
 import time
 from pathlib import Path
 
-from hybridrec import log
-from hybridrec.config import Config
+from hybridrec.core.runtime import log
+from hybridrec.core.config import Config
 
 
 def estimate_samples(config: Config) -> int | None:

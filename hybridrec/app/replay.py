@@ -1,7 +1,7 @@
 """`hybridrec data replay`: publish data files as a timed event stream on NATS JetStream, for tests, demos and
 benchmarks of online training (`data.stream`).
 
-Two kinds of file, one kind per replay (hybridrec/event_stream.py has the message format):
+Two kinds of file, one kind per replay (hybridrec/core/layouts/event_stream.py has the message format):
 
 * Criteo TSV (`.gz` too): lines are read in order and published `rows_per_message` at a time as TSV messages;
 * Parquet: rows are read in order, one row group at a time, and published `rows_per_message` at a time as
@@ -17,7 +17,7 @@ stream is created when it is not there, holding the subject; a stream that exist
 
 With `partitions` P > 1 (one per data loader of the job: `cluster.dataloader`), message m goes to subject
 `<subject>.<m mod P>` (the stream holds `<subject>.*`), and after the last message every partition gets an
-end marker: a message without lines whose event id is the replay's end (hybridrec/event_stream.py).
+end marker: a message without lines whose event id is the replay's end (hybridrec/core/layouts/event_stream.py).
 
 A broker that restarts mid-replay loses nothing and stores nothing twice (`Publisher`): publishing is
 pipelined (JetStream's asynchronous publish), the messages sent but not yet acknowledged are kept, and after a
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from hybridrec import log
-from hybridrec.event_stream import (ARROW, TSV, encode_arrow, headers, partition_of, partition_subject,
+from hybridrec.core.runtime import log
+from hybridrec.core.layouts.event_stream import (ARROW, TSV, encode_arrow, headers, partition_of, partition_subject,
                                     subject_matches)
 
 PARQUET_MAGIC = b"PAR1"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 
-from hybridrec.summary import SUMMARY_FILE, ServiceInfo, read_services
+from hybridrec.core.layouts.summary import SUMMARY_FILE, ServiceInfo, read_services
 from hybridrec.app.report_page import render_page, screenshot
 from hybridrec.app.report_plots import _plot_all
 from hybridrec.app.report_series import Recorder

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridrec.app.report_series import num as _num
-from hybridrec.summary import ServiceInfo, describe_store_loss, task_entries, task_row
+from hybridrec.core.layouts.summary import ServiceInfo, describe_store_loss, task_entries, task_row
 
 if TYPE_CHECKING:
     from hybridrec.app.report_series import Recorder

@@ -61,9 +61,9 @@ from typing import Optional
 
 import numpy as np
 
-from hybridrec.criteo_format import NUM_DENSE, NUM_SPARSE
-from hybridrec.evaluation import binary_metrics
-from hybridrec.kernel_cache import njit
+from hybridrec.core.layouts.criteo_format import NUM_DENSE, NUM_SPARSE
+from hybridrec.core.model.evaluation import binary_metrics
+from hybridrec.core.runtime.kernel_cache import njit
 
 GENERATOR_VERSION = "2"
 BLOCK_ROWS = 1 << 15

@@ -31,7 +31,7 @@ interaction of each element with the target (a match), and on where in the
 sequence the matches sit: the same number of matches can raise or lower the
 odds. A sum-pooled history keeps neither the order nor, except blurred into a
 sum of every element's embedding, the matches; DIN's target attention with a
-recency embedding (`hybridrec.models.TargetAttention`) can represent both.
+recency embedding (`hybridrec.core.model.models.TargetAttention`) can represent both.
 
 **Two correlated tasks**: conversion shares the user, tag and sequence
 effects (scaled) with click and has an item effect correlated with click's
@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec.evaluation import binary_metrics
+from hybridrec.core.model.evaluation import binary_metrics
 
 BLOCK_ROWS = 1 << 16
 """Rows per random stream and per row group."""

@@ -17,8 +17,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from hybridrec.frames import SparseBatch
-from hybridrec.jagged import KeyedBags
+from hybridrec.core.wire.frames import SparseBatch
+from hybridrec.core.wire.jagged import KeyedBags
 from services.dataloader.splits import Split, whole
 from services.dataloader.tsv import BadLinePolicy, CriteoChunk, read_criteo
 

@@ -35,14 +35,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hybridrec.config import FeatureKind
-from hybridrec.criteo_kernels import hash_ints, hash_strings
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.jagged import Bag, KeyedBags
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.layouts.criteo_kernels import hash_ints, hash_strings
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.wire.jagged import Bag, KeyedBags
 from services.dataloader.batching import BadLinePolicy, Rows
 
 if TYPE_CHECKING:
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
 
 
 class ColumnFormatError(ValueError):

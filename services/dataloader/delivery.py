@@ -18,9 +18,9 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from hybridrec import log, rpc
-from hybridrec.frames import PHASES, Consumed
-from hybridrec.service import at_work
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.wire.frames import PHASES, Consumed
+from hybridrec.core.runtime.service import at_work
 
 END = 1 << 62
 """The stream index an end-of-phase frame is filed under: after every batch of its phase."""

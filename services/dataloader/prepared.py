@@ -51,9 +51,9 @@ import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridrec.config import Config, ConfigError, FeatureKind
-from hybridrec.criteo_format import DENSE_COLUMNS
-from hybridrec.jagged import Bag, KeyedBags
+from hybridrec.core.config import Config, ConfigError, FeatureKind
+from hybridrec.core.layouts.criteo_format import DENSE_COLUMNS
+from hybridrec.core.wire.jagged import Bag, KeyedBags
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.tsv import BadLinePolicy
 from services.dataloader.splits import Split, whole

@@ -24,10 +24,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from hybridrec.config import Config
-from hybridrec.criteo_format import feature_columns
-from hybridrec.files import fsync_dir, write_json_atomic
-from hybridrec.jagged import KeyedBags
+from hybridrec.core.config import Config
+from hybridrec.core.layouts.criteo_format import feature_columns
+from hybridrec.core.layouts.files import fsync_dir, write_json_atomic
+from hybridrec.core.wire.jagged import KeyedBags
 from services.dataloader import parquet
 from services.dataloader.tsv import read_criteo
 from services.dataloader.prepared import (MANIFEST, FileEntry, Manifest, PreparedDataError, ShardEntry,

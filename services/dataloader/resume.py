@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from hybridrec.frames import Received
+from hybridrec.core.wire.frames import Received
 from services.dataloader.batching import Position
 
 

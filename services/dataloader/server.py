@@ -28,12 +28,12 @@ from typing import Callable, Iterator
 
 import grpc
 
-from hybridrec import log, rpc
-from hybridrec.frames import BatchRef, DenseBatch, EndOfPhase, Received
-from hybridrec.config import Config, ConfigError
-from hybridrec.proto import pb
-from hybridrec.service import ServiceHost
-from hybridrec import checkpoints
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.wire.frames import BatchRef, DenseBatch, EndOfPhase, Received
+from hybridrec.core.config import Config, ConfigError
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.service import ServiceHost
+from hybridrec.core.layouts import checkpoints
 from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from hybridrec.config import Config, ConfigError
-from hybridrec.criteo_format import feature_columns
+from hybridrec.core.config import Config, ConfigError
+from hybridrec.core.layouts.criteo_format import feature_columns
 from services.dataloader import batching, prepared, splits, tsv
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.splits import Split

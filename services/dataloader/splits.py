@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from hybridrec.config import ConfigError
+from hybridrec.core.config import ConfigError
 
 _SEEK_BYTES = 1 << 16
 

@@ -2,7 +2,8 @@
 
 Each message holds one or more samples, as Criteo TSV lines or as an Arrow record batch in the training data's
 own columns (its `Hybridrec-Format` header says which), with headers naming its first event's id and its event
-time (hybridrec/event_stream.py; `hybridrec data replay` publishes a TSV or Parquet file that way). TSV lines
+time (hybridrec/core/layouts/event_stream.py; `hybridrec data replay` publishes a TSV or Parquet file that way). TSV
+lines
 are parsed by the TSV reader's kernel, Arrow batches converted by the Parquet reader's own code (columns.py):
 the same hashing, `max_len` and absent values as the files. A message the config cannot read (a format it does
 not know, a payload that does not decode — any error decoding it, so no message can stop the loader again and
@@ -27,7 +28,7 @@ stopped. Training ends after the message holding event `data.stream.until_event`
 first message past it), after `for_s` seconds, or on SIGUSR1 (`hybridrec run`'s first Ctrl-C): then with
 what was read, evaluated and checkpointed as at any end.
 
-With several data loaders the subject is partitioned (hybridrec/event_stream.py: `hybridrec data replay
+With several data loaders the subject is partitioned (hybridrec/core/layouts/event_stream.py: `hybridrec data replay
 --partitions L`): loader l consumes `<subject>.<l>` through a durable consumer of its own (`<durable>-<l>`; one
 subject filter per consumer, as nats-server 2.9 allows), and all of the above holds per partition: its
 positions, acknowledgements, restart and account (`stream-<l>.json`). `until_event` stays one event id for the
@@ -55,13 +56,14 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import uvloop
 
-from hybridrec import log
-from hybridrec.config import Config, ConfigError, StreamConfig
-from hybridrec.criteo_format import feature_columns
-from hybridrec.event_stream import (ARROW, FORMAT, TSV, EventFormatError, decode_arrow, events_in, partition_subject,
+from hybridrec.core.runtime import log
+from hybridrec.core.config import Config, ConfigError, StreamConfig
+from hybridrec.core.layouts.criteo_format import feature_columns
+from hybridrec.core.layouts.event_stream import (ARROW, FORMAT, TSV, EventFormatError, decode_arrow, events_in,
+                                    partition_subject,
                                     read_format, read_headers, subject_matches)
-from hybridrec.event_stream import DEAD_REASON, DEAD_SEQ, DEAD_SUBJECT
-from hybridrec.summary import StreamSummary, lag_bucket, lag_of
+from hybridrec.core.layouts.event_stream import DEAD_REASON, DEAD_SEQ, DEAD_SUBJECT
+from hybridrec.core.layouts.summary import StreamSummary, lag_bucket, lag_of
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.tsv import BadLinePolicy, CriteoFormatError, parse_lines
 
@@ -82,7 +84,8 @@ class Message:
     first_event: int
     event_time: float
     format: str = TSV
-    """The payload's format (hybridrec/event_stream.py): tsv or arrow, or whatever an unknown header named."""
+    """The payload's format (hybridrec/core/layouts/event_stream.py): tsv or arrow, or whatever an unknown header
+    named."""
     headers: dict[str, str] | None = None
     """Its headers as they came (a dead letter carries them on)."""
 

@@ -11,8 +11,8 @@ last line of a block is carried over to the next one.
 
 This module is the file side: gzip/plain block iteration, resume offsets,
 line numbers, bad-line policy and error messages naming file and line. The
-kernels (and the token hash) live in ``hybridrec/criteo_kernels.py`` (shared
-with the inference service), the column counts in ``hybridrec/criteo_format.py``
+kernels (and the token hash) live in ``hybridrec/core/layouts/criteo_kernels.py`` (shared
+with the inference service), the column counts in ``hybridrec/core/layouts/criteo_format.py``
 (shared with the data generator and the CLI); their public names are
 re-exported here, so ``from services.dataloader.tsv import
 NUM_SPARSE, hash_token`` keeps working.
@@ -29,10 +29,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE  # re-exported: see __all__
-from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS
-from hybridrec.criteo_kernels import HASH_MASK, hash_token  # re-exported: see __all__
-from hybridrec.criteo_kernels import _OK, _parse_lines, error_text
+from hybridrec.core.layouts.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE  # re-exported: see __all__
+from hybridrec.core.wire.ids import GROUP_SHIFT, MAX_GROUPS
+from hybridrec.core.layouts.criteo_kernels import HASH_MASK, hash_token  # re-exported: see __all__
+from hybridrec.core.layouts.criteo_kernels import _OK, _parse_lines, error_text
 
 __all__ = [
     "BadLinePolicy", "CriteoChunk", "CriteoFormatError", "DEFAULT_BLOCK_BYTES", "GROUP_SHIFT",
@@ -383,7 +383,7 @@ def parse_lines(data: bytes, *, where: str, groups: Sequence[int] | None = None,
 def warm_up() -> None:
     """Compile (or load from numba's cache) the parser and the batch deduplication now, not inside the first
     batch's wait (the fork server calls it once for every data loader)."""
-    from hybridrec.dedup import unique_segments
+    from hybridrec.core.wire.dedup import unique_segments
 
     line = b"\t".join([b"1", *[b"1"] * NUM_DENSE, *[b"68fd1e64"] * NUM_SPARSE])
     parse_lines(line, where="the warm-up line")

@@ -4,7 +4,7 @@ On the embedding PS. An embedding worker re-sends a batch's update when it
 restarted in the middle of a push (its NN worker pushes again) or when a
 shard restarted before answering; the shards that had applied it must not
 apply it again. Every `PSUpdate` carries the batch's update id
-(`hybridrec.frames.update_id`); the shard records each id it applied in a
+(`hybridrec.core.wire.frames.update_id`); the shard records each id it applied in a
 ring in its shm directory, next to its stores, so the record survives kill -9
 of the PS like the rows do (docs/architecture.md#crash-rules):
 
@@ -43,7 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec import files, log
+from hybridrec.core.layouts import files
+
+from hybridrec.core.runtime import log
 
 _log = log.get(__name__)
 

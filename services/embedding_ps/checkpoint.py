@@ -40,7 +40,7 @@ this shard's stores dumped into it and know every change since (a restarted
 process knows none: its first dump is full), the chain is shorter than
 `checkpoint.full_every` and fewer than half the live rows changed; else a full
 dump, which starts a new chain (old chains go when no kept checkpoint needs
-them, `hybridrec.checkpoints.prune`). Not in a delta: rows removed since
+them, `hybridrec.core.layouts.checkpoints.prune`). Not in a delta: rows removed since
 (evicted, expired): a restore brings such a row back with its last trained
 value, and the store's LRU or TTL removes it again as it would any row.
 
@@ -67,8 +67,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from hybridrec import checkpoints, log
-from hybridrec.files import HashingWriter, fsync_dir
+from hybridrec.core.layouts import checkpoints
+
+from hybridrec.core.runtime import log
+from hybridrec.core.layouts.files import HashingWriter, fsync_dir
 from services.embedding_ps import row_storage as R
 from services.embedding_ps.optimizers import state_width
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
@@ -583,11 +585,11 @@ def read_embeddings(directory: str | Path) -> tuple[dict, list[tuple[int, int, n
 
     Follows each dump's chain (a delta's rows over its full dump's) and verifies every manifest, size and
     sha256 first (ValueError naming the file, as `load_shard` does) and that each dump holds only its own
-    shard's IDs (`hybridrec.sharding.shard_of`). `rows` are the embeddings without optimizer state: the
+    shard's IDs (`hybridrec.core.wire.sharding.shard_of`). `rows` are the embeddings without optimizer state: the
     memory-mapped values' first `dim` columns when a shard's table is one file. `summary` is
     {"num_shards", "step", "widths"}.
     """
-    from hybridrec.sharding import shard_of
+    from hybridrec.core.wire.sharding import shard_of
 
     found = _read_manifests(directory)
     num_shards, step = found[0][1]["num_shards"], found[0][1]["step"]

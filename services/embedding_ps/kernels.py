@@ -14,7 +14,7 @@ The index, LRU and row code shares this one module; the optimizer arithmetic
 (optimizers.py) calls nothing from here, and both call row_storage.py, the one
 place that knows how 16-bit weights are stored. numba's own on-disk cache
 checks only the source file of the function it compiled; the project's
-(`hybridrec.kernel_cache`) is keyed by every kernel file, so an edit to any of
+(`hybridrec.core.runtime.kernel_cache`) is keyed by every kernel file, so an edit to any of
 them compiles every kernel again, never running stale inlined code.
 
 Crash safety relies on the order of writes when a slot changes owner
@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import types
 
-from hybridrec.kernel_cache import njit
+from hybridrec.core.runtime.kernel_cache import njit
 from services.embedding_ps.row_storage import FP32, decode_row16, encode16
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -68,8 +68,8 @@ T_REJECTED = 1       # training lookups of an ID without a row that did not admi
 T_EXPIRED = 2        # rows removed because they were not updated within the table's TTL
 T_DROPPED = 3        # gradients of IDs without a row (not admitted, expired or evicted), dropped by update()
 TABLE_FIELDS = 4
-NUM_TABLES = 256     # one per feature group (hybridrec.ids.MAX_GROUPS)
-_GROUP_SHIFT = np.uint64(56)  # hybridrec.ids.GROUP_SHIFT
+NUM_TABLES = 256     # one per feature group (hybridrec.core.wire.ids.MAX_GROUPS)
+_GROUP_SHIFT = np.uint64(56)  # hybridrec.core.wire.ids.GROUP_SHIFT
 _U32_MASK = np.uint64(0xFFFFFFFF)
 
 _U11, _U32, _U33 = np.uint64(11), np.uint64(32), np.uint64(33)
@@ -681,7 +681,7 @@ def copy_tier_rows(tier, first, last, index, keys, changed_only, clear, out_keys
 
 @njit(inline="always", error_model="numpy")
 def group_of(key):
-    """Feature group (table) of an ID: its top 8 bits (hybridrec/ids.py)."""
+    """Feature group (table) of an ID: its top 8 bits (hybridrec/core/wire/ids.py)."""
     return np.int64(key >> _GROUP_SHIFT)
 
 

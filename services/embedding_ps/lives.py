@@ -31,8 +31,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from hybridrec.checkpoints import PS_LIVES
-from hybridrec.files import write_json_atomic
+from hybridrec.core.layouts.checkpoints import PS_LIVES
+from hybridrec.core.layouts.files import write_json_atomic
 
 
 class Loss(BaseModel):

@@ -16,7 +16,7 @@ is FBGEMM's: one accumulator per row, of the mean over the row of the squared
 gradient, so its state is one value whatever the width.
 
 The optimizer and its hyper-parameters are `EmbeddingOptimizerConfig`
-(hybridrec/config/optimizers.py), used as it is: the functions at the end of this module
+(hybridrec/core/config/optimizers.py), used as it is: the functions at the end of this module
 give its kernel code, state widths and hyper-parameter vector.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
-from hybridrec.kernel_cache import njit
+from hybridrec.core.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from hybridrec.core.runtime.kernel_cache import njit
 from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4

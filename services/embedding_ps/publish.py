@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec import log
-from hybridrec.bundle import FileEntry
-from hybridrec.versions import write_table
+from hybridrec.core.runtime import log
+from hybridrec.core.layouts.bundle import FileEntry
+from hybridrec.core.layouts.versions import write_table
 from services.embedding_ps.store import EmbeddingStore
 
 _log = log.get(__name__)

@@ -1,6 +1,6 @@
 """`hybridrec serve embedding_ps --bundle DIR --replica N`: one shard of a model bundle, read-only.
 
-Serves the PS protocol from a bundle (hybridrec/bundle.py) instead of a
+Serves the PS protocol from a bundle (hybridrec/core/layouts/bundle.py) instead of a
 training store: `Lookup` answers a `PSLookup` with `PSRows` read from the
 bundle's memory-mapped, sorted keys and rows (zeros for IDs without a row;
 IDs of another shard are refused, as the training PS does); `Update`,
@@ -25,14 +25,14 @@ import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hybridrec.bundle import BundleError, BundleManifest, ShardTable, read_manifest, verify
-from hybridrec.compress import ValueCodec
-from hybridrec.config import TLSConfig, split_address
-from hybridrec.frames import PSLookup, PSRows
-from hybridrec.proto import pb
-from hybridrec.rpc import FailedPrecondition, Unavailable
-from hybridrec.service import ServiceHost
-from hybridrec.sharding import shard_of
+from hybridrec.core.layouts.bundle import BundleError, BundleManifest, ShardTable, read_manifest, verify
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import TLSConfig, split_address
+from hybridrec.core.wire.frames import PSLookup, PSRows
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.rpc import FailedPrecondition, Unavailable
+from hybridrec.core.runtime.service import ServiceHost
+from hybridrec.core.wire.sharding import shard_of
 
 
 class ReadOnlyPSSettings(BaseModel):

@@ -44,10 +44,10 @@ from typing import Awaitable, Callable
 import grpc
 import numpy as np
 
-from hybridrec import log, rpc
-from hybridrec.config import Config
-from hybridrec.frames import ShardPull, ShardRows
-from hybridrec.rpc import FailedPrecondition
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.config import Config
+from hybridrec.core.wire.frames import ShardPull, ShardRows
+from hybridrec.core.runtime.rpc import FailedPrecondition
 from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 

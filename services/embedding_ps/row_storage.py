@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import njit
 
-from hybridrec.config import WeightStorage
+from hybridrec.core.config import WeightStorage
 
 FP32, FP16, BF16 = 0, 1, 2
 """Storage codes the kernels take and the store header records (0, what stores made before had: float32)."""

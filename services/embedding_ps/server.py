@@ -19,17 +19,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from hybridrec.compress import ValueCodec
-from hybridrec.lazy_torch import import_torch_in_background, imported
-from hybridrec.config import Config
-from hybridrec import checkpoints, log, rpc
-from hybridrec.checkpoints import resolve_under
-from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows, max_ids
-from hybridrec.proto import pb
-from hybridrec.rpc import FailedPrecondition
-from hybridrec.service import ServiceHost, at_work
-from hybridrec.sharding import shard_of
-from hybridrec.versions import version_dir
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.runtime.lazy_torch import import_torch_in_background, imported
+from hybridrec.core.config import Config
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.layouts.checkpoints import resolve_under
+from hybridrec.core.wire.frames import Applied, PSLookup, PSRows, PSUpdate, ShardPull, ShardRows, max_ids
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.rpc import FailedPrecondition
+from hybridrec.core.runtime.service import ServiceHost, at_work
+from hybridrec.core.wire.sharding import shard_of
+from hybridrec.core.layouts.versions import version_dir
 from services.embedding_ps import lives
 from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog, publish_shard

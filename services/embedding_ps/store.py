@@ -24,8 +24,8 @@ from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
-from hybridrec import log
-from hybridrec.config import Config
+from hybridrec.core.runtime import log
+from hybridrec.core.config import Config
 from services.embedding_ps import kernels as K
 from services.embedding_ps import lifecycle as L
 from services.embedding_ps import optimizers as O

@@ -40,8 +40,10 @@ from typing import Iterable
 
 import numpy as np
 
-from hybridrec import files, log
-from hybridrec.config import Config, EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.layouts import files
+
+from hybridrec.core.runtime import log
+from hybridrec.core.config import Config, EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import kernels as K
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
 from services.embedding_ps.row_storage import STORAGE_CODES, STORAGE_NAMES, weight_words

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec import log
+from hybridrec.core.runtime import log
 from services.embedding_ps import kernels as K
 
 _log = log.get(__name__)

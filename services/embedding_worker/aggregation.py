@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridrec.kernel_cache import njit
+from hybridrec.core.runtime.kernel_cache import njit
 
 
 @njit(nogil=True, cache=True)

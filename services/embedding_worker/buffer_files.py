@@ -42,9 +42,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hybridrec import files, log
-from hybridrec.config import FeatureConfig
-from hybridrec.frames import INCARNATION_SHIFT, REF_SHIFT
+from hybridrec.core.layouts import files
+
+from hybridrec.core.runtime import log
+from hybridrec.core.config import FeatureConfig
+from hybridrec.core.wire.frames import INCARNATION_SHIFT, REF_SHIFT
 
 _log = log.get(__name__)
 
@@ -122,7 +124,7 @@ class BufferFiles:
 
     @property
     def nonce(self) -> int:
-        """Random 64-bit number mixed into every update id (`hybridrec.frames.update_id`)."""
+        """Random 64-bit number mixed into every update id (`hybridrec.core.wire.frames.update_id`)."""
         return int(self._header[H_NONCE])
 
     @property
@@ -258,7 +260,7 @@ def _create(directory: Path, features: Sequence[FeatureConfig], replica: int) ->
         header[pos] = value
     header[H_INCARNATION] = secrets.randbelow(1 << (REF_SHIFT - INCARNATION_SHIFT))
     # The nonce's top byte differs from the replica's, the top byte of every batch_ref of this worker:
-    # batch_ref ^ nonce is never 0, so no update id is 0 (see hybridrec.frames.update_id).
+    # batch_ref ^ nonce is never 0, so no update id is 0 (see hybridrec.core.wire.frames.update_id).
     header[H_NONCE] = (((replica ^ 0xFF) << REF_SHIFT) | secrets.randbits(REF_SHIFT))
     header_map.flush()
     header[H_MAGIC] = MAGIC

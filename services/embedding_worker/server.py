@@ -4,14 +4,14 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from hybridrec import rpc
-from hybridrec.lazy_torch import import_torch_in_background, imported
-from hybridrec.config import Config
-from hybridrec.dedup import has_duplicates, unique_inverse
-from hybridrec.frames import Applied, BatchRef, Gradients
-from hybridrec.proto import pb
-from hybridrec.rpc import Unavailable
-from hybridrec.service import ServiceHost, at_work
+from hybridrec.core.runtime import rpc
+from hybridrec.core.runtime.lazy_torch import import_torch_in_background, imported
+from hybridrec.core.config import Config
+from hybridrec.core.wire.dedup import has_duplicates, unique_inverse
+from hybridrec.core.wire.frames import Applied, BatchRef, Gradients
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.rpc import Unavailable
+from hybridrec.core.runtime.service import ServiceHost, at_work
 from services.embedding_worker.aggregation import scatter_add_rows
 from services.embedding_worker.worker import EmbeddingWorker
 

@@ -29,15 +29,15 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from hybridrec import log
-from hybridrec.proto import pb
-from hybridrec.compress import ValueCodec
-from hybridrec.config import Config, ids_per_sample
-from hybridrec.dedup import has_duplicates, unique_inverse
-from hybridrec.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
+from hybridrec.core.runtime import log
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import Config, ids_per_sample
+from hybridrec.core.wire.dedup import has_duplicates, unique_inverse
+from hybridrec.core.wire.frames import (INCARNATION_SHIFT, Applied, Embeddings, Gradients, PSLookup, PSRows, PSUpdate,
                               SparseBatch, make_batch_ref, update_id)
-from hybridrec.rpc import NotFound, Unavailable
-from hybridrec.sharding import split_by_shard
+from hybridrec.core.runtime.rpc import NotFound, Unavailable
+from hybridrec.core.wire.sharding import split_by_shard
 from services.embedding_worker.aggregation import scatter_add_rows
 from services.embedding_worker.buffer_files import BufferFiles
 

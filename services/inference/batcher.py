@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridrec import log
-from hybridrec.inference_config import BatchingConfig
-from hybridrec.metrics import MICRO_BATCH_ROWS, QUEUE_DELAY
+from hybridrec.core.runtime import log
+from hybridrec.core.config.inference import BatchingConfig
+from hybridrec.core.runtime.metrics import MICRO_BATCH_ROWS, QUEUE_DELAY
 from services.inference.inputs import NotFound, Samples
 from services.inference.model import LoadedModel, ModelSource
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridrec.kernel_cache import njit
+from hybridrec.core.runtime.kernel_cache import njit
 
 _OK, _E_PREFIX, _E_PAST_END = 0, 1, 2
 

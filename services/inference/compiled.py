@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridrec import log
-from hybridrec.config import TaskConfig
-from hybridrec.pooling import PooledEmbeddings, SeqEmbedding
-from hybridrec.tasks import answers
+from hybridrec.core.runtime import log
+from hybridrec.core.config import TaskConfig
+from hybridrec.core.model.pooling import PooledEmbeddings, SeqEmbedding
+from hybridrec.core.model.tasks import answers
 
 TOLERANCE = 1e-5
 """Largest difference from the eager model allowed on the check inputs: a probability's, or a regression task's
@@ -57,7 +57,7 @@ class FlatInput:
 
 class _Flat(torch.nn.Module):
     """The model over flat tensors: rebuilds the `PooledEmbeddings` it was trained with, then its answers (the
-    sigmoid of each binary output, a regression output's value: `hybridrec.tasks.answers`)."""
+    sigmoid of each binary output, a regression output's value: `hybridrec.core.model.tasks.answers`)."""
 
     def __init__(self, model: torch.nn.Module, slots: list[FlatInput], heads: tuple[TaskConfig, ...] = ()):
         super().__init__()

@@ -1,7 +1,7 @@
 """On the inference service: serve the newest live version of a training job (docs/serving.md#live-versions).
 
 `FollowSource(root)` is a model source with the `current()` seam: a
-background thread polls the versions directory (`hybridrec.versions.Follower`
+background thread polls the versions directory (`hybridrec.core.layouts.versions.Follower`
 loads, verifies and merges), builds the new version's dense module, and then
 swaps embedding table and dense module together by replacing one reference.
 A request handler calls `current()` once per micro-batch and uses only what
@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import torch
 
-from hybridrec import log
-from hybridrec.bundle import BundleManifest, EmbeddingTable
-from hybridrec.versions import Follower, Snapshot, version_age_s
+from hybridrec.core.runtime import log
+from hybridrec.core.layouts.bundle import BundleManifest, EmbeddingTable
+from hybridrec.core.layouts.versions import Follower, Snapshot, version_age_s
 from services.inference.model import build_dense
 
 POLL_S = 0.5
@@ -113,7 +113,7 @@ class FollowSource:
         return self.make_model(snapshot, build_dense(snapshot.manifest, snapshot.dense_state))
 
     def _run(self) -> None:
-        from hybridrec import table_lookup
+        from hybridrec.core.model import table_lookup
 
         # numba's first kernel load (about 0.7 s of a cold 1.1 s first load on this machine, several seconds
         # while a run starts beside it) and the exporter's first call are paid now, while no version may exist
@@ -149,7 +149,7 @@ class FollowSource:
 
     # -- metrics ----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Prometheus values (`hybridrec.metrics.register_stats("inference", replica, source.stats)`)."""
+        """Prometheus values (`hybridrec.core.runtime.metrics.register_stats("inference", replica, source.stats)`)."""
         served = self._served
         return {
             "served_version": float(served.version if served else 0),

@@ -13,8 +13,8 @@ import math
 import grpc
 import numpy as np
 
-from hybridrec import rpc
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from services.inference.byte_elements import ByteElements
 from services.inference.core import InferenceCore
 from services.inference.inputs import DTYPES, BadInput, Tensor

@@ -17,9 +17,9 @@ Three ways to send samples (docs/serving.md#inference-service):
 * `rows`, BYTES (batch,): Criteo TSV lines as in the training data, with or
   without the leading label column (39 or 40 tab-separated fields; a label is
   ignored). Parsed and hashed by the training data loader's own kernels
-  (`hybridrec.criteo_kernels`), so serving cannot drift from training.
+  (`hybridrec.core.layouts.criteo_kernels`), so serving cannot drift from training.
 * `ids`, UINT64 or INT64 (batch, num_features): hashed IDs as the data loader
-  makes them (feature group in the top 8 bits, `hybridrec.ids`), one column per
+  makes them (feature group in the top 8 bits, `hybridrec.core.wire.ids`), one column per
   bundle feature in manifest order; an ID whose low 56 bits are 0 (the
   reserved `group << 56` of an empty field) is absent. With it, `dense`, FP32
   (batch, num_dense): the dense features after the loader's transform
@@ -27,7 +27,7 @@ Three ways to send samples (docs/serving.md#inference-service):
 
 Anything else is refused with `BadInput` (INVALID_ARGUMENT / 400) naming
 what is wrong. Every form gives the same `Samples`: the features as one
-`hybridrec.jagged.KeyedBags` (a Criteo column is a bag of at most one ID).
+`hybridrec.core.wire.jagged.KeyedBags` (a Criteo column is a bag of at most one ID).
 """
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridrec import rpc
-from hybridrec.bundle import BundleManifest
-from hybridrec.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
-from hybridrec.config import FeatureKind
-from hybridrec.criteo_kernels import _OK, _parse_lines, error_text, hash_ints, hash_strings, join_rows
-from hybridrec.ids import GROUP_SHIFT, VALUE_MASK
-from hybridrec.jagged import Bag, KeyedBags
+from hybridrec.core.runtime import rpc
+from hybridrec.core.layouts.bundle import BundleManifest
+from hybridrec.core.layouts.criteo_format import NUM_DENSE, NUM_FIELDS, NUM_SPARSE, feature_columns
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.layouts.criteo_kernels import _OK, _parse_lines, error_text, hash_ints, hash_strings, join_rows
+from hybridrec.core.wire.ids import GROUP_SHIFT, VALUE_MASK
+from hybridrec.core.wire.jagged import Bag, KeyedBags
 from services.inference.byte_elements import ByteElements
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
@@ -277,7 +277,7 @@ class InputDecoder:
             r, f = (int(x[0]) for x in np.nonzero(wrong))
             raise BadInput(f"ids[{r}, {f}] = {int(ids[r, f])} is of feature group {int(groups[r, f])}; feature "
                            f"{self.features[f].name} is group {int(self.groups[f])} (the top 8 bits of an ID, "
-                           "hybridrec.ids)")
+                           "hybridrec.core.wire.ids)")
         present = (ids & np.uint64(VALUE_MASK)) != 0
         return Samples.from_columns(ids, present, dense)
 

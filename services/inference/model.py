@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Protocol,
 import numpy as np
 import torch
 
-from hybridrec import rpc
-from hybridrec.bundle import BundleError, BundleManifest, EmbeddingTable, load_dense, open_bundle
-from hybridrec.compress import ValueCodec
-from hybridrec.config import ConfigError, FeatureKind
-from hybridrec.frames import PSLookup, PSRows
-from hybridrec.models import build_model, feature_infos
-from hybridrec.pooling import PooledEmbeddings, Pooler
-from hybridrec.sharding import split_by_shard
-from hybridrec.tasks import answers
+from hybridrec.core.runtime import rpc
+from hybridrec.core.layouts.bundle import BundleError, BundleManifest, EmbeddingTable, load_dense, open_bundle
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import ConfigError, FeatureKind
+from hybridrec.core.wire.frames import PSLookup, PSRows
+from hybridrec.core.model.models import build_model, feature_infos
+from hybridrec.core.model.pooling import PooledEmbeddings, Pooler
+from hybridrec.core.wire.sharding import split_by_shard
+from hybridrec.core.model.tasks import answers
 from services.inference.compiled import CompiledDense
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class LoadedModel:
 
     def forward(self, dense: np.ndarray, bags) -> np.ndarray:
         """float32 answers (batch,) or (batch, outputs) of one micro-batch (bags: rows filled in): a binary
-        task's probability, a regression task's value (`hybridrec.tasks.answers`)."""
+        task's probability, a regression task's value (`hybridrec.core.model.tasks.answers`)."""
         if self.compiled is not None:
             probs = self.compiled(dense, self.pooler.pool_host(bags))
         else:

@@ -23,7 +23,7 @@ import numpy as np
 import prometheus_client
 from aiohttp import web
 
-from hybridrec import log
+from hybridrec.core.runtime import log
 from services.inference.core import DECODE_ON_LOOP_BYTES, InferenceCore
 from services.inference.byte_elements import ByteElements
 from services.inference.grpc_api import checked_shape, split_bytes

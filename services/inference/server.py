@@ -13,10 +13,10 @@ import time
 import torch
 from aiohttp import web
 
-from hybridrec import rpc
-from hybridrec.bundle import read_manifest
-from hybridrec.inference_config import InferenceConfig, request_bytes
-from hybridrec.service import ServiceHost
+from hybridrec.core.runtime import rpc
+from hybridrec.core.layouts.bundle import read_manifest
+from hybridrec.core.config.inference import InferenceConfig, request_bytes
+from hybridrec.core.runtime.service import ServiceHost
 from services.inference.batcher import Batcher
 from services.inference.compiled import warm_up as compiled_warm_up
 from services.inference.core import InferenceCore

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec.config import FeatureKind
+from hybridrec.core.config import FeatureKind
 from services.inference.core import OUTPUT, task_names
 from services.inference.inputs import DTYPES, LENGTHS_SUFFIX, BadInput, InputDecoder, Samples, Tensor
 from services.inference.model import load_model, run_now
@@ -166,7 +166,7 @@ def _predict_alone(model, samples: Samples) -> np.ndarray | Refusal:
 def _followed(spec: dict, check: bool, compile: bool):
     """A published version of a training job (`triton_repository.add_followed_version`), loaded as the built-in
     server's follower loads one: the full snapshot and the deltas up to it, merged, with its dense module."""
-    from hybridrec.versions import load_version
+    from hybridrec.core.layouts.versions import load_version
     from services.inference.follow import inference_model
     from services.inference.model import build_dense
 

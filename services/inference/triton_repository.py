@@ -25,9 +25,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrec.bundle import BundleManifest
-from hybridrec.config import FeatureKind
-from hybridrec.inference_config import InferenceConfig
+from hybridrec.core.layouts.bundle import BundleManifest
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.config.inference import InferenceConfig
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder
 
 TRITON_TYPES = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16",
@@ -152,7 +152,7 @@ def write_model(repo: Path, settings: InferenceConfig, model) -> Path:
 def add_followed_version(model_dir: Path, versions: Path, number: int) -> Path:
     """Version `number` of a training job's versions directory as Triton's version `number`: model.py and a
     `version.json` naming it; the backend loads it as the built-in server's follower does (its full snapshot
-    and the deltas up to it, merged; `hybridrec.versions.load_version`)."""
+    and the deltas up to it, merged; `hybridrec.core.layouts.versions.load_version`)."""
     version_dir = model_dir / str(number)
     version_dir.mkdir()
     (version_dir / "model.py").write_text(MODEL_PY)

@@ -27,10 +27,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridrec import log
-from hybridrec.config import ConfigError
-from hybridrec.inference_config import InferenceConfig
-from hybridrec.versions import Follower, list_versions
+from hybridrec.core.runtime import log
+from hybridrec.core.config import ConfigError
+from hybridrec.core.config.inference import InferenceConfig
+from hybridrec.core.layouts.versions import Follower, list_versions
 from services.inference.triton_repository import add_followed_version, write_model, write_repository
 
 READY_TIMEOUT_S = 300.0
@@ -263,7 +263,7 @@ class TritonProcess:
                 return False
         import grpc
 
-        from hybridrec.proto import grpc_predict_v2_pb2 as oip
+        from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
         with grpc.insecure_channel(f"{s.host}:{s.grpc_port}") as channel:
             ready = channel.unary_unary("/inference.GRPCInferenceService/ModelReady",
                                         request_serializer=lambda m: m.SerializeToString(),

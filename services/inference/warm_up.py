@@ -16,7 +16,7 @@ through the service's own decoding and forward, with rows of zeros for the
 embeddings (not through the batcher's counters or the metrics). What it
 misses is caught: after it, a kernel that still compiles is logged as
 `kernel_compiled_while_serving`, with its name and how long it took
-(`hybridrec.kernel_cache.watch_compiles`, which every service starts as it
+(`hybridrec.core.runtime.kernel_cache.watch_compiles`, which every service starts as it
 turns SERVING).
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Iterator
 
 import numpy as np
 
-from hybridrec import log
-from hybridrec.config import FeatureKind
-from hybridrec.criteo_format import NUM_DENSE, NUM_SPARSE
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.runtime import log
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.layouts.criteo_format import NUM_DENSE, NUM_SPARSE
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder
 
 _ID_CONTENTS = {"INT64": "int64_contents", "INT32": "int_contents", "UINT64": "uint64_contents"}
@@ -87,7 +87,8 @@ def probe_requests(decoder: InputDecoder, model_name: str) -> Iterator[oip.Model
 
 class _ZeroTable:
     """Rows of zeros: the probes need the forward's kernels, not the embeddings (the table's own kernel is
-    compiled when a table opens, `hybridrec.table_lookup.warm_up`), and a remote table's channels belong to the
+    compiled when a table opens, `hybridrec.core.model.table_lookup.warm_up`), and a remote table's channels belong to
+    the
     service's event loop, not to the warm-up's."""
 
     async def lookup(self, ids_by_width: dict[int, np.ndarray]) -> dict[int, np.ndarray]:

@@ -37,10 +37,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hybridrec import checkpoints, log, rpc
-from hybridrec.checkpoints import JobManifest
-from hybridrec.config import Config, ConfigError, Mode, dump_config
-from hybridrec.proto import pb
+from hybridrec.core.layouts import checkpoints
+
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.layouts.checkpoints import JobManifest
+from hybridrec.core.config import Config, ConfigError, Mode, dump_config
+from hybridrec.core.wire.proto import pb
 from services.nn_worker.distributed import barrier, control_group
 from services.nn_worker.stats import TrainStats
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridrec.config import ConfigError, Mode, TrainingConfig
+from hybridrec.core.config import ConfigError, Mode, TrainingConfig
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ the pooler on the compute thread). On a GPU the host only moves bytes:
   on a side stream with `training.overlap_copies` (the default), so the copy runs while the GPU still
   computes the previous step; the compute stream then waits for it on the GPU (`wait_stream`), not the
   host. Every array is a view of the device buffer; the rows are scaled back, and the pooler's index and
-  offsets built, by kernels on the device (`hybridrec.pooling`).
+  offsets built, by kernels on the device (`hybridrec.core.model.pooling`).
 * `to_host` copies the step's outputs (κ-scaled fp16 gradients and their norms, quantised on the device by
-  `hybridrec.compress.scaled_fp16_tensors`; the loss; the logits) into pinned memory on the compute stream
+  `hybridrec.core.wire.compress.scaled_fp16_tensors`; the loss; the logits) into pinned memory on the compute stream
   and records an event; the gradient push awaits that event (`ready`) on the event loop, so the compute
   thread goes on to the next step.
 
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from hybridrec.compress import Fp16Rows
-from hybridrec.pooling import BatchEmbeddings
+from hybridrec.core.wire.compress import Fp16Rows
+from hybridrec.core.model.pooling import BatchEmbeddings
 
 ALIGN = 64
 """Byte alignment of each array in the staging buffer (any dtype's view of the device buffer is aligned)."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hybridrec import log
-from hybridrec.config import Config
+from hybridrec.core.runtime import log
+from hybridrec.core.config import Config
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import DenseSync, DistEnv
 from services.nn_worker.handover import STATS_FIELDS, hand_over
@@ -25,7 +25,7 @@ from services.nn_worker.stats import TrainStats
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
 if TYPE_CHECKING:
-    from hybridrec.checkpoints import JobManifest
+    from hybridrec.core.layouts.checkpoints import JobManifest
 
 _SKIP = object()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hybridrec.frames import DenseBatch, EndOfPhase
+from hybridrec.core.wire.frames import DenseBatch, EndOfPhase
 
 
 class Inbox:

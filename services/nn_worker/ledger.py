@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hybridrec import rpc
-from hybridrec.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, EndOfPhase
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.frames import PHASES, POSITION_FIELDS, Consumed, DenseBatch, EndOfPhase
 
 MARKS_KEPT = 256
 """Recent training batches whose ends a rank remembers for a restarted data loader: far more than the ranks

@@ -1,6 +1,6 @@
 """Between an NN worker's trainer and its receiver process: the link's transport — shared-memory slots and the
 messages that hand them over. The trainer's side of it is `ReceiverLink` (receiver_link.py), the receiver's
-is receiver.py; what a slot holds besides frames is hybridrec/slot_layouts.py's.
+is receiver.py; what a slot holds besides frames is hybridrec/core/layouts/slot_layouts.py's.
 
 The receiver (`services/nn_worker/receiver.py`, `training.receiver`) makes the trainer's calls to the
 embedding workers — the `Lookup` whose reply is the batch's megabyte-sized `Embeddings` frame and the
@@ -30,8 +30,8 @@ import socket
 import struct
 from typing import Callable, NamedTuple
 
-from hybridrec.frames import Applied
-from hybridrec.proto import pb
+from hybridrec.core.wire.frames import Applied
+from hybridrec.core.wire.proto import pb
 
 INITIAL_SLOT_BYTES = 4 << 20
 """A slot's first size: an `Embeddings` frame of the README example at batch 4096 is about 1.5 MB."""

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from hybridrec import log
-from hybridrec.config import ClusterConfig, Config, split_address
+from hybridrec.core.runtime import log
+from hybridrec.core.config import ClusterConfig, Config, split_address
 from services.nn_worker.distributed import close_groups, open_groups
 
 POLL_S = 0.05

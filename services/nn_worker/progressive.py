@@ -20,7 +20,7 @@ which the window computes with the AUC (`WindowMetrics.auc_bound`). With 65,536 
 estimate was 2e-7 from the exact AUC)
 (tests/unit/test_progressive.py checks both against scikit-learn's roc_auc_score). The log loss is exact:
 each sample's logit is kept in the ring beside its bucket, and the window's loss (each probability clipped
-to [1e-7, 1 - 1e-7], as `hybridrec.evaluation` does) is summed from them when asked, O(window) in a few
+to [1e-7, 1 - 1e-7], as `hybridrec.core.model.evaluation` does) is summed from them when asked, O(window) in a few
 vectorised numpy passes, so the step pays no logarithm.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridrec.evaluation import EPS
-from hybridrec.kernel_cache import njit
+from hybridrec.core.model.evaluation import EPS
+from hybridrec.core.runtime.kernel_cache import njit
 
 BUCKETS = 1 << 16
 LOGIT_RANGE = 16.0

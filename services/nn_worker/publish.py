@@ -13,7 +13,7 @@ does not wait for it:
    FAILED_PRECONDITION, and every shard is asked again for a full snapshot;
 2. rank 0 writes `dense.pt`, then the manifest last and atomically (listing
    every file with its size and sha256): a directory without it is incomplete;
-3. old versions are compacted (`hybridrec.versions.compact`).
+3. old versions are compacted (`hybridrec.core.layouts.versions.compact`).
 
 At most one publish is in flight: a step interval that comes while one is
 still running is skipped and counted; a time interval waits for it, and a
@@ -39,13 +39,13 @@ from typing import Any
 import grpc
 import torch
 
-from hybridrec import log, rpc
-from hybridrec.bundle import (CONFIG, DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types,
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.layouts.bundle import (CONFIG, DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types,
                              write_config)
-from hybridrec.config import Config
-from hybridrec.files import write_json_atomic
-from hybridrec.proto import pb
-from hybridrec.versions import compact, newest_version_number, version_dir
+from hybridrec.core.config import Config
+from hybridrec.core.layouts.files import write_json_atomic
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.layouts.versions import compact, newest_version_number, version_dir
 
 PS_TIMEOUT_S = 600.0
 

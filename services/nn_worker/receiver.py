@@ -39,12 +39,12 @@ import sys
 import grpc
 import uvloop
 
-from hybridrec import log, rpc
-from hybridrec.compress import ValueCodec
-from hybridrec.config import Config, split_address
-from hybridrec.frames import Applied, max_request_bytes
-from hybridrec.pooling import Pooler
-from hybridrec.proto import pb
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import Config, split_address
+from hybridrec.core.wire.frames import Applied, max_request_bytes
+from hybridrec.core.model.pooling import Pooler
+from hybridrec.core.wire.proto import pb
 from services.nn_worker import link
 from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
 from services.nn_worker.routing import BatchLost, EmbeddingWorkers

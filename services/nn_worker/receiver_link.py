@@ -18,11 +18,11 @@ from typing import Callable
 
 import grpc
 
-from hybridrec import log, rpc
-from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_nn_batch
-from hybridrec.metrics import RPC_LATENCY
-from hybridrec.proto import pb
-from hybridrec.rpc import Unavailable
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.wire.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_nn_batch
+from hybridrec.core.runtime.metrics import RPC_LATENCY
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.rpc import Unavailable
 from services.nn_worker.link import (BATCH, CALLED, CONFIG_FD_ENV, DONE, HEALTH, INBOUND_SLOT, INLINE_BYTES,
                                      LINK_FD_ENV, LISTENING, LOOKUP, LOST, NO_SLOT, PUSH, REFUSE, REPLY,
                                      SERVE, SLOT, UNAVAILABLE, LinkReader, LinkWriter, Message, Slot, nn_methods,

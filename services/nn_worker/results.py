@@ -15,12 +15,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrec import log, rpc
-from hybridrec.config import Config
-from hybridrec.evaluation import find_oracle, find_task_oracles
-from hybridrec.proto import pb
-from hybridrec.tasks import Tasks
-from hybridrec.summary import (DiskTierSummary, PublishSummary, RunSummary, Staleness, StoreLoss, TableLifecycle,
+from hybridrec.core.runtime import log, rpc
+from hybridrec.core.config import Config
+from hybridrec.core.model.evaluation import find_oracle, find_task_oracles
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.model.tasks import Tasks
+from hybridrec.core.layouts.summary import (DiskTierSummary, PublishSummary, RunSummary, Staleness, StoreLoss,
+                               TableLifecycle,
                                TaskMetrics)
 from services.nn_worker.distributed import control_group
 from services.nn_worker.progressive import ProgressiveWindow, WindowMetrics, task_metrics

@@ -1,7 +1,7 @@
 """On the NN worker: calls to the embedding workers, routed by the batch_ref of each batch.
 
 The embedding worker that buffered a batch wrote its own index into the top
-bits of the batch_ref (`hybridrec.frames.make_batch_ref`), so lookups and
+bits of the batch_ref (`hybridrec.core.wire.frames.make_batch_ref`), so lookups and
 gradient pushes of that batch go back to it.
 
 An embedding worker that dies (kill -9 included) fails the calls in flight
@@ -23,10 +23,10 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from hybridrec import rpc
-from hybridrec.config import Config
-from hybridrec.frames import Applied, BatchRef, Gradients, worker_of_ref
-from hybridrec.rpc import Unavailable
+from hybridrec.core.runtime import rpc
+from hybridrec.core.config import Config
+from hybridrec.core.wire.frames import Applied, BatchRef, Gradients, worker_of_ref
+from hybridrec.core.runtime.rpc import Unavailable
 
 
 class BatchLost(LookupError):

@@ -16,13 +16,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from hybridrec import checkpoints, log
-from hybridrec.config import AUTO, Config, Mode
-from hybridrec.frames import Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
-from hybridrec.models import build_model, feature_infos
-from hybridrec.proto import pb
-from hybridrec import rpc
-from hybridrec.service import EXIT_PEER_LOST, ServiceHost
+from hybridrec.core.layouts import checkpoints
+
+from hybridrec.core.runtime import log
+from hybridrec.core.config import AUTO, Config, Mode
+from hybridrec.core.wire.frames import Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
+from hybridrec.core.model.models import build_model, feature_infos
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime import rpc
+from hybridrec.core.runtime.service import EXIT_PEER_LOST, ServiceHost
 from services.nn_worker import progressive
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.compute import ComputeThread

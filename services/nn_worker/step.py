@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrec.config import Config, TrainingConfig
-from hybridrec.frames import DenseBatch, Gradients
-from hybridrec.pooling import BatchEmbeddings, Pooler
-from hybridrec.tasks import Tasks
+from hybridrec.core.config import Config, TrainingConfig
+from hybridrec.core.wire.frames import DenseBatch, Gradients
+from hybridrec.core.model.pooling import BatchEmbeddings, Pooler
+from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.distributed import DenseSync, DistEnv, group_for
 from services.nn_worker.feed import DeviceFeed
 

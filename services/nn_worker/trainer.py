@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 import numpy as np
 import torch
 
-from hybridrec import log
-from hybridrec.compress import ValueCodec
-from hybridrec.service import at_work
-from hybridrec.config import Config, ConfigError, Mode
-from hybridrec.frames import Applied, DenseBatch, EndOfPhase, Gradients
-from hybridrec.metrics import STALENESS
-from hybridrec.pooling import BatchEmbeddings, Pooler
-from hybridrec.tasks import Tasks
+from hybridrec.core.runtime import log
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.runtime.service import at_work
+from hybridrec.core.config import Config, ConfigError, Mode
+from hybridrec.core.wire.frames import Applied, DenseBatch, EndOfPhase, Gradients
+from hybridrec.core.runtime.metrics import STALENESS
+from hybridrec.core.model.pooling import BatchEmbeddings, Pooler
+from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.distributed import DistEnv, barrier
 from services.nn_worker.feed import ready

@@ -48,7 +48,7 @@ SERVERS = PS + EMBEDDING_WORKERS + NN_WORKERS
 # Queries the NN worker's own Stats RPC from inside its container.
 _STATS_SCRIPT = """
 import json, grpc
-from hybridrec.proto import pb
+from hybridrec.core.wire.proto import pb
 with grpc.insecure_channel("127.0.0.1:50051") as ch:
     stats = ch.unary_unary("/hybridrec.NNWorker/Stats", request_serializer=pb.Empty.SerializeToString,
                            response_deserializer=pb.ServiceStats.FromString)(pb.Empty(), timeout=5)

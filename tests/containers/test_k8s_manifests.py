@@ -128,7 +128,7 @@ def test_base_has_the_expected_objects(base):
 
 
 def test_config_map_is_a_valid_hybridrec_config(base):
-    from hybridrec.config import from_dict
+    from hybridrec.core.config import from_dict
 
     config = from_dict(hybridrec_config(base), source="deploy/k8s/base/config.yaml")
     assert config.output.dir == "/results"
@@ -319,7 +319,7 @@ def test_ps_replicas_overlay_keeps_a_shards_two_copies_on_different_nodes(base, 
     """overlays/ps-replicas: ps.replicas 2 on the PS command line (a config that loads), PS pods required on
     distinct nodes (pod ps-i holds shard i and the backup of shard i-1), memory and shm doubled, and the PS pods
     admitted to each other's gRPC port; nothing else changes."""
-    from hybridrec.config import load_config
+    from hybridrec.core.config import load_config
 
     ps, ps_base = one(ps_replicas, "StatefulSet", "ps"), one(base, "StatefulSet", "ps")
     (container,), (base_container,) = pod_spec(ps)["containers"], pod_spec(ps_base)["containers"]
@@ -376,7 +376,7 @@ def test_online_overlay_adds_the_broker_and_the_replay_and_changes_only_the_conf
 
 
 def test_online_config_trains_the_stream_of_the_nats_service(base, online):
-    from hybridrec.config import from_dict
+    from hybridrec.core.config import from_dict
 
     tree, base_tree = hybridrec_config(online), hybridrec_config(base)
     config = from_dict(tree, source="deploy/k8s/components/online/config.yaml")

@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import yaml
 
-from hybridrec import rpc
-from hybridrec.frames import PSLookup
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.frames import PSLookup
 from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 

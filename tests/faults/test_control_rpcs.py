@@ -13,9 +13,9 @@ import asyncio
 import grpc
 import pytest
 
-from hybridrec import rpc
-from hybridrec.config import TLSConfig
-from hybridrec.proto import pb
+from hybridrec.core.runtime import rpc
+from hybridrec.core.config import TLSConfig
+from hybridrec.core.wire.proto import pb
 from tests.faults.ps_process import lookup_status, ps_process
 from tests.faults.test_tls import _issue, _write
 

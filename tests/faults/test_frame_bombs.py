@@ -1,4 +1,5 @@
-"""Frame bombs against live services (hybridrec/codec.py): a PS shard, an embedding worker and an NN worker, each
+"""Frame bombs against live services (hybridrec/core/wire/codec.py): a PS shard, an embedding worker and an NN worker,
+each
 a real `hybridrec serve` process, get frames of about 1 MB whose tensor tables ask for gigabytes (table entries
 that all point at one lz4 block of zeros, named as each method's own tensors and otherwise). Each is refused with
 INVALID_ARGUMENT naming why, the process's peak memory grows by less than 64 MiB, and it keeps serving: a
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import PSLookup, PSRows, SparseBatch
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import PSLookup, PSRows, SparseBatch
 from tests.conftest import HYBRIDREC, REPO
 from tests.frame_bombs import bomb
 
@@ -113,8 +114,8 @@ def test_a_lookup_of_10_8_ids_and_one_past_the_jobs_bound_are_refused_within_64_
     what the job's largest request can be, `frames.max_request_bytes`); one of `frames.max_ids` + 1 IDs, which
     it does read, with INVALID_ARGUMENT naming the bound and the keys that raise it. The PS keeps serving, its
     table untouched."""
-    from hybridrec.config import from_dict
-    from hybridrec.frames import max_ids
+    from hybridrec.core.config import from_dict
+    from hybridrec.core.wire.frames import max_ids
 
     addresses, procs = services
     ps = procs["embedding_ps"]

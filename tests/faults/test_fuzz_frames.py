@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrec import rpc
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import BatchRef, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import BatchRef, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch
 from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.inference_util import make_bundle, random_ids
 from tests.integration.test_inference import MODEL, Server
 

@@ -22,10 +22,10 @@ import grpc
 import numpy as np
 import pytest
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.config import TLSConfig
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.config import TLSConfig
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.faults.test_tls import pki  # noqa: F401 - the CA and certificates fixture
 from tests.inference_util import make_bundle, random_ids, reference
 from tests.conftest import HYBRIDREC, REPO

@@ -443,7 +443,7 @@ def _assert_each_sample_trained_once(run_dir: Path, bounds: list[tuple[int, int]
 def _split_lines(config_path: Path, count_lines) -> list[tuple[int, int]]:
     """Per data loader, the `line` at its split's start and end (of the one training file or shard it has a
     part of; `count_lines(file, offset)`)."""
-    from hybridrec.config import load_config
+    from hybridrec.core.config import load_config
     from services.dataloader.sources import split
 
     config = load_config(config_path, [])
@@ -529,7 +529,7 @@ def test_one_of_three_loaders_killed_mid_stream_trains_every_event_once(small_da
     import asyncio
 
     from hybridrec.app.broker import create_stream
-    from hybridrec.config import StreamConfig
+    from hybridrec.core.config import StreamConfig
     from tests.integration.test_stream import SUBJECT, Broker, _assert_each_event_once
 
     broker = Broker(tmp_path)

@@ -13,10 +13,10 @@ import signal
 import numpy as np
 import pytest
 
-from hybridrec import rpc
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
-from hybridrec.proto import pb
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import Applied, PSLookup, PSRows, PSUpdate
+from hybridrec.core.wire.proto import pb
 from tests.faults.ps_process import ps_process
 
 pytestmark = pytest.mark.faults

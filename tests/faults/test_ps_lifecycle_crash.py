@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec.config import LifecycleConfig
+from hybridrec.core.config import LifecycleConfig
 from services.embedding_ps.store import EmbeddingStore
 from tests.faults.test_ps_store_crash import CONFIG, NUM_TRACKED, TRACKED, expected_after
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 
 pytestmark = pytest.mark.faults

@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from hybridrec.versions import Follower, list_versions, table_arrays
+from hybridrec.core.layouts.versions import Follower, list_versions, table_arrays
 from tests.conftest import HYBRIDREC, REPO, write_config
 from hybridrec.app.launcher import rank_step
 from tests.integration.test_publish import _checkpoint_rows

@@ -1,4 +1,5 @@
-"""Every RPC has one role — data plane, PS peer, control (hybridrec/rpc.py `ROLES`) — enforced by the caller's
+"""Every RPC has one role — data plane, PS peer, control (hybridrec/core/runtime/rpc.py `ROLES`) — enforced by the
+caller's
 mutual-TLS identity: a certificate of the wrong role is refused each restricted method (PERMISSION_DENIED, logged
 and counted), and a PS's backup takes rows only from its shard's primary (`cluster.ps_identities`). On 3b8ae06
 any data-plane certificate could call Replicate (overwriting the backup a primary restores from) and PullShard
@@ -16,12 +17,12 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.compress import ValueCodec
-from hybridrec.config import TLSConfig
-from hybridrec.frames import ShardPull, ShardRows
-from hybridrec.proto import pb
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import TLSConfig
+from hybridrec.core.wire.frames import ShardPull, ShardRows
+from hybridrec.core.wire.proto import pb
 from tests.conftest import HYBRIDREC, REPO
 from tests.faults.test_tls import _issue, _write
 
@@ -126,7 +127,7 @@ def test_a_certificate_of_the_wrong_role_is_refused_each_restricted_method(tmp_p
 
 
 def test_every_method_of_every_service_has_a_role():
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     registered = {service.name: service for service in pb.DESCRIPTOR.services_by_name.values()}
     registered["inference"] = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]

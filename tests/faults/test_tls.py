@@ -18,8 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hybridrec import rpc
-from hybridrec.config import TLSConfig
+from hybridrec.core.runtime import rpc
+from hybridrec.core.config import TLSConfig
 from tests.faults.ps_process import lookup_status, ps_process
 
 pytestmark = pytest.mark.faults

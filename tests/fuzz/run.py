@@ -22,14 +22,15 @@ CORPUS = Path(__file__).resolve().parent / "corpus"
 RSS_LIMIT_MB = 2048
 """Peak RSS a fuzzed process may reach (libFuzzer's -rss_limit_mb): the interpreter, torch and pyarrow take
 about 600 MB before the first input, so a decoder may take under 1.4 GB for an input of at most 1 MiB."""
-INSTRUMENTED = ("hybridrec.codec", "hybridrec.frames", "hybridrec.arrow_ipc", "hybridrec.event_stream",
-                "hybridrec.slot_layouts", "hybridrec.jagged", "hybridrec.compress", "hybridrec.bundle",
-                "hybridrec.checkpoints", "services.dataloader.columns", "services.dataloader.stream",
+INSTRUMENTED = ("hybridrec.core.wire.codec", "hybridrec.core.wire.frames", "hybridrec.core.wire.arrow_ipc",
+                "hybridrec.core.layouts.event_stream", "hybridrec.core.layouts.slot_layouts",
+                "hybridrec.core.wire.jagged", "hybridrec.core.wire.compress", "hybridrec.core.layouts.bundle",
+                "hybridrec.core.layouts.checkpoints", "services.dataloader.columns", "services.dataloader.stream",
                 "services.dataloader.tsv", "services.dataloader.prepared", "services.inference.rest",
                 "services.inference.grpc_api", "services.inference.inputs")
 """The modules whose Python code the fuzzer follows (the decoders and what they call). Modules that define numba
 kernels are not among them: numba compiles a function from its bytecode, which the instrumentation changes."""
-KERNELS = ("hybridrec.criteo_kernels", "hybridrec.dedup", "services.inference.byte_elements")
+KERNELS = ("hybridrec.core.layouts.criteo_kernels", "hybridrec.core.wire.dedup", "services.inference.byte_elements")
 """Imported before the instrumentation, so that their kernels keep their own bytecode."""
 
 

@@ -34,14 +34,14 @@ class Target:
 
 
 def _values():
-    from hybridrec.compress import ValueCodec
+    from hybridrec.core.wire.compress import ValueCodec
 
     return ValueCodec(fp16=True, kappa=1024.0)
 
 
 # -- the frame codec and every frame kind ----------------------------------------------------------------------
 def _codec(data: bytes) -> None:
-    from hybridrec import codec
+    from hybridrec.core.wire import codec
 
     frame = codec.decode(data, lz4={"a", "b", "p0", "pos"}, lz4_bytes=64 * len(data) + (1 << 16))
     for array in frame.tensors.values():
@@ -49,7 +49,7 @@ def _codec(data: bytes) -> None:
 
 
 def _codec_seeds() -> list[bytes]:
-    from hybridrec import codec
+    from hybridrec.core.wire import codec
 
     a = np.arange(100, dtype=np.uint16)
     return [codec.encode({"a": a, "b": np.ones((3, 4), np.float32)}, {"k": 1}, compress={"a"}),
@@ -62,8 +62,8 @@ FRAME_KINDS = ("sparse", "embeddings", "gradients", "lookup", "update", "rows", 
 
 def _frames(data: bytes) -> None:
     """The first byte picks the decoder, the rest is its frame (a config of two features of widths 4 and 8)."""
-    from hybridrec import frames
-    from hybridrec.slot_layouts import CheckedEmbeddings
+    from hybridrec.core.wire import frames
+    from hybridrec.core.layouts.slot_layouts import CheckedEmbeddings
 
     if not data:
         return
@@ -90,8 +90,8 @@ def _frames(data: bytes) -> None:
 
 
 def _frames_seeds() -> list[bytes]:
-    from hybridrec import frames
-    from hybridrec.jagged import KeyedBags
+    from hybridrec.core.wire import frames
+    from hybridrec.core.wire.jagged import KeyedBags
 
     values = _values()
     ids = np.arange(1, 9, dtype=np.uint64)
@@ -129,7 +129,7 @@ def _arrow(data: bytes) -> None:
     from services.dataloader.stream import Message, MessageReader
 
     if _READER is None:
-        from hybridrec.config import from_dict
+        from hybridrec.core.config import from_dict
 
         _READER = MessageReader(from_dict(_ARROW_CONFIG), "fuzz")
     _READER.read(Message(1, data, 0, 0.0, "arrow"))
@@ -143,7 +143,7 @@ _ARROW_CONFIG = {"data": {"train": ["x"], "format": "parquet", "labels": ["y"], 
 def _arrow_seeds() -> list[bytes]:
     import pyarrow as pa
 
-    from hybridrec.event_stream import encode_arrow
+    from hybridrec.core.layouts.event_stream import encode_arrow
 
     table = pa.table({"y": pa.array([0, 1, 1]), "d": pa.array([0.5, np.nan, 2.0]),
                       "u": pa.array([1, 2 ** 63 + 5, None], pa.uint64()),
@@ -174,8 +174,8 @@ _DECODER = None
 def _decoder():
     global _DECODER
     if _DECODER is None:
-        from hybridrec.bundle import BundleManifest
-        from hybridrec.config import FeatureConfig, ModelConfig
+        from hybridrec.core.layouts.bundle import BundleManifest
+        from hybridrec.core.config import FeatureConfig, ModelConfig
         from services.inference.inputs import InputDecoder
 
         features = [FeatureConfig(name=f"C{i + 1}", group=i, dim=4) for i in range(26)]
@@ -199,7 +199,7 @@ def _oip_rest(data: bytes) -> None:
 _ROW = b"\t".join([b"1"] * 13 + [b"ab"] * 26)
 """A Criteo line without its label, as `rows` takes it."""
 _IDS = [(f << 56) | 7 for f in range(26)]
-"""One sample's IDs, feature group in the top 8 bits (hybridrec.ids)."""
+"""One sample's IDs, feature group in the top 8 bits (hybridrec.core.wire.ids)."""
 
 
 def _oip_rest_seeds() -> list[bytes]:
@@ -216,7 +216,7 @@ def _oip_rest_seeds() -> list[bytes]:
 def _oip_grpc(data: bytes) -> None:
     from google.protobuf.message import DecodeError
 
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
     from services.inference.grpc_api import tensors_of
     from services.inference.inputs import BadInput
 
@@ -228,7 +228,7 @@ def _oip_grpc(data: bytes) -> None:
 
 
 def _oip_grpc_seeds() -> list[bytes]:
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     rows = oip.ModelInferRequest(model_name="m", inputs=[oip.ModelInferRequest.InferInputTensor(
         name="rows", datatype="BYTES", shape=[1])])
@@ -248,7 +248,7 @@ _DIR = None
 def _manifests(data: bytes) -> None:
     """A manifest file's bytes, read as a bundle's, a job checkpoint's or prepared data's (the first byte)."""
     global _DIR
-    from hybridrec import bundle, checkpoints
+    from hybridrec.core.layouts import bundle, checkpoints
     from services.dataloader import prepared
 
     if not data:
@@ -262,9 +262,9 @@ def _manifests(data: bytes) -> None:
 
 
 def _manifests_seeds() -> list[bytes]:
-    from hybridrec import checkpoints
-    from hybridrec.bundle import BundleManifest
-    from hybridrec.config import FeatureConfig, ModelConfig
+    from hybridrec.core.layouts import checkpoints
+    from hybridrec.core.layouts.bundle import BundleManifest
+    from hybridrec.core.config import FeatureConfig, ModelConfig
 
     manifest = BundleManifest(features=[FeatureConfig(name="C1", group=0, dim=4)], num_dense=13,
                               model=ModelConfig(path="hybridrec.models:DNN"), num_shards=1, created=0.0)
@@ -279,9 +279,9 @@ def _manifests_seeds() -> list[bytes]:
 
 
 def _errors() -> dict[str, tuple[type[BaseException], ...]]:
-    from hybridrec.arrow_ipc import ArrowStreamError
-    from hybridrec.bundle import BundleError
-    from hybridrec.codec import FrameError
+    from hybridrec.core.wire.arrow_ipc import ArrowStreamError
+    from hybridrec.core.layouts.bundle import BundleError
+    from hybridrec.core.wire.codec import FrameError
     from services.dataloader.stream import BadMessage
     from services.dataloader.tsv import CriteoFormatError
     from services.inference.inputs import BadInput

@@ -1,7 +1,7 @@
 """A model that raises after a few training steps: the launcher must name the dead NN worker."""
 from torch import nn
 
-from hybridrec.models import DNN
+from hybridrec.core.model.models import DNN
 
 
 class FailAtStep(DNN):

@@ -3,7 +3,7 @@ PS rows and every checkpoint finite, the step counted (tests/integration/test_no
 import torch
 import torch.distributed as dist
 
-from hybridrec.models import DNN
+from hybridrec.core.model.models import DNN
 
 
 class NaNAtStep(DNN):

@@ -1,7 +1,7 @@
 """A stock OIP client (tritonclient) asking the inference service: run as a script, in its own process.
 
 tritonclient's generated code declares the protobuf package `inference`, as
-hybridrec/proto/grpc_predict_v2_pb2.py does; one process cannot load both, so
+hybridrec/core/wire/proto/grpc_predict_v2_pb2.py does; one process cannot load both, so
 the tests run this script as a subprocess.
 
     python oip_client.py REQUEST.npz GRPC_URL HTTP_URL MODEL  ->  JSON on stdout

@@ -28,7 +28,7 @@ def _run(config, run_dir, *sets: str) -> subprocess.CompletedProcess:
 
 def _record(dense: Path) -> None:
     """The checkpoint's manifest, its record of `dense` (size, sha256) made anew after the file was rewritten."""
-    from hybridrec import checkpoints as layout
+    from hybridrec.core.layouts import checkpoints as layout
 
     manifest = dense.parent / layout.MANIFEST
     tree = json.loads(manifest.read_text())

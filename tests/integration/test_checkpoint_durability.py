@@ -1,5 +1,5 @@
 """A job whose newest checkpoint's dense.pt was cut short (a power loss before its pages reached the disk)
-resumes from the checkpoint before it, naming the one it skipped (hybridrec/checkpoints.py `latest`)."""
+resumes from the checkpoint before it, naming the one it skipped (hybridrec/core/layouts/checkpoints.py `latest`)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hybridrec import checkpoints
+from hybridrec.core.layouts import checkpoints
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

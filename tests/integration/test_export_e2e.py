@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import load_dense, open_bundle
-from hybridrec.config import load_config
-from hybridrec.evaluation import binary_metrics
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.core.layouts.bundle import load_dense, open_bundle
+from hybridrec.core.config import load_config
+from hybridrec.core.model.evaluation import binary_metrics
+from hybridrec.core.model.models import FeatureInfo, build_model
 from services.dataloader.batching import ReadCounters, iter_rows
-from hybridrec.criteo_format import feature_columns
+from hybridrec.core.layouts.criteo_format import feature_columns
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_an_int8_export_scores_within_0_002_auc_of_the_float32_one_from_tables_3
     """`hybridrec export --quantize int8` of the same run: `hybridrec predict` reads it (dequantized), its eval AUC
     is within 0.002 of the float32 bundle's, and its tables (rows and scales) are at least 3.5x smaller at
     width 16."""
-    from hybridrec.bundle import read_manifest
+    from hybridrec.core.layouts.bundle import read_manifest
 
     data, bundle, config = exported_run.data, exported_run.bundle, load_config(exported_run.config)
     quantized = tmp_path / "int8"

@@ -23,10 +23,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from hybridrec.config import load_config
+from hybridrec.core.config import load_config
 from hybridrec.app.ports import free_port
 from hybridrec.app.synth_parquet import synthesize_multitask
-from hybridrec.versions import list_versions, load_version
+from hybridrec.core.layouts.versions import list_versions, load_version
 from services.inference.follow import inference_model
 from services.inference.model import build_dense
 from services.inference.inputs import InputDecoder, Tensor
@@ -69,7 +69,7 @@ def _eval_requests(data, config) -> list[list[Tensor]]:
 
 def _infer_request(tensors: list[Tensor]):
     """A ModelInferRequest of named tensors in raw_input_contents (a BYTES element: 4-byte length, bytes)."""
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     request = oip.ModelInferRequest(model_name=MODEL)
     for t in tensors:
@@ -110,7 +110,7 @@ class Reference:
 def test_the_inference_service_follows_a_multitask_run(tmp_path, multitask_data):
     import grpc
 
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     overrides = _overrides(multitask_data, epochs=8)
     config = load_config(REPO / "examples/multitask_parquet.yaml", overrides)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 

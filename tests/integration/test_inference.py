@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridrec.app.ports import free_port
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.conftest import HYBRIDREC, REPO
 from tests.inference_util import FakePS, columns, criteo_lines, make_bundle, random_ids, reference, tokens_for
 
@@ -121,7 +121,7 @@ def setup(tmp_path_factory):
 
 def _samples(known, tokens, n=37, seed=21):
     from services.inference.inputs import InputDecoder, Tensor
-    from hybridrec.bundle import read_manifest
+    from hybridrec.core.layouts.bundle import read_manifest
 
     ids = random_ids(known, n, seed=seed)
     dense = np.random.default_rng(seed).random((n, 13), dtype=np.float32)
@@ -130,7 +130,7 @@ def _samples(known, tokens, n=37, seed=21):
 
 
 def _rows_reference(bundle, lines):
-    from hybridrec.bundle import read_manifest
+    from hybridrec.core.layouts.bundle import read_manifest
     from services.inference.inputs import InputDecoder, Tensor
 
     s = InputDecoder(read_manifest(bundle), 1 << 16).decode([Tensor("rows", "BYTES", (len(lines),),
@@ -329,7 +329,7 @@ def test_remote_mode_against_read_only_ps_processes(setup):
     import os
     import signal
 
-    from hybridrec import rpc
+    from hybridrec.core.runtime import rpc
 
     _, bundle, known, tokens, tmp = setup
     shards = []

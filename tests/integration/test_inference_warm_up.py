@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec.config import FeatureKind
-from hybridrec.proto import grpc_predict_v2_pb2 as oip
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.conftest import REPO
 from tests.inference_util import criteo_lines, make_bundle, make_config_bundle, tokens_for
 from tests.integration.test_inference import MODEL, Server

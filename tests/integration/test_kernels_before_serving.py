@@ -1,5 +1,6 @@
 """A job started on an empty kernel cache compiles every kernel before its services serve: from SERVING on, a
-compile is logged as `kernel_compiled_while_serving` (hybridrec/kernel_cache.py), and none is, through training,
+compile is logged as `kernel_compiled_while_serving` (hybridrec/core/runtime/kernel_cache.py), and none is, through
+training,
 checkpoints and evaluation. The inference service's own check is tests/integration/test_inference_warm_up.py."""
 from __future__ import annotations
 

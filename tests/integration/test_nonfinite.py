@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec import checkpoints
+from hybridrec.core.layouts import checkpoints
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

@@ -87,7 +87,7 @@ def _planned_and_allocated(tmp_path: Path, job: dict) -> tuple[dict, int]:
 
     import yaml
 
-    from hybridrec import rpc
+    from hybridrec.core.runtime import rpc
     from hybridrec.app.ports import free_port
 
     shm = Path(tempfile.mkdtemp(prefix="hybridrec-plan-", dir="/dev/shm"))

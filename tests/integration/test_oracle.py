@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from hybridrec.config import load_config
-from hybridrec.criteo_format import feature_columns
-from hybridrec.models import FeatureInfo, build_model
-from hybridrec.sharding import shard_of
+from hybridrec.core.config import load_config
+from hybridrec.core.layouts.criteo_format import feature_columns
+from hybridrec.core.model.models import FeatureInfo, build_model
+from hybridrec.core.wire.sharding import shard_of
 from services.dataloader.batching import ReadCounters, iter_train_batches
 from services.embedding_ps.server import shard_dir
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows

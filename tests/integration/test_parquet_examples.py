@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.bundle import read_manifest
-from hybridrec.config import FeatureKind, load_config
-from hybridrec.evaluation import binary_metrics
-from hybridrec.inference_config import BatchingConfig
+from hybridrec.core.layouts.bundle import read_manifest
+from hybridrec.core.config import FeatureKind, load_config
+from hybridrec.core.model.evaluation import binary_metrics
+from hybridrec.core.config.inference import BatchingConfig
 from hybridrec.app.synth_parquet import synthesize_multitask
 from services.inference.batcher import Batcher
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import yaml
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import PSLookup, PSUpdate, ShardPull, ShardRows, update_id
-from hybridrec.proto import pb
-from hybridrec.sharding import shard_of
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import PSLookup, PSUpdate, ShardPull, ShardRows, update_id
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.wire.sharding import shard_of
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.ids import GROUP_SHIFT
+from hybridrec.core.wire.ids import GROUP_SHIFT
 from hybridrec.app.ports import free_port
-from hybridrec.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
+from hybridrec.core.layouts.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
 from services.inference.follow import FollowSource, _default_make_model
 from services.inference.model import build_dense
 from tests.conftest import HYBRIDREC, REPO, write_config
@@ -173,7 +173,7 @@ def test_the_inference_service_follows_a_training_run(tmp_path, small_data):
     import re
     import urllib.request
 
-    from hybridrec.proto import grpc_predict_v2_pb2 as oip
+    from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 
     root = tmp_path / "run" / "versions"  # where _start_publishing_run's run publishes
     grpc_port, http_port = _free_port(), _free_port()

@@ -12,13 +12,13 @@ import grpc
 import numpy as np
 import pytest
 
-from hybridrec import rpc
-from hybridrec.bundle import open_bundle
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import PSLookup, PSRows, PSUpdate
+from hybridrec.core.runtime import rpc
+from hybridrec.core.layouts.bundle import open_bundle
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import PSLookup, PSRows, PSUpdate
 from hybridrec.app.ports import free_port
-from hybridrec.proto import pb
-from hybridrec.sharding import shard_of
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.wire.sharding import shard_of
 from tests.conftest import HYBRIDREC, REPO
 from tests.faults.test_tls import pki  # noqa: F401 - a fixture
 from tests.unit.test_export import make_checkpoint
@@ -130,7 +130,7 @@ def test_a_corrupt_bundle_or_a_missing_shard_exits_2_naming_the_file(tmp_path, b
 
 
 def test_read_only_shard_with_mutual_tls(tmp_path, bundle, pki):
-    from hybridrec.config import TLSConfig
+    from hybridrec.core.config import TLSConfig
 
     address = f"127.0.0.1:{free_port()}"
     tls = [str(pki / "ca.pem"), str(pki / "service.pem"), str(pki / "service.key")]

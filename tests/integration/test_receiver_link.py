@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from hybridrec import rpc
-from hybridrec.compress import ValueCodec
-from hybridrec.config import from_dict
-from hybridrec.frames import Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients
-from hybridrec.jagged import KeyedBags
-from hybridrec.pooling import Pooler
-from hybridrec.proto import pb
+from hybridrec.core.runtime import rpc
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import from_dict
+from hybridrec.core.wire.frames import Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase, Gradients
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.model.pooling import Pooler
+from hybridrec.core.wire.proto import pb
 from services.nn_worker import link
 from services.nn_worker.link import INITIAL_SLOT_BYTES
 from services.nn_worker.receiver_link import ReceiverLink

@@ -9,8 +9,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from hybridrec import rpc
-from hybridrec.config import load_config
+from hybridrec.core.runtime import rpc
+from hybridrec.core.config import load_config
 from hybridrec.app.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 from tests.integration.test_export_e2e import predict

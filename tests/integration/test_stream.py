@@ -111,7 +111,7 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     middle of the replay however slowly a loaded machine trains."""
     if replay is not None:
         from hybridrec.app.broker import create_stream
-        from hybridrec.config import StreamConfig
+        from hybridrec.core.config import StreamConfig
 
         asyncio.run(create_stream(replay[0], StreamConfig()))
     summary = run_dir / "summary-out.json"
@@ -436,7 +436,7 @@ def _replay_args(url: str, path: Path, *args: str, rate: int = 0) -> list[str]:
 
 def _published(url: str) -> list[tuple[int, int, str]]:
     """(first event id, events, format) of every message of the stream, in stream order."""
-    from hybridrec.event_stream import FORMAT, events_in, read_format, read_headers
+    from hybridrec.core.layouts.event_stream import FORMAT, events_in, read_format, read_headers
 
     async def ask():
         import nats
@@ -584,6 +584,6 @@ def test_a_replay_goes_on_across_a_broker_restart_and_stores_every_event_once_in
 
 async def _create(url: str) -> None:
     from hybridrec.app.broker import create_stream
-    from hybridrec.config import StreamConfig
+    from hybridrec.core.config import StreamConfig
 
     await create_stream(url, StreamConfig())

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.event_stream import ARROW, DEAD_REASON, DEAD_SEQ, encode_arrow, headers
+from hybridrec.core.layouts.event_stream import ARROW, DEAD_REASON, DEAD_SEQ, encode_arrow, headers
 from tests.integration.test_stream import (MULTITASK, STREAM, SUBJECT, _consumer, _events_read,  # noqa: F401
                                            _multitask_config, _run, broker, nats_server)
 
@@ -86,7 +86,7 @@ def _publish(url: str, source: Path) -> dict:
     sequence of each poison message."""
     from hybridrec.app.broker import create_stream
     from hybridrec.app.replay import _arrow_messages
-    from hybridrec.config import StreamConfig, load_config
+    from hybridrec.core.config import StreamConfig, load_config
     from services.dataloader.parquet import ParquetSpec
 
     spec = ParquetSpec.from_config(load_config(MULTITASK, [f"data.train=[{source}]"]))

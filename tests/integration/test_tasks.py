@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybridrec.app.synth_parquet import synthesize_multitask
-from hybridrec.config import load_config
+from hybridrec.core.config import load_config
 from tests.conftest import HYBRIDREC, REPO
 from tests.integration.test_parquet_examples import over_the_wire, requests, serve
 
@@ -120,7 +120,7 @@ def test_a_loss_by_import_path_is_the_loss_trained_and_reported(data, tmp_path):
         import torch.nn.functional as F
 
         def plus_seven(logits, labels, weights):
-            # the built-in loss of the example (as hybridrec.tasks computes it), plus 7: the same gradients
+            # the built-in loss of the example (as hybridrec.core.model.tasks computes it), plus 7: the same gradients
             click = (F.binary_cross_entropy_with_logits(logits[:, 0], labels[:, 0], reduction="none")
                      * weights).sum() / weights.sum()
             value = logits[:, 1] * 30.0 + 30.0  # the example's offset and scale: the function gets raw outputs

@@ -19,7 +19,7 @@ import pytest
 from benchmarks.testbed import net
 from benchmarks.testbed.bed import Testbed, TestbedError
 from benchmarks.testbed.spec import two_hosts
-from hybridrec.config import load_config
+from hybridrec.core.config import load_config
 from tests.conftest import REPO, write_config
 from tests.testbed_support import assert_torn_down, require_netns
 

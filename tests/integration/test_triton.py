@@ -26,7 +26,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from hybridrec.app.ports import free_port
-from hybridrec.inference_config import InferenceConfig
+from hybridrec.core.config.inference import InferenceConfig
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
 from services.inference.model import load_model, run_now
 from services.inference.triton_server import TritonProcess
@@ -266,7 +266,7 @@ def test_follow_swaps_in_each_version_without_a_failed_request_and_skips_a_broke
     once the new one is ready; a client sending requests throughout sees no error and versions only growing,
     and the last version answers as hybridrec's own eager forward of it. A version that does not load is
     skipped; the served one keeps answering."""
-    from hybridrec.versions import load_version
+    from hybridrec.core.layouts.versions import load_version
     from services.inference.follow import inference_model
     from services.inference.model import build_dense
     from tests.unit.test_follow import write

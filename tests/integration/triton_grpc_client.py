@@ -1,7 +1,7 @@
 """A stock tritonclient asking a Triton server over gRPC: run as a script, in its own process.
 
 tritonclient.grpc's generated code declares the protobuf package `inference`,
-as hybridrec/proto/grpc_predict_v2_pb2.py does; one process cannot load both,
+as hybridrec/core/wire/proto/grpc_predict_v2_pb2.py does; one process cannot load both,
 so tests/integration/test_triton.py runs this script as a subprocess.
 
     python triton_grpc_client.py REQUEST.npz GRPC_URL MODEL OUTPUT[,OUTPUT...]  ->  JSON on stdout

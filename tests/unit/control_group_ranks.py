@@ -28,7 +28,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from hybridrec.config import Config, TrainingConfig
+        from hybridrec.core.config import Config, TrainingConfig
         from services.nn_worker.checkpoint import Checkpointer
         from services.nn_worker.distributed import DenseSync, DistEnv, barrier
         from services.nn_worker.handover import hand_over
@@ -108,7 +108,7 @@ def nccl_rank_main(port: int, out_dir: str) -> None:
     try:
         import torch
 
-        from hybridrec.config import Config, TrainingConfig
+        from hybridrec.core.config import Config, TrainingConfig
         from services.nn_worker.checkpoint import Checkpointer, load_dense, on_cpu
         from services.nn_worker.distributed import DenseSync, close_groups, control_group, resolve_backend
         from services.nn_worker.handover import hand_over

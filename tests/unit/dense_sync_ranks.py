@@ -28,7 +28,7 @@ def _scenario(mode: str, env, rank: int, record: dict) -> None:
     """Build a model (seeded by rank), wrap it in DenseSync, train STEPS steps on rank-specific data."""
     import torch
 
-    from hybridrec.config import TrainingConfig
+    from hybridrec.core.config import TrainingConfig
     from services.nn_worker.distributed import DenseSync
 
     torch.manual_seed(1000 * rank + len(mode))

@@ -47,12 +47,12 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from hybridrec.compress import ValueCodec
-        from hybridrec.config import from_dict
-        from hybridrec.frames import DenseBatch, Embeddings
-        from hybridrec.jagged import KeyedBags
-        from hybridrec.pooling import Pooler
-        from hybridrec.tasks import Tasks
+        from hybridrec.core.wire.compress import ValueCodec
+        from hybridrec.core.config import from_dict
+        from hybridrec.core.wire.frames import DenseBatch, Embeddings
+        from hybridrec.core.wire.jagged import KeyedBags
+        from hybridrec.core.model.pooling import Pooler
+        from hybridrec.core.model.tasks import Tasks
         from services.nn_worker.distributed import DenseSync, DistEnv, open_groups
         from services.nn_worker.step import StepMath, make_dense_optimizer
 

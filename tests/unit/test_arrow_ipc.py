@@ -1,4 +1,4 @@
-"""Arrow IPC streams from untrusted bytes (hybridrec/arrow_ipc.py): good streams (plain, lz4, zstd, dictionary
+"""Arrow IPC streams from untrusted bytes (hybridrec/core/wire/arrow_ipc.py): good streams (plain, lz4, zstd, dictionary
 columns) decode as pyarrow decodes them; a decompression bomb, too many rows, corrupt offsets and random damage
 are refused with ArrowStreamError and nothing else, before anything past the bound is allocated."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from hybridrec.arrow_ipc import ROW_BYTES, ArrowStreamError, read_stream
+from hybridrec.core.wire.arrow_ipc import ROW_BYTES, ArrowStreamError, read_stream
 
 BOUND = 64 << 20
 

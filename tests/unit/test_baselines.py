@@ -73,7 +73,7 @@ def test_pytorch_baseline_learns(tiny):
 
 
 def test_pytorch_model_is_hybridrecs_dnn():
-    from hybridrec.models import DNN
+    from hybridrec.core.model.models import DNN
 
     m = baselines.EmbeddingBagDNN(100, 16, (512, 256, 128))
     assert type(m.dnn) is DNN and m.dnn.names == baselines.FEATURES

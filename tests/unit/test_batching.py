@@ -1,8 +1,8 @@
 """Batching across chunks and dealing equal batch counts to NN ranks."""
 import numpy as np
 
-from hybridrec import codec
-from hybridrec.frames import DenseBatch, SparseBatch, decode_nn_batch
+from hybridrec.core.wire import codec
+from hybridrec.core.wire.frames import DenseBatch, SparseBatch, decode_nn_batch
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches, iter_train_batches
 
 

@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import (BundleError, BundleManifest, BundleWriter, load_dense, open_bundle, quantize_rows,
+from hybridrec.core.layouts.bundle import (BundleError, BundleManifest, BundleWriter, load_dense, open_bundle,
+                              quantize_rows,
                               read_manifest, table_files)
-from hybridrec.config import FeatureConfig, ModelConfig
-from hybridrec.sharding import shard_of
+from hybridrec.core.config import FeatureConfig, ModelConfig
+from hybridrec.core.wire.sharding import shard_of
 
 FEATURES = [FeatureConfig(name="C1", group=0, dim=8), FeatureConfig(name="C2", group=1, dim=4)]
 
 
 def _write(path, num_shards=2, rows_per_dim=1000, seed=0, quantization=None):
     """A bundle (`quantization` "int8": of int8 tables) and, per width, {key: the float32 row written}."""
-    from hybridrec.bundle import FORMAT_VERSION, QUANTIZED_FORMAT_VERSION
+    from hybridrec.core.layouts.bundle import FORMAT_VERSION, QUANTIZED_FORMAT_VERSION
 
     rng = np.random.default_rng(seed)
     manifest = BundleManifest(features=FEATURES, num_dense=3, model=ModelConfig(), num_shards=num_shards, step=7,
@@ -83,7 +84,7 @@ def test_an_aborted_writer_leaves_no_bundle(tmp_path):
 
 
 def test_an_int8_bundle_serves_each_row_within_half_a_step_in_dim_plus_2_bytes(tmp_path):
-    from hybridrec.bundle import ShardTable, scales_file
+    from hybridrec.core.layouts.bundle import ShardTable, scales_file
 
     truth = _write(tmp_path / "q", rows_per_dim=2000, seed=3, quantization="int8")
     manifest, table = open_bundle(tmp_path / "q")

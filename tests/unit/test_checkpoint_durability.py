@@ -1,4 +1,4 @@
-"""A job checkpoint survives a power loss (hybridrec/checkpoints.py): rank 0's files are fsynced with their
+"""A job checkpoint survives a power loss (hybridrec/core/layouts/checkpoints.py): rank 0's files are fsynced with their
 directory before the manifest, the root after the rename, and the manifest records each file's size and
 sha256; `latest` verifies them and falls back to the newest checkpoint that verifies, naming the one it
 skipped and why (on 3b8ae06 a cut-short dense.pt was resumed from, and failed as "another model")."""
@@ -10,7 +10,7 @@ import os
 import pytest
 from structlog.testing import capture_logs
 
-from hybridrec import checkpoints
+from hybridrec.core.layouts import checkpoints
 
 
 def _checkpoint(root, step: int, *, dense: bytes = b"dense-state" * 100, recorded: bool = True):

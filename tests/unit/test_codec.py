@@ -4,8 +4,8 @@ import struct
 import numpy as np
 import pytest
 
-from hybridrec import codec
-from hybridrec.codec import DTYPES, FrameError
+from hybridrec.core.wire import codec
+from hybridrec.core.wire.codec import DTYPES, FrameError
 from tests.frame_bombs import bomb
 
 

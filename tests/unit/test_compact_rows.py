@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import row_storage as R
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
 
@@ -204,7 +204,7 @@ def test_reattaching_with_another_storage_is_refused_naming_both(tmp_path):
 
 def _restored(tmp_path, source: EmbeddingStore, name: str, storage: str, opt: EmbeddingOptimizerConfig,
               step: int) -> EmbeddingStore:
-    from hybridrec.sharding import shard_of
+    from hybridrec.core.wire.sharding import shard_of
     from services.embedding_ps.checkpoint import dump_shard, load_shard
 
     dump_shard({16: source}, tmp_path / f"ckpt-{name}", shard=0, num_shards=1, step=step)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import yaml
 
-from hybridrec.config import FeatureKind
-from hybridrec.pooling import PooledEmbeddings
+from hybridrec.core.config import FeatureKind
+from hybridrec.core.model.pooling import PooledEmbeddings
 from services.inference.compiled import CompiledDense
 from services.inference.inputs import InputDecoder, Tensor
 from services.inference.model import load_model
@@ -111,7 +111,7 @@ def test_scalar_columns_are_looked_up_as_they_are_and_answer_as_the_pooled_path(
     through `forward_columns`, alone and merged, and answer as the reference forward pass does."""
     import asyncio
 
-    from hybridrec.inference_config import BatchingConfig
+    from hybridrec.core.config.inference import BatchingConfig
     from services.inference.batcher import Batcher
     from services.inference.model import StaticSource
     from tests.inference_util import make_bundle, random_ids, reference

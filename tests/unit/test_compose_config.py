@@ -183,7 +183,7 @@ def test_every_training_container_mounts_the_job_config_hybridrec_config_names(c
 
 
 def test_both_job_configs_load(tmp_path):
-    from hybridrec.config import load_config
+    from hybridrec.core.config import load_config
 
     files = load_config(REPO / "deploy" / "compose" / "config.yaml")
     stream = load_config(REPO / "deploy" / "compose" / "online.yaml")

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from hybridrec.compress import ValueCodec, scaled_fp16, unscale_fp16
-from hybridrec.frames import SparseBatch
-from hybridrec.jagged import KeyedBags
+from hybridrec.core.wire.compress import ValueCodec, scaled_fp16, unscale_fp16
+from hybridrec.core.wire.frames import SparseBatch
+from hybridrec.core.wire.jagged import KeyedBags
 
 
 def test_dedup_is_lossless():

@@ -4,8 +4,8 @@ import inspect
 import pytest
 from pydantic import BaseModel
 
-from hybridrec import config as config_module
-from hybridrec.config import ConfigError, EmbeddingOptimizer, from_dict, load_config
+from hybridrec.core import config as config_module
+from hybridrec.core.config import ConfigError, EmbeddingOptimizer, from_dict, load_config
 
 
 def _write(tmp_path, text):
@@ -84,7 +84,7 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_control_identities_need_tls():
-    from hybridrec.config import ConfigError, from_dict
+    from hybridrec.core.config import ConfigError, from_dict
 
     tree = {"data": {"train": ["x"]}, "cluster": {"control_identities": ["nn-worker"]}}
     with pytest.raises(ConfigError, match="cluster.control_identities"):
@@ -92,7 +92,7 @@ def test_control_identities_need_tls():
 
 
 def test_checkpoint_names_resolve_inside_the_root(tmp_path):
-    from hybridrec.checkpoints import check_root, resolve_under
+    from hybridrec.core.layouts.checkpoints import check_root, resolve_under
 
     root = tmp_path / "root"
     check_root(root)

@@ -1,7 +1,7 @@
 """Where a restarted data loader continues: services/dataloader/resume.py's plan from the ranks' answers."""
 from __future__ import annotations
 
-from hybridrec.frames import Received
+from hybridrec.core.wire.frames import Received
 from services.dataloader.batching import Position
 from services.dataloader.resume import plan
 

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from hybridrec.dedup import has_duplicates, unique_inverse, unique_segments
-from hybridrec.jagged import KeyedBags
-from hybridrec.frames import SparseBatch
-from hybridrec.ids import GROUP_SHIFT
+from hybridrec.core.wire.dedup import has_duplicates, unique_inverse, unique_segments
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.wire.frames import SparseBatch
+from hybridrec.core.wire.ids import GROUP_SHIFT
 
 
 def _check(values: np.ndarray, uniq: np.ndarray, inverse: np.ndarray) -> None:

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 from hybridrec.app.ports import free_port
-from hybridrec.frames import Consumed
+from hybridrec.core.wire.frames import Consumed
 from services.dataloader.delivery import DeliveryGap, Window, deliver
 from services.nn_worker.ledger import Ledger
 

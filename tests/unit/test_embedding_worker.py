@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from hybridrec.compress import ValueCodec
-from hybridrec.config import Config
-from hybridrec.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBatch, worker_of_ref
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.jagged import KeyedBags
-from hybridrec.rpc import NotFound
-from hybridrec.sharding import shard_of
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import Config
+from hybridrec.core.wire.frames import Embeddings, Gradients, PSLookup, PSUpdate, SparseBatch, worker_of_ref
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.runtime.rpc import NotFound
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps.server import EmbeddingPSServicer, open_applied, open_stores
 from services.embedding_worker.worker import EmbeddingWorker
 
@@ -351,7 +351,7 @@ def test_only_repeated_ids_are_deduplicated_again(cluster):
 def test_a_full_buffer_holds_puts_back_until_a_batch_is_consumed_and_survives_a_restart(cluster, tmp_path):
     """ps.worker_buffer_bytes caps what the worker keeps: past it a put is UNAVAILABLE (the data loader retries:
     back-pressure), and once a batch is consumed the next fits. A restarted worker counts what it re-attached."""
-    from hybridrec.rpc import Unavailable
+    from hybridrec.core.runtime.rpc import Unavailable
 
     frames = [_batch(seed).encode() for seed in range(4)]
     cap = len(frames[0]) + len(frames[1]) + len(frames[2]) // 2

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from hybridrec.config import from_dict
-from hybridrec.evaluation import EPS, binary_metrics, find_oracle
+from hybridrec.core.config import from_dict
+from hybridrec.core.model.evaluation import EPS, binary_metrics, find_oracle
 
 
 def config(tmp_path, oracle=None):

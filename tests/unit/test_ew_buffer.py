@@ -13,9 +13,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from hybridrec.config import Config, FeatureConfig
-from hybridrec.frames import Gradients, make_batch_ref
-from hybridrec.rpc import NotFound, Unavailable
+from hybridrec.core.config import Config, FeatureConfig
+from hybridrec.core.wire.frames import Gradients, make_batch_ref
+from hybridrec.core.runtime.rpc import NotFound, Unavailable
 from services.embedding_worker import buffer_files
 from services.embedding_worker.buffer_files import RETIRED_KEPT, BufferFiles
 from services.embedding_worker.worker import EmbeddingWorker, buffer_dir

@@ -8,15 +8,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from hybridrec import checkpoints
-from hybridrec.bundle import load_dense, open_bundle
-from hybridrec.checkpoints import JobManifest
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.layouts.bundle import load_dense, open_bundle
+from hybridrec.core.layouts.checkpoints import JobManifest
 from hybridrec.app.cli import app
-from hybridrec.config import dump_config, from_dict
-from hybridrec.models import FeatureInfo, build_model
-from hybridrec.sharding import shard_of
+from hybridrec.core.config import dump_config, from_dict
+from hybridrec.core.model.models import FeatureInfo, build_model
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 FEATURES = [{"name": "C1", "group": 0, "dim": 8}, {"name": "C2", "group": 1, "dim": 4},

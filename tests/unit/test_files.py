@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hybridrec.files import write_json_atomic
+from hybridrec.core.layouts.files import write_json_atomic
 
 
 @pytest.mark.parametrize("fsync", [False, True])

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from hybridrec import checkpoints
-from hybridrec.checkpoints import JobManifest
-from hybridrec.config import from_dict
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.layouts.checkpoints import JobManifest
+from hybridrec.core.config import from_dict
 from hybridrec.app.launcher import resolve
 
 

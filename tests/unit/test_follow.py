@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import BundleError
-from hybridrec.models import FeatureInfo, build_model
-from hybridrec.versions import load_version, table_arrays
+from hybridrec.core.layouts.bundle import BundleError
+from hybridrec.core.model.models import FeatureInfo, build_model
+from hybridrec.core.layouts.versions import load_version, table_arrays
 from services.inference.follow import FollowSource
 from tests.unit.test_versions import FEATURES, publish, random_tables
 
@@ -107,8 +107,8 @@ def test_current_before_any_version_and_load_version_errors(tmp_path):
 
 
 def test_the_inference_service_settings_and_model(tmp_path):
-    from hybridrec.config import ConfigError
-    from hybridrec.inference_config import load_inference_config
+    from hybridrec.core.config import ConfigError
+    from hybridrec.core.config.inference import load_inference_config
     from services.inference.follow import inference_model
     from services.inference.model import load_model
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec import codec, frames
-from hybridrec.codec import FrameError
-from hybridrec.compress import ValueCodec
-from hybridrec.jagged import KeyedBags
-from hybridrec.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase,
+from hybridrec.core.wire import codec, frames
+from hybridrec.core.wire.codec import FrameError
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.wire.frames import (Applied, BatchRef, Consumed, DenseBatch, Embeddings, EndOfPhase,
                               Gradients, PSLookup, PSRows, PSUpdate, Received, ShardPull, ShardRows, SparseBatch,
                               decode_nn_batch, make_batch_ref, update_id)
 
@@ -215,19 +215,19 @@ def test_update_ids_are_stable_distinct_and_never_zero():
 
 
 def test_no_frame_key_is_spelled_outside_the_frames_module():
-    """The tensor and meta keys of data-plane frames appear only in hybridrec/frames.py (prepared data's
+    """The tensor and meta keys of data-plane frames appear only in hybridrec/core/wire/frames.py (prepared data's
     `ids.npy` is a file name, not a key)."""
     keys = r"""["'](ids|rows|grads?)\.(?!npy)|f["'](ids|rows|grads?)\.\{|["'](batch_ref|end_of|counts|lengths|update_id)["']"""
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.split()
     offenders = []
     for path in tracked:
-        if path in ("hybridrec/frames.py", "tests/unit/test_frames.py") or not (REPO / path).exists():
+        if path in ("hybridrec/core/wire/frames.py", "tests/unit/test_frames.py") or not (REPO / path).exists():
             continue
         for n, line in enumerate((REPO / path).read_text().splitlines(), 1):
             if re.search(keys, line):
                 offenders.append(f"{path}:{n}: {line.strip()}")
-    assert not offenders, "frame keys outside hybridrec/frames.py:\n" + "\n".join(offenders)
+    assert not offenders, "frame keys outside hybridrec/core/wire/frames.py:\n" + "\n".join(offenders)
 
 
 def test_proto_comments_name_existing_frames():
@@ -245,7 +245,7 @@ def test_proto_comments_name_existing_frames():
 
 
 def test_architecture_doc_describes_every_frame():
-    """docs/architecture.md's frame table has one row per frame kind of hybridrec/frames.py."""
+    """docs/architecture.md's frame table has one row per frame kind of hybridrec/core/wire/frames.py."""
     doc = (REPO / "docs" / "architecture.md").read_text()
     rows = set(re.findall(r"^\| (\w+) \|", doc, flags=re.M))
     assert {cls.__name__ for cls in frames.FRAMES} <= rows, rows

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.config import ConfigError
+from hybridrec.core.config import ConfigError
 from hybridrec.app.ports import free_port
 from services.nn_worker.checkpoint import load_dense, on_cpu
 from services.nn_worker.distributed import NCCL_ENVIRONMENT, resolve_backend
@@ -195,9 +195,9 @@ def test_cuda_checkpoint_loads_back_onto_the_gpu_and_onto_the_cpu(tmp_path):
 
 # -- the feed: fp16 rows scaled back where they are pooled ----------------------------------------------------
 def _fp16_batch(seed: int = 0):
-    from hybridrec.compress import ValueCodec
-    from hybridrec.config import Pooling
-    from hybridrec.frames import Embeddings
+    from hybridrec.core.wire.compress import ValueCodec
+    from hybridrec.core.config import Pooling
+    from hybridrec.core.wire.frames import Embeddings
     from tests.unit.test_pooling import _features, _frame
 
     widths = [4, 4, 3, 3]
@@ -209,8 +209,8 @@ def _fp16_batch(seed: int = 0):
 
 
 def test_fp16_rows_kept_for_the_device_pool_as_rows_scaled_back_on_the_host():
-    from hybridrec.compress import Fp16Rows
-    from hybridrec.pooling import Pooler
+    from hybridrec.core.wire.compress import Fp16Rows
+    from hybridrec.core.model.pooling import Pooler
     from services.nn_worker.feed import DeviceFeed
 
     features, values, raw = _fp16_batch()
@@ -229,7 +229,7 @@ def test_fp16_rows_kept_for_the_device_pool_as_rows_scaled_back_on_the_host():
 @cuda
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_feed_stages_a_batch_on_the_gpu_and_pools_it_as_the_cpu_does(overlap):
-    from hybridrec.pooling import Pooler
+    from hybridrec.core.model.pooling import Pooler
     from services.nn_worker.feed import DeviceFeed
 
     device = torch.device("cuda", 0)

@@ -5,7 +5,7 @@ import asyncio
 
 import numpy as np
 
-from hybridrec.frames import DenseBatch, EndOfPhase
+from hybridrec.core.wire.frames import DenseBatch, EndOfPhase
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 
 

@@ -6,9 +6,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from hybridrec.bundle import read_manifest
-from hybridrec.inference_config import BatchingConfig, InferenceConfig, load_inference_config
-from hybridrec.config import ConfigError
+from hybridrec.core.layouts.bundle import read_manifest
+from hybridrec.core.config.inference import BatchingConfig, InferenceConfig, load_inference_config
+from hybridrec.core.config import ConfigError
 from services.inference.batcher import Batcher
 from services.inference.core import InferenceCore
 from services.inference.grpc_api import split_bytes
@@ -377,8 +377,8 @@ def test_named_string_features_hash_like_the_training_reader(bundle):
 
 
 def _list_manifest():
-    from hybridrec.bundle import BundleManifest
-    from hybridrec.config import FeatureConfig, ModelConfig
+    from hybridrec.core.layouts.bundle import BundleManifest
+    from hybridrec.core.config import FeatureConfig, ModelConfig
 
     return BundleManifest(features=[FeatureConfig(name="user", group=0, dim=4),
                                     FeatureConfig(name="tags", group=1, dim=4, kind="list", max_len=3)],
@@ -395,7 +395,7 @@ def _list_request(user, tags, lengths, dense_rows=None):
 
 
 def test_a_list_feature_keeps_its_most_recent_max_len_values_and_counts_the_cut():
-    from hybridrec.criteo_kernels import hash_ints
+    from hybridrec.core.layouts.criteo_kernels import hash_ints
 
     decoder = InputDecoder(_list_manifest(), 16)
     samples = decoder.decode(_list_request([7, 8], [1, 2, 3, 4, 5, 6], [5, 1]))
@@ -529,7 +529,7 @@ def test_the_table_lookup_is_compiled_at_start_for_every_kind_of_array_a_request
     """Tables read-only (a bundle's) or writable (a followed version's, merged), IDs read-only (a request's bytes)
     or writable: each is a numba signature, compiled by `warm_up`, never at a request on the event loop (a clean
     clone once compiled one there for 19 s under load)."""
-    from hybridrec import table_lookup
+    from hybridrec.core.model import table_lookup
 
     table_lookup.warm_up()
     compiled = len(table_lookup._find.signatures)

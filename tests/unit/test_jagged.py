@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridrec.jagged import Bag, KeyedBags
+from hybridrec.core.wire.jagged import Bag, KeyedBags
 
 
 def _random_bags(rng, n: int, features: int) -> list[Bag]:

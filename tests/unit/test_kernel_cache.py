@@ -1,4 +1,5 @@
-"""Kernels compiled once per machine (hybridrec/kernel_cache.py): a second copy of the same code at another path
+"""Kernels compiled once per machine (hybridrec/core/runtime/kernel_cache.py): a second copy of the same code at another
+path
 loads what the first compiled; an edit to any kernel file is a new build; a cache directory that cannot be
 written falls back to compiling, logged once, and the kernel still runs."""
 from __future__ import annotations
@@ -10,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridrec import kernel_cache
+from hybridrec.core.runtime import kernel_cache
 
 PROBE = """
 import json
-from hybridrec import dedup, kernel_cache
+from hybridrec.core.wire import dedup
+from hybridrec.core.runtime import kernel_cache
 import numpy as np
 ids = np.array([5, 3, 5, 9], np.uint64)
 uniq, inverse = dedup.unique_inverse(ids)
@@ -67,9 +69,9 @@ def test_a_cache_directory_that_cannot_be_written_compiles_and_says_so_once(tmp_
 
 def test_the_build_is_every_kernel_file_and_nothing_else(tmp_path, monkeypatch):
     names = {str(p.relative_to(kernel_cache.PROJECT)) for p in kernel_cache.kernel_sources()}
-    assert {"hybridrec/dedup.py", "services/embedding_ps/kernels.py", "services/embedding_ps/row_storage.py",
+    assert {"hybridrec/core/wire/dedup.py", "services/embedding_ps/kernels.py", "services/embedding_ps/row_storage.py",
             "services/embedding_ps/optimizers.py", "services/inference/byte_elements.py"} <= names
-    assert "hybridrec/kernel_cache.py" not in names and "hybridrec/config/data.py" not in names
+    assert "hybridrec/core/runtime/kernel_cache.py" not in names and "hybridrec/core/config/data.py" not in names
 
 
 def test_old_builds_beyond_the_newest_few_are_removed(tmp_path):
@@ -90,7 +92,7 @@ def test_old_builds_beyond_the_newest_few_are_removed(tmp_path):
 RACE = """
 import json, sys, time
 from pathlib import Path
-from hybridrec import dedup
+from hybridrec.core.wire import dedup
 import numpy as np
 here, other = Path(sys.argv[1]), Path(sys.argv[2])
 here.touch()
@@ -116,4 +118,4 @@ def test_two_processes_that_miss_a_kernel_at_once_compile_it_once(tmp_path):
         assert proc.returncode == 0, err
         results.append(json.loads(out.splitlines()[-1]))
     assert sorted((r["misses"], r["hits"]) for r in results) == [(0, 1), (1, 0)], results
-    assert list((tmp_path / "cache").glob("*/locks/hybridrec.dedup._unique_inverse.lock"))
+    assert list((tmp_path / "cache").glob("*/locks/hybridrec.core.wire.dedup._unique_inverse.lock"))

@@ -1,10 +1,12 @@
-"""Three layers, arrows pointing down only: the core library (hybridrec/) <- the services (services/NAME/, each
-importing the core and itself) <- the app (hybridrec/app/: the CLI, the launcher, reports, data tools, export).
+"""Three layers as three folders, arrows pointing down only: the core library (hybridrec/core/) <- the services
+(services/NAME/, each importing the core and itself) <- the app (hybridrec/app/: the CLI, the launcher, reports,
+data tools, export). A module's layer is the folder it lives in; beside them, hybridrec/ holds only the public
+names users import (`hybridrec.models`, `hybridrec.config`: re-exports of the core), which no code of ours imports.
 
 The check reads the real import graph of every module, imports inside functions included, and refuses an
 import by string (`importlib.import_module`, `__import__`) of our own code: the imports by string left are the
-plugins, which import what the config names of the user's code: the model class (`hybridrec.models`) and the
-training loss (`hybridrec.tasks`).
+plugins, which import what the config names of the user's code: the model class (`hybridrec.core.model.models`)
+and the training loss (`hybridrec.core.model.tasks`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ PACKAGE = Path(hybridrec.__file__).resolve().parent
 REPO = PACKAGE.parent
 CORE, SERVICES, APP = 0, 1, 2
 LAYER_NAMES = ("core", "services", "app")
-PLUGINS = ("hybridrec.models", "hybridrec.tasks")
+LAYER_FOLDERS = {CORE: ("hybridrec", "core"), SERVICES: ("services",), APP: ("hybridrec", "app")}
+"""Each layer's folder, as the parts of its path from the repository's root."""
+PUBLIC_NAMES = ("hybridrec", "hybridrec.models", "hybridrec.config", "hybridrec.__main__")
+"""The modules of hybridrec/ outside the layers' folders: the package, the names users import, `python -m`."""
+PLUGINS = ("hybridrec.core.model.models", "hybridrec.core.model.tasks")
 
 
 def _module_name(path: Path) -> str:
@@ -27,13 +33,14 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> int | None:
-    """The layer a module of ours is in; None for a module that is not ours (numpy, torch, ...)."""
-    if module == "hybridrec.__main__" or module == "hybridrec.app" or module.startswith("hybridrec.app."):
+    """The layer of a module of ours: the folder its name lies in (its dotted name is its path). None for a
+    module that is not ours (numpy, torch, ...) or one of `PUBLIC_NAMES`; `python -m hybridrec` is the app's."""
+    if module == "hybridrec.__main__":
         return APP
-    if module == "services" or module.startswith("services."):
-        return SERVICES
-    if module == "hybridrec" or module.startswith("hybridrec."):
-        return CORE
+    parts = tuple(module.split("."))
+    for layer, folder in LAYER_FOLDERS.items():
+        if parts[:len(folder)] == folder:
+            return layer
     return None
 
 
@@ -58,7 +65,7 @@ def _imported_modules(tree: ast.AST, importer: str = "", is_package: bool = Fals
             found.append((node.lineno, module))
             # `from hybridrec import app` / `from services import nn_worker` name a package, not an attribute
             found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names
-                      if _layer(f"{module}.{alias.name}") is not None and module in ("hybridrec", "services")]
+                      if module in ("hybridrec", "services") and _layer(f"{module}.{alias.name}") is not None]
     return found
 
 
@@ -81,6 +88,8 @@ def _our_modules() -> list[tuple[Path, str]]:
 def _arrows_up() -> list[str]:
     offending = []
     for path, module in _our_modules():
+        if _layer(module) is None:
+            continue  # a public name: test_every_module_lives_in_its_layers_folder
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in _imported_modules(tree, module, path.name == "__init__.py"):
             target = _layer(name)
@@ -107,6 +116,26 @@ def test_three_layers_and_no_arrow_up():
     assert not offending, "imports against the layers (core <- services <- app):\n" + "\n".join(offending)
 
 
+def test_every_module_lives_in_its_layers_folder():
+    """The folders are the layers: every module of ours is in hybridrec/core/, services/ or hybridrec/app/, but
+    for `PUBLIC_NAMES`; those import the core only, and no module of ours imports them (the project's code names
+    the core's modules, so a public name can be kept for users whatever the core's folders become)."""
+    outside, wrong = [], []
+    for path, module in _our_modules():
+        if _layer(module) is None and module not in PUBLIC_NAMES:
+            outside.append(module)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in _imported_modules(tree, module, path.name == "__init__.py"):
+            if name in PUBLIC_NAMES[1:3]:
+                wrong.append(f"{path.relative_to(REPO)}:{line}: imports the public name {name}")
+            elif module in PUBLIC_NAMES[1:3] and _layer(name) not in (None, CORE):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: a public name imports {name}")
+    assert outside == [], f"modules outside the layers' folders: {outside}"
+    assert wrong == [], "\n".join(wrong)
+    public = [m for _, m in _our_modules() if m in PUBLIC_NAMES]
+    assert sorted(public) == sorted(PUBLIC_NAMES), public
+
+
 def test_the_app_imports_services_with_import_statements():
     """The CLI runs the services' code through real imports (what the graph above sees), not by name."""
     tree = ast.parse((PACKAGE / "app" / "cli.py").read_text())
@@ -121,7 +150,9 @@ def test_the_check_sees_what_it_must():
                      "    from .app import cli\n    from . import app\n")
     names = [name for _, name in _imported_modules(tree, "hybridrec.core_module")]
     assert names == ["services.embedding_ps", "services.dataloader", "hybridrec.app", "hybridrec", "hybridrec.app"]
-    assert [_layer(name) for name in names] == [SERVICES, SERVICES, APP, CORE, APP]
+    assert [_layer(name) for name in names] == [SERVICES, SERVICES, APP, None, APP]
+    assert [_layer(name) for name in ("hybridrec.core.wire.codec", "hybridrec.core", "hybridrec.models")] \
+        == [CORE, CORE, None]
     old_cli = 'def service_module(service, module):\n    return importlib.import_module(f"services.{service}.{module}")\n'
     assert _string_imports(ast.parse(old_cli)) == [(2, "f'services.{service}.{module}'")]
 
@@ -142,8 +173,9 @@ def test_no_reader_of_service_stats_parses_metric_names():
 
 
 def test_job_checkpoint_file_names_are_spelled_by_their_owner_only():
-    """hybridrec/checkpoints.py owns the job checkpoint's layout: no service spells its file names (a bundle's
-    own `dense.pt` and `config.yaml` are hybridrec/bundle.py's; the run directory's `config.yaml` the
+    """hybridrec/core/layouts/checkpoints.py owns the job checkpoint's layout: no service spells its file names (a
+    bundle's
+    own `dense.pt` and `config.yaml` are hybridrec/core/layouts/bundle.py's; the run directory's `config.yaml` the
     launcher's), so the NN worker, the PS and export cannot drift apart."""
     dense, config = [], []
     for path in sorted((REPO / "hybridrec").rglob("*.py")) + sorted((REPO / "services").rglob("*.py")):
@@ -152,7 +184,7 @@ def test_job_checkpoint_file_names_are_spelled_by_their_owner_only():
             dense.append(rel)
         if '"config.yaml"' in text and rel.startswith("services/"):
             config.append(rel)
-    assert dense == ["hybridrec/bundle.py", "hybridrec/checkpoints.py"], dense
+    assert dense == ["hybridrec/core/layouts/bundle.py", "hybridrec/core/layouts/checkpoints.py"], dense
     assert config == [], config
 
 
@@ -162,13 +194,14 @@ def _code_files() -> list[Path]:
 
 
 def test_services_json_has_one_owner():
-    """services.json is spelled, written and read by hybridrec/summary.py only (`ServiceInfo`, `write_services`,
+    """services.json is spelled, written and read by hybridrec/core/layouts/summary.py only (`ServiceInfo`,
+    `write_services`,
     `read_services`); its one writer is the launcher's cluster runner, which the testbed runs its hosts
     through; the report reads the rows through it."""
     spelled = [p.relative_to(REPO).as_posix() for p in _code_files() if '"services.json"' in p.read_text()]
-    assert spelled == ["hybridrec/summary.py"], spelled
+    assert spelled == ["hybridrec/core/layouts/summary.py"], spelled
     writers = [p.relative_to(REPO).as_posix() for p in _code_files() if "write_services(" in p.read_text()]
-    assert sorted(writers) == ["hybridrec/app/launcher.py", "hybridrec/summary.py"], writers
+    assert sorted(writers) == ["hybridrec/app/launcher.py", "hybridrec/core/layouts/summary.py"], writers
     assert "LocalCluster(" in (REPO / "benchmarks" / "testbed" / "bed.py").read_text()
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from hybridrec.app.layout import Host, fit
-from hybridrec.config import ConfigError, from_dict
-from hybridrec.service import ServiceHost
+from hybridrec.core.config import ConfigError, from_dict
+from hybridrec.core.runtime.service import ServiceHost
 
 
 def _config(**cluster_and_training):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.modes import cpu_during, hybridrec_config
-from hybridrec.config import Mode, load_config
+from hybridrec.core.config import Mode, load_config
 
 
 def test_benchmark_config_loads_with_every_mode_and_override(tmp_path):

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.compress import ValueCodec
-from hybridrec.config import ConfigError, FeatureConfig, from_dict, load_config
-from hybridrec.frames import Embeddings
-from hybridrec.jagged import KeyedBags
-from hybridrec.models import DIN, DNN, MMoE, build_model, feature_infos
-from hybridrec.pooling import Pooler, SeqEmbedding
-from hybridrec.summary import RunSummary
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import ConfigError, FeatureConfig, from_dict, load_config
+from hybridrec.core.wire.frames import Embeddings
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.model.models import DIN, DNN, MMoE, build_model, feature_infos
+from hybridrec.core.model.pooling import Pooler, SeqEmbedding
+from hybridrec.core.layouts.summary import RunSummary
 from services.nn_worker.results import _task_metrics
 
 VALUES = ValueCodec(fp16=False)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.config import from_dict
+from hybridrec.core.config import from_dict
 from services.nn_worker.distributed import DenseSync
 from services.nn_worker.step import make_dense_optimizer
 from tests.unit.nonfinite_ranks import WORLD, rank_main

@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridrec.app.synth import synthesize
-from hybridrec.config import ConfigError, from_dict
-from hybridrec.criteo_format import DENSE_COLUMNS, SPARSE_COLUMNS
-from hybridrec.criteo_kernels import hash_ints
-from hybridrec.ids import GROUP_SHIFT
+from hybridrec.core.config import ConfigError, from_dict
+from hybridrec.core.layouts.criteo_format import DENSE_COLUMNS, SPARSE_COLUMNS
+from hybridrec.core.layouts.criteo_kernels import hash_ints
+from hybridrec.core.wire.ids import GROUP_SHIFT
 from services.dataloader import prepared, prepared_write
 from services.dataloader.batching import ReadCounters
 from services.dataloader.parquet import ParquetFormatError, ParquetSpec, read_parquet

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.config import ConfigError, from_dict
+from hybridrec.core.config import ConfigError, from_dict
 from hybridrec.app.parquet_data import tsv_to_parquet
 from hybridrec.app.synth import synthesize
 from services.dataloader.batching import ReadCounters

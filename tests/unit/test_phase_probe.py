@@ -11,8 +11,8 @@ import asyncio
 import grpc
 
 from hybridrec.app.ports import free_port
-from hybridrec.config import from_dict
-from hybridrec.frames import Consumed, EndOfPhase, Received, decode_nn_batch
+from hybridrec.core.config import from_dict
+from hybridrec.core.wire.frames import Consumed, EndOfPhase, Received, decode_nn_batch
 from services.dataloader.delivery import END, Window
 from services.dataloader.server import DataLoaderServicer, Dispatcher
 
@@ -86,6 +86,6 @@ def test_a_rank_replaced_after_its_share_of_a_phase_is_sent_its_window_while_ano
 def _dense(seq: int) -> bytes:
     import numpy as np
 
-    from hybridrec.frames import DenseBatch
+    from hybridrec.core.wire.frames import DenseBatch
 
     return DenseBatch(seq, np.zeros((1, 1), np.float32), np.zeros(1, np.float32), seq=seq).encode()

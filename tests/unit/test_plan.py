@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig, from_dict
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig, from_dict
 from hybridrec.app.job_plan import JobPlan
 from hybridrec.app.plan import Table, plan_config, plan_tables
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
@@ -128,7 +128,7 @@ def test_a_local_run_that_cannot_hold_its_capacity_is_refused_naming_host_width_
 
 
 def _tier_config(tmp_path, tier_capacity: int):
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
 
     return Config.model_validate({
         "data": {"train": ["unused.tsv"]}, "features": [{"name": "C1", "group": 0, "dim": 16}],
@@ -152,7 +152,7 @@ def test_a_disk_tier_is_planned_on_disk_and_its_marks_in_memory(tmp_path):
 
 def test_a_disk_tier_without_room_is_refused_before_start_naming_key_path_and_bytes(tmp_path):
     from hybridrec.app.plan import check_fits
-    from hybridrec.config import ConfigError
+    from hybridrec.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"ps.tier.capacity: 2 PS shard\(s\) .* need [\d,]+ bytes under .*disk"):
         check_fits(_tier_config(tmp_path, 10**13 // 128), host="here", memory_bytes=1 << 40, shm_free_bytes=1 << 40)

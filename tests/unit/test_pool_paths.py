@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.compress import Fp16Rows, ValueCodec
-from hybridrec.config import FeatureConfig, Pooling
-from hybridrec.frames import Embeddings
-from hybridrec.models import DNN, feature_infos, side_by_side, vector
-from hybridrec.pooling import PooledEmbeddings, Pooler
+from hybridrec.core.wire.compress import Fp16Rows, ValueCodec
+from hybridrec.core.config import FeatureConfig, Pooling
+from hybridrec.core.wire.frames import Embeddings
+from hybridrec.core.model.models import DNN, feature_infos, side_by_side, vector
+from hybridrec.core.model.pooling import PooledEmbeddings, Pooler
 from services.nn_worker.feed import _arrays, _pack, _unpack
 from tests.unit.test_pooling import _frame
 

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.compress import ValueCodec
-from hybridrec.config import FeatureConfig, Pooling
-from hybridrec.frames import Embeddings
-from hybridrec.jagged import KeyedBags
-from hybridrec.pooling import Pooler
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import FeatureConfig, Pooling
+from hybridrec.core.wire.frames import Embeddings
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.model.pooling import Pooler
 
 VALUES = ValueCodec(fp16=False)
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridrec.app.cli import app, preflight
-from hybridrec.config import ConfigError, from_dict, load_config
-from hybridrec.frames import DenseBatch
+from hybridrec.core.config import ConfigError, from_dict, load_config
+from hybridrec.core.wire.frames import DenseBatch
 from hybridrec.app.synth import synthesize
 from hybridrec.app.synth_parquet import synthesize_multitask
 from services.dataloader import prepared
@@ -214,7 +214,7 @@ def test_a_changed_shard_file_is_refused_naming_it(tsv, tmp_path):
 
 _KILL_AFTER_FIRST_SHARD = """
 import os, signal, sys
-from hybridrec.config import from_dict
+from hybridrec.core.config import from_dict
 from services.dataloader.prepared_write import prepare
 src, out = sys.argv[1:3]
 config = from_dict({"data": {"train": [src]}})

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import log_loss, roc_auc_score
 
-from hybridrec.evaluation import EPS
+from hybridrec.core.model.evaluation import EPS
 from services.nn_worker.progressive import (BUCKETS, LOGIT_RANGE, ProgressiveWindow, bucket_of, sample_loss,
                                            task_metrics, window_metrics)
 

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from hybridrec.compress import ValueCodec
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
-from hybridrec.frames import Applied, PSLookup, PSRows, PSUpdate
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.wire.frames import Applied, PSLookup, PSRows, PSUpdate
 from services.embedding_ps import applied as A
 from services.embedding_ps.applied import WINDOW, AppliedLog
 from services.embedding_ps.server import EmbeddingPSServicer

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from hybridrec.sharding import shard_of
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps.checkpoint import dump_shard, inspect_checkpoint, load_shard, shard_dir_name
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
 
 DIMS = (4, 8)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec import checkpoints
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
-from hybridrec.sharding import shard_of
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps.checkpoint import (dump_memory_bytes, dump_shard, inspect_checkpoint, load_shard,
                                               read_embeddings, row_bytes, shard_dir_name)
 from services.embedding_ps.store import EmbeddingStore, StoreConfig

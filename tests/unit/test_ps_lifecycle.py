@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridrec.config import ConfigError, EmbeddingOptimizerConfig, PSConfig, from_dict
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.sharding import shard_of
+from hybridrec.core.config import ConfigError, EmbeddingOptimizerConfig, PSConfig, from_dict
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps.checkpoint import dump_shard, load_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig
@@ -275,8 +275,8 @@ def test_ps_service_counts_per_table_ticks_per_update_and_sweeps(tmp_path):
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from hybridrec.compress import ValueCodec
-    from hybridrec.frames import PSLookup, PSUpdate
+    from hybridrec.core.wire.compress import ValueCodec
+    from hybridrec.core.wire.frames import PSLookup, PSUpdate
     from services.embedding_ps.server import EmbeddingPSServicer, open_applied, open_stores
     from services.nn_worker.results import ps_totals
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from hybridrec import checkpoints
-from hybridrec.compress import ValueCodec
-from hybridrec.config import Config
-from hybridrec.frames import Applied, PSUpdate
-from hybridrec.ids import GROUP_SHIFT
-from hybridrec.proto import pb
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import Config
+from hybridrec.core.wire.frames import Applied, PSUpdate
+from hybridrec.core.wire.ids import GROUP_SHIFT
+from hybridrec.core.wire.proto import pb
 from services.embedding_ps import lives
 from services.embedding_ps.server import EmbeddingPSServicer, open_shard, shard_dir
 
@@ -156,8 +156,8 @@ def test_a_partly_lost_shard_is_wiped_and_restored_whole(tmp_path):
 def test_applied_frames_name_lives_and_refuse_malformed_ones():
     assert Applied.decode(Applied(3, ((0, 2**64 - 1), (1, 5))).encode()) == Applied(3, ((0, 2**64 - 1), (1, 5)))
     assert Applied.decode(Applied(4).encode()) == Applied(4)
-    from hybridrec import codec
-    from hybridrec.frames import FrameError
+    from hybridrec.core.wire import codec
+    from hybridrec.core.wire.frames import FrameError
 
     for bad in ([[0]], [[0, -1]], "x", [[0, True]]):
         with pytest.raises(FrameError, match="lives"):

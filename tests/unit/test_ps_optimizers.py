@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.config import EmbeddingOptimizer, EmbeddingOptimizerConfig, PSConfig, from_dict
+from hybridrec.core.config import EmbeddingOptimizer, EmbeddingOptimizerConfig, PSConfig, from_dict
 from services.embedding_ps import optimizers as O
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, accumulator_width, hyper_parameters, state_width
 from services.embedding_ps.store import EmbeddingStore, StoreConfig, init_rows
@@ -172,7 +172,8 @@ def test_state_widths_and_spec_validation():
 
 
 def test_every_optimizer_has_a_kernel_code_and_state():
-    """The enum in hybridrec/config/optimizers.py is the one list of names: the PS must handle each of its members."""
+    """The enum in hybridrec/core/config/optimizers.py is the one list of names: the PS must handle each of its
+    members."""
     assert set(OPTIMIZER_CODES) == set(EmbeddingOptimizer)
     assert len(set(OPTIMIZER_CODES.values())) == len(OPTIMIZER_CODES)
     for name in EmbeddingOptimizer:

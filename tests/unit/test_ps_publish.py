@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import BundleManifest, FileEntry, file_entry
-from hybridrec.compress import ValueCodec
-from hybridrec.config import EmbeddingOptimizerConfig, FeatureConfig, ModelConfig, PSConfig
-from hybridrec.files import write_json_atomic
-from hybridrec.frames import PSLookup, PSUpdate
-from hybridrec.proto import pb
-from hybridrec.rpc import FailedPrecondition
-from hybridrec.versions import Follower, table_arrays, version_dir
+from hybridrec.core.layouts.bundle import BundleManifest, FileEntry, file_entry
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import EmbeddingOptimizerConfig, FeatureConfig, ModelConfig, PSConfig
+from hybridrec.core.layouts.files import write_json_atomic
+from hybridrec.core.wire.frames import PSLookup, PSUpdate
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.rpc import FailedPrecondition
+from hybridrec.core.layouts.versions import Follower, table_arrays, version_dir
 from services.embedding_ps.applied import AppliedLog
 from services.embedding_ps.publish import ChangeLog
 from services.embedding_ps.server import EmbeddingPSServicer

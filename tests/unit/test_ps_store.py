@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from hybridrec.sharding import shard_of
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps import optimizers as O
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps.store import HEAD_MOVES_START, EmbeddingStore, StoreConfig, init_rows
 from services.embedding_ps.store_files import GLOBAL_FIELDS
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from hybridrec import checkpoints
-from hybridrec.config import EmbeddingOptimizerConfig, PSConfig
-from hybridrec.sharding import shard_of
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig
+from hybridrec.core.wire.sharding import shard_of
 from services.embedding_ps import kernels as K
 from services.embedding_ps.checkpoint import dump_shard, load_shard
 from services.embedding_ps.store import EmbeddingStore, StoreConfig

@@ -33,7 +33,7 @@ def test_a_warm_up_names_its_process(tmp_path, monkeypatch):
     """What the sweep relies on: the scratch directory carries the PS's pid."""
     import tempfile
 
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
     from services.embedding_ps import server
 
     seen = []
@@ -52,7 +52,7 @@ def test_a_warm_up_names_its_process(tmp_path, monkeypatch):
 def test_a_warm_up_works_inside_the_runs_shared_memory(tmp_path, monkeypatch):
     """Its scratch store is under ps.shm_dir, which the launcher (or, when the launcher is killed, its fork
     server) removes with the run: a PS killed while warming up leaves nothing behind in /dev/shm."""
-    from hybridrec.config import Config
+    from hybridrec.core.config import Config
     from services.embedding_ps import server
 
     where = []

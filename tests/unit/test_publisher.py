@@ -10,10 +10,10 @@ import grpc
 import numpy as np
 import torch
 
-from hybridrec.config import from_dict
-from hybridrec.proto import pb
-from hybridrec.sharding import shard_of
-from hybridrec.versions import Follower, list_versions, version_dir, write_table
+from hybridrec.core.config import from_dict
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.wire.sharding import shard_of
+from hybridrec.core.layouts.versions import Follower, list_versions, version_dir, write_table
 from services.nn_worker.publish import Publisher
 
 

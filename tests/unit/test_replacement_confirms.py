@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import torch
 
-from hybridrec.config import from_dict
-from hybridrec.frames import DenseBatch, EndOfPhase
-from hybridrec.models import FeatureInfo, build_model
+from hybridrec.core.config import from_dict
+from hybridrec.core.wire.frames import DenseBatch, EndOfPhase
+from hybridrec.core.model.models import FeatureInfo, build_model
 from services.nn_worker.distributed import DistEnv
 from services.nn_worker.routing import BatchLost
 from services.nn_worker.compute import ComputeThread

@@ -9,7 +9,7 @@ import pytest
 from hybridrec.app.report import rerender, write_report
 from hybridrec.app.report_series import Recorder
 from hybridrec.app.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
-from hybridrec.summary import Phases, RunSummary, ServiceInfo, Staleness
+from hybridrec.core.layouts.summary import Phases, RunSummary, ServiceInfo, Staleness
 
 
 def test_formatting_for_people():
@@ -162,7 +162,7 @@ def test_failed_run_report_is_marked_incomplete_and_names_the_service(tmp_path, 
 
 
 def test_progress_line_counts_every_nn_worker():
-    from hybridrec.config import load_config
+    from hybridrec.core.config import load_config
     from hybridrec.app.progress import Progress
     from tests.conftest import REPO
 

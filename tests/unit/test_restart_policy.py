@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from hybridrec.app.launcher import Action, after_death
-from hybridrec.service import EXIT_PEER_LOST, SERVICES
+from hybridrec.core.runtime.service import EXIT_PEER_LOST, SERVICES
 
 KILLED = -signal.SIGKILL
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrec import rpc
+from hybridrec.core.runtime import rpc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,12 @@
-"""The one table of service kinds (hybridrec/service.py) and the launcher's role lists derived from it."""
+"""The one table of service kinds (hybridrec/core/runtime/service.py) and the launcher's role lists derived from it."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from hybridrec.app import launcher
-from hybridrec.config import ClusterConfig
-from hybridrec.proto import pb
-from hybridrec.service import SERVICE_KINDS, SERVICES
+from hybridrec.core.config import ClusterConfig
+from hybridrec.core.wire.proto import pb
+from hybridrec.core.runtime.service import SERVICE_KINDS, SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 

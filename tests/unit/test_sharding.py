@@ -1,11 +1,12 @@
-"""hybridrec.sharding: which PS shard owns an ID (splitmix64 mod num_shards) and the split of a batch by shard."""
+"""hybridrec.core.wire.sharding: which PS shard owns an ID (splitmix64 mod num_shards) and the split of a batch by
+shard."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hybridrec.ids import GROUP_SHIFT, MAX_GROUPS
-from hybridrec.sharding import shard_of, split_by_shard, splitmix64
+from hybridrec.core.wire.ids import GROUP_SHIFT, MAX_GROUPS
+from hybridrec.core.wire.sharding import shard_of, split_by_shard, splitmix64
 
 MASK = (1 << 64) - 1
 EDGES = [0, 1, 2, 3, 2**32 - 1, 2**32, 2**56, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]

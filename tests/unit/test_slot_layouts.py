@@ -1,4 +1,4 @@
-"""The layout a receiver process writes for its trainer (hybridrec/slot_layouts.py): a checked `Embeddings`
+"""The layout a receiver process writes for its trainer (hybridrec/core/layouts/slot_layouts.py): a checked `Embeddings`
 frame's arrays as they came, with what pooling derives from them; round trip, and refusal of a buffer that is
 not one (truncated or mutated: a view within the buffer or ValueError, nothing else)."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridrec import codec
-from hybridrec.compress import ValueCodec
-from hybridrec.frames import EmbeddingArrays, Embeddings
-from hybridrec.slot_layouts import CheckedEmbeddings
+from hybridrec.core.wire import codec
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.wire.frames import EmbeddingArrays, Embeddings
+from hybridrec.core.layouts.slot_layouts import CheckedEmbeddings
 from tests.unit.test_frames import assert_mutations_decode_or_refuse, assert_truncations_refused, embeddings
 
 VALUES = ValueCodec(fp16=True, kappa=1024.0)

@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
-from hybridrec import checkpoints
-from hybridrec.checkpoints import JobManifest
-from hybridrec.config import ConfigError, from_dict
+from hybridrec.core.layouts import checkpoints
+from hybridrec.core.layouts.checkpoints import JobManifest
+from hybridrec.core.config import ConfigError, from_dict
 from services.dataloader import splits
 from services.dataloader.batching import ReadCounters
 from services.dataloader.sources import check_splits, eval_rows, split, train_batches

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybridrec.compress import ValueCodec
-from hybridrec.config import from_dict
-from hybridrec.frames import DenseBatch, Embeddings
-from hybridrec.jagged import KeyedBags
-from hybridrec.models import FeatureInfo, build_model
-from hybridrec.pooling import Pooler
-from hybridrec.tasks import Tasks
+from hybridrec.core.wire.compress import ValueCodec
+from hybridrec.core.config import from_dict
+from hybridrec.core.wire.frames import DenseBatch, Embeddings
+from hybridrec.core.wire.jagged import KeyedBags
+from hybridrec.core.model.models import FeatureInfo, build_model
+from hybridrec.core.model.pooling import Pooler
+from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.distributed import DenseSync, DistEnv, close_groups, open_groups
 from services.nn_worker.step import StepMath, make_dense_optimizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridrec.config import StreamConfig, from_dict
+from hybridrec.core.config import StreamConfig, from_dict
 from services.dataloader.batching import Position, ReadCounters
 from services.dataloader.stream import Message, MessageReader, StreamAccount, iter_train_batches
 from tests.unit.test_stream_partitions import Source

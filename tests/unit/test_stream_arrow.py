@@ -1,4 +1,5 @@
-"""Stream messages in the training data's own columns (hybridrec/event_stream.py, services/dataloader/stream.py):
+"""Stream messages in the training data's own columns (hybridrec/core/layouts/event_stream.py,
+services/dataloader/stream.py):
 an Arrow record batch of the multi-task data trains exactly as the Parquet file's rows do (the same reader
 code: hashing, max_len, absent values, two labels); a bad row keeps the other rows' event ids; a message the
 config cannot read is counted, skipped and acknowledged, or stops the loader naming subject, message and
@@ -12,8 +13,9 @@ import pytest
 
 from hybridrec.app.replay import _arrow_messages
 from hybridrec.app.synth_parquet import synthesize_multitask
-from hybridrec.config import StreamConfig, load_config
-from hybridrec.event_stream import (ARROW, EVENT_ID, EVENT_TIME, FORMAT, TSV, EventFormatError, encode_arrow,
+from hybridrec.core.config import StreamConfig, load_config
+from hybridrec.core.layouts.event_stream import (ARROW, EVENT_ID, EVENT_TIME, FORMAT, TSV, EventFormatError,
+                                    encode_arrow,
                                     events_in, headers, read_format)
 from services.dataloader import parquet
 from services.dataloader.batching import Position, ReadCounters

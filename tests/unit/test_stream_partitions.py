@@ -1,11 +1,11 @@
 """A partition of the event stream (several data loaders): how it ends, and what the replay sends where
-(services/dataloader/stream.py, hybridrec/event_stream.py)."""
+(services/dataloader/stream.py, hybridrec/core/layouts/event_stream.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec.config import StreamConfig, from_dict
-from hybridrec.event_stream import partition_of, partition_subject, subject_matches
+from hybridrec.core.config import StreamConfig, from_dict
+from hybridrec.core.layouts.event_stream import partition_of, partition_subject, subject_matches
 from services.dataloader.batching import Position, ReadCounters
 from services.dataloader.stream import Message, MessageReader, StreamAccount, iter_train_batches, partition
 

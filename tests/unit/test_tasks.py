@@ -1,4 +1,5 @@
-"""Tasks by kind (hybridrec/tasks.py): the config's label entries, weight column and loss; the losses and their
+"""Tasks by kind (hybridrec/core/model/tasks.py): the config's label entries, weight column and loss; the losses and
+their
 weights; the user's loss and its refusals; the readers' regression labels and weights; weighted metrics; and
 answers by kind, eager and compiled."""
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrec.config import ConfigError, TaskConfig, from_dict
-from hybridrec.evaluation import binary_metrics, regression_metrics, roc_auc
-from hybridrec.tasks import Tasks, answers
+from hybridrec.core.config import ConfigError, TaskConfig, from_dict
+from hybridrec.core.model.evaluation import binary_metrics, regression_metrics, roc_auc
+from hybridrec.core.model.tasks import Tasks, answers
 from services.dataloader.columns import BadLinePolicy, ColumnSpec, RowError, convert
 from services.inference.compiled import CompiledDense
 from services.inference.model import load_model
@@ -196,7 +197,7 @@ def _probe(model, n: int):
 
 
 def test_the_summary_reports_each_task_by_its_kind_weighted():
-    from hybridrec.summary import RunSummary, task_row
+    from hybridrec.core.layouts.summary import RunSummary, task_row
     from services.nn_worker.results import _task_metrics
 
     config = _config(["click", {"name": "watch_time", "kind": "regression"}], data={"weight_column": "w"})

@@ -1,4 +1,5 @@
-"""Live versions (hybridrec/versions.py): copy-on-write delta merge, compaction, a follower skipping broken or
+"""Live versions (hybridrec/core/layouts/versions.py): copy-on-write delta merge, compaction, a follower skipping broken
+or
 half-written versions and keeping what it serves."""
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.bundle import BundleManifest, EmbeddingTable, file_entry, table_files
-from hybridrec.config import FeatureConfig, ModelConfig
-from hybridrec.files import write_json_atomic
-from hybridrec.sharding import shard_of
-from hybridrec.versions import (ArrayShardTable, Follower, chain_to, compact, kept_versions, list_versions,
+from hybridrec.core.layouts.bundle import BundleManifest, EmbeddingTable, file_entry, table_files
+from hybridrec.core.config import FeatureConfig, ModelConfig
+from hybridrec.core.layouts.files import write_json_atomic
+from hybridrec.core.wire.sharding import shard_of
+from hybridrec.core.layouts.versions import (ArrayShardTable, Follower, chain_to, compact, kept_versions, list_versions,
                                 merge_rows, merge_tables, newest_version_number, table_arrays, version_dir,
                                 write_table)
 

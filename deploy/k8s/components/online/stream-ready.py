@@ -9,7 +9,7 @@ import time
 import nats
 
 from hybridrec.app.replay import stream_subjects
-from hybridrec.config import load_config
+from hybridrec.core.config import load_config
 
 WAIT_S = 600
 config = load_config("/etc/hybridrec/config.yaml")

@@ -1,0 +1,3 @@
+from hybridrec.core.wire.proto import regenerate
+
+regenerate()

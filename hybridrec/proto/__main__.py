@@ -1,3 +1,0 @@
-from hybridrec.proto import regenerate
-
-regenerate()
