@@ -12,16 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from hybridrec.core.config import ConfigError, TLSConfig, apply_overrides, describe_errors, split_address
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+from hybridrec.core.config import ConfigError, Section, TLSConfig, apply_overrides, describe_errors, split_address
 
 
-class BatchingConfig(_Model):
+class BatchingConfig(Section):
     """Dynamic batching: concurrent requests merged into one lookup and one forward pass."""
 
     enabled: bool = True
@@ -48,7 +44,7 @@ class ServingTLSConfig(TLSConfig):
     client that trusts the server's certificate is answered, a client certificate is not asked for."""
 
 
-class InferenceConfig(_Model):
+class InferenceConfig(Section):
     """How `hybridrec serve inference` serves one model bundle over the Open Inference Protocol."""
 
     bundle: str | None = None
