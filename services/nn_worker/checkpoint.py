@@ -1,9 +1,10 @@
 """On the NN workers: synchronised job checkpoints, and resuming from the newest one.
 
-Every `checkpoint.interval_steps` steps, and when `checkpoint.interval_s`
-seconds have passed since the last one (the ranks agree on that every
-`AGREE_EVERY` steps with a one-element AllReduce, so all of them checkpoint at
-the same step), all ranks drain their gradient pushes
+The trainer calls `maybe_save` after every step, and the checkpointer decides
+whether to write one: every `checkpoint.interval_steps` steps, and when
+`checkpoint.interval_s` seconds have passed since the last one (the ranks agree
+on that every `AGREE_EVERY` steps with a one-element AllReduce, so all of them
+checkpoint at the same step). Then all ranks drain their gradient pushes
 and meet at a barrier, so the PS holds exactly the updates of every batch
 trained so far. Rank 0 then writes the dense model and optimizer, has every PS
 shard dump its rows at that step, and records, per data loader, the data
@@ -32,7 +33,7 @@ import copy
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from hybridrec.core.runtime import log, rpc
 from hybridrec.core.layouts.checkpoints import JobManifest
 from hybridrec.core.config import Config, ConfigError, Mode, dump_config
 from hybridrec.core.wire.proto import pb
-from services.nn_worker.distributed import barrier, control_group
+from services.nn_worker.group.distributed import barrier, control_group
 from services.nn_worker.stats import TrainStats
 
 
@@ -58,10 +59,10 @@ taken a batch or end of every loader (`Ledger.take_over`). An interval checkpoin
 interval rather than written with too few samples."""
 
 
-class CheckpointedTrainer(Protocol):
-    """What the checkpointer uses of the trainer (`services.nn_worker.trainer.Trainer`), which hands itself to
-    each of its collective calls (`save`, `finish`, `restore`): the checkpointer is built before it and holds no
-    reference to it."""
+class CheckpointedGroup(Protocol):
+    """What the checkpointer uses of the dense group (`services.nn_worker.group.dense_group.DenseGroup`), which
+    the trainer and the server hand to each of its collective calls (`maybe_save`, `save`, `finish`, `restore`):
+    the checkpointer is built before it and holds no reference to it."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -99,6 +100,15 @@ class Checkpointer:
         self.final_path: Path | None = None
         self.final_s: float | None = None
 
+    async def maybe_save(self, group: CheckpointedGroup, step: int, last: list[tuple[int, tuple[int, ...]]],
+                         before_write: Callable[[], Awaitable[None]]) -> None:
+        """Collective, after every training step: write a checkpoint of `step` when one is due (`due`, or the
+        ranks agree the time interval is up: `time_up`, asked every `AGREE_EVERY` steps), first awaiting
+        `before_write` (the trainer's pushes drained: the PS must hold every update up to this step)."""
+        if self.due(step) or (self.asks_time(step) and await group.collective(self.time_up, after_regroup=False)):
+            await before_write()
+            await self.save(group, step, last)
+
     def due(self, step: int) -> bool:
         """The step trigger (the same on every rank without asking)."""
         return bool(self.root and self.interval) and step % self.interval == 0
@@ -114,7 +124,7 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         return bool(flag.item())
 
-    async def finish(self, trainer: CheckpointedTrainer, step: int, last: list[tuple[int, tuple[int, ...]]]) -> None:
+    async def finish(self, group: CheckpointedGroup, step: int, last: list[tuple[int, tuple[int, ...]]]) -> None:
         """Collective, at the end of training (pushes drained, `DenseSync.finish` done): the final checkpoint.
 
         Not written again when a checkpoint of this step already holds the final
@@ -130,7 +140,7 @@ class Checkpointer:
             self.final_path = checkpoints.step_dir(self.root, step)
             return
         started = time.monotonic()
-        await self.save(trainer, step, last, survive_peer_loss=False)
+        await self.save(group, step, last, survive_peer_loss=False)
         self.final_s = time.monotonic() - started
         self.final_path = checkpoints.step_dir(self.root, step)
         self.log.info("final_checkpoint_written", step=step, directory=str(self.final_path),
@@ -149,21 +159,21 @@ class Checkpointer:
 
         return await asyncio.gather(*(one(a) for a in self.ps_addresses))
 
-    async def save(self, trainer: CheckpointedTrainer, step: int, last: list[tuple[int, tuple[int, ...]]], *,
+    async def save(self, group: CheckpointedGroup, step: int, last: list[tuple[int, tuple[int, ...]]], *,
                    survive_peer_loss: bool = True) -> None:
         """Collective: every rank calls it at the same step, after draining its gradient pushes. `last`: per
         data loader, the (seq, position) of the newest batch of its stream this rank trained.
 
         With `survive_peer_loss` (interval checkpoints), a peer lost during the checkpoint's collectives is
-        replaced like one lost in a training step (`Trainer.collective`): the group re-forms, the replacement
+        replaced like one lost in a training step (`DenseGroup.collective`): the group re-forms, the replacement
         starts at the next step, and this checkpoint is skipped (lost before rank 0 wrote it) or kept (lost
         after). Without it (the final checkpoint, which the ranks reach past their last step, where a
         replacement could not join them), the loss stops this rank and the group goes back to a checkpoint."""
         started = time.monotonic()
-        meet = ((lambda fn, *args: trainer.collective(fn, *args, after_regroup=False)) if survive_peer_loss
-                else trainer.on_compute)
-        counted = trainer.samples_counted or not survive_peer_loss
-        gathered = await meet(self._gather_position, last, trainer.stats.samples if counted else UNCOUNTED)
+        meet = ((lambda fn, *args: group.collective(fn, *args, after_regroup=False)) if survive_peer_loss
+                else group.on_compute)
+        counted = group.samples_counted or not survive_peer_loss
+        gathered = await meet(self._gather_position, last, group.stats.samples if counted else UNCOUNTED)
         if gathered is False:
             self.log.warning("checkpoint_skipped", step=step, reason="a peer was lost and replaced")
             return
@@ -173,7 +183,7 @@ class Checkpointer:
                              reason="a replacement has not yet counted its predecessor's samples")
             return
         if self.rank == 0:
-            await self._write(trainer, step, newest, samples)
+            await self._write(group, step, newest, samples)
         if await meet(barrier) is False:  # rank 0 may not have finished it: not counted as this step's
             self.log.warning("checkpoint_unconfirmed", step=step, reason="a peer was lost and replaced")
             return
@@ -181,21 +191,21 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.last_cost_s = self.last_time - started
 
-    async def _write(self, trainer: CheckpointedTrainer, step: int, newest: list[tuple[int, tuple[int, ...]]],
+    async def _write(self, group: CheckpointedGroup, step: int, newest: list[tuple[int, tuple[int, ...]]],
                      samples: int) -> None:
         """Rank 0: the dense state, every PS shard's rows and the manifest, renamed into place last."""
         final = checkpoints.step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        await trainer.on_compute(self._save_dense, tmp / checkpoints.DENSE, trainer.model, trainer.optimizer)
+        await group.on_compute(self._save_dense, tmp / checkpoints.DENSE, group.model, group.optimizer)
         dump_config(self.config, tmp / checkpoints.CONFIG)
         files = await asyncio.get_running_loop().run_in_executor(None, self._seal, tmp)
         replies = await self._ps("Checkpoint", tmp, step, base=self.last_saved)
         chain = sorted({int(s) for reply in replies for s in reply.chain} - {step})
         streams = [(seq + 1, list(position)) for seq, position in newest]
         checkpoints.write_manifest(tmp, JobManifest.of_streams(
-            streams, step=step, samples=samples, train_wall_s=trainer.stats.wall_s, num_nn_workers=self.world_size,
+            streams, step=step, samples=samples, train_wall_s=group.stats.wall_s, num_nn_workers=self.world_size,
             num_ps=self.num_ps, chain=chain, files=files))
         checkpoints.publish(tmp, final)
         deleted = checkpoints.prune(self.root, self.keep)
@@ -231,9 +241,9 @@ class Checkpointer:
         """On the CPU whatever the device: a checkpoint loads on any device, or on none (`hybridrec export`)."""
         torch.save(on_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), path)
 
-    async def restore(self, trainer: CheckpointedTrainer) -> JobManifest | None:
+    async def restore(self, group: CheckpointedGroup) -> JobManifest | None:
         """Collective: load the newest checkpoint on every rank (and, from rank 0, on every PS shard); the
-        trainer takes its counters (`restore_counters`)."""
+        group takes its counters (`restore_counters`)."""
         found = checkpoints.resume_from(self.config.checkpoint)
         if found is None:
             return None
@@ -242,11 +252,11 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} was written by {manifest.num_nn_workers} NN workers; this job "
                              f"has {self.world_size}")
         checkpoints.check_loaders(path, manifest, self.loaders)
-        await trainer.on_compute(load_dense, path / checkpoints.DENSE, trainer.model, trainer.optimizer)
+        await group.on_compute(load_dense, path / checkpoints.DENSE, group.model, group.optimizer)
         if self.rank == 0:
             await self._ps("LoadCheckpoint", path, manifest.step)
-        await trainer.on_compute(barrier)
-        trainer.restore_counters(manifest)
+        await group.on_compute(barrier)
+        group.restore_counters(manifest)
         self.restored_step = manifest.step
         self.resumed_at = [(seq - 1, tuple(position)) for seq, position in manifest.streams()]
         self.log.info("checkpoint_restored", step=manifest.step, directory=str(path),

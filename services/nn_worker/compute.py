@@ -1,7 +1,7 @@
 """The NN worker's compute thread: the one thread that makes every torch and torch.distributed call.
 
 Collectives must be issued in the same order on every rank, and no tensor may be touched by two threads, so
-the trainer hands every torch call to this one thread (`Trainer.on_compute`). It is handed one per training
+the trainer hands every torch call to this one thread (`DenseGroup.on_compute`). It is handed one per training
 step, and the hand-off is what the event loop pays for it: `run` puts the call on a queue (`SimpleQueue`, in
 C) and the thread answers with `call_soon_threadsafe`, about 30 us of the event loop's CPU a call in a loop,
 against 50-58 for `loop.run_in_executor` on a one-thread `ThreadPoolExecutor`, whose concurrent future, its

@@ -23,7 +23,7 @@ from hybridrec.core.model.tasks import Tasks
 from hybridrec.core.layouts.summary import (DiskTierSummary, PublishSummary, RunSummary, Staleness, StoreLoss,
                                TableLifecycle,
                                TaskMetrics)
-from services.nn_worker.distributed import control_group
+from services.nn_worker.group.distributed import control_group
 from services.nn_worker.progressive import ProgressiveWindow, WindowMetrics, task_metrics
 from services.nn_worker.trainer import Trainer
 

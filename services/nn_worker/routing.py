@@ -13,8 +13,8 @@ for lookups and pushes alike. NOT_FOUND means the worker no longer has the
 batch at all (its buffer directory was lost, e.g. with its machine):
 `BatchLost`, which the trainer counts and skips.
 
-With `training.receiver` the same calls run in the NN worker's receiver process (receiver.py), and the
-trainer talks to them through `ReceiverLink` (receiver_link.py), which has this class's `lookup` and `push`.
+With `training.receiver` the same calls run in the NN worker's receiver process (receiver/process.py), and the
+trainer talks to them through `ReceiverLink` (receiver/receiver_link.py), which has this class's `lookup` and `push`.
 """
 from __future__ import annotations
 

@@ -20,19 +20,19 @@ from hybridrec.core.layouts import checkpoints
 
 from hybridrec.core.runtime import log
 from hybridrec.core.config import AUTO, Config, Mode
-from hybridrec.core.wire.frames import Consumed, DenseBatch, EndOfPhase, Received, decode_nn_batch
+from hybridrec.core.wire.frames import Consumed, DenseBatch, EndOfPhase, Received
 from hybridrec.core.model.models import build_model, feature_infos
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.runtime import rpc
 from hybridrec.core.runtime.service import EXIT_PEER_LOST, ServiceHost
-from services.nn_worker import progressive
+from services.nn_worker import admission, progressive
 from services.nn_worker.checkpoint import Checkpointer, check_resumable, on_cpu
 from services.nn_worker.compute import ComputeThread
-from services.nn_worker.distributed import barrier, close_groups, pin_interface, resolve_backend
+from services.nn_worker.group.distributed import barrier, close_groups, pin_interface, resolve_backend
 from services.nn_worker.inbox import Inbox
 from services.nn_worker.ledger import Ledger
-from services.nn_worker.receiver_link import ReceiverLink
-from services.nn_worker.membership import Fingerprint, Membership, failure_line, is_group_failure
+from services.nn_worker.receiver.receiver_link import ReceiverLink
+from services.nn_worker.group.membership import Fingerprint, Membership, failure_line, is_group_failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
 from services.nn_worker.routing import EmbeddingWorkers
@@ -60,10 +60,10 @@ class NNWorkerServicer:
         self.all_told = asyncio.Event()
 
     async def PutBatch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Queue a batch for the trainer (`admit`); the reply says how far this rank has trained that loader's
-        stream."""
-        item = decode_nn_batch(request, self.config.num_dense, self.config.label_columns, self.inbox.loaders)
-        return (await self.admit(item)).encode()
+        """Queue a batch for the trainer (`admission.admit_frame`, the path the receiver's batches take too; then
+        `admit` if it must wait for room); the reply says how far this rank has trained that loader's stream."""
+        item, consumed = admission.admit_frame(request, self.config, self.inbox.loaders, self)
+        return (consumed if consumed is not None else await self.admit(item)).encode()
 
     async def admit(self, item: DenseBatch | EndOfPhase) -> Consumed:
         """Queue what a data loader sent for the trainer; a re-sent one (a data loader replays what this rank
@@ -81,8 +81,8 @@ class NNWorkerServicer:
 
     def admit_now(self, item: DenseBatch | EndOfPhase) -> Consumed | None:
         """`admit` where it need not wait (the loader's queue has room, or `item` is a duplicate); None, and
-        nothing done, where it must. The receiver's batches take this path first: no coroutine per batch on
-        the trainer's event loop (services/nn_worker/receiver_link.py)."""
+        nothing done, where it must. Every batch takes this path first (`admission.admit_frame`): no coroutine
+        per batch on the trainer's event loop (services/nn_worker/receiver/receiver_link.py)."""
         if not self.ledger.is_fresh(item):
             self.duplicates += 1
         elif self.inbox.put_nowait(item):
@@ -185,7 +185,7 @@ async def serve(config: Config, replica: int) -> None:
 async def _serve(config: Config, replica: int) -> None:
     started = time.monotonic()
     # With training.receiver, a receiver process holds this rank's network face: its gRPC server and its calls
-    # to the embedding workers (services/nn_worker/receiver.py).
+    # to the embedding workers (services/nn_worker/receiver/process.py).
     link = ReceiverLink(config, replica) if config.training.receiver else None
     host = ServiceHost("nn_worker", config, replica, remote_server=link)
     checkpoints.check_root(config.checkpoint.dir)
@@ -220,9 +220,9 @@ async def _serve(config: Config, replica: int) -> None:
         checkpointer=checkpointer, publisher=publisher,
         membership=membership if config.training.mode in RECOVERABLE_MODES else None),
         outgoing=link.outgoing if link is not None else None, ledger=ledger)
-    plan = await trainer.setup(plan)
+    plan = await trainer.group.setup(plan)
     if plan.source is None:  # nobody holds state: the first start, or the whole group was lost
-        manifest = await checkpointer.restore(trainer)
+        manifest = await checkpointer.restore(trainer.group)
         ledger.resume_at([0] * len(ledger) if manifest is None
                          else [seq // world_size for seq, _ in manifest.streams()])
     else:
@@ -237,7 +237,7 @@ async def _serve(config: Config, replica: int) -> None:
 
     async def main() -> None:
         servicer.phase = "train"
-        end_train = await trainer.train()
+        end_train = await trainer.run()
         host.log.info("train_done", steps=trainer.stats.steps, samples=trainer.stats.samples,
                       wall_s=round(trainer.stats.wall_s, 2),
                       ps_acks=[[shard, str(life), n] for (shard, life), n in sorted(trainer.stats.ps_acks.items())])

@@ -20,7 +20,7 @@ from hybridrec.core.config import Config, TrainingConfig
 from hybridrec.core.wire.frames import DenseBatch, Gradients
 from hybridrec.core.model.pooling import BatchEmbeddings, Pooler
 from hybridrec.core.model.tasks import Tasks
-from services.nn_worker.distributed import DenseSync, DistEnv, group_for
+from services.nn_worker.group.distributed import DenseSync, DistEnv, group_for
 from services.nn_worker.feed import DeviceFeed
 
 
@@ -50,7 +50,7 @@ class StepOutput:
 
 class StepMath:
     """The dense model's steps on one rank (module docstring). `sync` and `optimizer` are set by the trainer
-    once the group is formed (`Trainer.setup`), and again when it re-forms."""
+    once the group is formed (`DenseGroup.setup`), and again when it re-forms."""
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, training: TrainingConfig, tasks: Tasks,
                  pooler: Pooler):

@@ -7,7 +7,7 @@ Two coroutines share the event loop and one compute thread does the math (`StepM
   the embedding lookup of each on its embedding worker, up to `prefetch` batches
   ahead of compute — but only while the staleness bound allows: a lookup starts
   only when at most `staleness` earlier batches have unapplied updates
-  (a semaphore of staleness + 1 permits, released when a gradient push is acked);
+  (`StalenessGate`, staleness.py: staleness + 1 permits, released when a gradient push is acked);
 * the step loop waits for a batch's embeddings, runs forward/backward/optimizer
   on the compute thread (DDP AllReduces dense gradients there), and sends the
   embedding gradients back without waiting for them (hybrid) — or waits for
@@ -16,9 +16,13 @@ Two coroutines share the event loop and one compute thread does the math (`StepM
 All torch and torch.distributed calls run on the single compute thread, so
 collectives are issued in the same order on every rank.
 
+`run` is the loop, `train_step` one step of it. After each step the checkpointer and the publisher are called
+and decide themselves whether to write (`Checkpointer.maybe_save`, `Publisher.maybe_publish`).
+
 What the trainer holds apart from the pipeline is each in its own owner: a step's math (`StepMath`), the
 rank's place in each data loader's stream (`Ledger`, ledger.py, shared with the servicer), and its membership
-of the dense group, which survives a lost peer (`DenseGroup`, group.py).
+of the dense group, which survives a lost peer (`DenseGroup`, group/dense_group.py): `trainer.group`, which the
+server and the checkpointer call directly.
 """
 from __future__ import annotations
 
@@ -36,18 +40,18 @@ from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.runtime.service import at_work
 from hybridrec.core.config import Config, ConfigError, Mode
 from hybridrec.core.wire.frames import Applied, DenseBatch, EndOfPhase, Gradients
-from hybridrec.core.runtime.metrics import STALENESS
 from hybridrec.core.model.pooling import BatchEmbeddings, Pooler
 from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.compute import ComputeThread
-from services.nn_worker.distributed import DistEnv, barrier
+from services.nn_worker.group.distributed import DistEnv, barrier
 from services.nn_worker.feed import ready
-from services.nn_worker.group import DenseGroup
+from services.nn_worker.group.dense_group import DenseGroup
 from services.nn_worker.inbox import Inbox, merge_ends, next_loader
 from services.nn_worker.ledger import Ledger, Order
-from services.nn_worker.membership import Membership
+from services.nn_worker.group.membership import Membership
 from services.nn_worker.progressive import ProgressiveWindow
 from services.nn_worker.routing import BatchLost, Looked
+from services.nn_worker.staleness import StalenessGate
 from services.nn_worker.stats import TrainStats
 from services.nn_worker.step import StepMath, StepOutput
 
@@ -69,9 +73,8 @@ class NonFiniteStep(ConfigError):
 @dataclass(frozen=True)
 class Collaborators:
     """What the trainer calls on besides the embedding workers, built before it (server.py) and handed to its
-    constructor. None of them holds the trainer: the checkpointer is handed it on each call and uses only its
-    public interface (`on_compute`, `collective`, `model`, `optimizer`, `stats`); the publisher holds the model
-    and the compute thread; membership needs nothing of it."""
+    constructor. None of them holds the trainer: the checkpointer is handed the dense group (`DenseGroup`) on
+    each call; the publisher holds the model and the compute thread; membership needs nothing of it."""
 
     checkpointer: Checkpointer | None = None
     """Synchronised job checkpoints (every rank); None: none (tests)."""
@@ -83,6 +86,10 @@ class Collaborators:
 
 
 class Trainer:
+    """Rank `env.rank`'s training loop (`run`, one `train_step` a batch) and evaluation (`evaluate`), as the
+    module docstring lays them out; what it holds apart from the pipeline is each in its own owner (`math`,
+    `ledger`, `group`, `gate`), built here and public for the server."""
+
     def __init__(self, config: Config, env: DistEnv, model: torch.nn.Module, lookup: Lookup, push: Push,
                  inbox: Inbox, compute: ComputeThread, collaborators: Collaborators = Collaborators(),
                  outgoing: Callable[[], Any] | None = None, ledger: Ledger | None = None):
@@ -100,30 +107,30 @@ class Trainer:
         self.math = StepMath(model, env, self.training, Tasks.from_config(config), self.pooler)
         self.checkpointer = collaborators.checkpointer
         self.publisher = collaborators.publisher
-        self.in_flight = 0  # batches looked up whose updates are not yet acknowledged
-        self.staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
-        self.stats = TrainStats(staleness_hist=np.zeros(self.staleness_bound + 1, np.int64))
+        staleness_bound = 0 if self.training.mode == Mode.SYNC else self.training.staleness
+        self.stats = TrainStats(staleness_hist=np.zeros(staleness_bound + 1, np.int64))
+        self.gate = StalenessGate(staleness_bound, self.stats.staleness_hist)
         self.progressive = ProgressiveWindow(max(1, self.training.progressive_window // env.world_size),
                                              config.num_tasks)
         self._auc_at = -1  # the window's `seen` when train_auc was last computed
         self.ledger = ledger if ledger is not None else Ledger(env.rank, env.world_size,
                                                                len(config.cluster.dataloader))
         self.group = DenseGroup(config, env, self.math, self.stats, self.ledger, compute, collaborators.membership)
-        # The group's calls, public for the server and the checkpointer (`CheckpointedTrainer`): a collective
-        # that survives a lost peer, any other torch call, the set-up, and the counters of a restored checkpoint.
-        self.collective, self.on_compute = self.group.collective, self.group.on_compute
-        self.setup, self.restore_counters = self.group.setup, self.group.restore_counters
+        """The rank's place in the dense group: every torch call runs through it (`on_compute`, `collective`); the
+        server sets it up and the checkpointer is handed it."""
+        self._pushes: set[asyncio.Task] = set()  # steps' gradient pushes not yet acknowledged (`_push_step`)
         self._replays: set[asyncio.Task] = set()  # owed updates being settled (`_settle`)
         self._stopped: NonFiniteStep | None = None  # set by a non-finite step under on_nonfinite: stop
 
     @property
     def model(self) -> torch.nn.Module:
-        """The dense model (`StepMath` owns it), for the checkpointer and the final save."""
+        """The dense model (`StepMath` owns it), for the final save."""
         return self.math.model
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.math.optimizer
+    def in_flight(self) -> int:
+        """Batches looked up whose updates are not yet acknowledged (`StalenessGate.in_flight`)."""
+        return self.gate.in_flight
 
     async def _push(self, ref: int, tensors: dict[str, np.ndarray] | None, into: Any = None,
                     nbytes: int | None = None) -> None:
@@ -203,11 +210,6 @@ class Trainer:
                 self.stats.samples += self.ledger.count_predecessor(item.loader, item.rows_before)
             return item
 
-    @property
-    def samples_counted(self) -> bool:
-        """`Ledger.samples_counted`: for the checkpointer, which postpones an interval checkpoint until then."""
-        return self.ledger.samples_counted
-
     def _in_sequence(self, batch: DenseBatch) -> bool:
         """False for a re-sent batch the group trained already (its update is settled in the background, see
         `_settle`); raises on a gap in the stream."""
@@ -223,97 +225,94 @@ class Trainer:
             return False
         return True
 
-    async def train(self) -> dict:
-        permits = asyncio.Semaphore(self.staleness_bound + 1)
-        counts = {"issued": 0, "acked": 0}
+    async def run(self) -> dict:
+        """The training loop: one `train_step` for each training batch, in the order every rank takes them; after
+        each, the checkpointer and the publisher, which decide themselves whether to write. Then every update
+        settled, the final checkpoint and the final version. Returns the data loaders' account of the phase."""
         end: dict = {}
-
-        async def gate() -> None:
-            """The staleness bound: a lookup starts only while at most `staleness` updates are unapplied."""
-            await permits.acquire()
-            tau = counts["issued"] - counts["acked"]
-            self.stats.staleness_hist[min(tau, self.staleness_bound)] += 1
-            STALENESS.observe(tau)
-            counts["issued"] += 1
-            self.in_flight = counts["issued"] - counts["acked"]
-
-        async def push(ref: int, step: StepOutput, lost: bool, batch: DenseBatch, number: int) -> None:
-            loader, seq = batch.loader, batch.seq
-            try:
-                if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
-                    await ready(step.event)
-                    self._record(step, batch.labels, lost)
-                    if step.nonfinite:
-                        self._note_nonfinite(number, batch, step)
-                if not lost:  # a skipped batch: nothing to send, but its permit is returned
-                    await self._push(ref, None if step.nonfinite else step.packed(), step.out, step.written)
-            except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
-                self.stats.pushes_failed += 1
-                self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
-            finally:
-                self.ledger.acknowledged(loader, seq)
-                counts["acked"] += 1
-                self.in_flight = counts["issued"] - counts["acked"]
-                permits.release()
-
-        pushes: set[asyncio.Task] = set()
         checkpointer = self.checkpointer
         # Per loader, the (seq, position) of its newest batch trained: where its stream resumes.
         last = list(checkpointer.resumed_at) if checkpointer is not None else []
         last += [(-1, (0, 0, 0, 0))] * (len(self.ledger) - len(last))
-        async with contextlib.aclosing(self._batches("train", gate, end)) as batches:
+        async with contextlib.aclosing(self._batches("train", self.gate.enter, end)) as batches:
             async for batch, pending in batches:
                 last[batch.loader] = (batch.seq, tuple(batch.position))
-                waited = time.perf_counter()
-                emb, lost, looked = await self._receive(pending, batch)
-                if self.stats.started is None:
-                    self.stats.started = time.monotonic()
-                    at_work("training step")
-                else:  # the first batch's wait is start-up, not exposed communication
-                    self.stats.exposed_wait_s += time.perf_counter() - waited
-                # A lost batch still takes a (zero-weighted) step: every rank must run the same
-                # number of DDP all-reduces, or the group deadlocks.
-                computed = time.perf_counter()
-                out = self.outgoing() if self.outgoing is not None and not lost else None
-                step = await self.collective(self._train_step, batch, emb, lost, out)
-                looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
-                self.stats.compute_s += time.perf_counter() - computed
-                self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
-                               rows=int(batch.labels.shape[0]), position=list(batch.position),
-                               lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
-                self.ledger.trained(batch)
-                self._raise_if_stopped()  # on the CPU a step's outputs are known by now
-                task = asyncio.ensure_future(push(batch.batch_ref, step, lost, batch, self.stats.steps))
-                pushes.add(task)
-                task.add_done_callback(pushes.discard)
-                if self.training.mode == Mode.SYNC:
-                    waited = time.perf_counter()
-                    await task
-                    await self.collective(barrier, after_regroup=None)
-                    self.stats.exposed_wait_s += time.perf_counter() - waited
-                self.stats.samples += batch.labels.shape[0]
-                if checkpointer is not None and await self._checkpoint_due(checkpointer):
-                    if pushes:  # the PS must hold every update up to this step
-                        await asyncio.gather(*pushes)
-                    self._raise_if_stopped()  # (on a GPU, a step's outputs are known once its push is done)
-                    await checkpointer.save(self, self.stats.steps, last)
+                await self.train_step(batch, pending)
+                if checkpointer is not None:
+                    await checkpointer.maybe_save(self.group, self.stats.steps, last, self._drain)
                 if self.publisher is not None:
                     await self.publisher.maybe_publish(self.stats.steps)
-        if pushes or self._replays:
-            await asyncio.gather(*pushes, *self._replays)
+        if self._pushes or self._replays:
+            await asyncio.gather(*self._pushes, *self._replays)
         self._raise_if_stopped()
-        await self.on_compute(self.math.sync.finish)
+        await self.group.on_compute(self.math.sync.finish)
         self.stats.finished = time.monotonic()
         if checkpointer is not None:  # every push is acknowledged, the replicas are identical: the model evaluated next
-            await checkpointer.finish(self, self.stats.steps, last)
+            await checkpointer.finish(self.group, self.stats.steps, last)
         if self.publisher is not None:  # after the final checkpoint's barrier: every rank's updates are applied
             await self.publisher.finish(self.stats.steps)
         return end
 
-    async def _checkpoint_due(self, checkpointer) -> bool:
-        steps = self.stats.steps
-        return checkpointer.due(steps) or (checkpointer.asks_time(steps)
-                                           and await self.collective(checkpointer.time_up, after_regroup=False))
+    async def train_step(self, batch: DenseBatch, pending: asyncio.Future) -> None:
+        """One training step: wait for the batch's embeddings (`pending`, its lookup), run the step on the compute
+        thread through the group (a lost peer re-forms it), and send the embedding gradients back without
+        waiting for the PS (hybrid) — or waiting, and meeting every rank, in sync mode."""
+        waited = time.perf_counter()
+        emb, lost, looked = await self._receive(pending, batch)
+        if self.stats.started is None:
+            self.stats.started = time.monotonic()
+            at_work("training step")
+        else:  # the first batch's wait is start-up, not exposed communication
+            self.stats.exposed_wait_s += time.perf_counter() - waited
+        # A lost batch still takes a (zero-weighted) step: every rank must run the same
+        # number of DDP all-reduces, or the group deadlocks.
+        computed = time.perf_counter()
+        out = self.outgoing() if self.outgoing is not None and not lost else None
+        step = await self.group.collective(self._compute_step, batch, emb, lost, out)
+        looked.release()  # the step is done with the batch's arrays (on a GPU: they are staged)
+        self.stats.compute_s += time.perf_counter() - computed
+        self.log.debug("batch_trained", loader=batch.loader, seq=batch.seq, batch_ref=batch.batch_ref,
+                       rows=int(batch.labels.shape[0]), position=list(batch.position),
+                       lost=lost)  # HYBRIDREC_LOG_LEVEL=DEBUG: each once?
+        self.ledger.trained(batch)
+        self._raise_if_stopped()  # on the CPU a step's outputs are known by now
+        task = asyncio.ensure_future(self._push_step(step, lost, batch, self.stats.steps))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+        if self.training.mode == Mode.SYNC:
+            waited = time.perf_counter()
+            await task
+            await self.group.collective(barrier, after_regroup=None)
+            self.stats.exposed_wait_s += time.perf_counter() - waited
+        self.stats.samples += batch.labels.shape[0]
+
+    async def _push_step(self, step: StepOutput, lost: bool, batch: DenseBatch, number: int) -> None:
+        """Step `number`'s gradients to the PS (on a GPU, once they reach the host: then its loss is recorded
+        too), in the background; the batch is acknowledged in the ledger and its staleness permit freed whether
+        the push succeeded or not."""
+        ref, loader, seq = batch.batch_ref, batch.loader, batch.seq
+        try:
+            if step.event is not None:  # on a GPU: the step's gradients and loss are on their way to the host
+                await ready(step.event)
+                self._record(step, batch.labels, lost)
+                if step.nonfinite:
+                    self._note_nonfinite(number, batch, step)
+            if not lost:  # a skipped batch: nothing to send, but its permit is returned
+                await self._push(ref, None if step.nonfinite else step.packed(), step.out, step.written)
+        except Exception as exc:  # noqa: BLE001 - a lost update is counted, training goes on (Persia §4.2.4)
+            self.stats.pushes_failed += 1
+            self.log.warning("gradient_push_failed", batch_ref=ref, error=str(exc))
+        finally:
+            self.ledger.acknowledged(loader, seq)
+            self.gate.acknowledged()
+
+    async def _drain(self) -> None:
+        """Before a checkpoint is written (`Checkpointer.maybe_save` calls it once one is due): every push of
+        this rank acknowledged, for the PS must hold every update up to this step; and a step that was not
+        finite stops the run before it (on a GPU, a step's outputs are known once its push is done)."""
+        if self._pushes:
+            await asyncio.gather(*self._pushes)
+        self._raise_if_stopped()
 
     async def _receive(self, pending: asyncio.Future,
                        batch: DenseBatch) -> tuple[BatchEmbeddings, bool, Looked]:
@@ -349,7 +348,7 @@ class Trainer:
             looked = await self.lookup(batch.batch_ref, batch.labels.shape[0])
             try:
                 emb = self._decode(looked, batch.labels.shape[0])
-                grads = await self.on_compute(self.math.embedding_gradients, batch, emb)
+                grads = await self.group.on_compute(self.math.embedding_gradients, batch, emb)
             finally:
                 looked.release()
             finite = all(np.isfinite(g).all() for g in grads.values())
@@ -365,11 +364,11 @@ class Trainer:
         finally:
             self.ledger.settled(batch.loader, batch.seq)
 
-    def _train_step(self, batch: DenseBatch, emb: BatchEmbeddings, lost: bool = False,
-                    out: Any = None) -> StepOutput:
-        """Compute thread: one step (`StepMath.train`), counted. On the CPU it records its loss and predictions
-        itself (`_record`, while they are in this core's cache, off the event loop); on a GPU `push` records
-        them once they reach the host."""
+    def _compute_step(self, batch: DenseBatch, emb: BatchEmbeddings, lost: bool = False,
+                      out: Any = None) -> StepOutput:
+        """Compute thread: a step's math (`StepMath.train`), counted. On the CPU it records its loss and
+        predictions itself (`_record`, while they are in this core's cache, off the event loop); on a GPU
+        `_push_step` records them once they reach the host."""
         cpu_started = time.thread_time()
         step = self.math.train(batch, emb, self.stats.steps + 1, lost, out)
         self.stats.steps += 1
@@ -434,7 +433,7 @@ class Trainer:
                 emb, lost, looked = await self._receive(pending, batch)
                 if lost:
                     continue
-                preds.append(await self.on_compute(self.math.predict, batch, emb))
+                preds.append(await self.group.on_compute(self.math.predict, batch, emb))
                 looked.release()
                 labels.append(np.array(batch.labels))
                 self.ledger.predicted(batch.loader, batch.seq)

@@ -1,4 +1,4 @@
-"""The NN worker's receiver process (services/nn_worker/receiver.py, link.py): a real receiver process makes the
+"""The NN worker's receiver process (services/nn_worker/receiver/process.py, link.py): a real receiver process makes the
 trainer's lookups and pushes against a real gRPC embedding-worker server, the frames handed over in shared memory.
 Every frame arrives checked and whole (one far larger than a slot's first size), a bad one fails its lookup,
 errors keep their kind, a receiver killed with calls in flight is replaced and the calls complete, and a cancelled
@@ -21,10 +21,14 @@ from hybridrec.core.wire.frames import Applied, BatchRef, Consumed, DenseBatch, 
 from hybridrec.core.wire.jagged import KeyedBags
 from hybridrec.core.model.pooling import Pooler
 from hybridrec.core.wire.proto import pb
-from services.nn_worker import link
-from services.nn_worker.link import INITIAL_SLOT_BYTES
-from services.nn_worker.receiver_link import ReceiverLink
+from services.nn_worker import admission
+from services.nn_worker.inbox import Inbox
+from services.nn_worker.ledger import Ledger
+from services.nn_worker.receiver import link
+from services.nn_worker.receiver.link import INITIAL_SLOT_BYTES
+from services.nn_worker.receiver.receiver_link import ReceiverLink
 from services.nn_worker.routing import BatchLost, Looked
+from services.nn_worker.server import NNWorkerServicer
 
 
 class FakeEmbeddingWorker:
@@ -348,6 +352,70 @@ def test_the_nn_workers_server_in_the_receiver_forwards_every_call(worker_and_co
         finally:
             await link.close()
             await server.stop(None)
+    asyncio.run(scenario())
+
+
+def test_both_putbatch_entries_share_one_admit_path(worker_and_config, monkeypatch):
+    """The NN worker's own server and its receiver decode and admit a data loader's frame through one function
+    (`admission.admit_frame`): every frame passes it once through each entry, and each entry answers it alike —
+    malformed frames refused with the same status and message, batches and duplicates answered alike."""
+    async def scenario():
+        server, _, config = await worker_and_config()
+        port = _free_port()
+        config = config.model_copy(update={"cluster": config.cluster.model_copy(
+            update={"nn_workers": [f"127.0.0.1:{port}"]})})
+        passed: list[bytes] = []
+        shared = admission.admit_frame
+
+        def counted(frame, *args, **kwargs):
+            passed.append(bytes(frame))
+            return shared(frame, *args, **kwargs)
+        monkeypatch.setattr(admission, "admit_frame", counted)
+
+        def servicer() -> NNWorkerServicer:
+            ledger = Ledger(0, 1, 1)
+            ledger.resume_at([0])
+            ledger.open()
+            return NNWorkerServicer(config, 0, Inbox(1, maxsize=4), ledger)
+        direct, behind = servicer(), servicer()
+        own = rpc.new_server()
+        rpc.add_service(own, "NNWorker", direct)
+        own_port = rpc.bind(own, "127.0.0.1", 0)
+        await own.start()
+        receiver = ReceiverLink(config, 0)
+        receiver.add_service("NNWorker", behind)
+        frames = [b"bad frame, not ours", _dense_batch(0, 8).encode(), _dense_batch(0, 8).encode(),
+                  _dense_batch(5, 8).encode(), _dense_batch(1, 8, phase="eval").encode(),
+                  DenseBatch(batch_ref=1, dense=np.zeros((2, 3), np.float32), labels=np.zeros(2, np.float32),
+                             seq=1, loader=3).encode(),
+                  EndOfPhase("eval", {}, end_seq=1, loader=0).encode()]
+        try:
+            await receiver.start_serving()
+            await receiver.set_serving(True)
+            await rpc.wait_until_serving([f"127.0.0.1:{port}"], timeout_s=10)
+            answers = []
+            for address in (f"127.0.0.1:{own_port}", f"127.0.0.1:{port}"):
+                async with rpc.channel(address) as channel:
+                    put = rpc.raw_method(channel, "NNWorker", "PutBatch")
+                    got = []
+                    for frame in frames:
+                        try:
+                            consumed = Consumed.decode(await put(frame))
+                            got.append((consumed.phase, consumed.through))
+                        except grpc.aio.AioRpcError as refused:
+                            got.append((refused.code(), refused.details()))
+                    answers.append(got)
+        finally:
+            await receiver.close()
+            await own.stop(None)
+            await server.stop(None)
+        assert passed == frames + frames
+        assert answers[0] == answers[1], answers
+        codes = [answer[0] for answer in answers[0]]
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT, "train", "train", grpc.StatusCode.FAILED_PRECONDITION,
+                         "train", grpc.StatusCode.INVALID_ARGUMENT, "train"], answers[0]
+        assert direct.duplicates == behind.duplicates == 1  # batch 0 sent twice: the second dropped alike
+        assert direct.inbox.qsize() == behind.inbox.qsize() == 3  # batch 0, the eval batch, the end of eval
     asyncio.run(scenario())
 
 

@@ -30,9 +30,9 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 
         from hybridrec.core.config import Config, TrainingConfig
         from services.nn_worker.checkpoint import Checkpointer
-        from services.nn_worker.distributed import DenseSync, DistEnv, barrier
-        from services.nn_worker.handover import hand_over
-        from services.nn_worker.membership import Fingerprint, Membership
+        from services.nn_worker.group.distributed import DenseSync, DistEnv, barrier
+        from services.nn_worker.group.handover import hand_over
+        from services.nn_worker.group.membership import Fingerprint, Membership
         from services.nn_worker.results import gather_eval, reduce_stats
         from services.nn_worker.stats import TrainStats
 
@@ -110,9 +110,9 @@ def nccl_rank_main(port: int, out_dir: str) -> None:
 
         from hybridrec.core.config import Config, TrainingConfig
         from services.nn_worker.checkpoint import Checkpointer, load_dense, on_cpu
-        from services.nn_worker.distributed import DenseSync, close_groups, control_group, resolve_backend
-        from services.nn_worker.handover import hand_over
-        from services.nn_worker.membership import Fingerprint, Membership
+        from services.nn_worker.group.distributed import DenseSync, close_groups, control_group, resolve_backend
+        from services.nn_worker.group.handover import hand_over
+        from services.nn_worker.group.membership import Fingerprint, Membership
 
         env = resolve_backend("nccl", 0, 1)
         env.bind_thread()

@@ -29,7 +29,7 @@ def _scenario(mode: str, env, rank: int, record: dict) -> None:
     import torch
 
     from hybridrec.core.config import TrainingConfig
-    from services.nn_worker.distributed import DenseSync
+    from services.nn_worker.group.distributed import DenseSync
 
     torch.manual_seed(1000 * rank + len(mode))
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -60,8 +60,8 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from services.nn_worker.distributed import resolve_backend
-        from services.nn_worker.membership import Fingerprint, Membership
+        from services.nn_worker.group.distributed import resolve_backend
+        from services.nn_worker.group.membership import Fingerprint, Membership
 
         torch.set_num_threads(1)
         env = resolve_backend("gloo", rank, WORLD)  # auto on both branches: tests/unit/test_gpu_path.py

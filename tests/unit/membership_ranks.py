@@ -10,7 +10,7 @@ WORLD = 2
 
 
 def _membership(rank: int, port: int, fingerprint, timeout_s: float):
-    from services.nn_worker.membership import Membership
+    from services.nn_worker.group.membership import Membership
 
     return Membership(rank=rank, world_size=WORLD, rendezvous=f"127.0.0.1:{port}", fingerprint=fingerprint,
                       backend="gloo", bind_host="127.0.0.1", join_timeout_s=timeout_s, collective_timeout_s=30)
@@ -31,8 +31,8 @@ def handover_rank(rank: int, port: int, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from services.nn_worker.handover import hand_over
-        from services.nn_worker.membership import Fingerprint
+        from services.nn_worker.group.handover import hand_over
+        from services.nn_worker.group.membership import Fingerprint
 
         torch.set_num_threads(1)
         fingerprint = Fingerprint("cfg", WORLD, "model")
@@ -67,7 +67,7 @@ def refusal_rank(rank: int, port: int, out_dir: str, config_tag: str, timeout_s:
     """Join once with fingerprint config `config_tag`; write what happened."""
     out = Path(out_dir)
     try:
-        from services.nn_worker.membership import Fingerprint, MembershipError
+        from services.nn_worker.group.membership import Fingerprint, MembershipError
 
         membership = _membership(rank, port, Fingerprint(config_tag, WORLD, "model"), timeout_s)
         (out / f"rank{rank}-{config_tag}.ready").touch()  # imported: joins within a second from here

@@ -53,7 +53,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         from hybridrec.core.wire.jagged import KeyedBags
         from hybridrec.core.model.pooling import Pooler
         from hybridrec.core.model.tasks import Tasks
-        from services.nn_worker.distributed import DenseSync, DistEnv, open_groups
+        from services.nn_worker.group.distributed import DenseSync, DistEnv, open_groups
         from services.nn_worker.step import StepMath, make_dense_optimizer
 
         torch.set_num_threads(1)

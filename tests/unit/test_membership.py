@@ -1,4 +1,4 @@
-"""Forming and re-forming the NN workers' group (services/nn_worker/membership.py) and handing the dense state
+"""Forming and re-forming the NN workers' group (services/nn_worker/group/membership.py) and handing the dense state
 to a replacement (handover.py), with real processes and real Gloo groups."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hybridrec.app.ports import free_port
-from services.nn_worker.membership import Fingerprint, is_group_failure
+from services.nn_worker.group.membership import Fingerprint, is_group_failure
 from tests.unit.membership_ranks import handover_rank, refusal_rank
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridrec.core.config import from_dict
-from services.nn_worker.distributed import DenseSync
+from services.nn_worker.group.distributed import DenseSync
 from services.nn_worker.step import make_dense_optimizer
 from tests.unit.nonfinite_ranks import WORLD, rank_main
 from tests.unit.spawned import run_ranks

@@ -110,7 +110,7 @@ def test_the_check_finds_an_assigned_field(tmp_path):
 
 
 def test_the_per_loader_order_is_assigned_only_by_the_ledger():
-    found = [f"{path.name}:{line}: .{attr}" for path in sorted(NN_WORKER.glob("*.py")) if path.name != "ledger.py"
+    found = [f"{path.name}:{line}: .{attr}" for path in sorted(NN_WORKER.rglob("*.py")) if path.name != "ledger.py"
              for line, attr in _assigned_attributes(path) if attr in LEDGER_FIELDS]
     assert not found, "the ledger's fields assigned outside services/nn_worker/ledger.py:\n" + "\n".join(found)
 

@@ -11,7 +11,7 @@ import torch
 from hybridrec.core.config import from_dict
 from hybridrec.core.wire.frames import DenseBatch, EndOfPhase
 from hybridrec.core.model.models import FeatureInfo, build_model
-from services.nn_worker.distributed import DistEnv
+from services.nn_worker.group.distributed import DistEnv
 from services.nn_worker.routing import BatchLost
 from services.nn_worker.compute import ComputeThread
 from services.nn_worker.trainer import Trainer
@@ -64,9 +64,9 @@ def test_a_replacement_counts_its_predecessors_share_once_as_it_takes_a_loaders_
             return inbox_items.pop(0)
 
         trainer.inbox.get = get
-        assert not trainer.samples_counted  # an interval checkpoint now would be postponed (checkpoint.py)
+        assert not trainer.group.samples_counted  # an interval checkpoint now would be postponed (checkpoint.py)
         assert (await trainer._take("train")).seq == 14
-        assert trainer.samples_counted
+        assert trainer.group.samples_counted
         assert await trainer._take("train") is None  # the end: every loader ended
         assert trainer.stats.samples == 70  # the predecessor's 7 batches; batch 14's own 10 when it is trained
 

@@ -22,7 +22,7 @@ from hybridrec.core.wire.jagged import KeyedBags
 from hybridrec.core.model.models import FeatureInfo, build_model
 from hybridrec.core.model.pooling import Pooler
 from hybridrec.core.model.tasks import Tasks
-from services.nn_worker.distributed import DenseSync, DistEnv, close_groups, open_groups
+from services.nn_worker.group.distributed import DenseSync, DistEnv, close_groups, open_groups
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
 BATCH = 6

@@ -56,7 +56,7 @@ class TrainingConfig(Section):
     loader's batch handed to the trainer as it came, which decodes and admits it as its own server would)
     and the calls to the embedding workers (each batch's lookup, checked there, and gradient push) — the
     frames handed over in shared memory, so that gRPC's work does not hold the trainer's GIL
-    (services/nn_worker/receiver.py). Off by default: on CPUs the compute thread bounds the throughput
+    (services/nn_worker/receiver/process.py). Off by default: on CPUs the compute thread bounds the throughput
     either way, and it is not yet measured on a GPU."""
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the

@@ -1,5 +1,5 @@
 """Layouts that cross no network: what one process of an NN worker writes into a shared-memory slot for the
-other (services/nn_worker/link.py moves the slots; this module says what is in them).
+other (services/nn_worker/receiver/link.py moves the slots; this module says what is in them).
 
 Frames that cross a network are `hybridrec.core.wire.frames`'s: every decoder there treats its input as untrusted. A
 slot is written by a sibling process that checked its input already, so its layout is made for the reader's

@@ -44,7 +44,7 @@ class ServiceKind:
     that `resumes_from` others: when they no longer hold the state)."""
     resumes_from: str | None = None
     """Restarted alone while the processes of this kind hold the state it continues from: an NN worker's peers
-    re-form the group with the new process and hand it their state (services/nn_worker/membership.py); a data
+    re-form the group with the new process and hand it their state (services/nn_worker/group/membership.py); a data
     loader asks the NN workers how far they are (services/dataloader/resume.py)."""
 
 
@@ -120,7 +120,7 @@ class ServiceHost:
 
     def __init__(self, service: str, config: Config, replica: int, remote_server: "RemoteServer | None" = None):
         """`remote_server`: the gRPC server is another process's (an NN worker's receiver:
-        services/nn_worker/receiver_link.py); None: this process's own."""
+        services/nn_worker/receiver/receiver_link.py); None: this process's own."""
         if config.cluster.sized_by_host():
             raise ConfigError(f"cluster.{config.cluster.sized_by_host()[0]}: auto is sized by `hybridrec run` "
                               f"from its host; a service started alone (hybridrec serve) needs the addresses "

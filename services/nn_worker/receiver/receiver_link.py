@@ -19,11 +19,12 @@ from typing import Callable
 import grpc
 
 from hybridrec.core.runtime import log, rpc
-from hybridrec.core.wire.frames import Applied, DenseBatch, EndOfPhase, Gradients, decode_nn_batch
+from hybridrec.core.wire.frames import Applied, DenseBatch, EndOfPhase, Gradients
 from hybridrec.core.runtime.metrics import RPC_LATENCY
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.runtime.rpc import Unavailable
-from services.nn_worker.link import (BATCH, CALLED, CONFIG_FD_ENV, DONE, HEALTH, INBOUND_SLOT, INLINE_BYTES,
+from services.nn_worker import admission
+from services.nn_worker.receiver.link import (BATCH, CALLED, CONFIG_FD_ENV, DONE, HEALTH, INBOUND_SLOT, INLINE_BYTES,
                                      LINK_FD_ENV, LISTENING, LOOKUP, LOST, NO_SLOT, PUSH, REFUSE, REPLY,
                                      SERVE, SLOT, UNAVAILABLE, LinkReader, LinkWriter, Message, Slot, nn_methods,
                                      socket_pair, unpack_applied)
@@ -62,7 +63,7 @@ class ReceiverLink:
         self.inbound: dict[int, Slot] = {}  # the receiver's slots, for requests forwarded to this process
         self.pending: dict[int, tuple[Message, asyncio.Future, Slot | None, Callable]] = {}
         self.handlers: list = [None] * len(nn_methods())  # (guarded handler, serialize) per method
-        self.admit = self.admit_now = None  # the NN worker's, for the receiver's BATCH messages
+        self.admits: admission.Admits | None = None  # the NN worker's servicer, for the receiver's BATCH messages
         self.loaders = len(config.cluster.dataloader)
         self.batch_latency = None  # their handling's time, as rpc.guard observes a call's
         self.service_name = ""
@@ -162,8 +163,8 @@ class ReceiverLink:
     # -- the NN worker's server, in the receiver -------------------------------------------------------
     def add_service(self, proto_service: str, impl) -> None:
         """Serve `impl`'s NNWorker methods for the calls the receiver forwards, each through `rpc.guard`, and
-        its `admit_now` and `admit` for the data loaders' frames (`BATCH`)."""
-        self.service_name, self.admit, self.admit_now = proto_service, impl.admit, impl.admit_now
+        itself as what admits the data loaders' frames (`BATCH`: `admission.admit_frame`)."""
+        self.service_name, self.admits = proto_service, impl
         self.batch_latency = RPC_LATENCY.labels(proto_service, "PutBatch")
         for index, method in enumerate(nn_methods()):
             fn = getattr(impl, method.name)
@@ -197,16 +198,16 @@ class ReceiverLink:
         task.add_done_callback(self._answering.discard)
 
     def _batch(self, message: Message) -> None:
-        """A data loader's PutBatch, handed over as it came: decoded here, once (a malformed frame is refused with
-        INVALID_ARGUMENT, as the NN worker's own server refuses it; a dense batch's fixed header is one `struct`
-        call), admitted and answered at once where that need not wait (the common case: no task), else by a
-        task that waits for room in the inbox."""
+        """A data loader's PutBatch, handed over as it came: decoded here, once, and admitted by the path the NN
+        worker's own server takes (`admission.admit_frame`: a malformed frame is refused with INVALID_ARGUMENT
+        alike; a dense batch's fixed header is one `struct` call), answered at once where that need not wait
+        (the common case: no task), else by a task that waits for room in the inbox."""
         started = time.perf_counter()
         try:
-            if self.admit_now is None:
+            if self.admits is None:
                 raise Unavailable("the NN worker is starting")
-            item = self._item(message)
-            consumed = self.admit_now(item)
+            item, consumed = admission.admit_frame(self._frame(message), self.config, self.loaders, self.admits,
+                                                   copy=True)
         except Exception as exc:  # noqa: BLE001 - answered as rpc.guard answers it; the link goes on
             self._answer_batch(self.writer, self._refusal(message.call, exc), started)
             return
@@ -217,19 +218,14 @@ class ReceiverLink:
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    def _item(self, message: Message) -> DenseBatch | EndOfPhase:
-        """The frame a `BATCH` message carries, decoded: a dense batch's arrays copied out of the receiver's slot
-        (which it reuses once the call is answered), or out of the message: writable arrays either way."""
-        config = self.config
-        frame = message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
-        item = decode_nn_batch(frame, config.num_dense, config.label_columns, self.loaders)
-        if isinstance(item, DenseBatch):
-            item.dense, item.labels = item.dense.copy(), item.labels.copy()
-        return item
+    def _frame(self, message: Message) -> bytes | memoryview:
+        """The frame a `BATCH` message carries: in the message, or in one of the receiver's slots (which it reuses
+        once the call is answered: `admit_frame` copies a dense batch's arrays out, writable either way)."""
+        return message.payload if message.slot == NO_SLOT else self.inbound[message.slot].view(message.nbytes)
 
     async def _admit(self, writer: LinkWriter, call: int, item: DenseBatch | EndOfPhase, started: float) -> None:
         try:
-            answer = Message(REPLY, call, payload=(await self.admit(item)).encode())
+            answer = Message(REPLY, call, payload=(await self.admits.admit(item)).encode())
         except Exception as exc:  # noqa: BLE001 - as in _batch
             answer = self._refusal(call, exc)
         self._answer_batch(writer, answer, started)
@@ -284,7 +280,7 @@ class ReceiverLink:
         try:
             os.write(config_fd, self.config.model_dump_json().encode())
             os.lseek(config_fd, 0, os.SEEK_SET)
-            root = str(Path(__file__).resolve().parents[2])
+            root = str(Path(__file__).resolve().parents[3])
             env = {**os.environ, LINK_FD_ENV: str(theirs.fileno()), CONFIG_FD_ENV: str(config_fd),
                    "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
             self.process = subprocess.Popen(

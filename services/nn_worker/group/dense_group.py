@@ -7,20 +7,23 @@ every rank its model, optimizer, counters and each loader's step count (`handove
 replacement takes its predecessor's place in each data loader's stream (`Ledger.take_over`).
 docs/architecture.md#replacing-an-nn-worker says why it is done this way.
 
-The trainer (trainer.py) runs its steps through `collective`; the checkpointer reaches it through the
-trainer's `collective` and `on_compute`.
+The trainer (trainer.py) runs its steps through `collective` and holds the group as `trainer.group`; the server
+sets it up (`setup`) and hands it to the checkpointer, which saves and restores its model and optimizer through
+`collective` and `on_compute` (`checkpoint.CheckpointedGroup`).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from hybridrec.core.runtime import log
 from hybridrec.core.config import Config
 from services.nn_worker.compute import ComputeThread
-from services.nn_worker.distributed import DenseSync, DistEnv
-from services.nn_worker.handover import STATS_FIELDS, hand_over
+from services.nn_worker.group.distributed import DenseSync, DistEnv
+from services.nn_worker.group.handover import STATS_FIELDS, hand_over
 from services.nn_worker.ledger import Ledger
-from services.nn_worker.membership import Membership, Plan, failure_line, is_group_failure
+from services.nn_worker.group.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.stats import TrainStats
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
@@ -39,6 +42,22 @@ class DenseGroup:
         self.config, self.env, self.math, self.stats, self.ledger = config, env, math, stats, ledger
         self.compute, self.membership = compute, membership
         self.log = log.get()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's replica of the dense model (`StepMath` owns it)."""
+        return self.math.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The dense optimizer, once `setup` has built it."""
+        return self.math.optimizer
+
+    @property
+    def samples_counted(self) -> bool:
+        """`Ledger.samples_counted`: False while a replacement has not yet counted its predecessor's share of every
+        loader; the checkpointer postpones an interval checkpoint until then."""
+        return self.ledger.samples_counted
 
     async def on_compute(self, fn, *args) -> Any:
         """Run `fn(*args)` on the compute thread. Every torch and torch.distributed call goes through here, so

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.nn_worker.distributed import broadcast_parameters, control_group, group_for
+from services.nn_worker.group.distributed import broadcast_parameters, control_group, group_for
 
 STATS_FIELDS = ("steps", "samples", "loss_sum", "loss_count", "last_loss", "train_auc", "restored_samples")
 """The trainer counters a replacement takes over from its source (the per-rank share of the run)."""

@@ -45,8 +45,8 @@ from hybridrec.core.config import Config, split_address
 from hybridrec.core.wire.frames import Applied, max_request_bytes
 from hybridrec.core.model.pooling import Pooler
 from hybridrec.core.wire.proto import pb
-from services.nn_worker import link
-from services.nn_worker.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
+from services.nn_worker.receiver import link
+from services.nn_worker.receiver.link import CONFIG_FD_ENV, LINK_FD_ENV, Message, Slot, nn_methods
 from services.nn_worker.routing import BatchLost, EmbeddingWorkers
 
 _PR_SET_PDEATHSIG = 1

@@ -1,8 +1,8 @@
 """Between an NN worker's trainer and its receiver process: the link's transport — shared-memory slots and the
 messages that hand them over. The trainer's side of it is `ReceiverLink` (receiver_link.py), the receiver's
-is receiver.py; what a slot holds besides frames is hybridrec/core/layouts/slot_layouts.py's.
+is process.py; what a slot holds besides frames is hybridrec/core/layouts/slot_layouts.py's.
 
-The receiver (`services/nn_worker/receiver.py`, `training.receiver`) makes the trainer's calls to the
+The receiver (`services/nn_worker/receiver/process.py`, `training.receiver`) makes the trainer's calls to the
 embedding workers — the `Lookup` whose reply is the batch's megabyte-sized `Embeddings` frame and the
 `PushGradients` that carries its gradients — so that gRPC's work for them (its Python layer, its copies)
 runs in another process and does not hold the trainer's GIL. Frames travel in slots: anonymous

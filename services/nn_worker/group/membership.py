@@ -17,7 +17,7 @@ coordinates; every (re)formation is one round:
 3. every rank leaves its old process groups (a broken NCCL communicator is
    aborted, not destroyed) and joins the new generation's, under its own key
    prefix of the store: the default group for the dense tensors and, beside
-   NCCL, a Gloo group for the CPU ones (`services.nn_worker.distributed.open_groups`).
+   NCCL, a Gloo group for the CPU ones (`services.nn_worker.group.distributed.open_groups`).
 
 A rank that dies takes its process group down: a survivor's next collective
 raises (`is_group_failure`), the trainer calls `join` again with its step, and
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from hybridrec.core.runtime import log
 from hybridrec.core.config import ClusterConfig, Config, split_address
-from services.nn_worker.distributed import close_groups, open_groups
+from services.nn_worker.group.distributed import close_groups, open_groups
 
 POLL_S = 0.05
 CONFIG_SECTIONS = ("features", "model", "optimizer", "training", "data")

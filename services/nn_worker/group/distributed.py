@@ -9,7 +9,7 @@ not built into it); the trainer calls forward on `DenseSync.module`:
 * async — each replica steps on its own gradients; replicas are averaged every
   `sync_interval` steps (the throughput reference);
 * shadow — ShadowSync: a background thread averages replicas continuously,
-  never inside the training step (see services.nn_worker.shadow).
+  never inside the training step (see services.nn_worker.group.shadow).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING
 """How NCCL reports a lost peer here: as an exception in the rank's own `wait()` (blocking wait, bounded by
 `cluster.dense_timeout_s`), never by its watchdog tearing the process down (error handling 1, the default),
 so that the trainer can abort the broken communicator and re-form the group around a replacement
-(`services.nn_worker.membership`). `_abort_process_group` needs async error handling off."""
+(`services.nn_worker.group.membership`). `_abort_process_group` needs async error handling off."""
 
 
 def resolve_backend(backend: str, rank: int, world_size: int, *, cuda_available: bool | None = None,
@@ -129,7 +129,8 @@ def close_groups() -> None:
 
 def pin_interface(bind_host: str) -> None:
     """Gloo's pairs use the interface that holds `bind_host` (cluster.bind_host) unless it is a wildcard, so
-    every socket the group listens on stays there (rank 0's store binds it itself: services.nn_worker.membership)."""
+    every socket the group listens on stays there (rank 0's store binds it itself:
+    services.nn_worker.group.membership)."""
     interface = interface_of(bind_host)
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
@@ -164,7 +165,7 @@ class DenseSync:
         """DDP keeps the replicas equal: every rank steps on the same reduced gradients, and decides alike."""
         self.shadow = None
         if self.mode == Mode.SHADOW:
-            from services.nn_worker.shadow import ShadowSync
+            from services.nn_worker.group.shadow import ShadowSync
 
             self.shadow = ShadowSync(model, env, algorithm=training.shadow_algorithm, alpha=training.shadow_alpha,
                                      interval_s=training.shadow_interval_s)
