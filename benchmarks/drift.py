@@ -2,7 +2,7 @@
 and a PNG.
 
 `hybridrec data synth --drift-at ROW` writes a training file in which, from row ROW on, a few frequent IDs of
-one slot click much more (`hybridrec.app.synth.Drift`), and `drift_probes.tsv`: 100 label-less rows for each
+one slot click much more (`hybridrec.app.data.synth.Drift`), and `drift_probes.tsv`: 100 label-less rows for each
 drifted ID and for as many control IDs that do not drift, with their true click probability before and after
 the drift in `oracle.json`. Here:
 
@@ -43,8 +43,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.online import HYBRIDREC, README_CONFIG, _log, run, start_broker  # noqa: E402
-from hybridrec.app.broker import create_stream  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.broker import create_stream  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 from hybridrec.core.config import StreamConfig  # noqa: E402
 
 BOUND_S = 30.0

@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.baselines import clear_cache, run_pytorch  # noqa: E402
 from benchmarks.modes import accounting, mlp_core_s_per_1m  # noqa: E402
-from hybridrec.app.launcher import rank_step  # noqa: E402
+from hybridrec.app.run.launcher import rank_step  # noqa: E402
 from hybridrec.core.layouts.summary import RunSummary, read_services  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"

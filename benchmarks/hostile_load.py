@@ -183,7 +183,7 @@ def _ps_trial(work: Path, seconds: float) -> dict:
     import subprocess
 
     from hybridrec.core.runtime import rpc
-    from hybridrec.app.ports import free_port
+    from hybridrec.app.run.ports import free_port
     from tests.conftest import HYBRIDREC
 
     address = f"127.0.0.1:{free_port()}"

@@ -289,7 +289,7 @@ def main() -> None:
                         "them every epoch) instead of the data prepared once")
     args = parser.parse_args()
     if not (args.data / "train.tsv").exists():
-        from hybridrec.app.synth import synthesize
+        from hybridrec.app.data.synth import synthesize
         synthesize(args.data, rows=args.rows)
     work = args.out.parent / (args.out.stem + "-work")
     work.mkdir(parents=True, exist_ok=True)

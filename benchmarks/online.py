@@ -32,8 +32,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.broker import create_stream, spawn_nats_server  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 from hybridrec.core.config import StreamConfig  # noqa: E402
 from hybridrec.core.runtime.log import timestamp_of  # noqa: E402
 from hybridrec.core.layouts.summary import RunSummary  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from hybridrec.core.runtime import rpc  # noqa: E402
 from hybridrec.core.wire.compress import ValueCodec  # noqa: E402
 from hybridrec.core.wire.frames import PSLookup, PSUpdate  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 
 DIM = 16
 

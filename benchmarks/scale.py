@@ -46,8 +46,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridrec.core.layouts import checkpoints  # noqa: E402
 from hybridrec.core.runtime import rpc  # noqa: E402
-from hybridrec.app.forkserver import ForkServer  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.forkserver import ForkServer  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 from hybridrec.core.wire.frames import PSLookup  # noqa: E402
 from hybridrec.core.config import Config, TierConfig  # noqa: E402
 from hybridrec.core.runtime.rpc import is_serving  # noqa: E402
@@ -196,7 +196,7 @@ def serving_after(start, address: str, ids: dict[int, np.ndarray], log: Path,
 
 def ps_restart(config: Config, work: Path, dim: int, rows: int) -> dict:
     """A real PS on the filled store, started as `hybridrec serve` is (imports and all: a container's restart)
-    and forked as `hybridrec run` restarts one (hybridrec/app/forkserver.py): each started, killed with
+    and forked as `hybridrec run` restarts one (hybridrec/app/run/forkserver.py): each started, killed with
     SIGKILL and started again."""
     path = work / "ps.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))

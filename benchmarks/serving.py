@@ -59,7 +59,7 @@ from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip  # noqa: E402
 from services.inference.inputs import InputDecoder, Tensor  # noqa: E402
 from services.inference.model import load_model  # noqa: E402
 from tests.inference_util import make_bundle, make_config_bundle, random_ids  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 
 MODEL = "ctr"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"

@@ -65,9 +65,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.drift import follow  # noqa: E402
 from hybridrec.core.runtime import log  # noqa: E402
-from hybridrec.app.broker import create_stream, spawn_nats_server  # noqa: E402
-from hybridrec.app.launcher import rank_step  # noqa: E402
-from hybridrec.app.ports import free_port  # noqa: E402
+from hybridrec.app.run.broker import create_stream, spawn_nats_server  # noqa: E402
+from hybridrec.app.run.launcher import rank_step  # noqa: E402
+from hybridrec.app.run.ports import free_port  # noqa: E402
 from hybridrec.core.config import StreamConfig, apply_overrides  # noqa: E402
 from hybridrec.core.runtime.log import timestamp_of  # noqa: E402
 from hybridrec.core.layouts.summary import RunSummary, read_services  # noqa: E402

@@ -128,7 +128,7 @@ def recovery_run(config: Path, run_dir: Path, cache_dir: Path, overrides: list[s
     """One `hybridrec run` in which replica RECOVERY_TARGETS[kind] of `kind` is SIGKILLed `kills` times, each
     time `gap_steps` steps of NN rank 0 after the last replacement was at work: seconds from each kill to the
     replacement's first piece of work (its `at_work` line), and what the run lost."""
-    from hybridrec.app.launcher import rank_step
+    from hybridrec.app.run.launcher import rank_step
     from hybridrec.core.layouts.summary import read_services
 
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}

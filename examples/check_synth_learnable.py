@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrec.app.synth import synthesize  # noqa: E402
+from hybridrec.app.data.synth import synthesize  # noqa: E402
 from services.dataloader.tsv import NUM_DENSE, NUM_SPARSE, read_criteo  # noqa: E402
 
 EMB_DIM = 16

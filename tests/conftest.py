@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrec.app.synth import synthesize
+from hybridrec.app.data.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[1]
 HYBRIDREC = [sys.executable, "-m", "hybridrec"]

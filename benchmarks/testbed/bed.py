@@ -25,8 +25,8 @@ import psutil
 from benchmarks.testbed.net import Network, NetError, bridge_ns, host_ns, leftovers
 from benchmarks.testbed.spec import SpecError, TestbedSpec, format_rate
 from hybridrec.core.config import Config, dump_config, from_dict
-from hybridrec.app.launcher import LaunchError, LocalCluster, ServiceProcess
-from hybridrec.app.layout import Host, fit
+from hybridrec.app.run.launcher import LaunchError, LocalCluster, ServiceProcess
+from hybridrec.app.plan.layout import Host, fit
 from hybridrec.core.runtime.service import SERVICE_KINDS
 from hybridrec.core.layouts.summary import SERVICES_FILE, SUMMARY_FILE, RunSummary
 

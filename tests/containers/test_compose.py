@@ -30,7 +30,7 @@ import uuid
 import pytest
 import yaml
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.containers.cluster import REPO
 from tests.containers.conftest import AUC_THRESHOLD, IMAGE, SYNTH_ROWS
 

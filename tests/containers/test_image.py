@@ -1,5 +1,5 @@
 """A fresh container of the image compiles no numba kernel: the image holds them compiled
-(hybridrec/app/numba_seed.py), each container copies them into its own cache directory as its command starts,
+(hybridrec/app/run/numba_seed.py), each container copies them into its own cache directory as its command starts,
 and every service's warm-up then loads them (numba writes nothing new into the cache)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 _SCRIPT = """
 import json, os, tempfile, time
 from pathlib import Path
-from hybridrec.app.numba_seed import compile_all, seed
+from hybridrec.app.run.numba_seed import compile_all, seed
 
 cache = Path(os.environ["NUMBA_CACHE_DIR"])
 assert not cache.exists(), "a fresh container has no numba cache yet"

@@ -12,7 +12,7 @@ import yaml
 
 from hybridrec.core.runtime import rpc
 from hybridrec.core.wire.frames import PSLookup
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 
 

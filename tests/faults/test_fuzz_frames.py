@@ -22,7 +22,7 @@ import yaml
 from hybridrec.core.runtime import rpc
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.wire.frames import BatchRef, Gradients, PSLookup, PSRows, PSUpdate, SparseBatch
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hybridrec.core.runtime import rpc
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.config import TLSConfig
 from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.faults.test_tls import pki  # noqa: F401 - the CA and certificates fixture

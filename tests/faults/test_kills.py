@@ -22,8 +22,8 @@ import psutil
 import pytest
 import yaml
 
-from hybridrec.app.synth import synthesize
-from hybridrec.app.launcher import rank_step
+from hybridrec.app.data.synth import synthesize
+from hybridrec.app.run.launcher import rank_step
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.faults
@@ -528,7 +528,7 @@ def test_one_of_three_loaders_killed_mid_stream_trains_every_event_once(small_da
     message of every partition (its end marker included) is acknowledged."""
     import asyncio
 
-    from hybridrec.app.broker import create_stream
+    from hybridrec.app.run.broker import create_stream
     from hybridrec.core.config import StreamConfig
     from tests.integration.test_stream import SUBJECT, Broker, _assert_each_event_once
 

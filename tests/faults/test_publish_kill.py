@@ -15,7 +15,7 @@ import pytest
 
 from hybridrec.core.layouts.versions import Follower, list_versions, table_arrays
 from tests.conftest import HYBRIDREC, REPO, write_config
-from hybridrec.app.launcher import rank_step
+from hybridrec.app.run.launcher import rank_step
 from tests.integration.test_publish import _checkpoint_rows
 
 pytestmark = pytest.mark.faults

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from hybridrec.core.runtime import rpc
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.config import TLSConfig
 from hybridrec.core.wire.frames import ShardPull, ShardRows

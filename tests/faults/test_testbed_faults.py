@@ -15,7 +15,7 @@ import pytest
 from benchmarks.testbed.bed import Fault, run_testbed
 from benchmarks.testbed.spec import load_spec, two_hosts
 from hybridrec.core.config import load_config
-from hybridrec.app.synth import synthesize
+from hybridrec.app.data.synth import synthesize
 from tests.conftest import write_config
 from tests.testbed_support import assert_torn_down, require_netns
 

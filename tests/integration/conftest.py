@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hybridrec.app.synth import synthesize
+from hybridrec.app.data.synth import synthesize
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 WATCH_EVERY_S = 0.5

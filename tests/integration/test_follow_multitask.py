@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from hybridrec.core.config import load_config
-from hybridrec.app.ports import free_port
-from hybridrec.app.synth_parquet import synthesize_multitask
+from hybridrec.app.run.ports import free_port
+from hybridrec.app.data.synth_parquet import synthesize_multitask
 from hybridrec.core.layouts.versions import list_versions, load_version
 from services.inference.follow import inference_model
 from services.inference.model import build_dense

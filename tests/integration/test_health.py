@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hybridrec.core.runtime import rpc
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.wire.proto import grpc_predict_v2_pb2 as oip
 from tests.conftest import HYBRIDREC, REPO
 from tests.inference_util import FakePS, columns, criteo_lines, make_bundle, random_ids, reference, tokens_for

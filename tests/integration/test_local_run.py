@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hybridrec.app.job_plan import JobPlan
+from hybridrec.app.plan.job_plan import JobPlan
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration

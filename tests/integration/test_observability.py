@@ -88,7 +88,7 @@ def _planned_and_allocated(tmp_path: Path, job: dict) -> tuple[dict, int]:
     import yaml
 
     from hybridrec.core.runtime import rpc
-    from hybridrec.app.ports import free_port
+    from hybridrec.app.run.ports import free_port
 
     shm = Path(tempfile.mkdtemp(prefix="hybridrec-plan-", dir="/dev/shm"))
     address = f"127.0.0.1:{free_port()}"

@@ -27,7 +27,7 @@ from hybridrec.core.layouts.bundle import read_manifest
 from hybridrec.core.config import FeatureKind, load_config
 from hybridrec.core.model.evaluation import binary_metrics
 from hybridrec.core.config.inference import BatchingConfig
-from hybridrec.app.synth_parquet import synthesize_multitask
+from hybridrec.app.data.synth_parquet import synthesize_multitask
 from services.inference.batcher import Batcher
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
 from services.inference.model import StaticSource, load_model

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hybridrec.core.runtime import rpc
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.wire.frames import PSLookup, PSUpdate, ShardPull, ShardRows, update_id
 from hybridrec.core.wire.proto import pb

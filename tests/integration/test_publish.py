@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridrec.core.wire.ids import GROUP_SHIFT
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.layouts.versions import Follower, list_versions, load_version, newest_version_number, table_arrays
 from services.inference.follow import FollowSource, _default_make_model
 from services.inference.model import build_dense

@@ -16,7 +16,7 @@ from hybridrec.core.runtime import rpc
 from hybridrec.core.layouts.bundle import open_bundle
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.wire.frames import PSLookup, PSRows, PSUpdate
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.wire.sharding import shard_of
 from tests.conftest import HYBRIDREC, REPO

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from hybridrec.app.launcher import SAMPLE_EVERY_S
-from hybridrec.app.report_page import inspect_page, screenshot
+from hybridrec.app.run.launcher import SAMPLE_EVERY_S
+from hybridrec.app.report.page import inspect_page, screenshot
 
 pytestmark = pytest.mark.integration
 

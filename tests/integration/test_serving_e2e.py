@@ -11,7 +11,7 @@ import pytest
 
 from hybridrec.core.runtime import rpc
 from hybridrec.core.config import load_config
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.conftest import HYBRIDREC, REPO
 from tests.integration.test_export_e2e import predict
 from tests.integration.test_inference import MODEL, Server, _probs

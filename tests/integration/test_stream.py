@@ -20,9 +20,9 @@ import psutil
 import pytest
 import yaml
 
-from hybridrec.app.broker import spawn_nats_server
-from hybridrec.app.launcher import rank_step
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.broker import spawn_nats_server
+from hybridrec.app.run.launcher import rank_step
+from hybridrec.app.run.ports import free_port
 from tests.conftest import HYBRIDREC, REPO, write_config
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ def _run(config: Path, run_dir: Path, kill: str | None = None, at_step: int = 4,
     a quiet stream), then its second half once training has caught up with the first: the kill comes in the
     middle of the replay however slowly a loaded machine trains."""
     if replay is not None:
-        from hybridrec.app.broker import create_stream
+        from hybridrec.app.run.broker import create_stream
         from hybridrec.core.config import StreamConfig
 
         asyncio.run(create_stream(replay[0], StreamConfig()))
@@ -407,7 +407,7 @@ def test_a_broker_that_never_answers_is_retried_reported_and_named(tmp_path, sma
 
 @pytest.fixture(scope="module")
 def multitask_data(tmp_path_factory) -> Path:
-    from hybridrec.app.synth_parquet import synthesize_multitask
+    from hybridrec.app.data.synth_parquet import synthesize_multitask
 
     out = tmp_path_factory.mktemp("multitask")
     synthesize_multitask(out, rows=20_000, eval_rows=5_000, seed=6)
@@ -583,7 +583,7 @@ def test_a_replay_goes_on_across_a_broker_restart_and_stores_every_event_once_in
 
 
 async def _create(url: str) -> None:
-    from hybridrec.app.broker import create_stream
+    from hybridrec.app.run.broker import create_stream
     from hybridrec.core.config import StreamConfig
 
     await create_stream(url, StreamConfig())

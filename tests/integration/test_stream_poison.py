@@ -33,7 +33,7 @@ NAN_ROWS = 10  # of a NaN message's rows
 
 @pytest.fixture(scope="module")
 def events(tmp_path_factory) -> Path:
-    from hybridrec.app.synth_parquet import synthesize_multitask
+    from hybridrec.app.data.synth_parquet import synthesize_multitask
 
     out = tmp_path_factory.mktemp("poison")
     synthesize_multitask(out, rows=GOOD, eval_rows=5_000, seed=8)
@@ -84,8 +84,8 @@ def _publish(url: str, source: Path) -> dict:
     """Publish the good rows, ROWS a message, with a special message after every EVERY good ones (the kinds in
     turn); every message's events numbered on. Returns what was published: event ranges by kind, and the stream
     sequence of each poison message."""
-    from hybridrec.app.broker import create_stream
-    from hybridrec.app.replay import _arrow_messages
+    from hybridrec.app.run.broker import create_stream
+    from hybridrec.app.data.replay import _arrow_messages
     from hybridrec.core.config import StreamConfig, load_config
     from services.dataloader.parquet import ParquetSpec
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hybridrec.app.synth_parquet import synthesize_multitask
+from hybridrec.app.data.synth_parquet import synthesize_multitask
 from hybridrec.core.config import load_config
 from tests.conftest import HYBRIDREC, REPO
 from tests.integration.test_parquet_examples import over_the_wire, requests, serve

@@ -25,7 +25,7 @@ import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.config.inference import InferenceConfig
 from services.inference.inputs import LENGTHS_SUFFIX, InputDecoder, Tensor
 from services.inference.model import load_model, run_now

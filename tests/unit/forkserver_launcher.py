@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridrec.app.forkserver import ForkServerError, ForkServers, needs_dense
+from hybridrec.app.run.forkserver import ForkServerError, ForkServers, needs_dense
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 
 
 def _rank(target, rank: int, port: int, out: str) -> None:

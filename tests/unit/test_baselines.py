@@ -29,7 +29,7 @@ SMALL = dict(batch_size=512, max_steps=30, table_rows=50_000, threads=1, curve_p
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from hybridrec.app.synth import synthesize
+    from hybridrec.app.data.synth import synthesize
 
     out = tmp_path_factory.mktemp("baselines-synth")
     s = synthesize(out, rows=20000, eval_rows=5000, seed=1)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from hybridrec.core.runtime import rpc
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.wire.frames import Consumed
 from services.dataloader.delivery import DeliveryGap, Window, deliver
 from services.nn_worker.ledger import Ledger

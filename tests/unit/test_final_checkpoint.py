@@ -8,7 +8,7 @@ import pytest
 from hybridrec.core.layouts import checkpoints
 from hybridrec.core.layouts.checkpoints import JobManifest
 from hybridrec.core.config import from_dict
-from hybridrec.app.launcher import resolve
+from hybridrec.app.run.launcher import resolve
 
 
 def _config(**checkpoint):

@@ -1,4 +1,4 @@
-"""The fork server (hybridrec/app/forkserver.py): what its parent holds, what a forked service is, and what a
+"""The fork server (hybridrec/app/run/forkserver.py): what its parent holds, what a forked service is, and what a
 killed launcher or parent leaves behind. Real processes: a launcher stand-in (forkserver_launcher.py), the
 fork server it starts, and services forked from it."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from tests.conftest import REPO
 
 LAUNCHER = [sys.executable, str(REPO / "tests" / "unit" / "forkserver_launcher.py")]

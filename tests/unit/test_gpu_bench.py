@@ -15,7 +15,7 @@ from benchmarks import gpu
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from hybridrec.app.synth import synthesize
+    from hybridrec.app.data.synth import synthesize
 
     out = tmp_path_factory.mktemp("gpu-bench-synth")
     synthesize(out, rows=20000, eval_rows=5000, seed=1)

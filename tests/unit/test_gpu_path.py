@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hybridrec.core.config import ConfigError
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from services.nn_worker.checkpoint import load_dense, on_cpu
 from services.nn_worker.group.distributed import NCCL_ENVIRONMENT, resolve_backend
 from tests.unit.control_group_ranks import WORLD, rank_main

@@ -1,9 +1,9 @@
-"""hybridrec/app/layout.py: the local layout fitted to the host's cores and GPUs, and what cannot fit."""
+"""hybridrec/app/plan/layout.py: the local layout fitted to the host's cores and GPUs, and what cannot fit."""
 from __future__ import annotations
 
 import pytest
 
-from hybridrec.app.layout import Host, fit
+from hybridrec.app.plan.layout import Host, fit
 from hybridrec.core.config import ConfigError, from_dict
 from hybridrec.core.runtime.service import ServiceHost
 

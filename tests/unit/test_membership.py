@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from services.nn_worker.group.membership import Fingerprint, is_group_failure
 from tests.unit.membership_ranks import handover_rank, refusal_rank
 

@@ -119,7 +119,7 @@ def test_set_reaches_into_lists(tmp_path):
 def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tmp_path):
     import pyarrow.parquet as pq
 
-    from hybridrec.app.synth_parquet import SEQ_DECAY, SEQ_SCALE, SEQ_STALE, synthesize_multitask
+    from hybridrec.app.data.synth_parquet import SEQ_DECAY, SEQ_SCALE, SEQ_STALE, synthesize_multitask
 
     s = synthesize_multitask(tmp_path, rows=20_000, eval_rows=10_000, seed=1)
     oracle = json.loads((tmp_path / "oracle.json").read_text())
@@ -139,7 +139,7 @@ def test_multitask_synth_plants_an_order_and_target_dependent_sequence_effect(tm
 
 
 def test_report_lists_every_task():
-    from hybridrec.app.report_page import summary_rows
+    from hybridrec.app.report.page import summary_rows
 
     rows = dict(summary_rows({"auc": 0.7, "tasks": [{"name": "click", "auc": 0.75, "oracle_auc": 0.76,
                                                      "logloss": 0.45},

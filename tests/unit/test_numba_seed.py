@@ -1,9 +1,9 @@
 """The image's compiled numba kernels reach a container's empty cache directory, whole and once
-(hybridrec/app/numba_seed.py); tests/containers/test_image.py checks that a fresh container then compiles
+(hybridrec/app/run/numba_seed.py); tests/containers/test_image.py checks that a fresh container then compiles
 nothing."""
 from __future__ import annotations
 
-from hybridrec.app.numba_seed import SEED_ENV, seed
+from hybridrec.app.run.numba_seed import SEED_ENV, seed
 
 
 def _image_cache(root):

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.app.synth import synthesize
+from hybridrec.app.data.synth import synthesize
 from hybridrec.core.config import ConfigError, from_dict
 from hybridrec.core.layouts.criteo_format import DENSE_COLUMNS, SPARSE_COLUMNS
 from hybridrec.core.layouts.criteo_kernels import hash_ints

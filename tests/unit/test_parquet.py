@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridrec.core.config import ConfigError, from_dict
-from hybridrec.app.parquet_data import tsv_to_parquet
-from hybridrec.app.synth import synthesize
+from hybridrec.app.data.parquet_data import tsv_to_parquet
+from hybridrec.app.data.synth import synthesize
 from services.dataloader.batching import ReadCounters
 from services.dataloader.parquet import ParquetFormatError, ParquetSpec, read_parquet
 from services.dataloader.sources import eval_rows, train_batches

@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.config import from_dict
 from hybridrec.core.wire.frames import Consumed, EndOfPhase, Received, decode_nn_batch
 from services.dataloader.delivery import END, Window

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from hybridrec.core.config import EmbeddingOptimizerConfig, PSConfig, from_dict
-from hybridrec.app.job_plan import JobPlan
-from hybridrec.app.plan import Table, plan_config, plan_tables
+from hybridrec.app.plan.job_plan import JobPlan
+from hybridrec.app.plan.memory import Table, plan_config, plan_tables
 from services.embedding_ps.store_files import StoreConfig, planned_shm_bytes
 
 
@@ -75,7 +75,7 @@ def _no_fewer_hosts_hold(tables, plan, host, **options):
 def test_compact_rows_plan_persias_hundred_trillion_parameters_on_fewer_hosts_than_persia_used():
     """Persia trained 1e14 parameters of width 128 on 30 hosts of 12 TB; fp16 weights with row-wise Adagrad
     need at most 20 of 12 TiB (float32 Adagrad: 63)."""
-    from hybridrec.app.plan import hosts_for
+    from hybridrec.app.plan.memory import hosts_for
 
     host, tables = 12 << 40, [Table(10**14 // 128, 128)]
     compact = hosts_for(tables, optimizer="rowwise_adagrad", storage="fp16", host_bytes=host)
@@ -88,7 +88,7 @@ def test_compact_rows_plan_persias_hundred_trillion_parameters_on_fewer_hosts_th
 
 def test_the_hundred_trillion_parameter_table_on_paper():
     """1e14 parameters of width 16 on hosts of 12 TiB: the fewest shards whose memory fits a host, packed."""
-    from hybridrec.app.plan import checkpoint_bytes, hosts_for
+    from hybridrec.app.plan.memory import checkpoint_bytes, hosts_for
 
     host = 12 << 40
     plan = hosts_for([Table(10**14 // 16, 16)], optimizer="adagrad", host_bytes=host)
@@ -112,7 +112,7 @@ def test_a_local_run_that_cannot_hold_its_capacity_is_refused_naming_host_width_
     from typer.testing import CliRunner
 
     from hybridrec.app.cli import app
-    from hybridrec.app.plan import host_memory_bytes
+    from hybridrec.app.plan.memory import host_memory_bytes
 
     result = CliRunner().invoke(app, ["run", str(small_config), "--run-dir", str(tmp_path / "run"),
                                       "--set", "ps.capacity=400000000", "--set", "ps.num_stripes=64"])
@@ -139,7 +139,7 @@ def _tier_config(tmp_path, tier_capacity: int):
 
 def test_a_disk_tier_is_planned_on_disk_and_its_marks_in_memory(tmp_path):
     """The tier's file at full capacity, its change marks as private memory, checkpoints of the whole table."""
-    from hybridrec.app.plan import plan_config
+    from hybridrec.app.plan.memory import plan_config
     from services.embedding_ps.tier import TierLayout
 
     plan = plan_config(_tier_config(tmp_path, 8_000_000))
@@ -151,7 +151,7 @@ def test_a_disk_tier_is_planned_on_disk_and_its_marks_in_memory(tmp_path):
 
 
 def test_a_disk_tier_without_room_is_refused_before_start_naming_key_path_and_bytes(tmp_path):
-    from hybridrec.app.plan import check_fits
+    from hybridrec.app.plan.memory import check_fits
     from hybridrec.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"ps.tier.capacity: 2 PS shard\(s\) .* need [\d,]+ bytes under .*disk"):

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from hybridrec.app.cli import app, preflight
+from hybridrec.app.cli import app
+from hybridrec.app.run.preflight import preflight
 from hybridrec.core.config import ConfigError, from_dict, load_config
 from hybridrec.core.wire.frames import DenseBatch
-from hybridrec.app.synth import synthesize
-from hybridrec.app.synth_parquet import synthesize_multitask
+from hybridrec.app.data.synth import synthesize
+from hybridrec.app.data.synth_parquet import synthesize_multitask
 from services.dataloader import prepared
 from services.dataloader.batching import Position, ReadCounters, iter_batches
 from services.dataloader.prepared import PreparedDataError

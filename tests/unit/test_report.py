@@ -1,4 +1,4 @@
-"""hybridrec/app/report.py: numbers formatted for people, whole-run series, phases, and reports of bad input."""
+"""hybridrec/app/report/write.py: numbers formatted for people, whole-run series, phases, and reports of bad input."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridrec.app.report import rerender, write_report
-from hybridrec.app.report_series import Recorder
-from hybridrec.app.report_page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
+from hybridrec.app.report.write import rerender, write_report
+from hybridrec.app.report.series import Recorder
+from hybridrec.app.report.page import DASH, fmt_duration, fmt_int, fmt_rate, fmt_sig, phase_spans, summary_rows
 from hybridrec.core.layouts.summary import Phases, RunSummary, ServiceInfo, Staleness
 
 
@@ -163,7 +163,7 @@ def test_failed_run_report_is_marked_incomplete_and_names_the_service(tmp_path, 
 
 def test_progress_line_counts_every_nn_worker():
     from hybridrec.core.config import load_config
-    from hybridrec.app.progress import Progress
+    from hybridrec.app.run.progress import Progress
     from tests.conftest import REPO
 
     progress = Progress(load_config(REPO / "examples" / "criteo_synth.yaml"), tty=False)

@@ -1,11 +1,11 @@
-"""`hybridrec run`'s restart policy (hybridrec.app.launcher.after_death): what happens to a process that exited."""
+"""`hybridrec run`'s restart policy (hybridrec.app.run.launcher.after_death): what happens to a process that exited."""
 from __future__ import annotations
 
 import signal
 
 import pytest
 
-from hybridrec.app.launcher import Action, after_death
+from hybridrec.app.run.launcher import Action, after_death
 from hybridrec.core.runtime.service import EXIT_PEER_LOST, SERVICES
 
 KILLED = -signal.SIGKILL

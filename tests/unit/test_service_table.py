@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec.app import launcher
+from hybridrec.app.run import launcher
 from hybridrec.core.config import ClusterConfig
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.runtime.service import SERVICE_KINDS, SERVICES
@@ -33,7 +33,7 @@ def test_one_serve_subcommand_per_service():
     service (started alone, with its own settings): each with its own options, no option of another role."""
     from typer.main import get_command
 
-    from hybridrec.app.cli import serve_app
+    from hybridrec.app.cli.serve import group as serve_app
 
     serve = get_command(serve_app)
     assert set(serve.commands) == set(SERVICES) | {"inference"}

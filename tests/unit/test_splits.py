@@ -186,7 +186,7 @@ def test_prepared_loaders_read_every_sample_once(small_data, tmp_path):
 
 
 def test_parquet_loaders_read_every_sample_once(small_data, tmp_path):
-    from hybridrec.app.parquet_data import tsv_to_parquet
+    from hybridrec.app.data.parquet_data import tsv_to_parquet
 
     tsv_to_parquet(small_data / "train.tsv", tmp_path / "a.parquet", row_group_rows=7_000)
     tsv_to_parquet(small_data / "eval.tsv", tmp_path / "b.parquet", row_group_rows=7_000)
@@ -213,7 +213,7 @@ def test_a_layout_the_data_cannot_give_every_loader_a_share_of_is_refused_naming
     # eval data is split the same way, but a loader without any just ends the phase
     assert split(_config([small_data / "eval.tsv"], gz, loaders=3), "data.eval", 2) == (None, None)
 
-    from hybridrec.app.parquet_data import tsv_to_parquet
+    from hybridrec.app.data.parquet_data import tsv_to_parquet
 
     tsv_to_parquet(small_data / "eval.tsv", tmp_path / "e.parquet", row_group_rows=10_000)  # 2 row groups
     with pytest.raises(ConfigError, match=r"^cluster\.dataloader: .*2 Parquet row groups"):

@@ -31,7 +31,7 @@ def test_services_without_a_dense_model_start_without_torch_or_sklearn(service):
 
 
 def test_the_launcher_starts_without_torch_or_sklearn():
-    assert imported_after("hybridrec.app.launcher") == set()
+    assert imported_after("hybridrec.app.run.launcher") == set()
 
 
 def test_the_nn_worker_imports_torch_but_not_sklearn_before_it_evaluates():

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrec.app.replay import _arrow_messages
-from hybridrec.app.synth_parquet import synthesize_multitask
+from hybridrec.app.data.replay import _arrow_messages
+from hybridrec.app.data.synth_parquet import synthesize_multitask
 from hybridrec.core.config import StreamConfig, load_config
 from hybridrec.core.layouts.event_stream import (ARROW, EVENT_ID, EVENT_TIME, FORMAT, TSV, EventFormatError,
                                     encode_arrow,

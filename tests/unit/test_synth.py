@@ -1,4 +1,4 @@
-"""Unit tests of the synthetic Criteo data generator (hybridrec/app/synth.py)."""
+"""Unit tests of the synthetic Criteo data generator (hybridrec/app/data/synth.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from hybridrec.app.synth import GENERATOR_VERSION, synthesize
+from hybridrec.app.data.synth import GENERATOR_VERSION, synthesize
 from services.dataloader.tsv import NUM_DENSE, NUM_SPARSE, read_criteo
 
 ROWS = 20_000
@@ -99,7 +99,7 @@ def test_argument_checks(tmp_path):
 def test_a_planted_drift_changes_the_labels_of_its_ids_from_its_row_on_and_nothing_else(synth_dir, tmp_path):
     """Rows before the drift are the undrifted file's; from `at_row` on, rows holding a drifted ID are clicked
     at about the planted new rate; the probe rows are valid rows carrying each drifted ID."""
-    from hybridrec.app.synth import Drift
+    from hybridrec.app.data.synth import Drift
 
     out, _ = synth_dir
     at = 8_000
@@ -131,7 +131,7 @@ def test_a_planted_drift_changes_the_labels_of_its_ids_from_its_row_on_and_nothi
 
 
 def test_a_drift_that_cannot_be_planted_names_why(tmp_path):
-    from hybridrec.app.synth import Drift
+    from hybridrec.app.data.synth import Drift
 
     with pytest.raises(ValueError, match="only 1000 rows"):
         synthesize(tmp_path, rows=1_000, eval_rows=1_000, drift=Drift(at_row=1_000))
@@ -145,7 +145,7 @@ def test_a_planted_drift_in_the_multitask_data_changes_its_items_labels_from_its
     control item in the training data's columns, and `oracle.json` their true rates per task, before and after."""
     import pyarrow.parquet as pq
 
-    from hybridrec.app.synth_parquet import Drift as ItemDrift, synthesize_multitask
+    from hybridrec.app.data.synth_parquet import Drift as ItemDrift, synthesize_multitask
 
     rows, at = 40_000, 20_000
     synthesize_multitask(tmp_path / "plain", rows=rows, eval_rows=10_000, seed=2)

@@ -1,4 +1,4 @@
-"""The multi-task Parquet data's regression label and sample weights (hybridrec/app/synth_parquet.py):
+"""The multi-task Parquet data's regression label and sample weights (hybridrec/app/data/synth_parquet.py):
 watch_time, whose true mean is a function of the file's features and whose oracle RMSE oracle.json records
 beside the binary tasks' AUCs,
 and the weight column, 1 by default, 1 / R on the training negatives kept by --negative-rate R. Neither
@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridrec.app.cli import app
-from hybridrec.app.synth_parquet import (SEQ_DECAY, SEQ_SCALE, SEQ_STALE, WATCH_SHARE, _build,
+from hybridrec.app.data.synth_parquet import (SEQ_DECAY, SEQ_SCALE, SEQ_STALE, WATCH_SHARE, _build,
                                          synthesize_multitask)
 
 ROWS, EVAL_ROWS, SEED = 40_000, 10_000, 3

@@ -29,7 +29,7 @@ class TLSConfig(Section):
 
 
 AUTO = "auto"
-"""A replica list or thread count that `hybridrec run` sizes to the host (hybridrec/app/layout.py)."""
+"""A replica list or thread count that `hybridrec run` sizes to the host (hybridrec/app/plan/layout.py)."""
 
 
 SIZED_BY_HOST = ("dataloader", "embedding_workers", "ps", "nn_workers")
@@ -39,7 +39,7 @@ SIZED_BY_HOST = ("dataloader", "embedding_workers", "ps", "nn_workers")
 class ClusterConfig(Section):
     """Where every replica listens. `hybridrec run` fills these in with free loopback ports. `ps`,
     `embedding_workers`, `dataloader` and `nn_workers` may each be `auto`: `hybridrec run` then runs as many
-    as fit the host's cores and GPUs (hybridrec/app/layout.py, printed at start); a service started alone
+    as fit the host's cores and GPUs (hybridrec/app/plan/layout.py, printed at start); a service started alone
     (`hybridrec serve`) needs the addresses listed."""
 
     ps: list[str] = Field(default_factory=lambda: ["127.0.0.1:0", "127.0.0.1:0"])
@@ -101,7 +101,7 @@ class ClusterConfig(Section):
         return [AUTO] if value == AUTO else value
 
     def sized_by_host(self) -> list[str]:
-        """The replica lists given as `auto` (still to be sized: `hybridrec.app.layout.fit`)."""
+        """The replica lists given as `auto` (still to be sized: `hybridrec.app.plan.layout.fit`)."""
         return [key for key in SIZED_BY_HOST if getattr(self, key) == [AUTO]]
 
     @model_validator(mode="after")

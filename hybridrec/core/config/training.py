@@ -61,7 +61,7 @@ class TrainingConfig(Section):
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the
     rank has a GPU; on CPUs, about half the host shared by the ranks), or by an NN worker started alone from
-    the cores it may run on (hybridrec/app/layout.py)."""
+    the cores it may run on (hybridrec/app/plan/layout.py)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Dense forward/backward in fp32, or under bf16 autocast (GPUs, and CPUs with AVX512-BF16 or AMX:
     about 2x faster matmuls). Parameters, optimizer state, embeddings and the loss stay fp32."""

@@ -157,7 +157,7 @@ class TargetAttention(nn.Module):
     are summed (no softmax, as in DIN, so the weight mass says how much of the history matches).
 
     The recency embedding (position counted back from the newest element) lets the weights fall with age:
-    the synthetic multi-task data plants an effect that does (hybridrec/app/synth_parquet.py)."""
+    the synthetic multi-task data plants an effect that does (hybridrec/app/data/synth_parquet.py)."""
 
     def __init__(self, dim: int, max_len: int, hidden: list[int] = (64, 32)):
         super().__init__()

@@ -8,7 +8,7 @@ import time
 
 import nats
 
-from hybridrec.app.replay import stream_subjects
+from hybridrec.app.data.replay import stream_subjects
 from hybridrec.core.config import load_config
 
 WAIT_S = 600

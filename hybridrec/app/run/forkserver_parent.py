@@ -1,5 +1,5 @@
-"""The fork servers' parent program: `python -m hybridrec.app.forkserver_parent [--dense]`, started by
-`hybridrec.app.forkserver.ForkServer` (the launcher's side, which documents the protocol). It imports what the
+"""The fork servers' parent program: `python -m hybridrec.app.run.forkserver_parent [--dense]`, started by
+`hybridrec.app.run.forkserver.ForkServer` (the launcher's side, which documents the protocol). It imports what the
 services import, then forks a child per request that runs `hybridrec ARGV...` in-process through the CLI.
 
 A module of its own because it runs the CLI, and the CLI (through the launcher) starts it: the launcher's side
@@ -23,7 +23,7 @@ from typing import IO
 
 import setproctitle
 
-from hybridrec.app.forkserver import die_with_parent, libc
+from hybridrec.app.run.forkserver import die_with_parent, libc
 
 PR_SET_NAME = 15
 REPARENT_TIMEOUT_S = 10.0

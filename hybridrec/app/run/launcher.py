@@ -27,13 +27,13 @@ from hybridrec.core.runtime import log, rpc
 from hybridrec.core.config import Config, ConfigError, dump_config, from_dict
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.model.evaluation import find_oracle
-from hybridrec.app.ports import free_port
-from hybridrec.app.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
-from hybridrec.app.job_plan import JobPlan
-from hybridrec.app.layout import Layout
-from hybridrec.app.report import write_report
-from hybridrec.app.report_plots import preload_plots
-from hybridrec.app.report_series import Recorder
+from hybridrec.app.run.ports import free_port
+from hybridrec.app.run.forkserver import FORK_ENV, Forked, ForkServerError, ForkServers, die_with_parent, needs_dense
+from hybridrec.app.plan.job_plan import JobPlan
+from hybridrec.app.plan.layout import Layout
+from hybridrec.app.report.write import write_report
+from hybridrec.app.report.plots import preload_plots
+from hybridrec.app.report.series import Recorder
 from hybridrec.core.runtime.service import EXIT_PEER_LOST, SERVICE_KINDS, SERVICES, ServiceKind
 from hybridrec.core.layouts.summary import (SUMMARY_FILE, Phases, Recovery, RunSummary, ServiceInfo, StreamSummary,
                                             write_services)
@@ -156,7 +156,7 @@ class LocalCluster:
                  forkserver: ForkServers | None = None):
         self.config, self.run_dir, self.procs, self.restarts = config, Path(run_dir), procs, restarts
         self.forkserver = forkserver
-        """Forks the services (hybridrec/app/forkserver.py); without one, or for a process run inside a
+        """Forks the services (hybridrec/app/run/forkserver.py); without one, or for a process run inside a
         `prefix` (the testbed's network namespaces), each is started by executing `hybridrec serve`."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         rpc.use_tls(config.cluster.tls)
@@ -516,7 +516,7 @@ def run_local(config: Config, run_dir: Path, *, progress=None, check_model: bool
     recorder = Recorder(ranks=len(config.cluster.nn_workers))  # t = 0: launch
     broker = None
     if config.data.stream is not None and config.data.stream.url is None:  # a broker of its own for the run
-        from hybridrec.app.broker import LocalBroker, with_url
+        from hybridrec.app.run.broker import LocalBroker, with_url
 
         broker = LocalBroker(run_dir)
         config = with_url(config, broker.start(config.data.stream, partitions=len(config.cluster.dataloader)))

@@ -7,7 +7,7 @@ container's /tmp), so every PS shard, embedding worker and data loader of a cont
 same kernels again at every start: about half a minute of both cores for the compose cluster on the 2-vCPU
 development machine, before anything trained.
 
-The image build runs `python -m hybridrec.app.numba_seed` with `NUMBA_CACHE_DIR` pointing into the image
+The image build runs `python -m hybridrec.app.run.numba_seed` with `NUMBA_CACHE_DIR` pointing into the image
 (`deploy/Dockerfile`): it calls every service's warm-up, which compiles its kernels into that directory. Each
 `hybridrec` command then starts with `seed()`: when `HYBRIDREC_NUMBA_SEED` names that directory and the
 container's `NUMBA_CACHE_DIR` does not exist yet, it is copied there (numba refuses a cache directory it cannot
@@ -55,7 +55,7 @@ def compile_all(scratch: Path) -> None:
     update and sweep (on a scratch table under `scratch`), the NN worker's CPU pooling and progressive window, the
     inference service's table lookup, and the synthetic data writer's."""
     from hybridrec.core.model import bag_kernels, table_lookup
-    from hybridrec.app.synth import synthesize
+    from hybridrec.app.data.synth import synthesize
     from hybridrec.core.config import Config
     from services.dataloader import tsv
     from services.embedding_ps.server import warm_up as warm_up_ps

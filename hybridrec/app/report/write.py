@@ -29,9 +29,9 @@ from typing import Any
 
 
 from hybridrec.core.layouts.summary import SUMMARY_FILE, ServiceInfo, read_services
-from hybridrec.app.report_page import render_page, screenshot
-from hybridrec.app.report_plots import _plot_all
-from hybridrec.app.report_series import Recorder
+from hybridrec.app.report.page import render_page, screenshot
+from hybridrec.app.report.plots import _plot_all
+from hybridrec.app.report.series import Recorder
 
 def write_report(run_dir: Path, run: Any, series: Recorder, *, error: str | None = None,
                  services: list[ServiceInfo] | None = None) -> Path:

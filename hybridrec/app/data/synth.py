@@ -1,7 +1,8 @@
 """Synthetic Criteo-format data drawn from a planted click model.
 
 Runs wherever the data is prepared (``hybridrec data synth``), not in a
-training service, so it lives in the shared package and imports no service. It exists so that every part of the trainer can be tested
+training service, so it lives in the app (hybridrec/app/data/) and imports no
+service. It exists so that every part of the trainer can be tested
 end to end against a known answer: the true click probability of every eval
 row is known, so ``oracle.json`` records the best AUC any model can reach,
 and a training run is judged by its distance to that oracle.

@@ -366,3 +366,77 @@ async def replay(files: list[Path] | ReplayFiles, *, url: str, subject: str, str
         await publisher.close()
     return ReplayResult(event - first_event, messages, seconds, first_event, last, checked.format,
                         publisher.reconnects)
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+class ReplayRefused(Exception):
+    """What `hybridrec data replay` refuses or could not do, the message as the CLI prints it."""
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """The options of `hybridrec data replay`, as given (see its --help)."""
+
+    files: list[Path]
+    to: str
+    rate: float = 10_000.0
+    stream: str = "HYBRIDREC_EVENTS"
+    rows_per_message: int = 100
+    first_event: int = 0
+    limit: int | None = None
+    partitions: int = 1
+    config_path: Path | None = None
+    overrides: list[str] | None = None
+    columns: str | None = None
+    retry_s: float = 120.0
+
+
+def publish(request: ReplayRequest) -> str:
+    """Check every file, then replay them as `request` says; the line to print. ReplayRefused naming the
+    option, the file or the broker that stopped it."""
+    from hybridrec.core.layouts.event_stream import split_target
+
+    try:
+        url, subject = split_target(request.to)
+    except ValueError as exc:
+        raise ReplayRefused(f"--to: {exc}") from None
+    if request.config_path is not None and request.columns:
+        raise ReplayRefused("--config and --columns: name the columns one way")
+    checked = _checked_files(request)
+    try:
+        result = asyncio.run(replay(checked, url=url, subject=subject, stream=request.stream, rate=request.rate,
+                                    rows_per_message=request.rows_per_message, first_event=request.first_event,
+                                    limit=request.limit, partitions=request.partitions, retry_s=request.retry_s))
+    except ValueError as exc:
+        raise ReplayRefused(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a broker that is not there: nats-py raises several kinds
+        raise ReplayRefused(f"--to {request.to}: {type(exc).__name__}: {exc}") from None
+    return _published(result, subject, request)
+
+
+def _checked_files(request: ReplayRequest) -> ReplayFiles:
+    """Every file checked before anything is published, against --config's columns or --columns."""
+    from hybridrec.core.config import ConfigError, load_config
+
+    try:
+        config = load_config(request.config_path, request.overrides or []) if request.config_path is not None \
+            else None
+    except ConfigError as exc:
+        raise ReplayRefused(str(exc)) from None
+    columns = [c.strip() for c in request.columns.split(",") if c.strip()] if request.columns else None
+    try:
+        return check_files(request.files, config=config, columns=columns)
+    except ReplayInputError as exc:
+        raise ReplayRefused(str(exc)) from None
+
+
+def _published(result: ReplayResult, subject: str, request: ReplayRequest) -> str:
+    kind = "" if result.format == "tsv" else " (Arrow record batches)"
+    restarts = f"; {result.reconnects} reconnection{'s' if result.reconnects != 1 else ''}" if result.reconnects \
+        else ""
+    partitions = request.partitions
+    return (f"published {result.events:,} events ({result.first_event}..{result.first_event + result.events - 1}) "
+            f"in {result.messages:,} messages{kind} to {subject}"
+            f"{f' (.0 to .{partitions - 1})' if partitions > 1 else ''} in {result.seconds:.1f} s "
+            f"({result.events / max(result.seconds, 1e-9):,.0f} events/s); stream {request.stream} ends at "
+            f"{result.last_seq}{restarts}")

@@ -106,3 +106,12 @@ def export(source: Path, out: Path, *, quantize: str | None = None) -> tuple[Pat
     except BaseException:
         writer.abort()
         raise
+
+
+def describe(out: Path, checkpoint: Path, manifest: BundleManifest, seconds: float) -> str:
+    """What `hybridrec export` prints: the bundle, where it was read from, its step, shards, rows and size."""
+    size = sum(entry.bytes for entry in manifest.files.values())
+    rows = ", ".join(f"{n:,} of width {dim}" for dim, n in sorted(manifest.rows.items()))
+    return (f"wrote {out} from {checkpoint} in {seconds:.1f} s: step {manifest.step}, "
+            f"{manifest.num_shards} shard(s), rows {rows or 'none'}"
+            f"{f' ({manifest.quantization})' if manifest.quantization else ''}, {size / 2**20:.1f} MiB")

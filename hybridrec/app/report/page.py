@@ -1,6 +1,6 @@
 """The run report's page: numbers formatted for people, the self-contained HTML, and headless Chromium
-(render checks, screenshots). The plots are `hybridrec.app.report_plots`; the recorder and `write_report` are
-`hybridrec.app.report`."""
+(render checks, screenshots). The plots are `hybridrec.app.report.plots`; the recorder `hybridrec.app.report.series`,
+`write_report` `hybridrec.app.report.write`."""
 from __future__ import annotations
 
 import html
@@ -11,11 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridrec.app.report_series import num as _num
+from hybridrec.app.report.series import num as _num
 from hybridrec.core.layouts.summary import ServiceInfo, describe_store_loss, task_entries, task_row
 
 if TYPE_CHECKING:
-    from hybridrec.app.report_series import Recorder
+    from hybridrec.app.report.series import Recorder
 
 PLOTS = ("loss_auc", "throughput", "staleness", "resources")
 TITLES = {"loss_auc": "Loss and progressive AUC, per NN worker", "throughput": "Training throughput, all NN workers",

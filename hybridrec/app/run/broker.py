@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hybridrec.core.runtime import log
-from hybridrec.app.ports import free_port
+from hybridrec.app.run.ports import free_port
 from hybridrec.core.config import Config, ConfigError, StreamConfig
 
 START_TIMEOUT_S = 20.0
@@ -79,7 +79,7 @@ async def create_stream(url: str, stream: StreamConfig, partitions: int = 1) -> 
     loader) on the broker at `url`."""
     import nats
 
-    from hybridrec.app.replay import stream_subjects
+    from hybridrec.app.data.replay import stream_subjects
 
     nc = await nats.connect(url, connect_timeout=5)
     try:

@@ -1,5 +1,5 @@
 """The run report's plots (matplotlib, PNG): phases shaded from t = 0, titled in words, legends below the
-axes. Drawn by `hybridrec.app.report.write_report` from the launcher's `Recorder`."""
+axes. Drawn by `hybridrec.app.report.write.write_report` from the launcher's `Recorder`."""
 from __future__ import annotations
 
 import functools
@@ -8,10 +8,10 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from hybridrec.app.report_page import PHASE_COLORS, PLOTS, _get, _num, fmt_rate, fmt_sig, phase_spans
+from hybridrec.app.report.page import PHASE_COLORS, PLOTS, _get, _num, fmt_rate, fmt_sig, phase_spans
 
 if TYPE_CHECKING:
-    from hybridrec.app.report_series import Recorder
+    from hybridrec.app.report.series import Recorder
 
 
 def _shade(ax, phases: dict, *, label: bool, names: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""`hybridrec plan`: memory of the embedding PS before renting the machines.
+"""`hybridrec plan`'s figures: memory of the embedding PS before renting the machines (show.py prints them).
 
 Part of the app (it runs in the CLI only); its numbers come from the PS store's own layout
 (`store_files.planned_shm_bytes`): the values array (embedding + optimizer

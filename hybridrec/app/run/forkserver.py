@@ -120,7 +120,7 @@ class ForkServer:
         if libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ForkServerError(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
         # --for: which run it serves, for ps and top (the parent itself does not need it)
-        cmd = [sys.executable, "-m", "hybridrec.app.forkserver_parent", "--for", str(self.log_path.parent),
+        cmd = [sys.executable, "-m", "hybridrec.app.run.forkserver_parent", "--for", str(self.log_path.parent),
                *(["--dense"] if self.dense else [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:

@@ -2,7 +2,7 @@
 
 `JobPlan.of(config, layout)` lists every replica of every service with its host, port and part of the job (PS
 shards and the widths and rows each holds; NN ranks, their backend and threads; data loaders; embedding
-workers), the PS stores, and the memory, store files and disk one PS shard needs (`hybridrec.app.plan`).
+workers), the PS stores, and the memory, store files and disk one PS shard needs (`hybridrec.app.plan.memory`).
 `hybridrec run` writes it to the run directory as `plan.json` once the services' ports are chosen, before
 any starts; `hybridrec plan --config` prints the same table from a config. Plain frozen dataclasses: the plan
 holds no process, socket or file, so anything that reads `plan.json` gets the same picture.
@@ -53,7 +53,7 @@ class StorePlan:
 @dataclass(frozen=True)
 class JobPlan:
     layout: str
-    """How the replica counts were chosen (`hybridrec.app.layout.Layout.line`), or "as configured"."""
+    """How the replica counts were chosen (`hybridrec.app.plan.layout.Layout.line`), or "as configured"."""
     mode: str
     backend: str
     torch_threads: int | str
@@ -71,7 +71,7 @@ class JobPlan:
     def of(cls, config: Config, layout=None) -> "JobPlan":
         """The plan of `config` (its replica lists and threads sized already: `layout.fit`); `layout`: how they
         were chosen, for the record."""
-        from hybridrec.app.plan import plan_config
+        from hybridrec.app.plan.memory import plan_config
 
         memory = plan_config(config)
         stores = tuple(StorePlan(s["dim"], s["rows_per_shard"], s["disk_rows_per_shard"], s["stripes"])
@@ -88,7 +88,7 @@ class JobPlan:
 
     def lines(self) -> list[str]:
         """The plan as a table: one line per replica, then the PS's stores and memory."""
-        from hybridrec.app.plan import human
+        from hybridrec.app.plan.memory import human
 
         out = [f"job: {self.mode} mode, {self.backend} backend, {self.torch_threads} torch thread(s) per NN worker; "
                f"{self.layout}"]
