@@ -1,5 +1,5 @@
 """The CLI is thin: hybridrec/app/cli/ is a package of command groups, and every command function checks its
-options and calls the module that owns the work (issue 67). A command's body (after its signature and
+options and calls the module that owns the work. A command's body (after its signature and
 docstring) is at most 20 lines, so work that grows goes where it belongs, not into the command."""
 from __future__ import annotations
 
