@@ -32,37 +32,43 @@ import asyncio
 import shutil
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from pydantic import Field
 
 from hybridrec.core.runtime import log, rpc
 from hybridrec.core.layouts.bundle import (CONFIG, DENSE, MANIFEST, BundleManifest, FileEntry, file_entry, input_types,
                              write_config)
 from hybridrec.core.config import Config
 from hybridrec.core.layouts.files import write_json_atomic
+from hybridrec.core.layouts.summary import PublishSummary
 from hybridrec.core.wire.proto import pb
 from hybridrec.core.layouts.versions import compact, newest_version_number, version_dir
 
 PS_TIMEOUT_S = 600.0
 
 
-@dataclass
-class PublishStats:
-    published: int = 0
-    full: int = 0
-    skipped: int = 0
-    failed: int = 0
-    last_version: int | None = None
-    last_step: int | None = None
-    seconds: list[float] = field(default_factory=list)
+class PublishStats(PublishSummary):
+    """The publisher's record as it goes: the run summary's counters (`PublishSummary`'s fields, defined
+    once there) and the figures of each version that the summary's means and maximum are made of."""
+
+    seconds: list[float] = Field(default_factory=list)
     """Wall time of each published version, from the dense copy to the manifest."""
-    delta_rows: list[int] = field(default_factory=list)
+    delta_rows: list[int] = Field(default_factory=list)
     """Rows written by each delta version (all shards and widths)."""
-    full_rows: list[int] = field(default_factory=list)
+    full_rows: list[int] = Field(default_factory=list)
+    """Rows written by each full snapshot."""
+
+    def summary(self, directory: str) -> PublishSummary:
+        """The run summary's `publish` field: the counters, and each figure's mean (none without versions)."""
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        counters = self.model_dump(include=set(PublishSummary.model_fields))
+        return PublishSummary(**{**counters, "mean_s": mean(self.seconds), "max_s": max(self.seconds, default=None),
+                                 "mean_delta_rows": mean(self.delta_rows), "mean_full_rows": mean(self.full_rows),
+                                 "directory": directory})
 
 
 class Publisher:
@@ -209,14 +215,9 @@ class Publisher:
         manifest.created = time.time()
         write_json_atomic(path / MANIFEST, manifest.model_dump(mode="json"))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> PublishSummary:
         """What goes into the run summary's `publish` field."""
-        s = self.stats
-        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        return {"published": s.published, "full": s.full, "skipped": s.skipped, "failed": s.failed,
-                "last_version": s.last_version, "last_step": s.last_step, "mean_s": mean(s.seconds),
-                "max_s": max(s.seconds, default=None), "mean_delta_rows": mean(s.delta_rows),
-                "mean_full_rows": mean(s.full_rows), "directory": str(self.root)}
+        return self.stats.summary(str(self.root))
 
     def metrics(self) -> dict[str, float]:
         s = self.stats

@@ -182,7 +182,7 @@ def disk_tier_totals(shards: list[pb.RecoveryStats]) -> DiskTierSummary | None:
 
 
 def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.ndarray, *, started: float,
-                  data: dict, publish: dict | None = None,
+                  data: dict, publish: PublishSummary | None = None,
                   progressive: list[WindowMetrics] | None = None) -> RunSummary:
     """Rank 0's summary of the run from the reduced counters and every rank's eval predictions, and the
     recovery and lifecycle counters of the embedding workers and PS shards (Stats RPCs: a few milliseconds).
@@ -210,7 +210,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
         oracle_auc=find_oracle(config) if tasks is None and every[0].kind == "binary" else every[0].oracle_auc,
         wall_s=time.monotonic() - started, data=data,
         train_started_at=totals.get("train_started_at"), train_ended_at=totals.get("train_ended_at"),
-        publish=PublishSummary(**publish) if publish is not None else None, ps_storage=str(config.ps.storage),
+        publish=publish, ps_storage=str(config.ps.storage),
         **_progressive(progressive if every[0].kind == "binary" else None),
         **recovered,
     )

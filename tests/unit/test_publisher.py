@@ -80,7 +80,8 @@ def test_full_every_deltas_refusals_failures_and_the_final_version(tmp_path):
 
     publisher = asyncio.run(go())
     s = publisher.summary()
-    assert (s["published"], s["full"], s["failed"], s["skipped"], s["last_version"]) == (7, 4, 1, 0, 8)
+    assert (s.published, s.full, s.failed, s.skipped, s.last_version) == (7, 4, 1, 0, 8)
+    assert s.mean_s is not None and s.max_s >= s.mean_s and s.directory == str(publisher.root)
     versions, other = list_versions(publisher.root)
     assert [v.version for v in versions] == [7, 8] and not other  # compacted: keep=1, newest full is 7
     snapshot = Follower(publisher.root).poll()
