@@ -15,12 +15,15 @@ worker (round robin) which answers a batch_ref; the dense half then goes with
 that batch_ref to its NN rank through a per-rank sender, so each rank receives
 its batches in order while different ranks are fed concurrently. The process
 exits 0 after it has sent the end of evaluation to every rank.
+
+What it reads is one `TrainingSource` (sources.py), files or a stream, chosen
+once as it starts; `serve` reads top to bottom: checks, the host, the source,
+then `send_data` (the resume plan, the training data, the eval data).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +40,8 @@ from hybridrec.core.layouts import checkpoints
 from services.dataloader.delivery import END, Window, deliver
 from services.dataloader.resume import PhaseResume, Resume, plan
 from services.dataloader.batching import Position, ReadCounters, Rows, deal_evenly, iter_batches
-from services.dataloader import stream
-from services.dataloader.sources import check_prepared, check_splits, eval_rows as read_eval_rows, train_batches
-from services.dataloader.stream import EventSource, NatsSource, StreamAccount
+from services.dataloader.sources import TrainingSource, check_prepared, check_splits, eval_rows as read_eval_rows
+from services.dataloader.sources import training_source
 
 _DONE = object()
 IDLE_PROBE_S = 2.0
@@ -310,22 +312,12 @@ def max_batches(config: Config, loader: int) -> int | None:
 
 
 async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters,
-                        stream_parts: tuple[EventSource, StreamAccount] | None = None) -> int:
-    """Read and send the training stream from `resume` on (with `data.stream`, from `stream_parts`: the source
-    and its account); returns the number of batches sent."""
-    training, num_ranks = config.training, len(config.cluster.nn_workers)
+                        source: TrainingSource) -> int:
+    """Read and send the training batches of `source` from `resume` on; returns the number of batches sent."""
     first_seq, loader = resume.train.first_seq, dispatcher.loader
-    if stream_parts is not None:
-        source, account = stream_parts
-        account.inherit(resume.position)  # a restarted loader goes on with its predecessor's account and cuts
-        await asyncio.get_running_loop().run_in_executor(dispatcher.executor, source.start, resume.position)
-        dispatcher.on_trained = account.trained
-        batches = stream.iter_train_batches(source, account, config.data.stream, start=resume.position,
-                                            batch_size=training.batch_size,
-                                            reader=stream.MessageReader(config, source.subject), counters=counts)
-    else:
-        batches = train_batches(config, counts, resume.position, loader)
-    items = deal_evenly(batches, num_ranks, counts)
+    await source.open(resume.position, dispatcher.executor)  # a stream: a predecessor's account, the consumer
+    dispatcher.on_trained = source.on_trained
+    items = deal_evenly(source.batches(resume.position, counts), len(config.cluster.nn_workers), counts)
     if (limit := max_batches(config, loader)) is not None:
         items = itertools.islice(items, max(0, limit - first_seq))
 
@@ -335,72 +327,71 @@ async def send_training(config: Config, dispatcher: Dispatcher, resume: Resume, 
     return await dispatcher.run_phase("train", items, end_meta, resume.train)
 
 
-async def serve(config: Config, replica: int) -> None:
+async def send_eval(config: Config, dispatcher: Dispatcher, resume: Resume, counts: ReadCounters) -> int:
+    """Read and send the eval data (this loader's split), dealt round robin, leaving out what each rank holds."""
+    num_ranks = len(config.cluster.nn_workers)
+    rows = read_eval_rows(config, counts, dispatcher.loader)
+    items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(rows, config.training.eval_batch_size)))
+    return await dispatcher.run_phase("eval", items, lambda: vars(counts).copy(), resume.eval)
+
+
+async def resume_plan(config: Config, dispatcher: Dispatcher) -> Resume:
+    """Where this loader's streams continue, from what the ranks hold and the newest checkpoint (resume.py);
+    logged as `resuming` unless it is a first start."""
+    resume = plan(await dispatcher.received(), checkpoint_point(config, dispatcher.loader))
+    if resume.source != "start" or resume.train.skip_through or resume.train_done:
+        log.get().warning("resuming", source=resume.source, seq=resume.train.first_seq,
+                          position=resume.position.as_list(), train_done=resume.train_done,
+                          held=list(resume.train.skip_through), notes=resume.notes)
+    return resume
+
+
+async def send_data(config: Config, host: ServiceHost, dispatcher: Dispatcher, source: TrainingSource) -> None:
+    """Once the workers serve: the training data from where the ranks (or the checkpoint) left it, unless every
+    rank has all of it, then the eval data; with `source.waits_after_evaluation`, until every rank is past
+    training."""
+    await rpc.wait_until_serving(config.cluster.embedding_workers + config.cluster.nn_workers,
+                                 timeout_s=config.cluster.start_timeout_s * 5, what="workers")
+    started = time.monotonic()
+    train_counts, eval_counts = ReadCounters(), ReadCounters()
+    dispatcher.servicer.reads = [train_counts, eval_counts]
+    resume = await resume_plan(config, dispatcher)
+    if resume.train_done:  # every rank has the end of training
+        await source.settle_trained()
+    else:
+        n = await send_training(config, dispatcher, resume, train_counts, source)
+        host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
+        await source.end_training(dispatcher.wait_trained)
+    n = await send_eval(config, dispatcher, resume, eval_counts)
+    host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
+    if source.waits_after_evaluation and await dispatcher.wait_trained():
+        host.log.info("ranks_past_training", wall_s=round(time.monotonic() - started, 2))
+
+
+def check_replica(config: Config, replica: int) -> None:
+    """ConfigError for a replica number that `cluster.dataloader` does not list."""
     loaders = len(config.cluster.dataloader)
     if not 0 <= replica < loaders:
         raise ConfigError(f"--replica {replica}: cluster.dataloader lists {loaders} data loader"
                           f"{'s' if loaders != 1 else ''} (0..{loaders - 1})")
+
+
+async def serve(config: Config, replica: int) -> None:
+    """Data loader `replica`: check its data, serve, send its training and eval data (`send_data`), exit."""
+    check_replica(config, replica)
     check_prepared(config)  # bad prepared data stops the loader at once, naming the file (not once workers are up)
     check_splits(config)  # as does a layout that leaves a loader no training data, naming cluster.dataloader
     host = ServiceHost("dataloader", config, replica)
     servicer = DataLoaderServicer(replica)
     host.add(servicer, servicer.stats)
-    training = config.training
-    num_ranks = len(config.cluster.nn_workers)
     await host.start()
     await host.set_serving(True)
     dispatcher = Dispatcher(config, servicer, replica)
-
-    async def main() -> None:
-        await rpc.wait_until_serving(config.cluster.embedding_workers + config.cluster.nn_workers,
-                                     timeout_s=config.cluster.start_timeout_s * 5, what="workers")
-        started = time.monotonic()
-        train_counts, eval_counts = ReadCounters(), ReadCounters()
-        servicer.reads = [train_counts, eval_counts]
-        resume = plan(await dispatcher.received(), checkpoint_point(config, replica))
-        if resume.source != "start" or resume.train.skip_through or resume.train_done:
-            host.log.warning("resuming", source=resume.source, seq=resume.train.first_seq,
-                             position=resume.position.as_list(), train_done=resume.train_done,
-                             held=list(resume.train.skip_through), notes=resume.notes)
-        if not resume.train_done:
-            n = await send_training(config, dispatcher, resume, train_counts,
-                                    (source, account) if source is not None else None)
-            host.log.info("train_data_sent", batches=n, **vars(train_counts), wall_s=round(time.monotonic() - started, 2))
-            if source is not None:  # the last messages, acknowledged once all is trained: before evaluation, while
-                if await dispatcher.wait_trained():  # every rank is there to ask (it waits for the eval data)
-                    account.settle_held()  # a predecessor's batches the ranks held: trained with the rest
-                    # the partition's end marker, or a last message skipped as bad: passed, once all is trained
-                    source.ack_through(max(account.end_marker or 0, account.read_through))
-                await asyncio.get_running_loop().run_in_executor(None, source.finish, config.cluster.retry_s)
-                account.write_summary()
-                host.log.info("stream_trained", **account.summary().model_dump(exclude={"lag_histogram"}))
-        elif account is not None:  # every rank has the end of training: the predecessor's account, settled
-            await asyncio.get_running_loop().run_in_executor(None, account.settle_finished, config.cluster.retry_s)
-        eval_rows = read_eval_rows(config, eval_counts, replica)
-        eval_items = ((i % num_ranks, b, None) for i, b in enumerate(iter_batches(eval_rows, training.eval_batch_size)))
-        n = await dispatcher.run_phase("eval", eval_items, lambda: vars(eval_counts).copy(), resume.eval)
-        host.log.info("eval_data_sent", batches=n, **vars(eval_counts))
-        if loaders > 1 and source is None:  # the other loaders' batches may keep the ranks training a while: a
-            if await dispatcher.wait_trained():  # replacement of a rank lost meanwhile still gets this loader's share
-                host.log.info("ranks_past_training", wall_s=round(time.monotonic() - started, 2))
-
-    source = account = None
-    if config.data.stream is not None:
-        if config.data.stream.url is None:
-            raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
-                              "hybridrec serve dataloader needs nats://HOST:PORT)")
-        source = NatsSource(config.data.stream, config.data.stream.url, retry_s=config.cluster.retry_s,
-                            partition=stream.partition(replica, loaders))
-        account = StreamAccount(source, output_dir=config.output.dir, partition=stream.partition(replica, loaders),
-                                job=config.checkpoint.job_id)
-
-        def end_stream() -> None:  # SIGUSR1: training ends with what was read (hybridrec run's first Ctrl-C)
-            host.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")
-            account.stopping.set()
-
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, end_stream)
+    source: TrainingSource | None = None
     try:
-        await host.run_until_stopped(asyncio.ensure_future(main()))
+        source = training_source(config, replica)  # files or a stream, chosen once
+        source.handle_signals(asyncio.get_running_loop())
+        await host.run_until_stopped(asyncio.ensure_future(send_data(config, host, dispatcher, source)))
     finally:
         await dispatcher.close()
         if source is not None:

@@ -6,18 +6,29 @@ parsing); what comes out is the same `Rows` type, so batching, dealing and
 the frames are one path for all three. A list of files is all raw files or
 all prepared directories: one stream has one kind of `Position`. With several
 data loaders each reads its own split of the files (`split`, splits.py).
+
+The training data is one `TrainingSource`, chosen once for the config
+(`training_source`): the files through one of the three readers, or a stream
+(`data.stream`, stream.py's `StreamSource`). Each reader is behind the same
+`batches(start, counters)`, and what only a stream does (acknowledge what is
+trained, settle its account, end on SIGUSR1) is behind the same calls too, so
+the loader's server (server.py) never asks which kind it reads.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+from abc import ABC, abstractmethod
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Awaitable, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 from hybridrec.core.config import Config, ConfigError
 from hybridrec.core.layouts.criteo_format import feature_columns
 from services.dataloader import batching, prepared, splits, tsv
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.splits import Split
+from services.dataloader.stream import StreamSource
 
 
 def is_prepared(paths: Sequence[str], key: str) -> bool:
@@ -114,24 +125,146 @@ def check_splits(config: Config) -> None:
                             "more files, or decompress it (plain TSV is cut into byte ranges)")
 
 
+@runtime_checkable
+class TrainingSource(Protocol):
+    """Where data loader `loader`'s training batches come from: its split of the files (TSV, Parquet, prepared
+    directories) or its partition of a stream. Why one protocol: the server sends any source's batches the same
+    way, and what differs between them (a stream's consumer, acknowledgements, account and SIGUSR1) is behind
+    these calls, which a file source answers by doing nothing (`FileSource`)."""
+
+    kind: str
+    """tsv, parquet, prepared or stream: which reader this is."""
+    on_trained: Callable[[list[Position]], None] | None
+    """Called with the positions after training batches newly known trained, in order (a stream acknowledges
+    their messages and counts their lag); None: the source needs no word of it (files)."""
+    waits_after_evaluation: bool
+    """After sending its eval data the loader waits until every rank is past training (files with several
+    loaders: the other loaders' batches may keep the ranks training a while, and a replacement of a rank lost
+    meanwhile still gets this loader's share; a stream has waited for that at the end of training)."""
+
+    def handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Install what the source answers to on `loop` (a stream: SIGUSR1 ends training with what was read)."""
+
+    async def open(self, start: Position, executor: Executor) -> None:
+        """Before the first batch: get ready to read from `start` (a stream: its predecessor's account, the
+        consumer at `start`, connected on `executor`, the loader's reader thread)."""
+
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        """Training batches of `training.batch_size` rows (a file's last may be smaller; a stream's too, when it
+        pauses) from `start` on, each with the position right after it; what was read counted in `counters`."""
+
+    async def end_training(self, wait_trained: Callable[[], Awaitable[bool]]) -> None:
+        """After the training data is sent (a stream: once all is trained, `wait_trained`, its last messages
+        acknowledged and its account written)."""
+
+    async def settle_trained(self) -> None:
+        """Every rank already had the end of training when this loader started: settle what a predecessor read
+        (a stream: its account, and its messages acknowledged)."""
+
+    def close(self) -> None:
+        """Let go of what the source holds (a stream: its consumer's connection and thread)."""
+
+
+class FileSource(ABC):
+    """Data loader `loader`'s split of the `data.train` files through one of the three file readers. Why a base
+    class: files need none of a stream's calls, so they are no-ops once here and each reader says only how it
+    reads (`batches`); the split is computed when reading starts, as the readers always did."""
+
+    kind = "files"
+    on_trained = None
+
+    def __init__(self, config: Config, loader: int = 0):
+        self.config, self.loader = config, loader
+        self.waits_after_evaluation = len(config.cluster.dataloader) > 1
+
+    @abstractmethod
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        """See `TrainingSource.batches`."""
+
+    def split(self) -> Split | None:
+        return split(self.config, "data.train", self.loader)
+
+    def handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    async def open(self, start: Position, executor: Executor) -> None:
+        pass
+
+    async def end_training(self, wait_trained: Callable[[], Awaitable[bool]]) -> None:
+        pass
+
+    async def settle_trained(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TsvSource(FileSource):
+    """Criteo TSV files (plain or gzip), through `batching.iter_train_batches` and the TSV reader."""
+
+    kind = "tsv"
+
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        data, training = self.config.data, self.config.training
+        part = self.split()
+        columns, groups = feature_columns(self.config.features)
+        return batching.iter_train_batches(data.train, epochs=training.epochs, batch_size=training.batch_size,
+                                           columns=columns, groups=groups, bad_lines=data.bad_lines,
+                                           counters=counters, start=start, split=part, non_finite=data.non_finite)
+
+
+class ParquetSource(FileSource):
+    """Parquet files (`data.format: parquet`), through `parquet.iter_train_batches`."""
+
+    kind = "parquet"
+
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        data, training = self.config.data, self.config.training
+        part = self.split()
+        from services.dataloader import parquet  # pyarrow: imported where Parquet is read (see eval_rows)
+
+        return parquet.iter_train_batches(data.train, parquet.ParquetSpec.from_config(self.config),
+                                          epochs=training.epochs, batch_size=training.batch_size,
+                                          bad_lines=data.bad_lines, counters=counters, start=start, split=part,
+                                          non_finite=data.non_finite)
+
+
+class PreparedSource(FileSource):
+    """Directories written by `hybridrec data prepare`, through `prepared.iter_train_batches` (memory-mapped).
+    A resume position outside the data is refused when `batches` is called, naming it."""
+
+    kind = "prepared"
+
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        return prepared.iter_train_batches(self.config.data.train, self.config, counters=counters, start=start,
+                                           split=self.split())
+
+
+def file_source(config: Config, loader: int = 0) -> FileSource:
+    """The reader of data loader `loader`'s split of `data.train`'s files, by what they are: prepared
+    directories, else `data.format` (ConfigError for a list mixing prepared directories and raw files)."""
+    if is_prepared(config.data.train, "data.train"):
+        return PreparedSource(config, loader)
+    if config.data.format == "parquet":
+        return ParquetSource(config, loader)
+    return TsvSource(config, loader)
+
+
+def training_source(config: Config, loader: int = 0) -> TrainingSource:
+    """The one choice of data loader `loader`'s training data: its partition of `data.stream` when one is
+    configured (ConfigError when it names no broker), else its split of the `data.train` files."""
+    if config.data.stream is not None:
+        return StreamSource(config, loader)
+    return file_source(config, loader)
+
+
 def train_batches(config: Config, counters: ReadCounters, start: Position = Position(), loader: int = 0
                   ) -> Iterator[tuple[Rows, Position]]:
     """Training batches of `training.batch_size` rows (a file's last may be smaller) from `start` on, of data
-    loader `loader`'s split of the files."""
-    data, training = config.data, config.training
-    part = split(config, "data.train", loader)
-    if is_prepared(data.train, "data.train"):
-        return prepared.iter_train_batches(data.train, config, counters=counters, start=start, split=part)
-    if data.format == "parquet":
-        from services.dataloader import parquet  # pyarrow: imported where Parquet is read (see eval_rows)
-
-        return parquet.iter_train_batches(data.train, parquet.ParquetSpec.from_config(config), epochs=training.epochs,
-                                          batch_size=training.batch_size, bad_lines=data.bad_lines,
-                                          counters=counters, start=start, split=part, non_finite=data.non_finite)
-    columns, groups = feature_columns(config.features)
-    return batching.iter_train_batches(data.train, epochs=training.epochs, batch_size=training.batch_size,
-                                       columns=columns, groups=groups, bad_lines=data.bad_lines, counters=counters,
-                                       start=start, split=part, non_finite=data.non_finite)
+    loader `loader`'s split of the files (whatever `data.stream` says: the files' reader, as checks, tests and
+    benchmarks read them)."""
+    return file_source(config, loader).batches(start, counters)
 
 
 def eval_rows(config: Config, counters: ReadCounters, loader: int = 0) -> Iterator[Rows]:

@@ -38,6 +38,9 @@ end), which is how a partition whose last data message ends before `until_event`
 come to it. A marker that ends a partition is acknowledged once every batch before it is trained; one that
 does not (an earlier replay's) is passed over.
 
+`StreamSource` is all of it as the loader's `TrainingSource` (sources.py): the consumer, its account, and what
+ends a stream's training.
+
 nats-py is asyncio; the loader's reader runs on a thread of its own (the event loop serves RPCs), so the
 consumer runs on another thread with its own event loop, and hands messages over through a bounded queue.
 """
@@ -47,11 +50,13 @@ import asyncio
 import json
 import math
 import queue
+import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import numpy as np
 import uvloop
@@ -819,3 +824,68 @@ def iter_train_batches(source: EventSource, account: StreamAccount, config: Stre
     account.read_through = position.offset  # acknowledged once all is trained: a skipped last message too
     if held:
         yield batch()
+
+
+class StreamSource:
+    """`data.stream` as the data loader's `TrainingSource` (sources.py): partition `partition(loader, loaders)` of
+    the subject through a `NatsSource` and its `StreamAccount`. Why one object: the consumer, its account and what
+    ends a stream's training (acknowledging what is trained, settling a predecessor's account, SIGUSR1) belong
+    together, so the loader's server sends a stream's batches exactly as a file's. Constructing it starts the
+    consumer's thread, not a connection (`open` connects); `events` replaces the NATS consumer (another broker's,
+    or a test's list of messages)."""
+
+    kind = "stream"
+    waits_after_evaluation = False
+
+    def __init__(self, config: Config, loader: int = 0, events: EventSource | None = None):
+        stream = config.data.stream
+        part = partition(loader, len(config.cluster.dataloader))
+        if events is None:
+            if stream.url is None:
+                raise ConfigError("data.stream.url: no broker named (hybridrec run starts one when it is unset; "
+                                  "hybridrec serve dataloader needs nats://HOST:PORT)")
+            events = NatsSource(stream, stream.url, retry_s=config.cluster.retry_s, partition=part)
+        self.config = config
+        self.source = events
+        self.account = StreamAccount(self.source, output_dir=config.output.dir, partition=part,
+                                     job=config.checkpoint.job_id)
+        self.on_trained: Callable[[list[Position]], None] | None = self.account.trained
+        self.log = log.get()
+
+    def handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """SIGUSR1 (`hybridrec run`'s first Ctrl-C): training ends with the events read so far."""
+        def end_stream() -> None:
+            self.log.warning("stream_ending", why="SIGUSR1: training ends with the events read so far")
+            self.account.stopping.set()
+
+        loop.add_signal_handler(signal.SIGUSR1, end_stream)
+
+    async def open(self, start: Position, executor: Executor) -> None:
+        """Go on with a predecessor's account and cuts (`StreamAccount.inherit`), then start the consumer at
+        `start` on `executor` (it connects: blocking)."""
+        self.account.inherit(start)
+        await asyncio.get_running_loop().run_in_executor(executor, self.source.start, start)
+
+    def batches(self, start: Position, counters: ReadCounters) -> Iterator[tuple[Rows, Position]]:
+        return iter_train_batches(self.source, self.account, self.config.data.stream, start=start,
+                                  batch_size=self.config.training.batch_size,
+                                  reader=MessageReader(self.config, self.source.subject), counters=counters)
+
+    async def end_training(self, wait_trained: Callable[[], Awaitable[bool]]) -> None:
+        """The last messages acknowledged once all is trained: before evaluation, while every rank is there to
+        ask (it waits for the eval data); then the broker's hold of the last acknowledgement and the account."""
+        if await wait_trained():
+            self.account.settle_held()  # a predecessor's batches the ranks held: trained with the rest
+            # the partition's end marker, or a last message skipped as bad: passed, once all is trained
+            self.source.ack_through(max(self.account.end_marker or 0, self.account.read_through))
+        await asyncio.get_running_loop().run_in_executor(None, self.source.finish, self.config.cluster.retry_s)
+        self.account.write_summary()
+        self.log.info("stream_trained", **self.account.summary().model_dump(exclude={"lag_histogram"}))
+
+    async def settle_trained(self) -> None:
+        """Every rank has the end of training: the predecessor's account, settled (`settle_finished`)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.account.settle_finished,
+                                                         self.config.cluster.retry_s)
+
+    def close(self) -> None:
+        self.source.close()
