@@ -74,7 +74,10 @@ class PreparedDataError(ConfigError):
     """Prepared data that cannot be used as it is: the message names the file and what to do."""
 
 
-class FileEntry(BaseModel):
+class ShardFile(BaseModel):
+    """One file of a prepared shard. Not a bundle's `FileEntry` (sha256): a shard's digest is `CHECKSUM`, a
+    hash at memory speed, because every data loader start checks every shard file (module docstring)."""
+
     model_config = ConfigDict(extra="forbid")
 
     bytes: int
@@ -98,7 +101,7 @@ class ShardEntry(BaseModel):
     """Parquet: rows with a list longer than its feature's max_len."""
     non_finite_rows: int = 0
     """Rows of the source skipped for a NaN or infinite dense value (`data.non_finite: skip`)."""
-    files: dict[str, FileEntry]
+    files: dict[str, ShardFile]
     """Every file of the shard by name, with size and checksum."""
 
 

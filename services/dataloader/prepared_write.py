@@ -30,7 +30,7 @@ from hybridrec.core.layouts.files import fsync_dir, write_json_atomic
 from hybridrec.core.wire.jagged import KeyedBags
 from services.dataloader import parquet
 from services.dataloader.tsv import read_criteo
-from services.dataloader.prepared import (MANIFEST, FileEntry, Manifest, PreparedDataError, ShardEntry,
+from services.dataloader.prepared import (MANIFEST, Manifest, PreparedDataError, ShardEntry, ShardFile,
                                           SourceEntry, checksum, fingerprint, hybridrec_version, schema,
                                           shard_files)
 
@@ -55,7 +55,7 @@ class _NpyWriter:
             self.file.write(memoryview(array).cast("B"))
         self.rows += array.shape[0]
 
-    def close(self) -> FileEntry:
+    def close(self) -> ShardFile:
         header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
                   "shape": (self.rows, *self.tail)}
         text = repr(header).encode("latin1")
@@ -67,7 +67,7 @@ class _NpyWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        return FileEntry(bytes=self.path.stat().st_size, checksum=checksum(self.path))
+        return ShardFile(bytes=self.path.stat().st_size, checksum=checksum(self.path))
 
 
 @dataclass

@@ -28,7 +28,6 @@ from hybridrec.core.layouts.criteo_format import feature_columns
 from services.dataloader import batching, prepared, splits, tsv
 from services.dataloader.batching import Position, ReadCounters, Rows
 from services.dataloader.splits import Split
-from services.dataloader.stream import StreamSource
 
 
 def is_prepared(paths: Sequence[str], key: str) -> bool:
@@ -255,6 +254,8 @@ def training_source(config: Config, loader: int = 0) -> TrainingSource:
     """The one choice of data loader `loader`'s training data: its partition of `data.stream` when one is
     configured (ConfigError when it names no broker), else its split of the `data.train` files."""
     if config.data.stream is not None:
+        from services.dataloader.stream import StreamSource  # the broker's client: loaded where a stream is read
+
         return StreamSource(config, loader)
     return file_source(config, loader)
 
