@@ -31,8 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrec.core.wire import codec  # noqa: E402
-
-from hybridrec.core.runtime import rpc
+from hybridrec.core.runtime import rpc  # noqa: E402
 from hybridrec.core.wire.frames import Embeddings, Gradients, PSLookup, PSRows, SparseBatch  # noqa: E402
 from hybridrec.core.wire.compress import ValueCodec  # noqa: E402
 from hybridrec.core.config import Config  # noqa: E402

@@ -44,7 +44,6 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.core.layouts import files
-
 from hybridrec.core.runtime import log
 
 _log = log.get(__name__)

@@ -68,7 +68,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from hybridrec.core.layouts import checkpoints
-
 from hybridrec.core.runtime import log
 from hybridrec.core.layouts.files import HashingWriter, fsync_dir
 from services.embedding_ps import row_storage as R

@@ -41,7 +41,6 @@ from typing import Iterable
 import numpy as np
 
 from hybridrec.core.layouts import files
-
 from hybridrec.core.runtime import log
 from hybridrec.core.config import Config, EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import kernels as K

@@ -43,7 +43,6 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from hybridrec.core.layouts import files
-
 from hybridrec.core.runtime import log
 from hybridrec.core.config import FeatureConfig
 from hybridrec.core.wire.frames import INCARNATION_SHIFT, REF_SHIFT

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from hybridrec.core.layouts import checkpoints
-
 from hybridrec.core.runtime import log, rpc
 from hybridrec.core.layouts.checkpoints import JobManifest
 from hybridrec.core.config import Config, ConfigError, Mode, dump_config

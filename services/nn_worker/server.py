@@ -17,7 +17,6 @@ import grpc
 import torch
 
 from hybridrec.core.layouts import checkpoints
-
 from hybridrec.core.runtime import log
 from hybridrec.core.config import AUTO, Config, Mode
 from hybridrec.core.wire.frames import Consumed, DenseBatch, EndOfPhase, Received
