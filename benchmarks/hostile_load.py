@@ -3,8 +3,8 @@ oversized requests as fast as it can, against the same client's latency on the i
 invocation; an inference server (`--target inference`) and a PS shard (`--target ps`). Writes JSON.
 
 The server is `hybridrec serve inference` of a random bundle of the README's shape (26 features, 13 dense).
-The well-formed client sends one-row gRPC requests back to back for --seconds, first alone (idle), then while
-the attacker runs: a process that cycles through a malformed REST body, a REST body past max_request_bytes
+The well-formed client sends one-row gRPC requests back to back for --seconds a phase, alone (idle) and while
+the attacker runs, the phases alternated --rounds times and each kind's latencies pooled: a process that cycles through a malformed REST body, a REST body past max_request_bytes
 (refused from its Content-Length), a gRPC request past it (RESOURCE_EXHAUSTED), a BYTES input whose lengths
 lie, and an input of the wrong datatype. Reported: p50/p99 of each phase, their ratio, the attacker's
 requests per second and the answers it got, and the server's peak RSS against its max_request_bytes. As a
@@ -17,7 +17,7 @@ job's lookup: 50,000 unique IDs with `train`, back to back. The attacker cycles 
 `max_ids` + 1 IDs (read and refused: INVALID_ARGUMENT), an update of as many, a frame past the receive limit
 (RESOURCE_EXHAUSTED before it is read) and a frame bomb (1 MB asking for 4 GiB).
 
-    python benchmarks/hostile_load.py --target both --seconds 20 --out results/hostile_load.json
+    python benchmarks/hostile_load.py --target both --seconds 20 --rounds 3 --out results/hostile_load.json
 """
 from __future__ import annotations
 
@@ -236,29 +236,50 @@ def _attacked(server: Server, target: Server, ids, seconds: float, kinds: list[i
     busy = _latencies(server, ids, seconds)
     attack = results.get(timeout=seconds + 120)
     attacker.join(30)
-    return {"client": _summary(busy), "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 4), 1)}}
+    return {"client": _summary(busy), "latencies": busy,
+            "attacker": {**attack, "per_s": round(attack["sent"] / (seconds + 4), 1)}}
 
 
-def _inference_trial(work: Path, seconds: float) -> dict:
+def _inference_trial(work: Path, seconds: float, rounds: int) -> dict:
     """An inference server's one-row requests, idle and under each attack of ATTACKS; and, as a control, under
-    the same attack aimed at a second server on the machine."""
+    the same attack aimed at a second server on the machine.
+
+    The phases alternate, `rounds` times: idle, then for each attack the control and the attacked phase. On
+    this shared two-core machine a single idle phase's p99 moves by 2x from one run to the next (other
+    tenants), so the ratio is taken between the latencies pooled over every idle phase and those pooled over
+    every attacked phase of the same run, which saw the same conditions in turn; each round's own ratio (its
+    attacked phase against the idle phase just before it) is reported beside it."""
     _, known = make_bundle(work / "bundle")
     server = Server(work / "bundle", work / "server.log")
     decoy = Server(work / "bundle", work / "decoy.log")
-    out: dict = {"max_request_bytes_mib": 16}
+    out: dict = {"max_request_bytes_mib": 16, "rounds": rounds, "seconds_per_phase": seconds}
+    idle: list[float] = []
+    pooled: dict[str, dict[str, list[float]]] = {name: {"attacked": [], "control": []} for name in ATTACKS}
+    rounds_out: dict[str, list] = {name: [] for name in ATTACKS}
     try:
         ids = random_ids(known, 1)
         _latencies(server, ids, 2.0)  # warm
-        idle = _latencies(server, ids, seconds)
+        for _ in range(rounds):
+            round_idle = _latencies(server, ids, seconds)
+            idle += round_idle
+            if not out.get("server_peak_rss_mib_idle"):  # before the first attack
+                out["server_peak_rss_mib_idle"] = round(_peak_kib(server.proc.pid) / 1024, 1)
+            for name, kinds in ATTACKS.items():
+                control = _attacked(server, decoy, ids, seconds, kinds)
+                attacked = _attacked(server, server, ids, seconds, kinds)
+                pooled[name]["control"] += control.pop("latencies")
+                pooled[name]["attacked"] += attacked.pop("latencies")
+                rounds_out[name].append({
+                    "idle": _summary(round_idle), **attacked, "control_attack_on_another_server": control,
+                    "p99_ratio": round(attacked["client"]["p99_ms"] / _summary(round_idle)["p99_ms"], 2)})
         out["idle"] = _summary(idle)
-        out["server_peak_rss_mib_idle"] = round(_peak_kib(server.proc.pid) / 1024, 1)
-        for name, kinds in ATTACKS.items():
-            control = _attacked(server, decoy, ids, seconds, kinds)
-            attacked = _attacked(server, server, ids, seconds, kinds)
-            out[name] = {**attacked, "p99_ratio": round(attacked["client"]["p99_ms"] / out["idle"]["p99_ms"], 2),
-                         "server_peak_rss_mib": round(_peak_kib(server.proc.pid) / 1024, 1),
-                         "control_attack_on_another_server": control,
-                         "control_p99_ratio": round(control["client"]["p99_ms"] / out["idle"]["p99_ms"], 2)}
+        for name in ATTACKS:
+            attacked, control = _summary(pooled[name]["attacked"]), _summary(pooled[name]["control"])
+            out[name] = {"client": attacked, "p99_ratio": round(attacked["p99_ms"] / out["idle"]["p99_ms"], 2),
+                         "control_client": control,
+                         "control_p99_ratio": round(control["p99_ms"] / out["idle"]["p99_ms"], 2),
+                         "rounds": rounds_out[name]}
+        out["server_peak_rss_mib"] = round(_peak_kib(server.proc.pid) / 1024, 1)
         out["server_alive"] = server.proc.poll() is None
     finally:
         server.stop()
@@ -269,15 +290,18 @@ def _inference_trial(work: Path, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=["inference", "ps", "both"], default="both")
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="inference: idle and attacked phases alternated this many times")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     result: dict = {"seconds": args.seconds}
-    for target, trial in (("inference", _inference_trial), ("ps", _ps_trial)):
+    for target in ("inference", "ps"):
         if args.target in (target, "both"):
             work = Path(tempfile.mkdtemp(prefix=f"hostile-{target}-"))
             try:
-                result[target] = trial(work, args.seconds)
+                result[target] = (_inference_trial(work, args.seconds, args.rounds) if target == "inference"
+                                  else _ps_trial(work, args.seconds))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
