@@ -30,7 +30,7 @@ import numpy as np
 from numba import types
 
 from hybridrec.core.runtime.kernel_cache import njit
-from services.embedding_ps.row_storage import FP32, decode_row16, encode16
+from services.embedding_ps.row_storage import FP32, decode_row16, encode16, prefetch, prefetch1
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
@@ -232,14 +232,37 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
     if storage == FP32:
         _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, dim, perm, 0)
         return
-    # 16-bit rows: their words copied as they are resolved (the same overlapped misses as a float32 row's), to
-    # a buffer in batch order, then decoded from it (decoding where a row lies left its misses one by one)
-    words = np.empty((hi - lo, (dim + 1) // 2), np.float32)
-    at = np.arange(hi - lo)
-    _resolve_and_copy_rows(ids, perm, lo, hi, slots, words, index, keys, values, words.shape[1], at, lo)
-    for j in range(lo, hi):
-        if slots[j] >= 0:
-            decode_row16(words[j - lo].view(np.uint16), out[perm[j]].view(np.uint32), dim, storage)
+    _home_entries(ids, perm, lo, hi, slots, index)
+    width = values.shape[1]
+    for j in range(lo, min(lo + _AHEAD, hi)):
+        _prefetch_home(slots[j], keys, values, width)
+    for j in range(lo, hi):  # 16-bit rows: resolved and decoded into `out` where they lie, fetched _AHEAD early
+        if j + _AHEAD < hi:
+            _prefetch_home(slots[j + _AHEAD], keys, values, width)
+        e = slots[j]
+        key = ids[perm[j]]
+        h = key_hash(key)
+        if e >= 0 and e == _entry(h, e & SLOT_MASK) and keys[e & SLOT_MASK] == key:
+            s = e & SLOT_MASK
+        else:
+            s = _find(index, keys, key, h)[0]
+        slots[j] = s
+        if s >= 0:
+            decode_row16(values[s].view(np.uint16), out[perm[j]].view(np.uint32), dim, storage)
+
+
+_AHEAD = 12
+"""How many IDs ahead a 16-bit lookup asks for the row and key its home entry points to."""
+
+
+@njit(inline="always", error_model="numpy")
+def _prefetch_home(e, keys, values, width):
+    """Ask for the key and the row (both its lines, where it straddles two) that home entry `e` points to."""
+    if e >= 0:
+        s = e & SLOT_MASK
+        prefetch1(keys, s)
+        prefetch(values, s, 0)
+        prefetch(values, s, width - 1)
 
 
 @njit(inline="always", error_model="numpy")

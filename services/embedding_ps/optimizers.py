@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridrec.core.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from hybridrec.core.runtime.kernel_cache import njit
-from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64
+from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64, prefetch
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4
 OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
@@ -185,39 +185,62 @@ _BLOCK = 64
 
 
 @njit(inline="always", error_model="numpy")
+def _next_block(slots, perm, j, hi, at, src):
+    """The next rows with a slot from position j: at[:k] their slots, src[:k] their rows of the batch (perm[j]);
+    returns (k, the position after them)."""
+    k = 0
+    while j < hi and k < _BLOCK:
+        s = slots[j]
+        if s >= 0:
+            at[k] = s
+            src[k] = perm[j]
+            k += 1
+        j += 1
+    return k, j
+
+
+@njit(inline="always", error_model="numpy")
 def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key, bounded):
-    """`apply_stripe` on 16-bit weights, a block of rows at a time: their gradient rows, their stored words and
-    their keys (the IDs of the batch, not the store's key array: one cache miss less a row) are first copied
-    to local buffers in a loop that does nothing else, so the cache misses of the block's random rows overlap
-    (stepping each row where it lies left them one after another: 3x slower), then each row is decoded into
-    float32 (`decode_row16`), stepped by `_apply_row`, encoded back with stochastic rounding (`encode_row16`),
-    and the block's rows are written back."""
+    """`apply_stripe` on 16-bit weights, a block of rows at a time, the next block's rows fetched meanwhile.
+
+    Before a block is stepped, the rows of the next one are asked of the memory (`prefetch`: both lines of a
+    row that straddles two), so that their cache misses (a large table's rows lie at random) are served while
+    this block's arithmetic runs instead of after it. Then each block's gradient rows, stored words and keys
+    (the IDs of the batch, not the store's key array: one cache miss less a row) are copied to local buffers,
+    each row is decoded into float32 (`decode_row16`), stepped by `_apply_row`, encoded back with stochastic
+    rounding (`encode_row16`), and the block's rows are written back. Without the prefetch a block's misses
+    overlapped each other but nothing else: 1.5x the time of float32 rows stepped where they lie, at 10M rows
+    (docs/benchmarks.md, Compact rows)."""
     width = values.shape[1]
     packed = (dim + 1) // 2
     state = width - packed
     words = np.empty((_BLOCK, width), np.float32)
     gbuf = np.empty((_BLOCK, dim), np.float32)
-    at = np.empty(_BLOCK, np.int64)
     kbuf = np.empty(_BLOCK, np.uint64)
+    at = np.empty((2, _BLOCK), np.int64)
+    src = np.empty((2, _BLOCK), np.int64)
     scratch = np.empty(dim + state, np.float32)
     scratch_bits = scratch.view(np.uint32)
     draws = np.empty((dim + 3) // 4, np.uint64)
     random16 = draws.view(np.uint16)  # 16 random bits a weight: four from each 64-bit draw (little-endian)
     applied = 0
-    j = lo
-    while j < hi:
-        k = 0
-        while j < hi and k < _BLOCK:  # gather
-            s = slots[j]
-            if s >= 0:
-                at[k] = s
-                kbuf[k] = ids[perm[j]]
-                for d in range(dim):
-                    gbuf[k, d] = grads[perm[j], d]
-                for d in range(width):
-                    words[k, d] = values[s, d]
-                k += 1
-            j += 1
+    cur = 0
+    k, j = _next_block(slots, perm, lo, hi, at[0], src[0])
+    while k > 0:
+        nxt = 1 - cur
+        k_next, j = _next_block(slots, perm, j, hi, at[nxt], src[nxt])
+        for q in range(k_next):  # requested now, used once this block is stepped
+            prefetch(values, at[nxt, q], 0)
+            prefetch(values, at[nxt, q], width - 1)
+            prefetch(grads, src[nxt, q], 0)
+        for q in range(k):  # gather
+            r = src[cur, q]
+            kbuf[q] = ids[r]
+            for d in range(dim):
+                gbuf[q, d] = grads[r, d]
+            s = at[cur, q]
+            for d in range(width):
+                words[q, d] = values[s, d]
         for q in range(k):  # step
             row = words[q]
             halves = row.view(np.uint16)
@@ -232,9 +255,12 @@ def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, id
             for d in range(state):
                 row[packed + d] = scratch[dim + d]
         for q in range(k):  # scatter
+            s = at[cur, q]
             for d in range(width):
-                values[at[q], d] = words[q, d]
+                values[s, d] = words[q, d]
         applied += k
+        cur = nxt
+        k = k_next
     return applied
 
 

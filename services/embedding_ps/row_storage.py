@@ -23,7 +23,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from hybridrec.core.config import WeightStorage
 
@@ -182,6 +185,33 @@ def encode_row16(bits, x, random16, halves, dim, storage):
     if odd:
         for d in range(dim):
             halves[d] = encode16_bits(bits[d], x[d], random16[d], storage)
+
+
+def _prefetch_codegen(context, builder, signature, args):
+    """LLVM's `llvm.prefetch` of the element args[1:] of array args[0]: read, kept in every cache level."""
+    array_type = signature.args[0]
+    view = context.make_array(array_type)(context, builder, args[0])
+    pointer = cgutils.get_item_pointer(context, builder, array_type, view, list(args[1:]))
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(pointer, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def prefetch(typingctx, array, row, column):
+    """Ask the memory for the cache line of array[row, column] (2-D) without waiting for it: numba has no way
+    to say it, and a load would wait. The kernels use it a few rows ahead where the loop between a row's
+    address and its use is too long for the CPU to overlap many rows' cache misses on its own."""
+    return types.void(array, row, column), _prefetch_codegen
+
+
+@intrinsic
+def prefetch1(typingctx, array, index):
+    """`prefetch` of array[index] (1-D)."""
+    return types.void(array, index), _prefetch_codegen
 
 
 @njit(inline="always", error_model="numpy")

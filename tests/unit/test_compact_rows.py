@@ -195,6 +195,34 @@ def test_a_16_bit_store_reproduces_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(runs[0].view(np.uint32), runs[1].view(np.uint32))
 
 
+@pytest.mark.parametrize("storage", ["fp16", "bf16"])
+def test_a_16_bit_store_gives_each_row_its_own_result_in_any_order(tmp_path, storage):
+    """A 16-bit lookup asks for rows a few IDs ahead and an update fetches the next block of rows while it steps
+    one: neither may mix rows up. The same batches in another order (so each row falls in another block, at
+    another position, beside absent IDs) give every row the same weights and state bit for bit, and every
+    lookup the rows one ID at a time reads."""
+    opt = EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    stores = [_store(tmp_path, name, storage, opt) for name in ("a", "b")]
+    absent = np.arange(10_000, 10_500, dtype=np.uint64)
+    batch = np.concatenate([KEYS, absent])
+    rng = np.random.default_rng(6)
+    for store in stores:
+        store.lookup(KEYS, train=True)
+    for _ in range(3):
+        g = (rng.standard_normal((batch.size, 16)) * 0.1).astype(np.float32)
+        order = rng.permutation(batch.size)
+        assert stores[0].update(batch, g) == stores[1].update(batch[order], g[order]) == KEYS.size
+    a, b = (store.peek(KEYS, state=True)[0] for store in stores)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    order = rng.permutation(batch.size)
+    read = stores[1].lookup(batch[order], train=False)
+    one_by_one = np.vstack([stores[1].lookup(batch[order][i:i + 1], train=False) for i in range(batch.size)])
+    np.testing.assert_array_equal(read.view(np.uint32), one_by_one.view(np.uint32))
+    np.testing.assert_array_equal(read[np.argsort(order)][:KEYS.size], stores[0].peek(KEYS)[0])
+    for store in stores:
+        store.close()
+
+
 def test_reattaching_with_another_storage_is_refused_naming_both(tmp_path):
     opt = EmbeddingOptimizerConfig(name="rowwise_adagrad")
     _store(tmp_path, "s", "fp16", opt).close()
