@@ -30,7 +30,7 @@ import numpy as np
 from numba import types
 
 from hybridrec.core.runtime.kernel_cache import njit
-from services.embedding_ps.row_storage import FP32, decode_row16, encode16, prefetch, prefetch1
+from services.embedding_ps.row_storage import decode_row16, encode16, prefetch, prefetch1
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
 """`keys` value of a free slot; this one ID can therefore never be stored."""
@@ -229,14 +229,23 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
     needed) is then resolved by a full probe and copied again.
     """
     dim = out.shape[1]
-    if storage == FP32:
+    if storage is None:
         _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, dim, perm, 0)
-        return
+    else:
+        resolve_and_decode(ids, perm, lo, hi, slots, out, index, keys, values, storage)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def resolve_and_decode(ids, perm, lo, hi, slots, out, index, keys, values, storage):
+    """`_resolve_and_copy` of 16-bit rows: each resolved and decoded into `out` where it lies, its key and row
+    asked for _AHEAD IDs early. A kernel of its own, called rather than inlined, so that a float32 store's
+    lookup (`storage` None) is compiled without it (row_storage.kernel_storage)."""
+    dim = out.shape[1]
     _home_entries(ids, perm, lo, hi, slots, index)
     width = values.shape[1]
     for j in range(lo, min(lo + _AHEAD, hi)):
         _prefetch_home(slots[j], keys, values, width)
-    for j in range(lo, hi):  # 16-bit rows: resolved and decoded into `out` where they lie, fetched _AHEAD early
+    for j in range(lo, hi):
         if j + _AHEAD < hi:
             _prefetch_home(slots[j + _AHEAD], keys, values, width)
         e = slots[j]
@@ -330,10 +339,17 @@ def _copy_row(dst, i, src, s, n):
 @njit(inline="always", error_model="numpy")
 def _copy_weights(dst, i, src, s, dim, storage):
     """dst[i, :dim] = the float32 weights of row src[s], decoded from 16 bits unless `storage` is FP32."""
-    if storage == FP32:
+    if storage is None:
         _copy_row(dst, i, src, s, dim)
     else:
-        decode_row16(src[s].view(np.uint16), dst[i].view(np.uint32), dim, storage)
+        decode_row(dst, i, src, s, dim, storage)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def decode_row(dst, i, src, s, dim, storage):
+    """dst[i, :dim] = the float32 weights of 16-bit row src[s]: `_copy_weights`' call, not inlined, so that a
+    float32 store's kernels never compile it (row_storage.kernel_storage)."""
+    decode_row16(src[s].view(np.uint16), dst[i].view(np.uint32), dim, storage)
 
 
 @njit(inline="always", error_model="numpy")
@@ -345,21 +361,31 @@ def _zero_row(dst, i):
 @njit(inline="always", error_model="numpy")
 def _init_weight(row, halves, d, value, storage):
     """Weight d of a new row: float32, or its 16-bit pattern rounded to nearest (deterministic)."""
-    if storage == FP32:
+    if storage is None:
         row[d] = np.float32(value)
     else:
-        halves[d] = encode16(np.float32(value), 0.5, storage)
+        halves[d] = encode_nearest(value, storage)
 
 
-@njit(inline="always", error_model="numpy")
-def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width, storage):
+@njit(nogil=True, cache=True, error_model="numpy")
+def encode_nearest(value, storage):
+    """`value` as a 16-bit pattern of `storage`, rounded to nearest: `_init_weight`'s call, not inlined, so
+    that a float32 store's kernels never compile it (row_storage.kernel_storage); a new row's weights only."""
+    return encode16(np.float32(value), 0.5, storage)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width, storage):
     """Deterministic initial embedding of row `s` from (seed, id), then the optimizer's initial state:
     `acc_width` values of `init_acc` (Adagrad's sum, FTRL's accumulator), zeros after them. Weights of a
-    16-bit `storage` take (dim + 1) // 2 words, the last half of an odd width zero."""
+    16-bit `storage` take (dim + 1) // 2 words, the last half of an odd width zero.
+
+    A kernel of its own, called once a new row (a call is nothing beside its hashing and, normal, its
+    logarithms): inlined at its three places it was compiled three times, a second of a cold start."""
     row = values[s]
     halves = row.view(np.uint16)
-    packed = dim if storage == FP32 else (dim + 1) // 2
-    if storage != FP32:
+    packed = dim if storage is None else (dim + 1) // 2
+    if storage is not None:
         row[packed - 1] = 0.0
     base = fmix64(key ^ init_key)
     if normal:
@@ -387,7 +413,7 @@ def _init_row(values, s, key, dim, init_key, normal, scale, init_acc, acc_width,
 def init_rows_kernel(ids, out, dim, init_key, normal, scale, storage):
     """The initial weights (no optimizer state) of `ids` as a store of `storage` holds them: `init_rows`."""
     for i in range(ids.shape[0]):
-        _init_row(out, i, ids[i], dim, init_key, normal, scale, 0.0, 0, storage)
+        init_row(out, i, ids[i], dim, init_key, normal, scale, 0.0, 0, storage)
 
 
 @njit(inline="always", error_model="numpy")
@@ -431,8 +457,9 @@ def _insert(index, keys, prev, nxt, hdr, key, s):
 # write-protects a mapped page each time it writes it back, and in a VM the TLB shootdown that takes cost a
 # quarter of two cores under training (profiled); the page cache keeps reads and writes coherent.
 # A key's home page is a hash of it; a full page sends it to the next (linear probing by page). Records are
-# never deleted, so a probe ends at the first page with an empty record. A store without a tier passes
-# zero pages: every tier kernel then finds nothing and writes nothing.
+# never deleted, so a probe ends at the first page with an empty record. A store without a tier passes None
+# to the kernels that take one: their disk code sits under `tier is not None` tests, which numba decides when
+# it compiles them, so such a store compiles none of it (row_storage.kernel_storage says how).
 TF_ROWS = 0          # records in the stripe's region
 TF_LIMIT = 1         # records the region may hold (ps.tier.capacity / num_stripes)
 TF_FILLS = 2         # rows a training lookup read back from disk instead of initialising them
@@ -527,7 +554,7 @@ def _tier_get(tier, key, dst, i, n, width):
 def _tier_put(tier, key, src, s, width):
     """Write row src[s] (`width` values) as `key`'s record on disk: the row before a new record's key (a crash
     leaves no key with a half-written row). False, counted, when the region is full; False, not counted, for
-    a store without a tier (zero pages)."""
+    a region of zero pages."""
     tkeys, thdr, tmarks, per_page, scratch = tier[0], tier[2], tier[3], tier[4], tier[7]
     if tkeys.shape[0] == 0:
         return False
@@ -549,8 +576,9 @@ def _tier_put(tier, key, src, s, width):
 
 @njit(inline="always", error_model="numpy")
 def _evict_slot(keys, prev, nxt, values, hdr, tier):
-    """`_take_slot`, writing an evicted row to the disk tier first (before its key is cleared)."""
-    if hdr[F_USED] == keys.shape[0]:
+    """`_take_slot`, writing an evicted row to the disk tier first (before its key is cleared); `tier` None:
+    the store has none."""
+    if tier is not None and hdr[F_USED] == keys.shape[0]:
         victim = hdr[F_TAIL]
         _tier_put(tier, keys[victim], values, victim, values.shape[1])
     return _take_slot(keys, prev, nxt, hdr)
@@ -829,7 +857,8 @@ def lookup_stripe(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
                 head = s
         hdr[F_HEAD] = head
         hdr[F_TAIL] = tail
-        tier[2][TF_LOOKUPS] += hi - lo
+        if tier is not None:
+            tier[2][TF_LOOKUPS] += hi - lo
     if defer:
         head_moves[0] = moves
     elif not train:
@@ -849,7 +878,7 @@ def read_misses(ids, perm, lo, hi, slots, out, hdr, width, tier, storage):
     row = np.empty((1, width), np.float32)
     for j in range(lo, hi):
         if slots[j] < 0:
-            if _tier_get(tier, ids[perm[j]], row, 0, width, width):
+            if tier is not None and _tier_get(tier, ids[perm[j]], row, 0, width, width):
                 _copy_weights(out, perm[j], row, 0, dim, storage)
                 tier[2][TF_DISK_READS] += 1
             else:
@@ -900,7 +929,7 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
             slots[j] = -2 - local_pos[b]
             continue
         g = group_of(key)
-        if (admit_after[g] > 1 or admit_threshold >= 0) and _tier_find(tier[0], tier[4], key)[0]:
+        if tier is not None and (admit_after[g] > 1 or admit_threshold >= 0) and _tier_find(tier[0], tier[4], key)[0]:
             pass  # admitted when it was first inserted: its row is on disk
         elif admit_after[g] > 1 and _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
             slots[j] = -1  # not seen often enough yet: reads zeros, its gradient will be dropped
@@ -924,28 +953,32 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
     # within this call; they are served from a scratch row and counted as such.
     ghosts = max(0, n - cap)
     width = values.shape[1]
-    thdr = tier[2]
     ghost_rows = np.empty((ghosts, width), np.float32)
     for q in range(ghosts):  # on disk they go straight back there
-        if _tier_get(tier, new_keys[q], ghost_rows, q, width, width):
-            thdr[TF_FILLS] += 1
+        if tier is not None and _tier_get(tier, new_keys[q], ghost_rows, q, width, width):
+            tier[2][TF_FILLS] += 1
         else:
-            _init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
-        _tier_put(tier, new_keys[q], ghost_rows, q, width)
+            init_row(ghost_rows, q, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
+        if tier is not None:
+            _tier_put(tier, new_keys[q], ghost_rows, q, width)
     hdr[F_INSERTS] += ghosts
     hdr[F_EVICTIONS] += ghosts
-    thdr[TF_MISSES] += n
+    if tier is not None:
+        tier[2][TF_MISSES] += n
     for q in range(n):
         tables[group_of(new_keys[q]), T_ADMITTED] += 1
     new_slots = np.empty(n, np.int32)
     for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail (to disk, with a tier)
-        new_slots[q] = _evict_slot(keys, prev, nxt, values, hdr, tier)
+        if tier is not None:
+            new_slots[q] = _evict_slot(keys, prev, nxt, values, hdr, tier)
+        else:
+            new_slots[q] = _take_slot(keys, prev, nxt, hdr)
     for q in range(ghosts, n):  # (3) rows are complete before their key is published (crash ordering)
         s = new_slots[q]
-        if _tier_get(tier, new_keys[q], values, s, width, width):
-            thdr[TF_FILLS] += 1
+        if tier is not None and _tier_get(tier, new_keys[q], values, s, width, width):
+            tier[2][TF_FILLS] += 1
         else:
-            _init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
+            init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
         if touched.shape[0] > 0:  # a new row counts as updated now (TTL)
             touched[s, 0] = now_clock
             touched[s, 1] = now_ms

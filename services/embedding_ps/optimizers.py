@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridrec.core.config import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from hybridrec.core.runtime.kernel_cache import njit
-from services.embedding_ps.row_storage import FP32, decode_row16, encode_row16, mix64, prefetch
+from services.embedding_ps.row_storage import decode_row16, encode_row16, mix64, prefetch
 
 OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL, OPT_ROWWISE_ADAGRAD = 0, 1, 2, 3, 4
 OPTIMIZER_CODES: dict[EmbeddingOptimizer, int] = {
@@ -170,7 +170,7 @@ def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids,
     """
     bounded = not np.isnan(hp[HP_BOUND])
     applied = 0
-    if storage == FP32:
+    if storage is None:
         for j in range(lo, hi):
             s = slots[j]
             if s >= 0:

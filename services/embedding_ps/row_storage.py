@@ -45,6 +45,18 @@ _BIAS = (0, 15, 127)
 _MAX_BITS = (0, 0x7BFF, 0x7F7F)
 
 
+def kernel_storage(storage: int) -> int | None:
+    """The `storage` argument the store's kernels take: None for float32 weights, FP16 or BF16 as they are.
+
+    The kernels test `storage is None` rather than `storage == FP32`: numba drops a branch whose test is a
+    comparison of an argument of type None with None before it compiles the function, so a float32 store's
+    kernels are compiled without any of this module's 16-bit code (whereas a branch on an integer's value is
+    compiled whatever the value). That code was most of a PS's cold start: 34 s to compile its kernels with
+    it, 10 s without (docs/benchmarks.md, Start-up). A 16-bit store's kernels are compiled for an integer
+    `storage`, as one more signature of each kernel."""
+    return None if storage == FP32 else storage
+
+
 def weight_words(dim: int, storage: int) -> int:
     """float32 words a row's `dim` weights take."""
     return dim if storage == FP32 else (dim + 1) // 2

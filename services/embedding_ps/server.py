@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.runtime.lazy_torch import import_torch_in_background, imported
-from hybridrec.core.config import Config
+from hybridrec.core.config import Config, LifecycleConfig
 from hybridrec.core.layouts import checkpoints
 from hybridrec.core.runtime import log, rpc
 from hybridrec.core.layouts.checkpoints import resolve_under
@@ -77,13 +77,15 @@ def warm_up(config: Config) -> None:
             full = StoreConfig.from_config(config, dim)
             tier = full.ps.tier and full.ps.tier.model_copy(update={"dir": str(Path(scratch) / "tier"),
                                                                     "capacity": 256})
-            small = dataclasses.replace(full, ps=full.ps.model_copy(update={"capacity": 64, "num_stripes": 2,
-                                                                             "tier": tier}))
+            small = dataclasses.replace(full, ps=full.ps.model_copy(update={
+                "capacity": 64, "num_stripes": 2, "tier": tier, "lifecycle": _admitting(full.ps.lifecycle),
+                "admit_probability": 1.0}))
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 ids = np.arange(1, 9, dtype=np.uint64)
                 store.lookup(ids, train=True)
                 store.update(ids, np.zeros((ids.size, dim), np.float32))
+                store.update(ids + np.uint64(100), np.zeros((ids.size, dim), np.float32))  # rows it lacks: dropped
                 store.lookup(ids, train=False)
                 store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
                 for _ in store.stream_rows(changed_only=True):  # a checkpoint's kernels
@@ -96,6 +98,14 @@ def warm_up(config: Config) -> None:
             finally:
                 store.close()
     _warm_decoders(config)
+
+
+def _admitting(life: LifecycleConfig) -> LifecycleConfig:
+    """`life` with every ID admitted at its first occurrence, its TTLs and sketch kept: a warm-up's few IDs
+    then get rows, and the kernels that handle new rows (inserting, marking, checkpointing them) compile
+    with the rest. Admission is a value in the kernels' arrays, not a type: the signatures are the same."""
+    tables = {group: own.model_copy(update={"admit_after": None}) for group, own in life.tables.items()}
+    return life.model_copy(update={"admit_after": 1, "tables": tables})
 
 
 def _warm_decoders(config: Config) -> None:

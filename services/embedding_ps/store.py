@@ -32,7 +32,7 @@ from services.embedding_ps import optimizers as O
 from services.embedding_ps import row_storage as R
 from services.embedding_ps.store_files import (GLOBAL_FIELDS, Layout, StoreConfig, as_ids, attach_files,
                                                create_files, file_dtype, file_nbytes, lock_directory, prefault)
-from services.embedding_ps.tier import DiskTier, no_region
+from services.embedding_ps.tier import DiskTier
 
 __all__ = ["EmbeddingStore", "StoreConfig", "init_rows"]
 
@@ -60,7 +60,7 @@ def init_rows(ids: np.ndarray, *, dim: int, seed: int, distribution: str, scale:
     ids = as_ids(ids, "ids")
     words = np.empty((ids.shape[0], R.weight_words(dim, storage)), np.float32)
     K.init_rows_kernel(ids, words, dim, np.uint64(K.mix_seed(seed, _INIT_SALT)), distribution == "normal",
-                       float(scale), storage)
+                       float(scale), R.kernel_storage(storage))
     return np.ascontiguousarray(R.decode_weights(words, dim, storage))
 
 
@@ -307,9 +307,11 @@ class EmbeddingStore(L.StoreLifecycle):
             self.longest_hold_s = max(self.longest_hold_s, time.perf_counter() - held)
         return result
 
-    def _region(self, s: int) -> tuple:
-        """Stripe s's part of the disk tier as the kernels take it (zero pages without one)."""
-        return self.tier.region(s) if self.tier is not None else no_region()
+    def _region(self, s: int) -> tuple | None:
+        """Stripe s's part of the disk tier as the kernels take it; None without one, for which numba compiles
+        the kernels without their disk code (they test `tier is not None`; row_storage.kernel_storage says
+        why that drops it)."""
+        return self.tier.region(s) if self.tier is not None else None
 
     def _advise_tier(self, s: int, ids: np.ndarray, perm: np.ndarray, lo: int, hi: int, slots: np.ndarray,
                      train: bool) -> None:
@@ -348,7 +350,7 @@ class EmbeddingStore(L.StoreLifecycle):
         offsets = K.partition(ids, self.config.num_stripes, perm)
         c = self.config
         init = (self._init_key, c.ps.init.distribution == "normal", c.ps.init.scale,
-                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim), c.storage_code)
+                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim), c.kernel_storage)
         r = self._rules
         life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
 
@@ -366,7 +368,7 @@ class EmbeddingStore(L.StoreLifecycle):
                                                moves[0], self._admit_threshold, self._admit_key, *init,
                                                *self._life[s], *life, region)
                 else:
-                    K.read_misses(ids, perm, lo, hi, slots, out, hdr, c.row_width, region, c.storage_code)
+                    K.read_misses(ids, perm, lo, hi, slots, out, hdr, c.row_width, region, c.kernel_storage)
             if hdr[K.F_INSERTS] != inserts:  # new rows: at the LRU head, where the kernel pushed them last
                 K.mark_newest(self._stripes[s][3], hdr, hdr[K.F_INSERTS] - inserts, self._marks[s])
             return 0
@@ -389,14 +391,14 @@ class EmbeddingStore(L.StoreLifecycle):
         grads = np.require(grads, requirements=["C", "W"])
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
-        code, hp, storage = O.optimizer_code(self.config.optimizer), self._hp, self.config.storage_code
+        code, hp, storage = O.optimizer_code(self.config.optimizer), self._hp, self.config.kernel_storage
         stamp = self.config.uses_ttl
         now = (np.int64(self.clock), np.int64(L.wall_ms()))
 
         def run(s: int, lo: int, hi: int) -> int:
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
-            round_key = self._round_key_of(hdr) if storage != R.FP32 else np.uint64(0)  # fp32 rounds nothing
+            round_key = self._round_key_of(hdr) if storage is not None else np.uint64(0)  # fp32 rounds nothing
             applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, ids, round_key)
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
@@ -426,7 +428,7 @@ class EmbeddingStore(L.StoreLifecycle):
         if k:
             c = self.config
             O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, O.optimizer_code(c.optimizer),
-                           self._hp, c.dim, c.storage_code, ids, round_key)
+                           self._hp, c.dim, c.kernel_storage, ids, round_key)
             K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
 

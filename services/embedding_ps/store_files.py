@@ -45,7 +45,7 @@ from hybridrec.core.runtime import log
 from hybridrec.core.config import Config, EmbeddingOptimizerConfig, PSConfig
 from services.embedding_ps import kernels as K
 from services.embedding_ps.optimizers import OPTIMIZER_CODES, optimizer_code, state_width
-from services.embedding_ps.row_storage import STORAGE_CODES, STORAGE_NAMES, weight_words
+from services.embedding_ps.row_storage import STORAGE_CODES, STORAGE_NAMES, kernel_storage, weight_words
 
 _log = log.get(__name__)
 
@@ -196,6 +196,11 @@ class StoreConfig:
     def storage_code(self) -> int:
         """How the weights are stored (ps.storage), as the kernels' code (row_storage.FP32, FP16, BF16)."""
         return STORAGE_CODES[self.ps.storage]
+
+    @property
+    def kernel_storage(self) -> int | None:
+        """The kernels' `storage` argument: None for float32 weights, else the 16-bit code (`kernel_storage`)."""
+        return kernel_storage(self.storage_code)
 
     @property
     def row_width(self) -> int:

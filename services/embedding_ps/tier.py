@@ -263,22 +263,6 @@ class DiskTier:
         return int(self.counters[:, K.TF_ROWS].sum())
 
 
-def no_region() -> tuple:
-    """The kernels' `tier` argument of a store without a disk tier: zero pages (they find and write nothing)."""
-    return _NO_REGION
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)  # as the tier's own views are: one numba type for both
-    return a
-
-
-_NO_REGION = (_read_only(np.zeros((0, PAGE_BYTES // 8), np.uint64)),
-              _read_only(np.zeros((0, PAGE_BYTES // 4), np.float32)),
-              np.zeros(K.TIER_FIELDS, np.int64), np.zeros(0, np.uint8), np.int64(1), np.int32(-1), np.int64(0),
-              np.zeros(1, np.uint64))
-
-
 def _check(described: Path, layout: TierLayout) -> None:
     """Refuse a tier made for another table, naming the difference; CorruptTier when it cannot be read."""
     try:

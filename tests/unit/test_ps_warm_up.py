@@ -2,10 +2,14 @@
 the next PS to start removes the directories of warm-ups whose process is gone."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from services.embedding_ps.server import WARM_UP_PREFIX, remove_stale_warm_ups
 
@@ -64,3 +68,55 @@ def test_a_warm_up_works_inside_the_runs_shared_memory(tmp_path, monkeypatch):
     assert where and all(path.parent.parent == shm and path.parent.name.startswith(WARM_UP_PREFIX)
                          for path in where), where
     assert list(shm.iterdir()) == []  # and it removes it when done
+
+
+TRAIN_AFTER_WARM_UP = r"""
+import json, sys
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+from hybridrec.core.config import Config
+from services.embedding_ps import server
+
+def signatures():
+    '''Signatures each numba kernel of the PS and its wire holds in this process (compiled or loaded).'''
+    return {f"{name}.{attr}": len(obj.signatures) for name, module in list(sys.modules.items())
+            if name.startswith(("services.embedding_ps", "hybridrec.core.wire")) and module is not None
+            for attr, obj in vars(module).items() if isinstance(obj, Dispatcher)}
+
+config = Config.model_validate(json.loads(sys.argv[1]))
+server.warm_up(config)
+before = signatures()
+stores = server.open_stores(config, 0)
+rng = np.random.default_rng(0)
+for round_no in range(3):
+    for dim, store in stores.items():
+        ids = rng.integers(1, 3 * config.ps.capacity, 4000, dtype=np.uint64)  # new rows, evictions, duplicates
+        store.lookup(ids, train=True)
+        store.update(ids, rng.standard_normal((ids.size, dim)).astype(np.float32))
+        store.lookup(ids[::3], train=False)
+        store.expire()
+        for _ in store.stream_rows(changed_only=round_no > 0):
+            pass
+after = signatures()
+print(json.dumps({k: [before.get(k, 0), n] for k, n in after.items() if n != before.get(k, 0)}))
+"""
+
+
+@pytest.mark.parametrize("ps", [{}, {"storage": "fp16"}, {"tier": {"capacity": 50_000}},
+                                {"lifecycle": {"admit_after": 2, "ttl_steps": 3}}],
+                         ids=["fp32", "fp16", "disk-tier", "admission-and-ttl"])
+def test_after_its_warm_up_a_ps_compiles_nothing_while_it_trains(tmp_path, ps):
+    """The warm-up compiles every kernel a PS of this configuration calls while it trains, checkpoints and
+    serves reads, for the argument types the real stores pass (a float32 store's kernels take `storage` and
+    `tier` as None, others an integer and a tuple: different signatures): in a fresh process, the PS's kernels
+    hold the same signatures after thousands of lookups, updates, evictions, expiries and checkpoints of a
+    real shard as after its warm-up. A kernel compiled on a request would stall it for seconds."""
+    if "tier" in ps:
+        ps = {"tier": {**ps["tier"], "dir": str(tmp_path / "tier")}}
+    config = {"data": {"train": ["unused.tsv"]}, "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 2048, **ps}}
+    if "storage" in ps:
+        config["optimizer"] = {"embedding": {"name": "rowwise_adagrad", "lr": 0.05}}
+    done = subprocess.run([sys.executable, "-c", TRAIN_AFTER_WARM_UP, json.dumps(config)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
