@@ -978,7 +978,7 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         if tier is not None and _tier_get(tier, new_keys[q], values, s, width, width):
             tier[2][TF_FILLS] += 1
         else:
-            init_row(values, s, new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
+            init_row(values, np.int64(s), new_keys[q], dim, init_key, normal, scale, init_acc, acc_width, storage)
         if touched.shape[0] > 0:  # a new row counts as updated now (TTL)
             touched[s, 0] = now_clock
             touched[s, 1] = now_ms

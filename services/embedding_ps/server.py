@@ -13,6 +13,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,12 +63,17 @@ def remove_stale_warm_ups(root: Path) -> list[Path]:
     return removed
 
 
-def warm_up(config: Config) -> None:
+def warm_up(config: Config, *, updates_first: bool = False) -> None:
     """Compile the store's kernels on a scratch table before reporting SERVING.
 
     numba compiles on first use (seconds, more on a loaded machine or with a cold
     cache in a fresh container); doing it here keeps that out of the first
     lookups' deadlines.
+
+    `updates_first`: begin with an update of rows the store lacks (the update kernels) instead of lookups. Two
+    processes that warm up at once in the two orders compile the lookups' kernels and the updates' side by side
+    on a cold cache, each then loading the other's from it (`hybridrec.core.runtime.kernel_cache` has each
+    kernel compiled once): the odd PS shards, and the fork server's helper (forkserver_parent.warm_up_ps).
     """
     scratch_root = Path(config.ps.shm_dir)
     scratch_root.mkdir(parents=True, exist_ok=True)
@@ -82,22 +88,30 @@ def warm_up(config: Config) -> None:
                 "admit_probability": 1.0}))
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
-                ids = np.arange(1, 9, dtype=np.uint64)
-                store.lookup(ids, train=True)
-                store.update(ids, np.zeros((ids.size, dim), np.float32))
-                store.update(ids + np.uint64(100), np.zeros((ids.size, dim), np.float32))  # rows it lacks: dropped
-                store.lookup(ids, train=False)
-                store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
-                for _ in store.stream_rows(changed_only=True):  # a checkpoint's kernels
-                    pass
-                if store.tier is not None:  # a restore's bulk load; an update and a read of rows on disk
-                    more = np.arange(100, 200, dtype=np.uint64)
-                    store.load_cold(more, np.zeros((more.size, small.row_width), np.float32))
-                    store.update(more, np.zeros((more.size, dim), np.float32))
-                    store.peek(more, state=True)
+                _exercise(store, dim, updates_first)
             finally:
                 store.close()
     _warm_decoders(config)
+
+
+def _exercise(store: EmbeddingStore, dim: int, updates_first: bool) -> None:
+    """Call every kernel a PS of the store's configuration calls while it trains, checkpoints and serves."""
+    ids = np.arange(1, 9, dtype=np.uint64)
+    grads = np.zeros((ids.size, dim), np.float32)
+    if updates_first:
+        store.update(ids + np.uint64(100), grads)
+    store.lookup(ids, train=True)
+    store.update(ids, grads)
+    store.update(ids + np.uint64(100), grads)  # rows it lacks: their gradients are dropped
+    store.lookup(ids, train=False)
+    store.expire()  # compiles the sweep when a table has a TTL (returns at once otherwise)
+    for _ in store.stream_rows(changed_only=True):  # a checkpoint's kernels
+        pass
+    if store.tier is not None:  # a restore's bulk load; an update and a read of rows on disk
+        more = np.arange(100, 200, dtype=np.uint64)
+        store.load_cold(more, np.zeros((more.size, store.config.row_width), np.float32))
+        store.update(more, np.zeros((more.size, dim), np.float32))
+        store.peek(more, state=True)
 
 
 def _admitting(life: LifecycleConfig) -> LifecycleConfig:
@@ -517,7 +531,9 @@ async def serve(config: Config, replica: int) -> None:
     torch_import = None
     if config.training.compression.fp16:  # only the fp16 value codec uses torch here; one thread beats contention
         torch_import = import_torch_in_background(threads=1)
-    warm_up(config)
+    started = time.monotonic()
+    warm_up(config, updates_first=replica % 2 == 1)
+    host.log.info("warmed_up", seconds=round(time.monotonic() - started, 3))
     stores, applied, losses = open_shard(config, replica)
     host.log.info("stores_open", shm_dir=str(shard_dir(config, replica)),
                   rows={dim: int(s.stats()["rows"]) for dim, s in stores.items()},

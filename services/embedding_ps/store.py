@@ -178,8 +178,7 @@ class EmbeddingStore(L.StoreLifecycle):
                 maps = create_files(directory, layout)
             store = cls(directory, layout, maps, lock_fd)
             store.created = created  # no files were there: a first start, or a lost store (lives.py)
-            if not created:
-                store._prefault = prefault(maps, directory, store._closing)
+            store._prefault = prefault(maps, directory, store._closing)
         except BaseException:
             os.close(lock_fd)
             raise

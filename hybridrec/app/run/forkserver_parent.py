@@ -69,11 +69,32 @@ def preload_dense() -> None:
 
 
 def warm_up_ps(config_path: Path) -> None:
-    """Compile (or load from numba's cache) the PS kernels for the run's config, on a scratch table."""
+    """Compile (or load from numba's cache) the PS kernels for the run's config, on a scratch table.
+
+    A forked helper warms up the update kernels meanwhile (`warm_up(updates_first=True)`): on a cold cache
+    the lookups' kernels and the updates' then compile on both cores instead of one after the other, and
+    this process loads the helper's from the cache. The helper is killed once this process holds every
+    kernel: what it has left to do is load the ones this process compiled."""
     from hybridrec.core.config import load_config
     from services.embedding_ps import server as ps_server
 
-    ps_server.warm_up(load_config(config_path, []))
+    config = load_config(config_path, [])
+    helper = os.fork()
+    if helper == 0:
+        code = 1
+        try:
+            die_with_parent()
+            ps_server.warm_up(config, updates_first=True)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    try:
+        ps_server.warm_up(config)
+    finally:
+        os.kill(helper, signal.SIGKILL)
+        os.waitpid(helper, 0)
 
 
 
