@@ -4,9 +4,10 @@ invocation; an inference server (`--target inference`) and a PS shard (`--target
 
 The server is `hybridrec serve inference` of a random bundle of the README's shape (26 features, 13 dense).
 The well-formed client sends one-row gRPC requests back to back for --seconds a phase, alone (idle) and while
-the attacker runs, the phases alternated --rounds times and each kind's latencies pooled: a process that cycles through a malformed REST body, a REST body past max_request_bytes
-(refused from its Content-Length), a gRPC request past it (RESOURCE_EXHAUSTED), a BYTES input whose lengths
-lie, and an input of the wrong datatype. Reported: p50/p99 of each phase, their ratio, the attacker's
+the attacker runs, the phases alternated --rounds times and each kind's latencies pooled. The attacker is a
+process that cycles through a malformed REST body, a REST body past max_request_bytes (refused from its
+Content-Length), a gRPC request past it (RESOURCE_EXHAUSTED), a BYTES input whose lengths lie, and an input of
+the wrong datatype. Reported: p50/p99 of each phase, their ratio, the attacker's
 requests per second and the answers it got, and the server's peak RSS against its max_request_bytes. As a
 control, the same attack aimed at a second inference server on the machine: on two cores the attacker's own
 CPU slows the client down wherever it aims, and the difference is what the attacked server adds.
@@ -259,10 +260,10 @@ def _inference_trial(work: Path, seconds: float, rounds: int) -> dict:
     try:
         ids = random_ids(known, 1)
         _latencies(server, ids, 2.0)  # warm
-        for _ in range(rounds):
+        for round_no in range(rounds):
             round_idle = _latencies(server, ids, seconds)
             idle += round_idle
-            if not out.get("server_peak_rss_mib_idle"):  # before the first attack
+            if round_no == 0:  # before the first attack
                 out["server_peak_rss_mib_idle"] = round(_peak_kib(server.proc.pid) / 1024, 1)
             for name, kinds in ATTACKS.items():
                 control = _attacked(server, decoy, ids, seconds, kinds)

@@ -206,17 +206,24 @@ def _resolve(ids, perm, lo, hi, slots, index, keys):
     ID's home bucket, the second checks the key there (a full probe only when
     it is not the one). Each pass's loads do not depend on each other, so the
     CPU keeps many cache/TLB misses in flight (measured 1.4x faster than
-    probing ID by ID; explicit software prefetch was slower on this machine).
+    probing ID by ID; explicit software prefetch was slower here, in this loop:
+    the 16-bit rows' lookup and update do ask ahead, `resolve_and_decode` and
+    optimizers._apply_compact, where decoding stands between a row's address
+    and its use).
     """
     _home_entries(ids, perm, lo, hi, slots, index)
     for j in range(lo, hi):
-        e = slots[j]
-        key = ids[perm[j]]
-        h = key_hash(key)
-        if e >= 0 and e == _entry(h, e & SLOT_MASK) and keys[e & SLOT_MASK] == key:
-            slots[j] = e & SLOT_MASK
-        else:
-            slots[j] = _find(index, keys, key, h)[0]
+        slots[j] = _slot_from_home(slots[j], ids[perm[j]], index, keys)
+
+
+@njit(inline="always", error_model="numpy")
+def _slot_from_home(e, key, index, keys):
+    """The slot of `key` or -1, given the entry `e` of its home bucket: that entry's slot when it holds the
+    key, else a full probe."""
+    h = key_hash(key)
+    if e >= 0 and e == _entry(h, e & SLOT_MASK) and keys[e & SLOT_MASK] == key:
+        return e & SLOT_MASK
+    return _find(index, keys, key, h)[0]
 
 
 @njit(inline="always", error_model="numpy")
@@ -226,11 +233,13 @@ def _resolve_and_copy(ids, perm, lo, hi, slots, out, index, keys, values, storag
     The second pass copies the row its home entry points to while it checks
     that slot's key, so the key's cache miss overlaps the row's instead of
     having a pass of its own; a wrong guess (another key there, or a probe
-    needed) is then resolved by a full probe and copied again.
+    needed) is then resolved by a full probe and copied again. 16-bit rows
+    are resolved and decoded in one pass that asks for rows ahead instead
+    (`resolve_and_decode`).
     """
     dim = out.shape[1]
     if storage is None:
-        _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, dim, perm, 0)
+        _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, dim)
     else:
         resolve_and_decode(ids, perm, lo, hi, slots, out, index, keys, values, storage)
 
@@ -248,13 +257,7 @@ def resolve_and_decode(ids, perm, lo, hi, slots, out, index, keys, values, stora
     for j in range(lo, hi):
         if j + _AHEAD < hi:
             _prefetch_home(slots[j + _AHEAD], keys, values, width)
-        e = slots[j]
-        key = ids[perm[j]]
-        h = key_hash(key)
-        if e >= 0 and e == _entry(h, e & SLOT_MASK) and keys[e & SLOT_MASK] == key:
-            s = e & SLOT_MASK
-        else:
-            s = _find(index, keys, key, h)[0]
+        s = _slot_from_home(slots[j], ids[perm[j]], index, keys)
         slots[j] = s
         if s >= 0:
             decode_row16(values[s].view(np.uint16), out[perm[j]].view(np.uint32), dim, storage)
@@ -275,8 +278,8 @@ def _prefetch_home(e, keys, values, width):
 
 
 @njit(inline="always", error_model="numpy")
-def _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, width, dst, shift):
-    """`_resolve_and_copy`'s loop: out[dst[j - shift], :width] = values[slot of ids[perm[j]], :width]."""
+def _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, width):
+    """`_resolve_and_copy`'s loop for float32 rows: out[perm[j], :width] = values[slot of ids[perm[j]], :width]."""
     _home_entries(ids, perm, lo, hi, slots, index)
     for j in range(lo, hi):
         e = slots[j]
@@ -284,14 +287,14 @@ def _resolve_and_copy_rows(ids, perm, lo, hi, slots, out, index, keys, values, w
         h = key_hash(key)
         if e >= 0 and e == _entry(h, e & SLOT_MASK):
             s = e & SLOT_MASK
-            _copy_row(out, dst[j - shift], values, s, width)
+            _copy_row(out, perm[j], values, s, width)
             if keys[s] == key:
                 slots[j] = s
                 continue
         s = _find(index, keys, key, h)[0]
         slots[j] = s
         if s >= 0:
-            _copy_row(out, dst[j - shift], values, s, width)
+            _copy_row(out, perm[j], values, s, width)
 
 
 # ---------------------------------------------------------------- LRU list
