@@ -66,7 +66,10 @@ def _hash_field(buf, start, end):
 
 @njit(cache=True, nogil=True)
 def _bad(buf, s, e, code, detail):
-    """Report a wrong field count in preference to whatever it caused."""
+    """Report a wrong field count in preference to whatever it caused.
+
+    Its callers pass `code` and `detail` as np.int64: a constant argument would have numba compile one
+    signature per constant (five, a second of a cold start)."""
     num_fields = 1
     for q in range(s, e):
         if buf[q] == _TAB:
@@ -80,10 +83,10 @@ def _bad(buf, s, e, code, detail):
 def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
     """Parse buf[s:e] (no newline) into row r. Returns (error code, detail)."""
     if e - s < 2 or buf[s + 1] != _TAB:
-        return _bad(buf, s, e, _E_LABEL, 0)
+        return _bad(buf, s, e, np.int64(_E_LABEL), np.int64(0))
     c = buf[s]
     if c != 48 and c != 49:
-        return _bad(buf, s, e, _E_LABEL, 0)
+        return _bad(buf, s, e, np.int64(_E_LABEL), np.int64(0))
     labels[r] = np.float32(c - 48)
     p = s + 2
     for j in range(NUM_DENSE):
@@ -97,23 +100,23 @@ def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
         while q < e and buf[q] != _TAB:
             d = np.int64(buf[q]) - 48
             if d < 0 or d > 9:
-                return _bad(buf, s, e, _E_INT, j)
+                return _bad(buf, s, e, np.int64(_E_INT), np.int64(j))
             val = val * 10.0 + d
             num_digits += 1
             q += 1
         if num_digits == 0 and q > p:  # a sign alone
-            return _bad(buf, s, e, _E_INT, j)
+            return _bad(buf, s, e, np.int64(_E_INT), np.int64(j))
         if val == _INF:  # 309 digits or more: not a number the model can take, whatever its sign
-            return _bad(buf, s, e, _E_NONFINITE, j)
+            return _bad(buf, s, e, np.int64(_E_NONFINITE), np.int64(j))
         dense[r, j] = np.float32(0.0 if neg else np.log1p(val))
         if q >= e:
-            return _bad(buf, s, e, _E_FIELDS, 0)
+            return _bad(buf, s, e, np.int64(_E_FIELDS), np.int64(0))
         p = q + 1
     for k in range(NUM_SPARSE):
         q = p
         while q < e and buf[q] != _TAB:
             if buf[q] < 32:  # NUL or control byte: binary garbage
-                return _bad(buf, s, e, _E_CTRL, k)
+                return _bad(buf, s, e, np.int64(_E_CTRL), np.int64(k))
             q += 1
         if q == p:
             ids[r, k] = group_hi[k]
@@ -123,10 +126,10 @@ def _parse_line(buf, s, e, group_hi, labels, dense, ids, present, r):
             present[r, k] = True
         if k < NUM_SPARSE - 1:
             if q >= e:
-                return _bad(buf, s, e, _E_FIELDS, 0)
+                return _bad(buf, s, e, np.int64(_E_FIELDS), np.int64(0))
             p = q + 1
         elif q < e:
-            return _bad(buf, s, e, _E_FIELDS, 0)
+            return _bad(buf, s, e, np.int64(_E_FIELDS), np.int64(0))
     return _OK, 0
 
 
