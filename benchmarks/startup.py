@@ -13,7 +13,9 @@ The operating system's file cache is warm in both (the Python packages were read
 reports `first_step_s`, from starting the command to the first training step of any NN worker (the summary's
 `train_started_at`: the moment a rank has its first batch's embeddings and starts computing), the launcher's
 own `phases.first_step` (from its launch, after the `hybridrec run` process's own imports), and per service
-when it logged `listening` and `serving`, in seconds from the command's start: where the time goes.
+when it logged `listening`, `warmed_up` (a PS) and `serving`, and when each fork server parent had imported
+what its services import (`preloaded base`, `preloaded dense`) and the light one the PS kernels (`preloaded ps
+kernels`), in seconds from the command's start: where the time goes.
 
 Each run stops after --steps training steps per NN worker and evaluates --eval-rows held-out rows, so a run
 lasts a few seconds beyond its start-up. The data is --data DIR (train.tsv, eval.tsv; the README's
@@ -58,8 +60,10 @@ def head(src: Path, dst: Path, lines: int) -> Path:
     return dst
 
 
-def log_events(path: Path, events: tuple[str, ...] = ("listening", "serving")) -> dict[str, float]:
-    """Unix time of the first line of each of `events` in a service's JSON log."""
+def log_events(path: Path, events: tuple[str, ...] = ("listening", "warmed_up", "serving")) -> dict[str, float]:
+    """Unix time of the first line of each of `events` in a service's JSON log (a PS's `warmed_up`: its kernels
+    compiled or loaded), and of each of a fork server parent's `preloaded` lines, as `preloaded <what>`: its
+    imports (base, dense) and, in the light parent, the PS kernels compiled before the first PS is forked."""
     found: dict[str, float] = {}
     for line in path.read_text(errors="replace").splitlines():
         try:
@@ -67,7 +71,9 @@ def log_events(path: Path, events: tuple[str, ...] = ("listening", "serving")) -
         except ValueError:
             continue
         event = entry.get("event")
-        if event in events and event not in found and "timestamp" in entry:
+        if event == "preloaded" and "at" in entry:
+            found.setdefault(f"preloaded {entry.get('what')}", float(entry["at"]))
+        elif event in events and event not in found and "timestamp" in entry:
             found[event] = timestamp_of(entry)
     return found
 
