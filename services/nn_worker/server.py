@@ -35,6 +35,7 @@ from services.nn_worker.group.membership import Fingerprint, Membership, failure
 from services.nn_worker.publish import Publisher
 from services.nn_worker.results import build_summary, gather_eval, reduce_stats, reduce_window
 from services.nn_worker.routing import EmbeddingWorkers
+from services.nn_worker.lr_decay import LrDecay
 from services.nn_worker.step import make_dense_optimizer
 from services.nn_worker.trainer import Collaborators, Trainer
 
@@ -207,6 +208,7 @@ async def _serve(config: Config, replica: int) -> None:
     model = build_model(config.model.path, feature_infos(config.features),
                         config.num_dense, config.model.kwargs, num_tasks=config.num_tasks)
     check_resumable(config, model, make_dense_optimizer)  # another model's checkpoint: exit 2 before joining
+    LrDecay.from_config(config)  # a learning-rate fall over a run whose length cannot be counted here: the same
     progressive.warm_up()  # its kernel loaded now, not in the first step (a no-op after the fork server's)
     membership = Membership.from_config(config.cluster, replica, Fingerprint.of(config, model), env.backend,
                                         env.device)

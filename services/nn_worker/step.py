@@ -22,6 +22,7 @@ from hybridrec.core.model.pooling import BatchEmbeddings, Pooler
 from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.group.distributed import DenseSync, DistEnv, group_for
 from services.nn_worker.feed import DeviceFeed
+from services.nn_worker.lr_decay import LrDecay
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class StepMath:
         self.feed = DeviceFeed(env.device, overlap=training.overlap_copies)
         self.sync: DenseSync | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.decay: LrDecay | None = None  # the learning rate's fall over the run's last steps (lr_decay.py)
         self._one = torch.ones(1, device=env.device)
 
     def train(self, batch: DenseBatch, emb: BatchEmbeddings, step: int, lost: bool = False,
@@ -82,6 +84,9 @@ class StepMath:
         grads = {dim: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for dim, leaf in leaves.items()}
         found = self.nonfinite(loss, grads)
         self.optimizer.found_inf = found.view(())
+        if self.decay is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.decay.lr(step)
         self.optimizer.step()
         self.sync.after_step(step)
         # The gradients are quantised where they are (on a GPU: half the bytes come back), and the logits go to

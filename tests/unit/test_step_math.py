@@ -23,6 +23,7 @@ from hybridrec.core.model.models import FeatureInfo, build_model
 from hybridrec.core.model.pooling import Pooler
 from hybridrec.core.model.tasks import Tasks
 from services.nn_worker.group.distributed import DenseSync, DistEnv, close_groups, open_groups
+from services.nn_worker.lr_decay import LrDecay
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
 BATCH = 6
@@ -101,3 +102,15 @@ def test_a_lost_batchs_step_runs_with_weight_zero(group_of_one):
     step = math.train(batch, emb, step=7, lost=True)
     assert step.loss() == 0.0 and not any(g.any() for g in step.packed().values())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # SGD without weight decay
+
+
+def test_the_learning_rate_falls_as_the_decay_says(group_of_one):
+    """`optimizer.dense.decay`: each step's rate is `LrDecay.lr(step)`, down to none at the last step."""
+    math, model, batch, emb = _setup()
+    math.sync = DenseSync(model, math.env, math.training)
+    math.decay = LrDecay(base=0.1, start=6, total=10, floor=0.0)
+    math.train(batch, emb, step=8)
+    assert math.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    before = [p.detach().clone() for p in model.parameters()]
+    math.train(batch, emb, step=10)  # SGD at rate 0: the step changes nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

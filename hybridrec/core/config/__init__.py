@@ -17,7 +17,7 @@ from hybridrec.core.config.section import ConfigError, Section
 from hybridrec.core.config.features import (Pooling, FeatureKind, TableConfig, FeatureConfig, criteo_features,
     ids_per_sample, resolve_tables, ModelConfig)
 from hybridrec.core.config.optimizers import (EmbeddingOptimizer, EmbeddingOptimizerConfig, DenseOptimizerConfig,
-    OptimizerConfig)
+    LrDecayConfig, OptimizerConfig)
 from hybridrec.core.config.training import Mode, CompressionConfig, TrainingConfig
 from hybridrec.core.config.data import StreamConfig, TaskConfig, DataConfig
 from hybridrec.core.config.ps import (WeightStorage, InitConfig, TableLifecycleConfig, LifecycleConfig, TierConfig,
@@ -31,8 +31,9 @@ from hybridrec.core.config.job import (Config, parse_overrides, apply_overrides,
 __all__ = ["ConfigError", "Section", "Pooling", "FeatureKind", "TableConfig", "FeatureConfig", "criteo_features",
            "ids_per_sample",
            "resolve_tables", "ModelConfig", "EmbeddingOptimizer", "EmbeddingOptimizerConfig",
-           "DenseOptimizerConfig", "OptimizerConfig", "Mode", "CompressionConfig", "TrainingConfig",
-           "StreamConfig", "DataConfig", "WeightStorage", "InitConfig", "TableLifecycleConfig", "LifecycleConfig",
+           "DenseOptimizerConfig", "LrDecayConfig", "OptimizerConfig", "Mode", "CompressionConfig", "TrainingConfig",
+           "StreamConfig", "TaskConfig", "DataConfig", "WeightStorage", "InitConfig", "TableLifecycleConfig",
+           "LifecycleConfig",
            "TierConfig", "PSConfig", "TLSConfig", "AUTO", "SIZED_BY_HOST", "ClusterConfig", "split_address",
            "CheckpointConfig", "PublishConfig", "OutputConfig", "Config", "parse_overrides",
            "apply_overrides", "from_dict", "describe_errors", "load_config", "dump_config"]

@@ -83,6 +83,10 @@ class Config(Section):
             raise ValueError("data.labels: label columns must be unique")
         if data.weight_column is not None and data.weight_column in names:
             raise ValueError(f"data.weight_column: {data.weight_column!r} is a label column (data.labels)")
+        if self.optimizer.dense.decay is not None and not self.training.max_steps and (
+                data.stream is not None or data.format != "parquet"):
+            raise ValueError("optimizer.dense.decay: the rate falls over the run's last steps, so the run's length "
+                             "must be known ahead: set training.max_steps (Parquet files' rows count themselves)")
         weights = self.training.task_weights
         if weights is not None and len(weights) != len(names):
             raise ValueError(f"training.task_weights: {len(weights)} weights for {len(names)} tasks "

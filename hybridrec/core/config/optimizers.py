@@ -53,6 +53,17 @@ class EmbeddingOptimizerConfig(Section):
     """FTRL L2 regularisation strength."""
 
 
+class LrDecayConfig(Section):
+    """The dense learning rate falls linearly over the run's last steps, so that the run ends on a settled model:
+    at a constant rate its calibration wanders by several percent from step to step. Needs the run's length
+    ahead: training.max_steps, or Parquet training files (their row counts)."""
+
+    last: Annotated[float, Field(gt=0, le=1)] = 0.25
+    """The fraction of the run's steps over which the rate falls."""
+    to: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """The fraction of `lr` left at the last step."""
+
+
 class DenseOptimizerConfig(Section):
     """The torch.optim optimizer of the dense model (on the NN workers)."""
 
@@ -62,6 +73,9 @@ class DenseOptimizerConfig(Section):
     """Learning rate."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """torch's weight_decay (L2 penalty added to the gradient)."""
+    decay: LrDecayConfig | None = None
+    """The learning rate's fall over the run's last steps (`{last: 0.25}`: over the last quarter, to 0); None:
+    the rate stays `lr` throughout."""
 
 
 class OptimizerConfig(Section):

@@ -25,6 +25,7 @@ from services.nn_worker.group.handover import STATS_FIELDS, hand_over
 from services.nn_worker.ledger import Ledger
 from services.nn_worker.group.membership import Membership, Plan, failure_line, is_group_failure
 from services.nn_worker.stats import TrainStats
+from services.nn_worker.lr_decay import LrDecay
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class DenseGroup:
         the plan the group finally formed on (another round if a peer was lost meanwhile)."""
         math = self.math
         math.optimizer = make_dense_optimizer(math.model, self.config)
+        math.decay = LrDecay.from_config(self.config)
         while True:
             try:
                 if plan.source is not None:
