@@ -7,8 +7,13 @@ for what the mode itself does to calibration. A model's mean prediction moves fr
 (the dense optimizer's last steps, the order two NN workers' batches arrive in), so the weighted run is
 repeated (`--repeats`) and judged by the mean of its runs, each run reported beside it.
 
+`--stops` measures where that movement comes from: the unsampled example (hybrid mode) stopped at each of the
+given steps (`training.max_steps`), at a constant dense learning rate (`optimizer.dense.decay=null`) and with the
+example's fall over the last quarter of the run; each stop's mean prediction against the click rate.
+
     python benchmarks/tasks.py --rows 1000000 --sampled-rows 3000000 --modes sync hybrid --repeats 3 \
         --out results/tasks.json
+    python benchmarks/tasks.py --modes --stops 470 474 478 482 --out results/tasks-stops.json
 """
 from __future__ import annotations
 
@@ -53,6 +58,16 @@ def train(data: Path, run: Path, *sets: str) -> dict:
             "mean_prediction": {c: float(predicted[c].to_numpy().mean()) for c in predicted.column_names}}
 
 
+def stops(data: Path, work: Path, steps: list[int], rate: float) -> dict:
+    """Each stop's calibration (mean predicted click / the eval click rate), at a constant rate and falling."""
+    out = {}
+    for name, extra in (("constant", ("optimizer.dense.decay=null",)), ("decay", ())):
+        runs = [train(data, work / f"stop-{name}-{step}", f"training.max_steps={step}", *extra) for step in steps]
+        out[name] = {str(step): {"calibration": round(run["mean_prediction"]["click"] / rate, 4),
+                                 "auc": round(run["tasks"][0]["auc"], 5)} for step, run in zip(steps, runs)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="training rows of the unsampled data")
@@ -60,7 +75,9 @@ def main() -> None:
                         help="training rows drawn before down-sampling the negatives")
     parser.add_argument("--negative-rate", type=float, default=0.1)
     parser.add_argument("--sampled-epochs", type=int, default=1, help="epochs over the down-sampled data")
-    parser.add_argument("--modes", nargs="+", default=["sync", "hybrid"], help="training modes of every run")
+    parser.add_argument("--modes", nargs="*", default=["sync", "hybrid"], help="training modes of every run")
+    parser.add_argument("--stops", nargs="*", type=int, default=[],
+                        help="steps to stop the unsampled hybrid run at, constant rate against falling")
     parser.add_argument("--repeats", type=int, default=1, help="weighted down-sampled runs a mode")
     parser.add_argument("--work", type=Path, default=None, help="where data and runs go (default: a temp dir)")
     parser.add_argument("--out", type=Path, required=True)
@@ -68,10 +85,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tasks-", dir=args.work))
     try:
         oracle = synth(work / "data", args.rows, None)["tasks"]
-        sampled = synth(work / "sampled", args.sampled_rows, args.negative_rate)
-        rate = sampled["tasks"]["click"]["eval_rate"]
         result = {"rows": args.rows, "sampled_rows": args.sampled_rows, "sampled_epochs": args.sampled_epochs,
-                  "negative_rate": args.negative_rate, "eval_click_rate": rate, "modes": {}}
+                  "negative_rate": args.negative_rate, "modes": {}}
+        if args.stops:
+            result["stops"] = stops(work / "data", work, args.stops, oracle["click"]["eval_rate"])
+        if args.modes:
+            sampled = synth(work / "sampled", args.sampled_rows, args.negative_rate)
+            rate = result["eval_click_rate"] = sampled["tasks"]["click"]["eval_rate"]
         for mode in args.modes:
             full = train(work / "data", work / f"full-{mode}", f"training.mode={mode}")
             watch = next(t for t in full["tasks"] if t["name"] == "watch_time")
@@ -91,8 +111,9 @@ def main() -> None:
                                 "unweighted": round(unweighted["mean_prediction"]["click"] / rate, 4)}}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
-        print(json.dumps({mode: {k: v for k, v in figures.items() if k not in ("full", "sampled")}
-                          for mode, figures in result["modes"].items()}))
+        print(json.dumps({"stops": result.get("stops"), **{
+            mode: {k: v for k, v in figures.items() if k not in ("full", "sampled")}
+            for mode, figures in result["modes"].items()}}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

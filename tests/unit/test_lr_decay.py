@@ -51,4 +51,7 @@ def test_a_run_of_unknown_length_refuses_the_decay_naming_the_key():
     with pytest.raises(ConfigError, match=r"optimizer\.dense\.decay.*training\.max_steps"):
         from_dict(tsv)
     assert from_dict({**tsv, "training": {"max_steps": 100}}).optimizer.dense.decay.last == 0.25
-    assert from_dict({"data": {"train": ["day_0.tsv"]}}).optimizer.dense.decay is None
+    plain = from_dict({"data": {"train": ["day_0.tsv"]}, "optimizer": {"dense": {"lr": 0.3}}})
+    assert plain.optimizer.dense.decay is None
+    constant = LrDecay.from_config(plain)  # no fall: the config's rate at every step, however long the run
+    assert constant.lr(1) == constant.lr(10**12) == 0.3

@@ -114,3 +114,6 @@ def test_the_learning_rate_falls_as_the_decay_says(group_of_one):
     before = [p.detach().clone() for p in model.parameters()]
     math.train(batch, emb, step=10)  # SGD at rate 0: the step changes nothing
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    math.decay = LrDecay(base=0.2, start=10**9, total=10**9, floor=1.0)  # resumed without the fall
+    math.train(batch, emb, step=11)  # the optimizer's state said 0 (where the fall ended): the config's rate wins
+    assert math.optimizer.param_groups[0]["lr"] == 0.2
