@@ -341,7 +341,7 @@ def _copy_row(dst, i, src, s, n):
 
 @njit(inline="always", error_model="numpy")
 def _copy_weights(dst, i, src, s, dim, storage):
-    """dst[i, :dim] = the float32 weights of row src[s], decoded from 16 bits unless `storage` is FP32."""
+    """dst[i, :dim] = the float32 weights of row src[s], decoded from 16 bits unless `storage` is None."""
     if storage is None:
         _copy_row(dst, i, src, s, dim)
     else:
@@ -972,6 +972,8 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         tables[group_of(new_keys[q]), T_ADMITTED] += 1
     new_slots = np.empty(n, np.int32)
     for q in range(ghosts, n):  # (2) free slots first, then evict from the LRU tail (to disk, with a tier)
+        # _evict_slot tests the tier too, but only after numba has inlined its disk code: tested here, a store
+        # without a tier never compiles it (row_storage.kernel_storage)
         if tier is not None:
             new_slots[q] = _evict_slot(keys, prev, nxt, values, hdr, tier)
         else:

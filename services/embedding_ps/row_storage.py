@@ -51,8 +51,8 @@ def kernel_storage(storage: int) -> int | None:
     The kernels test `storage is None` rather than `storage == FP32`: numba drops a branch whose test is a
     comparison of an argument of type None with None before it compiles the function, so a float32 store's
     kernels are compiled without any of this module's 16-bit code (whereas a branch on an integer's value is
-    compiled whatever the value). That code was most of a PS's cold start: 34 s to compile its kernels with
-    it, 10 s without (docs/benchmarks.md, Start-up). A 16-bit store's kernels are compiled for an integer
+    compiled whatever the value). That code was most of a PS's cold start: 34.3 s to compile its kernels
+    with it, 9.1 s without (docs/architecture.md, Start-up). A 16-bit store's kernels are compiled for an integer
     `storage`, as one more signature of each kernel."""
     return None if storage == FP32 else storage
 
