@@ -189,7 +189,7 @@ def build_summary(config: Config, totals: dict, labels: np.ndarray, preds: np.nd
     `progressive`: each task's progressive-validation metrics over every rank's window (`reduce_window`)."""
     wall = totals["train_wall_s"]
     every = _task_metrics(config, labels, preds, progressive)
-    first = every[0].model_dump(include={"auc", "logloss", "rmse", "mae", "oracle_rmse"})
+    first = every[0].model_dump(include={"auc", "logloss", "calibration", "rmse", "mae", "oracle_rmse"})
     tasks = every if len(every) > 1 else None
     recovered = recovery_counters(config)
     # The embedding workers keep a looked-up training batch until its update is applied, so what they still

@@ -105,15 +105,18 @@ def test_negatives_sampled_down_and_weighted_up_keep_the_model_calibrated(tmp_pa
     data = tmp_path / "sampled"
     synthesize_multitask(data, rows=400_000, eval_rows=20_000, seed=3, negative_rate=0.1)
     rate = json.loads((data / "oracle.json").read_text())["tasks"]["click"]["eval_rate"]
-    means = {}
+    means, reported = {}, {}
     for name, extra in (("weighted", ()), ("unweighted", ("data.weight_column=null",))):
-        _train(data, tmp_path / name, "cluster.nn_workers=[127.0.0.1:0]", "training.mode=sync", *extra)
+        summary = _train(data, tmp_path / name, "cluster.nn_workers=[127.0.0.1:0]", "training.mode=sync", *extra)
+        reported[name] = summary["tasks"][0]["calibration"]
         _cli(["export", str(tmp_path / name), "--out", str(tmp_path / f"{name}-bundle")])
         _cli(["predict", str(tmp_path / f"{name}-bundle"), str(data / "eval.parquet"), "--out",
               str(tmp_path / f"{name}.parquet")])
         means[name] = float(pq.read_table(tmp_path / f"{name}.parquet")["click"].to_numpy().mean())
     assert abs(means["weighted"] / rate - 1) < 0.1, (means, rate)
     assert means["unweighted"] > 2 * rate, (means, rate)
+    for name, mean in means.items():  # the summary's calibration is the served model's on the eval file
+        assert reported[name] == pytest.approx(mean / rate, rel=1e-3), (reported, means, rate)
 
 
 def test_a_loss_by_import_path_is_the_loss_trained_and_reported(data, tmp_path):

@@ -55,6 +55,11 @@ def test_configured_but_unreadable_oracle_is_none_with_a_warning(tmp_path, conte
     assert [(e["event"], e["log_level"], e["path"]) for e in logs] == [("oracle_unreadable", "warning", str(path))]
 
 
+def test_calibration_is_the_mean_prediction_over_the_rate_of_positives():
+    assert binary_metrics([1, 0, 0, 0], [0.5, 0.25, 0.25, 0.5])["calibration"] == pytest.approx(1.5 / 1)
+    assert binary_metrics([0, 0], [0.1, 0.2])["calibration"] is None  # no positives: no rate to be calibrated to
+
+
 def test_binary_metrics_one_class_has_no_auc():
     assert binary_metrics([1, 1], [0.2, 0.9])["auc"] is None
     assert binary_metrics([], [])["logloss"] is None

@@ -144,5 +144,5 @@ def test_report_lists_every_task():
     rows = dict(summary_rows({"auc": 0.7, "tasks": [{"name": "click", "auc": 0.75, "oracle_auc": 0.76,
                                                      "logloss": 0.45},
                                                     {"name": "conversion", "auc": 0.68, "logloss": 0.3}]}))
-    assert rows["Task click: eval AUC / oracle / logloss"].startswith("0.75")
-    assert "Task conversion: eval AUC / oracle / logloss" in rows
+    assert rows["Task click: eval AUC / oracle / logloss / calibration"].startswith("0.75")
+    assert "Task conversion: eval AUC / oracle / logloss / calibration" in rows

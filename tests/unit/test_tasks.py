@@ -156,6 +156,7 @@ def test_weighted_metrics_count_each_sample_its_weight():
     got = binary_metrics(positive, scores, weights.astype(np.float32))
     want = binary_metrics(positive[repeated], scores[repeated])
     assert got["auc"] == pytest.approx(want["auc"], abs=1e-12) and got["logloss"] == pytest.approx(want["logloss"])
+    assert got["calibration"] == pytest.approx(want["calibration"])
     assert binary_metrics(positive, scores, np.ones(500))["auc"] == pytest.approx(roc_auc(positive, scores))
     values, labels = rng.normal(size=500), rng.normal(size=500)
     r = regression_metrics(labels, values, weights)
@@ -205,8 +206,10 @@ def test_the_summary_reports_each_task_by_its_kind_weighted():
     preds = np.array([[0.9, 12.0], [0.2, 20.0], [0.1, 0.0]], np.float32)
     click, watch = _task_metrics(config, labels, preds)
     assert (click.kind, click.auc, watch.kind, watch.auc) == ("binary", 1.0, "regression", None)
+    assert click.calibration == pytest.approx((0.9 * 1 + 0.2 * 3) / 1)  # weighted mean prediction / weighted rate
+    assert watch.calibration is None
     assert watch.rmse == pytest.approx(np.sqrt((1 * 4 + 3 * 0) / 4)) and watch.mae == pytest.approx(2 / 4)
     assert task_row(watch.model_dump(), str)[0] == "task watch_time: eval RMSE / oracle / MAE"
     summary = RunSummary.model_construct(tasks=[click, watch], auc=None, logloss=None, rmse=None, mae=None)
-    assert set(summary.task_metrics()) == {"eval_auc_click", "eval_logloss_click", "eval_rmse_watch_time",
-                                           "eval_mae_watch_time"}
+    assert set(summary.task_metrics()) == {"eval_auc_click", "eval_logloss_click", "eval_calibration_click",
+                                           "eval_rmse_watch_time", "eval_mae_watch_time"}

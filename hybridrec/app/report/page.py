@@ -158,6 +158,7 @@ def _result_rows(s: dict) -> list[tuple[str, str]]:
         ("Eval AUC (held-out file)", fmt_sig(s.get("auc"))),
         ("Oracle AUC (best possible)", fmt_sig(s.get("oracle_auc"))),
         ("Eval log loss", fmt_sig(s.get("logloss"))),
+        ("Eval calibration (mean prediction / rate of positives)", fmt_sig(s.get("calibration"))),
         ("Eval samples", fmt_int(s.get("eval_samples"))),
         ("Mean training loss", fmt_sig(s.get("mean_train_loss"))),
         ("Staleness at lookup (median / max)", f"{fmt_int(p50)} / {fmt_int(mx)} batches"

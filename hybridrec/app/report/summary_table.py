@@ -24,6 +24,7 @@ def print_summary(summary: RunSummary) -> None:
             ("wall time (start-up)", f"{fmt_duration(summary.wall_s)} ({fmt_duration(start_up)})"),
             ("eval AUC", fmt_sig(summary.auc)), ("oracle AUC", fmt_sig(summary.oracle_auc)),
             ("eval logloss", fmt_sig(summary.logloss)),
+            ("eval calibration (mean prediction / rate)", fmt_sig(summary.calibration)),
             (f"progressive AUC (last {fmt_int(summary.progressive_samples)} samples)",
              fmt_sig(summary.progressive_auc)),
             ("staleness p50 / max", f"{summary.staleness.p50} / {summary.staleness.max}"),

@@ -342,13 +342,14 @@ def task_entries(summary: dict) -> list[dict]:
 
 def task_row(task: dict, fmt: Callable[[Any], str]) -> tuple[str, str]:
     """A task's eval results as one (label, value) row of the CLI's table and the report, by its kind: AUC,
-    oracle AUC and log loss, or RMSE, oracle RMSE and MAE. `task`: a `TaskMetrics` as a dict."""
+    oracle AUC, log loss and calibration, or RMSE, oracle RMSE and MAE. `task`: a `TaskMetrics` as a dict."""
     name = f"task {task.get('name')}: " if task.get("name") else ""
     if task.get("kind") == "regression":
         return (f"{name}eval RMSE / oracle / MAE",
                 f"{fmt(task.get('rmse'))} / {fmt(task.get('oracle_rmse'))} / {fmt(task.get('mae'))}")
-    return (f"{name}eval AUC / oracle / logloss",
-            f"{fmt(task.get('auc'))} / {fmt(task.get('oracle_auc'))} / {fmt(task.get('logloss'))}")
+    return (f"{name}eval AUC / oracle / logloss / calibration",
+            f"{fmt(task.get('auc'))} / {fmt(task.get('oracle_auc'))} / {fmt(task.get('logloss'))} / "
+            f"{fmt(task.get('calibration'))}")
 
 
 class TaskMetrics(BaseModel):
@@ -362,6 +363,9 @@ class TaskMetrics(BaseModel):
     """Eval AUC of the task's predictions (None with one class only, and for a regression task)."""
     logloss: float | None = None
     """Eval log loss of the task's predictions."""
+    calibration: float | None = None
+    """A binary task: the eval file's mean predicted probability over its rate of positives (both weighted by
+    the samples' weights, when there are): 1 is calibrated. None without positives."""
     rmse: float | None = None
     """A regression task: eval root mean squared error (weighted by the samples' weights, when there are)."""
     mae: float | None = None
@@ -452,6 +456,8 @@ class RunSummary(BaseModel):
     auc: float | None
     """Eval AUC on the held-out files (None without eval data or with one class only)."""
     logloss: float | None
+    calibration: float | None = None
+    """The first task's eval calibration: mean predicted probability over the rate of positives (1: calibrated)."""
     rmse: float | None = None
     """A regression first task: eval RMSE (`auc` and `logloss` are then None)."""
     mae: float | None = None
@@ -492,13 +498,14 @@ class RunSummary(BaseModel):
     """Launcher only: the phase boundaries (start-up, training, evaluation, shutdown)."""
 
     def task_metrics(self) -> dict[str, float]:
-        """Every task's eval metrics as metric values: `eval_auc_<task>` and `eval_logloss_<task>`, or
-        `eval_rmse_<task>` and `eval_mae_<task>` for a regression task."""
+        """Every task's eval metrics as metric values: `eval_auc_<task>`, `eval_logloss_<task>` and
+        `eval_calibration_<task>`, or `eval_rmse_<task>` and `eval_mae_<task>` for a regression task."""
         out: dict[str, float] = {}
-        for task in self.tasks or [TaskMetrics(name="", auc=self.auc, logloss=self.logloss, rmse=self.rmse,
-                                               mae=self.mae)]:
+        for task in self.tasks or [TaskMetrics(name="", auc=self.auc, logloss=self.logloss,
+                                               calibration=self.calibration, rmse=self.rmse, mae=self.mae)]:
             suffix = "".join(c if c.isalnum() else "_" for c in task.name)
-            for key, value in (("eval_auc", task.auc), ("eval_logloss", task.logloss), ("eval_rmse", task.rmse),
+            for key, value in (("eval_auc", task.auc), ("eval_logloss", task.logloss),
+                               ("eval_calibration", task.calibration), ("eval_rmse", task.rmse),
                                ("eval_mae", task.mae)):
                 if value is not None:
                     out[f"{key}_{suffix}" if suffix else key] = float(value)

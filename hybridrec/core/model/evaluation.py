@@ -21,25 +21,28 @@ EPS = 1e-7
 
 def binary_metrics(labels: np.ndarray, probs: np.ndarray,
                    weights: np.ndarray | None = None) -> dict[str, float | None]:
-    """AUC (None when only one class is present) and log loss of predicted click probabilities; with `weights`,
-    each sample counts its weight (a pair of samples in the AUC the product of theirs)."""
+    """AUC (None when only one class is present), log loss and calibration (the mean predicted probability over
+    the rate of positives: 1 is calibrated; None without positives) of predicted click probabilities; with
+    `weights`, each sample counts its weight (a pair of samples in the AUC the product of theirs)."""
     labels = np.asarray(labels, dtype=np.float64).reshape(-1)
     probs = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), EPS, 1 - EPS)
     if labels.size != probs.size:
         raise ValueError(f"{labels.size} labels and {probs.size} predictions")
     if labels.size == 0:
-        return {"auc": None, "logloss": None}
+        return {"auc": None, "logloss": None, "calibration": None}
     positive = labels == 1
     if not np.all(positive | (labels == 0)):
         raise ValueError("labels must be 0 or 1")
     losses = np.where(positive, np.log(probs), np.log1p(-probs))
     if weights is None:
         auc = roc_auc(positive, probs) if 0 < positive.sum() < labels.size else None
-        return {"auc": auc, "logloss": -float(np.mean(losses))}
+        calibration = float(probs.sum() / positive.sum()) if positive.any() else None
+        return {"auc": auc, "logloss": -float(np.mean(losses)), "calibration": calibration}
     weights = _weights(weights, labels.size)
     pos_w, neg_w = float(weights[positive].sum()), float(weights[~positive].sum())
     auc = weighted_roc_auc(positive, probs, weights) if pos_w > 0 and neg_w > 0 else None
-    return {"auc": auc, "logloss": -float(np.sum(weights * losses) / (pos_w + neg_w)) if pos_w + neg_w else None}
+    return {"auc": auc, "logloss": -float(np.sum(weights * losses) / (pos_w + neg_w)) if pos_w + neg_w else None,
+            "calibration": float(np.sum(weights * probs) / pos_w) if pos_w > 0 else None}
 
 
 def regression_metrics(labels: np.ndarray, values: np.ndarray,
