@@ -793,7 +793,7 @@ def _sketch_add(sketch, key, sketch_key, hdr, window):
 def sketch_counts_stripe(ids, perm, lo, hi, sketch, sketch_key, out):
     """out[perm[j]] = the sketch's count of ids[perm[j]] for j in [lo, hi) (no counting)."""
     for j in range(lo, hi):
-        out[perm[j]] = _sketch_count(sketch, ids[perm[j]], sketch_key) if sketch.shape[0] > 0 else 0
+        out[perm[j]] = _sketch_count(sketch, ids[perm[j]], sketch_key)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -934,7 +934,8 @@ def insert_misses(ids, perm, lo, hi, slots, out, index, keys, prev, nxt, values,
         g = group_of(key)
         if tier is not None and (admit_after[g] > 1 or admit_threshold >= 0) and _tier_find(tier[0], tier[4], key)[0]:
             pass  # admitted when it was first inserted: its row is on disk
-        elif admit_after[g] > 1 and _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
+        elif sketch is not None and admit_after[g] > 1 and \
+                _sketch_add(sketch, key, sketch_key, hdr, window) < admit_after[g]:
             slots[j] = -1  # not seen often enough yet: reads zeros, its gradient will be dropped
             hdr[F_ADMISSION_DROPS] += 1
             tables[g, T_REJECTED] += 1

@@ -129,6 +129,8 @@ class StoreLifecycle:
         """The sketch's count (int64) of each ID since the last halving; 0 everywhere without a sketch."""
         ids = as_ids(ids, "ids")
         out = np.zeros(ids.shape[0], np.int64)
+        if not self.config.uses_sketch:
+            return out
         perm = np.empty(ids.shape[0], np.int32)
         offsets = K.partition(ids, self.config.num_stripes, perm)
 

@@ -83,101 +83,144 @@ def _sum_of_squares(row, g_row, dim, wd):
 
 
 @njit(inline="always", error_model="numpy")
-def _apply_row(row, g_row, dim, opt, hp, bounded):
+def _apply_row(row, g_row, dim, sgd, adagrad, adam, ftrl, rowwise, bounded):
     """One optimizer step on one row, float32 arithmetic in torch's operation order.
 
+    The optimizer is the argument that is not None, the hyper-parameter vector `hp` (`kernel_rule`): numba
+    drops the branches of the four that are None before it types them, so a store compiles only its own
+    optimizer's code (five optimizers' code was most of the update kernel's compile on a cold start).
     torch computes `param.addcdiv_(g, std, value=-lr)` as param + ((-lr) * g) / std,
     `state.addcmul_(g, g, value=c)` as state + (c * g) * g, and casts Python
     float hyper-parameters to float32; doing the same keeps us within an ulp.
     """
+    if sgd is not None:
+        _sgd_row(row, g_row, dim, sgd, bounded)
+    elif adagrad is not None:
+        _adagrad_row(row, g_row, dim, adagrad, bounded)
+    elif rowwise is not None:
+        _rowwise_adagrad_row(row, g_row, dim, rowwise, bounded)
+    elif adam is not None:
+        _adam_row(row, g_row, dim, adam, bounded)
+    elif ftrl is not None:
+        _ftrl_row(row, g_row, dim, ftrl, bounded)
+
+
+@njit(inline="always", error_model="numpy")
+def _sgd_row(row, g_row, dim, hp, bounded):
     lr = np.float32(hp[HP_LR])
     wd = np.float32(hp[HP_WD])
     bound = np.float32(hp[HP_BOUND])
-    if opt == OPT_SGD:
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            w = w + (-lr) * g
-            row[d] = _clip(w, bound) if bounded else w
-    elif opt == OPT_ADAGRAD:
-        eps = np.float32(hp[HP_EPS])
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            acc = row[dim + d] + g * g
-            row[dim + d] = acc
-            w = w + ((-lr) * g) / (np.sqrt(acc) + eps)
-            row[d] = _clip(w, bound) if bounded else w
-    elif opt == OPT_ROWWISE_ADAGRAD:  # state: [sum of the row's mean squared gradients]
-        eps = np.float32(hp[HP_EPS])
-        acc = row[dim] + _sum_of_squares(row, g_row, dim, wd) / np.float32(dim)
-        row[dim] = acc
-        step = (-lr) / (np.sqrt(acc) + eps)
-        for d in range(dim):
-            w = row[d]
-            w = w + step * (g_row[d] + wd * w)
-            row[d] = _clip(w, bound) if bounded else w
-    elif opt == OPT_ADAM:  # state: [exp_avg | exp_avg_sq | step]
-        beta1 = hp[HP_BETA1]
-        beta2 = hp[HP_BETA2]
-        step = row[3 * dim] + np.float32(1.0)  # float32 step saturates at 2**24, where bias correction is 1
-        row[3 * dim] = step
-        step_size = np.float32(hp[HP_LR] / (1.0 - beta1 ** np.float64(step)))
-        bc2_sqrt = np.float32(math.sqrt(1.0 - beta2 ** np.float64(step)))
-        c1 = np.float32(1.0 - beta1)
-        b2 = np.float32(beta2)
-        c2 = np.float32(1.0 - beta2)
-        eps = np.float32(hp[HP_ADAM_EPS])
-        small = c1 < np.float32(0.5)
-        for d in range(dim):
-            w = row[d]
-            g = g_row[d] + wd * w
-            m = row[dim + d]
-            # torch exp_avg.lerp_(g, 1 - beta1), whose formula depends on the weight
-            m = m + c1 * (g - m) if small else g - (g - m) * (np.float32(1.0) - c1)
-            v = row[2 * dim + d] * b2 + (c2 * g) * g
-            row[dim + d] = m
-            row[2 * dim + d] = v
-            w = w + ((-step_size) * m) / (np.sqrt(v) / bc2_sqrt + eps)
-            row[d] = _clip(w, bound) if bounded else w
-    else:  # FTRL-proximal as TensorFlow's ApplyFtrl, in float64; state: [accum | linear]
-        lr64 = hp[HP_LR]
-        p = -hp[HP_LR_POWER]
-        l1 = hp[HP_L1]
-        l2 = hp[HP_L2]
-        for d in range(dim):
-            w = np.float64(row[d])
-            g = np.float64(g_row[d]) + hp[HP_WD] * w
-            acc = np.float64(row[dim + d])
-            acc_new = acc + g * g
-            lin = np.float64(row[2 * dim + d]) + g - (acc_new ** p - acc ** p) / lr64 * w
-            quad = acc_new ** p / lr64 + 2.0 * l2
-            w = (math.copysign(l1, lin) - lin) / quad if abs(lin) > l1 else 0.0
-            row[dim + d] = np.float32(acc_new)
-            row[2 * dim + d] = np.float32(lin)
-            row[d] = _clip(np.float32(w), bound) if bounded else np.float32(w)
+    for d in range(dim):
+        w = row[d]
+        g = g_row[d] + wd * w
+        w = w + (-lr) * g
+        row[d] = _clip(w, bound) if bounded else w
+
+
+@njit(inline="always", error_model="numpy")
+def _adagrad_row(row, g_row, dim, hp, bounded):
+    lr = np.float32(hp[HP_LR])
+    wd = np.float32(hp[HP_WD])
+    bound = np.float32(hp[HP_BOUND])
+    eps = np.float32(hp[HP_EPS])
+    for d in range(dim):
+        w = row[d]
+        g = g_row[d] + wd * w
+        acc = row[dim + d] + g * g
+        row[dim + d] = acc
+        w = w + ((-lr) * g) / (np.sqrt(acc) + eps)
+        row[d] = _clip(w, bound) if bounded else w
+
+
+@njit(inline="always", error_model="numpy")
+def _rowwise_adagrad_row(row, g_row, dim, hp, bounded):
+    """State: [sum of the row's mean squared gradients]."""
+    lr = np.float32(hp[HP_LR])
+    wd = np.float32(hp[HP_WD])
+    bound = np.float32(hp[HP_BOUND])
+    eps = np.float32(hp[HP_EPS])
+    acc = row[dim] + _sum_of_squares(row, g_row, dim, wd) / np.float32(dim)
+    row[dim] = acc
+    step = (-lr) / (np.sqrt(acc) + eps)
+    for d in range(dim):
+        w = row[d]
+        w = w + step * (g_row[d] + wd * w)
+        row[d] = _clip(w, bound) if bounded else w
+
+
+@njit(inline="always", error_model="numpy")
+def _adam_row(row, g_row, dim, hp, bounded):
+    """State: [exp_avg | exp_avg_sq | step]."""
+    wd = np.float32(hp[HP_WD])
+    bound = np.float32(hp[HP_BOUND])
+    beta1 = hp[HP_BETA1]
+    beta2 = hp[HP_BETA2]
+    step = row[3 * dim] + np.float32(1.0)  # float32 step saturates at 2**24, where bias correction is 1
+    row[3 * dim] = step
+    step_size = np.float32(hp[HP_LR] / (1.0 - beta1 ** np.float64(step)))
+    bc2_sqrt = np.float32(math.sqrt(1.0 - beta2 ** np.float64(step)))
+    c1 = np.float32(1.0 - beta1)
+    b2 = np.float32(beta2)
+    c2 = np.float32(1.0 - beta2)
+    eps = np.float32(hp[HP_ADAM_EPS])
+    small = c1 < np.float32(0.5)
+    for d in range(dim):
+        w = row[d]
+        g = g_row[d] + wd * w
+        m = row[dim + d]
+        # torch exp_avg.lerp_(g, 1 - beta1), whose formula depends on the weight
+        m = m + c1 * (g - m) if small else g - (g - m) * (np.float32(1.0) - c1)
+        v = row[2 * dim + d] * b2 + (c2 * g) * g
+        row[dim + d] = m
+        row[2 * dim + d] = v
+        w = w + ((-step_size) * m) / (np.sqrt(v) / bc2_sqrt + eps)
+        row[d] = _clip(w, bound) if bounded else w
+
+
+@njit(inline="always", error_model="numpy")
+def _ftrl_row(row, g_row, dim, hp, bounded):
+    """FTRL-proximal as TensorFlow's ApplyFtrl, in float64; state: [accum | linear]."""
+    bound = np.float32(hp[HP_BOUND])
+    lr64 = hp[HP_LR]
+    p = -hp[HP_LR_POWER]
+    l1 = hp[HP_L1]
+    l2 = hp[HP_L2]
+    for d in range(dim):
+        w = np.float64(row[d])
+        g = np.float64(g_row[d]) + hp[HP_WD] * w
+        acc = np.float64(row[dim + d])
+        acc_new = acc + g * g
+        lin = np.float64(row[2 * dim + d]) + g - (acc_new ** p - acc ** p) / lr64 * w
+        quad = acc_new ** p / lr64 + 2.0 * l2
+        w = (math.copysign(l1, lin) - lin) / quad if abs(lin) > l1 else 0.0
+        row[dim + d] = np.float32(acc_new)
+        row[2 * dim + d] = np.float32(lin)
+        row[d] = _clip(np.float32(w), bound) if bounded else np.float32(w)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def apply_stripe(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key):
+def apply_stripe(perm, lo, hi, slots, grads, values, sgd, adagrad, adam, ftrl, rowwise, bounded, dim, storage,
+                 ids, round_key):
     """One step on row slots[j] with gradient grads[perm[j]], for j in [lo, hi) with a slot; returns rows applied.
 
+    `sgd, adagrad, adam, ftrl, rowwise`: the store's optimizer's hyper-parameters in its place, None in the
+    others' (`kernel_rule`); `bounded`: the hyper-parameters hold a weight bound (not NaN).
     `dim` is passed in rather than read from grads.shape, and the numpy error
     model (no ZeroDivisionError checks) is used: either one kept LLVM from
     vectorising the per-row loops (measured 6x slower).
     A store of 16-bit weights (`storage` not FP32) has them decoded into a float32 row, stepped there, and
     written back rounded at random from (round_key, the row's key ids[perm[j]], position): see row_storage.py.
     """
-    bounded = not np.isnan(hp[HP_BOUND])
     applied = 0
     if storage is None:
         for j in range(lo, hi):
             s = slots[j]
             if s >= 0:
-                _apply_row(values[s], grads[perm[j]], dim, opt, hp, bounded)
+                _apply_row(values[s], grads[perm[j]], dim, sgd, adagrad, adam, ftrl, rowwise, bounded)
                 applied += 1
         return applied
-    return _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key, bounded)
+    return _apply_compact(perm, lo, hi, slots, grads, values, sgd, adagrad, adam, ftrl, rowwise, bounded, dim,
+                          storage, ids, round_key)
 
 
 _BLOCK = 64
@@ -200,7 +243,8 @@ def _next_block(slots, perm, j, hi, at, src):
 
 
 @njit(inline="always", error_model="numpy")
-def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, ids, round_key, bounded):
+def _apply_compact(perm, lo, hi, slots, grads, values, sgd, adagrad, adam, ftrl, rowwise, bounded, dim, storage,
+                   ids, round_key):
     """`apply_stripe` on 16-bit weights, a block of rows at a time, the next block's rows fetched meanwhile.
 
     Before a block is stepped, the rows of the next one are asked of the memory (`prefetch`: both lines of a
@@ -247,7 +291,7 @@ def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, id
             decode_row16(halves, scratch_bits, dim, storage)
             for d in range(state):
                 scratch[dim + d] = row[packed + d]
-            _apply_row(scratch, gbuf[q], dim, opt, hp, bounded)
+            _apply_row(scratch, gbuf[q], dim, sgd, adagrad, adam, ftrl, rowwise, bounded)
             base = mix64(kbuf[q] ^ round_key)
             for i in range(draws.size):
                 draws[i] = mix64(base + np.uint64(4 * i))
@@ -265,8 +309,17 @@ def _apply_compact(perm, lo, hi, slots, grads, values, opt, hp, dim, storage, id
 
 
 def optimizer_code(opt: EmbeddingOptimizerConfig) -> int:
-    """The kernel's code of `opt` (`apply_stripe`'s `opt`, recorded in the store header)."""
+    """The code of `opt`, recorded in the store header (and the place of its `kernel_rule`)."""
     return OPTIMIZER_CODES[opt.name]
+
+
+def kernel_rule(opt: EmbeddingOptimizerConfig, hp: np.ndarray) -> tuple[object, ...]:
+    """`apply_stripe`'s optimizer arguments (sgd, adagrad, adam, ftrl, rowwise, bounded): `hp` in the place of
+    `opt`'s code, None in the others', and whether `hp` bounds the weights. A kernel compiles the optimizer
+    whose argument is not None, and only that one (`_apply_row`)."""
+    rule: list[object] = [None] * len(OPTIMIZER_CODES)
+    rule[optimizer_code(opt)] = hp
+    return (*rule, not bool(np.isnan(hp[HP_BOUND])))
 
 
 def state_width(opt: EmbeddingOptimizerConfig, dim: int) -> int:

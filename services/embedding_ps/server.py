@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.runtime.lazy_torch import import_torch_in_background, imported
-from hybridrec.core.config import Config, LifecycleConfig
+from hybridrec.core.config import Config
 from hybridrec.core.layouts import checkpoints
 from hybridrec.core.runtime import log, rpc
 from hybridrec.core.layouts.checkpoints import resolve_under
@@ -84,8 +84,7 @@ def warm_up(config: Config, *, updates_first: bool = False) -> None:
             tier = full.ps.tier and full.ps.tier.model_copy(update={"dir": str(Path(scratch) / "tier"),
                                                                     "capacity": 256})
             small = dataclasses.replace(full, ps=full.ps.model_copy(update={
-                "capacity": 64, "num_stripes": 2, "tier": tier, "lifecycle": _admitting(full.ps.lifecycle),
-                "admit_probability": 1.0}))
+                "capacity": 64, "num_stripes": 2, "tier": tier, "admit_probability": 1.0}))
             store = EmbeddingStore.open(Path(scratch) / f"dim-{dim}", small)
             try:
                 _exercise(store, dim, updates_first)
@@ -100,7 +99,8 @@ def _exercise(store: EmbeddingStore, dim: int, updates_first: bool) -> None:
     grads = np.zeros((ids.size, dim), np.float32)
     if updates_first:
         store.update(ids + np.uint64(100), grads)
-    store.lookup(ids, train=True)
+    for _ in range(max(store.config.admit_after.values(), default=1)):  # counted until admitted: new rows
+        store.lookup(ids, train=True)
     store.update(ids, grads)
     store.update(ids + np.uint64(100), grads)  # rows it lacks: their gradients are dropped
     store.lookup(ids, train=False)
@@ -112,14 +112,6 @@ def _exercise(store: EmbeddingStore, dim: int, updates_first: bool) -> None:
         store.load_cold(more, np.zeros((more.size, store.config.row_width), np.float32))
         store.update(more, np.zeros((more.size, dim), np.float32))
         store.peek(more, state=True)
-
-
-def _admitting(life: LifecycleConfig) -> LifecycleConfig:
-    """`life` with every ID admitted at its first occurrence, its TTLs and sketch kept: a warm-up's few IDs
-    then get rows, and the kernels that handle new rows (inserting, marking, checkpointing them) compile
-    with the rest. Admission is a value in the kernels' arrays, not a type: the signatures are the same."""
-    tables = {group: own.model_copy(update={"admit_after": None}) for group, own in life.tables.items()}
-    return life.model_copy(update={"admit_after": 1, "tables": tables})
 
 
 def _warm_decoders(config: Config) -> None:

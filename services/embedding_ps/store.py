@@ -107,7 +107,7 @@ class EmbeddingStore(L.StoreLifecycle):
         self._arrays = {name: np.frombuffer(mm, dtype=file_dtype(name)).reshape(layout.shape(name))
                         for name, mm in maps.items()}
         c = self.config
-        self._hp = O.hyper_parameters(c.optimizer, c.ps.weight_bound)
+        self._rule = O.kernel_rule(c.optimizer, O.hyper_parameters(c.optimizer, c.ps.weight_bound))
         # numpy scalars, not Python ints: a Python int >= 2**63 sends numba's dispatcher down its
         # slow path (~1 ms of type inference per call).
         self._init_key = np.uint64(K.mix_seed(c.seed, _INIT_SALT))
@@ -147,14 +147,14 @@ class EmbeddingStore(L.StoreLifecycle):
         self._rules = L.rules_of(c)
         self._clock_lock = threading.Lock()
         a, m = self._arrays, layout.index_slots
-        no_touched, no_sketch = np.zeros((0, 2), np.int64), np.zeros((0, 1), np.uint8)
+        no_touched = np.zeros((0, 2), np.int64)
         for s in range(c.num_stripes):
             lo, hi = layout.bases[s], layout.bases[s + 1]
             hdr = a["header"][GLOBAL_FIELDS + s * K.STRIPE_FIELDS:GLOBAL_FIELDS + (s + 1) * K.STRIPE_FIELDS]
             self._stripes.append((a["index"][s * m:(s + 1) * m], a["keys"][lo:hi], a["prev"][lo:hi],
                                   a["next"][lo:hi], a["values"][lo:hi], hdr))
             self._life.append((a["touched"][lo:hi] if c.uses_ttl else no_touched,
-                               a["sketch"][s] if c.uses_sketch else no_sketch, a["tables"][s]))
+                               a["sketch"][s] if c.uses_sketch else None, a["tables"][s]))
 
     # ------------------------------------------------------------ open / close
     @classmethod
@@ -390,7 +390,7 @@ class EmbeddingStore(L.StoreLifecycle):
         grads = np.require(grads, requirements=["C", "W"])
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
-        code, hp, storage = O.optimizer_code(self.config.optimizer), self._hp, self.config.kernel_storage
+        rule, storage = self._rule, self.config.kernel_storage
         stamp = self.config.uses_ttl
         now = (np.int64(self.clock), np.int64(L.wall_ms()))
 
@@ -398,7 +398,7 @@ class EmbeddingStore(L.StoreLifecycle):
             index, keys, _, _, values, hdr = self._stripes[s]
             K.resolve_stripe(ids, perm, lo, hi, slots, index, keys)
             round_key = self._round_key_of(hdr) if storage is not None else np.uint64(0)  # fp32 rounds nothing
-            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, code, hp, dim, storage, ids, round_key)
+            applied = O.apply_stripe(perm, lo, hi, slots, grads, values, *rule, dim, storage, ids, round_key)
             K.mark_slots(slots, lo, hi, self._marks[s])
             if self.tier is not None and applied < hi - lo:
                 applied += self._update_on_disk(s, ids, perm, lo, hi, slots, grads, round_key)
@@ -426,8 +426,8 @@ class EmbeddingStore(L.StoreLifecycle):
         rows, gperm, where, k = self._gather_from_disk(s, ids, perm, lo, hi, slots)
         if k:
             c = self.config
-            O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, O.optimizer_code(c.optimizer),
-                           self._hp, c.dim, c.kernel_storage, ids, round_key)
+            O.apply_stripe(gperm, 0, k, np.arange(k, dtype=np.int32), grads, rows, *self._rule, c.dim,
+                           c.kernel_storage, ids, round_key)
             K.tier_scatter(self._region(s), rows, where, np.int64(k))
         return k
 
