@@ -348,10 +348,7 @@ class EmbeddingStore(L.StoreLifecycle):
         perm, slots = self._buffers(n)
         offsets = K.partition(ids, self.config.num_stripes, perm)
         c = self.config
-        init = (self._init_key, c.ps.init.distribution == "normal", c.ps.init.scale,
-                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim), c.kernel_storage)
-        r = self._rules
-        life = (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
+        init, life = self._new_row_args()
 
         def run(s: int, lo: int, hi: int) -> int:
             hdr, region, tiered = self._stripes[s][5], self._region(s), self.tier is not None
@@ -374,6 +371,25 @@ class EmbeddingStore(L.StoreLifecycle):
 
         self._run_stripes(offsets, run, mutates=bool(train))
         return out
+
+    def _new_row_args(self) -> tuple[tuple, tuple]:
+        """The kernels' arguments on new rows: (initialisation, lifecycle now), each a tuple of `insert_misses`."""
+        c, r = self.config, self._rules
+        init = (self._init_key, c.ps.init.distribution == "normal", c.ps.init.scale,
+                c.optimizer.initial_accumulator_value, O.accumulator_width(c.optimizer, c.dim), c.kernel_storage)
+        return init, (r.admit_after, r.sketch_key, r.window, np.int64(self.clock), np.int64(L.wall_ms()))
+
+    def compile_inserts(self) -> None:
+        """Compile (or load from the cache) `insert_misses`, the kernel that inserts a training lookup's new rows,
+        without inserting anything: its one ID is a hit already (slot 0), so it returns at once and touches no
+        row. The same argument types as `lookup_stripe`'s call of it, so it is the same signature; most of a
+        cold warm-up's compile, which a warm-up helper does first, beside the lookups' kernel that calls it
+        (services/embedding_ps/server.warm_up)."""
+        init, life = self._new_row_args()
+        moves = self._head_moves_of(0, 0)
+        K.insert_misses(np.ones(1, np.uint64), np.zeros(1, np.int32), 0, 1, np.zeros(1, np.int32),
+                        np.empty((1, self.config.dim), np.float32), *self._stripes[0], self._stamps[0], moves[0],
+                        self._admit_threshold, self._admit_key, *init, *self._life[0], *life, self._region(0))
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply one optimizer step per row; returns rows applied (absent IDs are skipped and counted

@@ -84,7 +84,7 @@ def signatures():
             for attr, obj in vars(module).items() if isinstance(obj, Dispatcher)}
 
 config = Config.model_validate(json.loads(sys.argv[1]))
-server.warm_up(config)
+server.warm_up(config, updates_first=sys.argv[2] == "updates-first")
 before = signatures()
 stores = server.open_stores(config, 0)
 rng = np.random.default_rng(0)
@@ -102,21 +102,58 @@ print(json.dumps({k: [before.get(k, 0), n] for k, n in after.items() if n != bef
 """
 
 
-@pytest.mark.parametrize("ps", [{}, {"storage": "fp16"}, {"tier": {"capacity": 50_000}},
-                                {"lifecycle": {"admit_after": 2, "ttl_steps": 3}}],
-                         ids=["fp32", "fp16", "disk-tier", "admission-and-ttl"])
-def test_after_its_warm_up_a_ps_compiles_nothing_while_it_trains(tmp_path, ps):
+INSERTS_THEN_LOOKUP = r"""
+import json, sys
+import numpy as np
+from hybridrec.core.config import Config
+from services.embedding_ps import kernels as K, server
+
+config = Config.model_validate(json.loads(sys.argv[1]))
+store = server.open_stores(config, 0)[16]
+store.compile_inserts()
+held = [str(sig) for sig in K.insert_misses.signatures]
+store.lookup(np.arange(1, 5000, dtype=np.uint64), train=True)  # new rows: lookup_stripe calls insert_misses
+print(json.dumps({"compiled": held, "after_lookup": [str(sig) for sig in K.insert_misses.signatures],
+                  "inserted": int(store.stats()["inserts"])}))
+"""
+
+
+@pytest.mark.parametrize("ps", [{}, {"tier": {"capacity": 50_000}}], ids=["fp32", "disk-tier"])
+def test_compile_inserts_compiles_the_signature_a_lookup_calls(tmp_path, ps):
+    """`compile_inserts` (what an odd shard's warm-up does first) compiles the inserts' kernel with the very
+    argument types `lookup_stripe` (or a tiered store's own call) passes it: a lookup of new rows afterwards adds
+    no signature, so the warm-up's split of the compile between two processes compiles nothing twice."""
+    if "tier" in ps:
+        ps = {"tier": {**ps["tier"], "dir": str(tmp_path / "tier")}}
+    config = {"data": {"train": ["unused.tsv"]}, "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 2048, **ps}}
+    done = subprocess.run([sys.executable, "-c", INSERTS_THEN_LOOKUP, json.dumps(config)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["compiled"]) == 1 and result["after_lookup"] == result["compiled"], result
+    assert result["inserted"] > 0
+
+
+@pytest.mark.parametrize("ps,order", [({}, "lookups-first"), ({}, "updates-first"),
+                                      ({"storage": "fp16"}, "lookups-first"),
+                                      ({"tier": {"capacity": 50_000}}, "lookups-first"),
+                                      ({"tier": {"capacity": 50_000}}, "updates-first"),
+                                      ({"lifecycle": {"admit_after": 2, "ttl_steps": 3}}, "lookups-first")],
+                         ids=["fp32", "fp32-updates-first", "fp16", "disk-tier", "disk-tier-updates-first",
+                              "admission-and-ttl"])
+def test_after_its_warm_up_a_ps_compiles_nothing_while_it_trains(tmp_path, ps, order):
     """The warm-up compiles every kernel a PS of this configuration calls while it trains, checkpoints and
     serves reads, for the argument types the real stores pass (a float32 store's kernels take `storage` and
     `tier` as None, others an integer and a tuple: different signatures): in a fresh process, the PS's kernels
     hold the same signatures after thousands of lookups, updates, evictions, expiries and checkpoints of a
-    real shard as after its warm-up. A kernel compiled on a request would stall it for seconds."""
+    real shard as after its warm-up. A kernel compiled on a request would stall it for seconds. Both orders of
+    the warm-up: an odd shard begins with the inserts' and the updates' kernels (`compile_inserts`)."""
     if "tier" in ps:
         ps = {"tier": {**ps["tier"], "dir": str(tmp_path / "tier")}}
     config = {"data": {"train": ["unused.tsv"]}, "ps": {"shm_dir": str(tmp_path / "shm"), "capacity": 2048, **ps}}
     if "storage" in ps:
         config["optimizer"] = {"embedding": {"name": "rowwise_adagrad", "lr": 0.05}}
-    done = subprocess.run([sys.executable, "-c", TRAIN_AFTER_WARM_UP, json.dumps(config)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", TRAIN_AFTER_WARM_UP, json.dumps(config), order], capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}

@@ -53,7 +53,8 @@ def compile_all(scratch: Path) -> None:
     """Call every service's warm-up, compiling its kernels into `NUMBA_CACHE_DIR`: the data loader's parser and
     batch deduplication, the embedding worker's deduplication and gradient aggregation, the PS store's lookup,
     update and sweep (on a scratch table under `scratch`, for each layout whose kernels differ: a PS compiles
-    only its own, `services.embedding_ps.row_storage.kernel_storage`), the NN worker's CPU pooling and progressive window, the
+    only its own, `services.embedding_ps.row_storage.kernel_storage`; float32 rows with each optimizer and with
+    admission's sketch), the NN worker's CPU pooling and progressive window, the
     inference service's table lookup, and the synthetic data writer's."""
     from hybridrec.core.model import bag_kernels, table_lookup
     from hybridrec.app.data.synth import synthesize
@@ -68,12 +69,18 @@ def compile_all(scratch: Path) -> None:
     bag_kernels.warm_up()
     table_lookup.warm_up()
     progressive.warm_up()
-    for storage in ("fp32", "fp16"):  # float32 rows and 16-bit ones (one signature for fp16 and bf16) ...
-        for tier in (None, {"dir": str(scratch / "tier"), "capacity": 4096}):  # ... with and without a disk tier
-            warm_up_ps(Config.model_validate({
-                "data": {"train": ["unused.tsv"]},
-                "ps": {"shm_dir": str(scratch / "shm"), "capacity": 1024, "storage": storage, "tier": tier},
-                "optimizer": {"embedding": {"name": "adagrad" if storage == "fp32" else "rowwise_adagrad"}}}))
+    def ps(storage: str = "fp32", tier: dict | None = None, optimizer: str = "adagrad", **lifecycle) -> None:
+        warm_up_ps(Config.model_validate({
+            "data": {"train": ["unused.tsv"]}, "optimizer": {"embedding": {"name": optimizer}},
+            "ps": {"shm_dir": str(scratch / "shm"), "capacity": 1024, "storage": storage, "tier": tier,
+                   "lifecycle": lifecycle}}))
+
+    for tier in (None, {"dir": str(scratch / "tier"), "capacity": 4096}):  # with and without a disk tier ...
+        ps("fp32", tier)
+        ps("fp16", tier, "rowwise_adagrad")  # ... float32 rows and 16-bit ones (one signature for fp16 and bf16)
+    for optimizer in ("sgd", "adam", "ftrl", "rowwise_adagrad"):  # a store compiles its own optimizer only
+        ps(optimizer=optimizer)
+    ps(admit_after=2)  # a store that counts occurrences before it admits an ID (its sketch: another signature)
     synthesize(scratch / "synth", rows=100, eval_rows=100, seed=1)
 
 
