@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import numpy as np
 import pytest
 
 from hybridrec.app.run.ports import free_port
-from services.nn_worker.group.membership import Fingerprint, is_group_failure
+from services.nn_worker.group import membership
+from services.nn_worker.group.membership import Fingerprint, Membership, is_group_failure
 from tests.unit.membership_ranks import handover_rank, refusal_rank
 
 
@@ -140,3 +143,30 @@ def test_a_malformed_lobby_entry_is_ignored_and_the_group_still_forms(tmp_path):
     time.sleep(0.3)
     assert rank0.is_alive(), _errors(tmp_path)
     _a_correct_rank_joins(ctx, rank0, port, tmp_path)
+
+
+def test_a_rank_up_before_rank_0_connects_as_soon_as_its_store_listens(monkeypatch):
+    """A rank that comes up before rank 0's store (forked together at a run's start) tries again every
+    CONNECT_POLL_S rather than by the TCPStore client's own back-off (up to 0.75 s late): it keeps waiting while
+    nothing listens, and returns once something does. Asserts the order of events, not a duration."""
+    port = _port()
+    rank1 = Membership(rank=1, world_size=2, rendezvous=f"127.0.0.1:{port}", fingerprint=Fingerprint("a", 2, "b"),
+                       backend="gloo", join_timeout_s=60)
+    pauses: list[float] = []
+    real_sleep = time.sleep
+    refused_twice, returned = threading.Event(), threading.Event()
+
+    def counting_sleep(seconds: float) -> None:  # called after each refused try
+        pauses.append(seconds)
+        if len(pauses) >= 2:
+            refused_twice.set()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(membership.time, "sleep", counting_sleep)
+    waiter = threading.Thread(target=lambda: (rank1._await_listener(), returned.set()))
+    waiter.start()
+    assert refused_twice.wait(30) and not returned.is_set()  # refused twice, still waiting: nothing listens
+    with socket.create_server(("127.0.0.1", port)):
+        assert returned.wait(30)  # the store listens: it connects
+    waiter.join(30)
+    assert set(pauses) == {membership.CONNECT_POLL_S}

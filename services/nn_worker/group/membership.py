@@ -45,7 +45,9 @@ from hybridrec.core.runtime import log
 from hybridrec.core.config import ClusterConfig, Config, split_address
 from services.nn_worker.group.distributed import close_groups, open_groups
 
-POLL_S = 0.05
+POLL_S = 0.02
+CONNECT_POLL_S = 0.01
+"""How often a rank tries to reach rank 0's store before it has one (`Membership._await_listener`)."""
 CONFIG_SECTIONS = ("features", "model", "optimizer", "training", "data")
 """What every rank must agree on (the cluster section differs per replica only in where it binds), with the
 number of data loaders counted under data."""
@@ -177,7 +179,22 @@ class Membership:
                 listener.detach()  # the store owns the descriptor now
             return self._server
         # A new client every round: after rank 0 was replaced, the old connection leads nowhere.
+        self._await_listener()
         return dist.TCPStore(self.host, self.port, None, False, timeout=self.join_timeout)
+
+    def _await_listener(self) -> None:
+        """Wait until rank 0's store accepts connections, trying every `CONNECT_POLL_S`.
+
+        Why: a TCPStore client refused at its first try waits before the next with a back-off of its own: a rank
+        that came up 20 ms before rank 0 (forked together, at a run's start) joined 0.35-0.75 s late. Gives up
+        at the join timeout, leaving the client to report it."""
+        deadline = time.monotonic() + self.join_timeout.total_seconds()
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.host, self.port), timeout=1.0).close()
+                return
+            except OSError:
+                time.sleep(CONNECT_POLL_S)
 
     # -- a round -----------------------------------------------------------------------------------
     def join(self, step: int | None) -> Plan:
