@@ -7,6 +7,7 @@ the launcher's LaunchError (a run that failed, exit 1) as `RunFailed`; a Ctrl-C 
 `Interrupted` once every service has stopped. The CLI turns each into its message and exit code."""
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,6 +35,7 @@ def run_job(config: Config, run_dir: Optional[Path], note: Callable[[str], None]
     # The services' parents start importing now, beside the rest of the launcher's own imports and set-up
     # (hybridrec/app/run/forkserver.py), and beside the checks, which end before any service starts: the
     # layout's (it imports numba, 0.2 s) and the first rows'. On the critical path of a warm start.
+    fresh = not run_dir.exists()
     forkserver = ForkServers(run_dir / "logs")
     forkserver.start()
     try:
@@ -42,6 +44,8 @@ def run_job(config: Config, run_dir: Optional[Path], note: Callable[[str], None]
         check_rows(config)
     except ConfigError:
         forkserver.close()
+        if fresh:  # a refused config leaves no run directory behind, only its error
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
     for text in data_notes(config):
         note(text)
