@@ -1,7 +1,8 @@
 """Kernels compiled once per machine (hybridrec/core/runtime/kernel_cache.py): a second copy of the same code at another
 path
 loads what the first compiled; an edit to any kernel file is a new build; a cache directory that cannot be
-written falls back to compiling, logged once, and the kernel still runs."""
+written, or a disk too full to take a kernel, falls back to compiling, logged once, and the kernel still runs;
+another CPU's entries are never loaded."""
 from __future__ import annotations
 
 import json
@@ -65,6 +66,45 @@ def test_a_cache_directory_that_cannot_be_written_compiles_and_says_so_once(tmp_
     result, output = _probe(_copy_project(tmp_path / "one"), tmp_path / "file")  # the cache's parent is a file
     assert result["uniq"] == [3, 5, 9] and result["misses"] == 1
     assert output.count("kernel cache directory not writable") == 1, output
+
+
+def test_a_cache_that_cannot_take_a_kernel_keeps_it_in_memory_and_says_so_once(tmp_path):
+    """A full disk (here a file size limit: every write of a cache file fails): the kernels compile and run,
+    the start does not fail, one warning says why, and the cache holds no broken file."""
+    limited = "import resource, signal\n" \
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" \
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n" + PROBE
+    project, cache = _copy_project(tmp_path / "one"), tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(project), "XDG_CACHE_HOME": str(cache)}
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", limited], cwd=project, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["uniq"] == [3, 5, 9]
+    assert (out.stdout + out.stderr).count("kernel cache not written") == 1, out.stdout + out.stderr
+    assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix in (".nbi", ".nbc") or ".tmp." in p.name]
+    second, _ = _probe(project, cache)  # with room again: compiled (nothing was kept) and saved
+    assert (second["misses"], second["hits"]) == (1, 0)
+
+
+def test_entries_of_another_cpu_are_not_loaded_but_compiled_beside_them(tmp_path):
+    """numba keys each cached kernel by the CPU's name and features: a cache filled on another CPU (here the
+    same one, named otherwise) is not loaded from; the kernel compiles, runs and is added."""
+    other_cpu = "from numba.core import codegen\n" \
+                "real = codegen.JITCPUCodegen.magic_tuple\n" \
+                "codegen.JITCPUCodegen.magic_tuple = lambda self: (real(self)[0], 'another-cpu', '+other')\n" + PROBE
+    project, cache = _copy_project(tmp_path / "one"), tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(project), "XDG_CACHE_HOME": str(cache)}
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", other_cpu], cwd=project, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    filled = json.loads(out.stdout.splitlines()[-1])
+    assert (filled["misses"], filled["hits"]) == (1, 0)
+    here, _ = _probe(project, cache)
+    assert here["uniq"] == [3, 5, 9] and (here["misses"], here["hits"]) == (1, 0)  # compiled, not loaded
+    again, _ = _probe(project, cache)
+    assert (again["misses"], again["hits"]) == (0, 1)  # this CPU's entry, added beside the other's
 
 
 def test_the_build_is_every_kernel_file_and_nothing_else(tmp_path, monkeypatch):

@@ -33,7 +33,9 @@ has no cycles, so two processes never wait for each other); a lock held past
 
 A cache directory that cannot be written falls back to numba's own places
 (the source's `__pycache__`, then numba's per-user directory), logged once:
-kernels still compile and load, never a failed start.
+kernels still compile and load, never a failed start. A kernel the cache
+cannot take (a full disk) stays in the process that compiled it, logged once
+(numba's save raised, which failed the compile).
 """
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ def _prune(root: Path, keep: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-_REPORTED: set[Path] = set()
+_REPORTED: set[object] = set()
 
 
 def _unwritable(path: Path, exc: OSError) -> None:
@@ -209,7 +211,38 @@ def _one_compile_at_a_time(dispatcher: Dispatcher) -> Dispatcher:
                 lock.release_to(depth)
 
     dispatcher.compile = compile
+    _save_or_say_why(dispatcher)
     return dispatcher
+
+
+def _save_or_say_why(dispatcher: Dispatcher) -> None:
+    """Have `dispatcher`'s cache keep a kernel it cannot write (a full disk, a file size limit) in memory only,
+    logged once a process, instead of failing the compile: numba's save raises, and a failed compile is a
+    failed start. numba writes each file to a temporary name and renames it, the index last, so a save that
+    failed leaves the cache as it was."""
+    cache = getattr(dispatcher, "_cache", None)
+    save = getattr(cache, "save_overload", None)
+    if save is None:
+        return
+
+    def save_overload(sig, data):
+        try:
+            save(sig, data)
+        except OSError as exc:
+            _unsaved(Path(cache._cache_path), exc)
+
+    cache.save_overload = save_overload
+
+
+def _unsaved(path: Path, exc: OSError) -> None:
+    """Log once a process that a compiled kernel could not be written to the cache."""
+    if ("unsaved", path) in _REPORTED:
+        return
+    _REPORTED.add(("unsaved", path))
+    from hybridrec.core.runtime import log
+
+    log.get("kernel_cache").warning("kernel cache not written (disk full?): kernels kept in this process only",
+                                    path=str(path), error=str(exc))
 
 
 class CompileLock:
