@@ -211,11 +211,11 @@ def _one_compile_at_a_time(dispatcher: Dispatcher) -> Dispatcher:
                 lock.release_to(depth)
 
     dispatcher.compile = compile
-    _save_or_say_why(dispatcher)
+    _save_or_say_why(dispatcher, Path(locator.get_cache_path()))
     return dispatcher
 
 
-def _save_or_say_why(dispatcher: Dispatcher) -> None:
+def _save_or_say_why(dispatcher: Dispatcher, path: Path) -> None:
     """Have `dispatcher`'s cache keep a kernel it cannot write (a full disk, a file size limit) in memory only,
     logged once a process, instead of failing the compile: numba's save raises, and a failed compile is a
     failed start. numba writes each file to a temporary name and renames it, the index last, so a save that
@@ -229,7 +229,7 @@ def _save_or_say_why(dispatcher: Dispatcher) -> None:
         try:
             save(sig, data)
         except OSError as exc:
-            _unsaved(Path(cache._cache_path), exc)
+            _unsaved(path, exc)
 
     cache.save_overload = save_overload
 
