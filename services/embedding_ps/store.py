@@ -143,7 +143,7 @@ class EmbeddingStore(L.StoreLifecycle):
         """Step of the last checkpoint dump of this store whose changes since are all marked (None: none, or
         something changed rows unmarked: a restore, a failed dump). Set by services/embedding_ps/checkpoint.py."""
         self._stripes = []  # per stripe: (index, keys, prev, next, values, header row) views
-        self._life = []  # per stripe: (touched, sketch, tables) views; empty touched/sketch when unused
+        self._life = []  # per stripe: (touched, sketch, tables) views; touched empty and sketch None when unused
         self._rules = L.rules_of(c)
         self._clock_lock = threading.Lock()
         a, m = self._arrays, layout.index_slots
