@@ -36,11 +36,13 @@ def _copy_project(to: Path) -> Path:
     return to
 
 
-def _probe(project: Path, cache_home: Path) -> tuple[dict, str]:
+def _probe(project: Path, cache_home: Path, prelude: str = "") -> tuple[dict, str]:
+    """PROBE run in a fresh process on `project` with the per-user cache under `cache_home`, after `prelude`
+    (code that sets the process up: a file size limit, another CPU's name); (its result, its output)."""
     env = {**os.environ, "PYTHONPATH": str(project), "XDG_CACHE_HOME": str(cache_home)}
     env.pop("NUMBA_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=project, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", prelude + PROBE], cwd=project, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1]), out.stdout + out.stderr
 
@@ -73,15 +75,11 @@ def test_a_cache_that_cannot_take_a_kernel_keeps_it_in_memory_and_says_so_once(t
     the start does not fail, one warning says why, and the cache holds no broken file."""
     limited = "import resource, signal\n" \
               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" \
-              "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n" + PROBE
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n"
     project, cache = _copy_project(tmp_path / "one"), tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": str(project), "XDG_CACHE_HOME": str(cache)}
-    env.pop("NUMBA_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", limited], cwd=project, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1])["uniq"] == [3, 5, 9]
-    assert (out.stdout + out.stderr).count("kernel cache not written") == 1, out.stdout + out.stderr
+    result, output = _probe(project, cache, limited)
+    assert result["uniq"] == [3, 5, 9]
+    assert output.count("kernel cache not written") == 1, output
     assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix in (".nbi", ".nbc") or ".tmp." in p.name]
     second, _ = _probe(project, cache)  # with room again: compiled (nothing was kept) and saved
     assert (second["misses"], second["hits"]) == (1, 0)
@@ -92,14 +90,9 @@ def test_entries_of_another_cpu_are_not_loaded_but_compiled_beside_them(tmp_path
     same one, named otherwise) is not loaded from; the kernel compiles, runs and is added."""
     other_cpu = "from numba.core import codegen\n" \
                 "real = codegen.JITCPUCodegen.magic_tuple\n" \
-                "codegen.JITCPUCodegen.magic_tuple = lambda self: (real(self)[0], 'another-cpu', '+other')\n" + PROBE
+                "codegen.JITCPUCodegen.magic_tuple = lambda self: (real(self)[0], 'another-cpu', '+other')\n"
     project, cache = _copy_project(tmp_path / "one"), tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": str(project), "XDG_CACHE_HOME": str(cache)}
-    env.pop("NUMBA_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", other_cpu], cwd=project, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    filled = json.loads(out.stdout.splitlines()[-1])
+    filled, _ = _probe(project, cache, other_cpu)
     assert (filled["misses"], filled["hits"]) == (1, 0)
     here, _ = _probe(project, cache)
     assert here["uniq"] == [3, 5, 9] and (here["misses"], here["hits"]) == (1, 0)  # compiled, not loaded

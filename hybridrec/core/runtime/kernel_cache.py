@@ -152,18 +152,22 @@ def _prune(root: Path, keep: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-_REPORTED: set[object] = set()
+_REPORTED: set[tuple[str, Path]] = set()
 
 
 def _unwritable(path: Path, exc: OSError) -> None:
     """Log once a process that the cache directory cannot be used."""
-    if path in _REPORTED:
+    _warn_once("kernel cache directory not writable: numba's own places instead", path, exc)
+
+
+def _warn_once(message: str, path: Path, exc: OSError) -> None:
+    """Log `message` about `path` once a process (each kernel of a process meets the same directory)."""
+    if (message, path) in _REPORTED:
         return
-    _REPORTED.add(path)
+    _REPORTED.add((message, path))
     from hybridrec.core.runtime import log
 
-    log.get("kernel_cache").warning("kernel cache directory not writable: numba's own places instead",
-                                    path=str(path), error=str(exc))
+    log.get("kernel_cache").warning(message, path=str(path), error=str(exc))
 
 
 def install() -> None:
@@ -236,13 +240,7 @@ def _save_or_say_why(dispatcher: Dispatcher, path: Path) -> None:
 
 def _unsaved(path: Path, exc: OSError) -> None:
     """Log once a process that a compiled kernel could not be written to the cache."""
-    if ("unsaved", path) in _REPORTED:
-        return
-    _REPORTED.add(("unsaved", path))
-    from hybridrec.core.runtime import log
-
-    log.get("kernel_cache").warning("kernel cache not written (disk full?): kernels kept in this process only",
-                                    path=str(path), error=str(exc))
+    _warn_once("kernel cache not written (disk full?): kernels kept in this process only", path, exc)
 
 
 class CompileLock:
