@@ -37,6 +37,12 @@ class LrDecay:
         left = max(0.0, (self.total - step) / (self.total - self.start))
         return self.base * (self.floor + (1.0 - self.floor) * left)
 
+    @property
+    def falls(self) -> bool:
+        """Whether the rate changes at all in the run (a captured step of an optimizer that holds its rate as a
+        number could not follow it)."""
+        return self.start < self.total and self.floor != 1.0
+
     @classmethod
     def from_config(cls, config: Config) -> "LrDecay":
         """The configured fall; without `optimizer.dense.decay`, `lr` throughout. Either way every step sets

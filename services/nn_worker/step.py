@@ -63,6 +63,12 @@ class StepMath:
         self.optimizer: torch.optim.Optimizer | None = None
         self.decay: LrDecay | None = None  # the learning rate's fall over the run's last steps (lr_decay.py)
         self._one = torch.ones(1, device=env.device)
+        self.captured = None
+        """The step as CUDA graphs (`training.capture` on a GPU: services/nn_worker/captured.py); None: eager."""
+        if training.capture and env.device.type == "cuda":
+            from services.nn_worker.captured import CapturedStep
+
+            self.captured = CapturedStep(self)
 
     def train(self, batch: DenseBatch, emb: BatchEmbeddings, step: int, lost: bool = False,
               out: Any = None) -> StepOutput:
@@ -74,6 +80,10 @@ class StepMath:
         A step whose loss or gradients are not finite on any rank (`nonfinite`) updates nothing: the fused
         optimizer skips its update on the device (its `found_inf`, as under a gradient scaler: no wait for the
         host), and the caller sends the embedding worker a discard instead of its gradients."""
+        if self.captured is not None and not lost:
+            captured = self.captured.train(batch, emb, step, out)
+            if captured is not None:
+                return captured
         dense, labels, staged = self.feed.stage(batch.dense, batch.labels, emb)
         leaves, embeddings = self.pooler.pool(staged, self.env.device, grad=True)
         with self.autocast():
@@ -93,14 +103,25 @@ class StepMath:
         # the host with them, not before the backward: the progressive window takes them when they are there
         # (`Trainer._record`), so nothing here waits for the device.
         packed = Gradients.pack_tensors(self.pooler.values, grads)
-        host, event = self.feed.to_host({"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found,
-                                         **packed})
+        return self.finish(batch, {"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found, **packed},
+                           out)
+
+    def finish(self, batch: DenseBatch, outputs: dict[str, torch.Tensor], out: Any = None,
+               rows: dict[int, int] | None = None) -> StepOutput:
+        """A step's `outputs` (loss, logits, the non-finite flag and the packed gradients `grad.{width}...`) to
+        the host, and with a receiver's slot `out` on the CPU the gradient frame written there. `rows`: each
+        width's real row count where the gradients hold padding rows after them (a captured step), dropped."""
+        host, event = self.feed.to_host(outputs)
+        keys = tuple(key for key in outputs if key.startswith("grad."))
+        if rows is not None:  # views of the copies: slicing reads nothing before the copy is done
+            for key in keys:
+                host[key] = host[key][:rows[int(key.split(".")[1])]]
         written = None
         if out is not None and event is None:
-            written = (Gradients.encode_discard_into(out.writable, batch.batch_ref) if bool(found) else
+            written = (Gradients.encode_discard_into(out.writable, batch.batch_ref) if bool(host["nonfinite"]) else
                        Gradients.encode_packed_into(out.writable, batch.batch_ref,
-                                                    {key: host[key].numpy() for key in packed}))
-        return StepOutput(host, event, tuple(packed), out, written)
+                                                    {key: host[key].numpy() for key in keys}))
+        return StepOutput(host, event, keys, out, written)
 
     def nonfinite(self, loss: torch.Tensor, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """1.0 (a (1,) tensor on the device) when the loss, an embedding gradient or a dense gradient is NaN or
@@ -160,9 +181,11 @@ class StepMath:
         """The training loss (`Tasks.loss`: each task's own, weighted by the samples' weights, or the user's)."""
         return self.tasks.loss(logits, labels)
 
-    def autocast(self):
-        """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise)."""
-        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16")
+    def autocast(self, cache_enabled: bool = True):
+        """bf16 autocast of the dense model when training.precision asks for it (a no-op context otherwise);
+        `cache_enabled` False under a CUDA graph's capture (cached casts would outlive it)."""
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.training.precision == "bf16",
+                              cache_enabled=cache_enabled)
 
 
 def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
@@ -171,8 +194,9 @@ def make_dense_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.
     hidden-[8] DNN, 0.12 against 0.33 for 256-128). The same update and the same state dict."""
     opt = config.optimizer.dense
     params = model.parameters()
-    if opt.name == "adam":
-        return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)
+    if opt.name == "adam":  # capturable: its step count and rate on the device, as a CUDA graph needs
+        capturable = config.training.capture and next(model.parameters()).device.type == "cuda"
+        return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True, capturable=capturable)
     if opt.name == "adagrad":
         return torch.optim.Adagrad(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)
     return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay, fused=True)

@@ -58,6 +58,10 @@ class TrainingConfig(Section):
     frames handed over in shared memory, so that gRPC's work does not hold the trainer's GIL
     (services/nn_worker/receiver/process.py). Off by default: on CPUs the compute thread bounds the throughput
     either way, and it is not yet measured on a GPU."""
+    capture: bool = False
+    """NN workers on GPUs: run each training step as one CUDA graph over static buffers, the batch padded to a
+    few bucketed shapes (services/nn_worker/captured.py); a step that cannot be captured runs eagerly, with one
+    warning naming why. No effect on CPUs. Off by default until measured on a GPU."""
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Intra-op threads per NN worker. `auto`: sized by `hybridrec run` from the host's cores (1 where the
     rank has a GPU; on CPUs, about half the host shared by the ranks), or by an NN worker started alone from

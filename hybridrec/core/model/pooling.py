@@ -286,6 +286,42 @@ class Pooler:
         bags = F.embedding_bag(index, leaf, offsets, mode="sum", per_sample_weights=weights)
         return bags.view(feats.size, emb.batch_size, leaf.shape[1]).transpose(0, 1)
 
+    def pool_padded(self, rows: dict[int, torch.Tensor], bags: dict[int, "PaddedBags"],
+                    batch_size: int) -> tuple[dict[int, torch.Tensor], "PooledEmbeddings"]:
+        """`pool` (with gradients) of a batch padded to a bucket's static shapes, the inputs of a captured step
+        (services/nn_worker/captured.py): every shape depends on the bucket alone, so the same kernels run every
+        step. `rows[d]` holds width d's rows, zero rows after them; `bags[d]` its bags, padding elements last,
+        read with weight 0 from the last (padding) row, so the result and the real rows' gradients are `pool`'s
+        and the padding rows' gradients are zeros. Pooled features only (a sequence is not captured)."""
+        leaves: dict[int, torch.Tensor] = {}
+        out = PooledEmbeddings()
+        for dim in self.dims:
+            leaf = rows[dim]
+            leaf.requires_grad_()
+            leaves[dim] = leaf
+            names = tuple(self.names[f] for f in self.pooled[dim])
+            block = self._padded_pool(leaf, bags[dim], dim, batch_size)
+            out.blocks.append((names, block))
+            for j, name in enumerate(names):
+                out[name] = block[:, j]
+        ordered = PooledEmbeddings({name: out[name] for name in self.names})
+        ordered.blocks = out.blocks
+        return leaves, ordered
+
+    def _padded_pool(self, leaf: torch.Tensor, bags: "PaddedBags", dim: int, batch_size: int) -> torch.Tensor:
+        """`_device_pool` of one width's padded bags: the padding elements are one more run of `repeat_interleave`
+        (their count last in `bags.counts`) and join the last bag with weight 0."""
+        feats, total = self._pooled_arrays[dim], bags.pos.shape[0]
+        index = _as_long(bags.pos) + torch.repeat_interleave(bags.base, bags.counts, output_size=total)
+        lengths = _as_long(bags.lengths).reshape(-1)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        powers = self._on_device(leaf.device, dim)[1].repeat_interleave(batch_size)
+        per_bag = lengths.clamp(min=1).to(leaf.dtype).pow(-powers)  # 1 for a sum (power 0)
+        weights = torch.repeat_interleave(torch.cat([per_bag, per_bag.new_zeros(1)]),
+                                          torch.cat([lengths, bags.counts[-1:]]), output_size=total)
+        pooled = F.embedding_bag(index, leaf, offsets, mode="sum", per_sample_weights=weights)
+        return pooled.view(feats.size, batch_size, leaf.shape[1]).transpose(0, 1)
+
     def _on_device(self, device: torch.device, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Width `dim`'s pooled feature indices and their pooling powers on `device`, copied there once (a copy
         from pageable host memory per step would make the host wait for the device)."""
@@ -295,6 +331,15 @@ class Pooler:
             self._device_consts[key] = (torch.from_numpy(feats).to(device),
                                         torch.from_numpy(self.powers[feats]).to(device))
         return self._device_consts[key]
+
+
+class PaddedBags(NamedTuple):
+    """One width's bags padded to a bucket (`Pooler.pool_padded`), as tensors of static shapes."""
+
+    pos: torch.Tensor  # (elements,) uint16: each element's row within its feature; padding elements 0
+    counts: torch.Tensor  # int64 (pooled features of the width + 1,): each feature's elements, then the padding's
+    base: torch.Tensor  # int64 (pooled features + 1,): each feature's first row, then the padding row (the last)
+    lengths: torch.Tensor  # (pooled features of the width, batch) bag lengths, uint16
 
 
 _POWERS = {Pooling.SUM: 0.0, Pooling.MEAN: 1.0, Pooling.SQRTN: 0.5}
