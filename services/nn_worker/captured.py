@@ -7,9 +7,11 @@ tensor the step reads has a fixed shape and place:
 
 * A batch's shapes vary with what it holds: each width's unique rows (how many distinct IDs) and its bag
   elements (how many IDs in all: multi-hot features). Each is rounded up to a size of a short ladder
-  (`bucket`), and the batch is padded to it. Padding rows are zeros; padding elements join the last bag with
-  weight 0 and read the last row, a padding row (`Pooler.pool_padded`). So the padded step computes what the
-  eager step computes, and the padding rows' gradients, zeros, are dropped before the push. A batch larger
+  (`bucket`), and the batch is padded to it. Padding rows are zeros; padding elements read the last row, a
+  padding row, with weight 0, into a bag that is dropped (`Pooler.pool_padded`, which pools by a gather and an
+  `index_add_`: the backward of `embedding_bag` reads a count back to the host on CUDA, which capture
+  refuses). So the padded step computes what the eager step computes, and the padding rows' gradients, zeros,
+  are dropped before the push. A batch larger
   than every bucket so far gets a larger one (a graph of its own), never a truncated batch.
 * Each bucket (`_Graph`) has a `Layout`: where each padded array lies in one byte buffer. The host fills a
   pinned buffer with that layout and copies it, in one copy on the compute stream, into the bucket's static

@@ -290,9 +290,10 @@ class Pooler:
                     batch_size: int) -> tuple[dict[int, torch.Tensor], "PooledEmbeddings"]:
         """`pool` (with gradients) of a batch padded to a bucket's static shapes, the inputs of a captured step
         (services/nn_worker/captured.py): every shape depends on the bucket alone, so the same kernels run every
-        step. `rows[d]` holds width d's rows, zero rows after them; `bags[d]` its bags, padding elements last,
-        read with weight 0 from the last (padding) row, so the result and the real rows' gradients are `pool`'s
-        and the padding rows' gradients are zeros. Pooled features only (a sequence is not captured)."""
+        step, and nothing in it reads a value back to the host. `rows[d]` holds width d's rows, zero rows after
+        them; `bags[d]` its bags, padding elements last, which read the last (padding) row with weight 0, so the
+        result and the real rows' gradients are `pool`'s and the padding rows' gradients are zeros. Pooled
+        features only (a sequence is not captured)."""
         leaves: dict[int, torch.Tensor] = {}
         out = PooledEmbeddings()
         for dim in self.dims:
@@ -309,17 +310,23 @@ class Pooler:
         return leaves, ordered
 
     def _padded_pool(self, leaf: torch.Tensor, bags: "PaddedBags", dim: int, batch_size: int) -> torch.Tensor:
-        """`_device_pool` of one width's padded bags: the padding elements are one more run of `repeat_interleave`
-        (their count last in `bags.counts`) and join the last bag with weight 0."""
+        """One width's padded bags pooled by a gather and an `index_add_`, not `embedding_bag`: on CUDA the
+        latter's backward sorts the positions and reads a count back to the host, which a graph's capture
+        refuses; these two and their backwards (each the other) read nothing back. The padding elements are one
+        more run of `repeat_interleave` (their count last in `bags.counts`) and add, with weight 0, into one more
+        bag, which is dropped."""
         feats, total = self._pooled_arrays[dim], bags.pos.shape[0]
         index = _as_long(bags.pos) + torch.repeat_interleave(bags.base, bags.counts, output_size=total)
         lengths = _as_long(bags.lengths).reshape(-1)
-        offsets = torch.cumsum(lengths, 0) - lengths
+        bag_count = lengths.shape[0]
+        with_padding = torch.cat([lengths, bags.counts[-1:]])
+        bag = torch.repeat_interleave(torch.arange(bag_count + 1, device=leaf.device), with_padding,
+                                      output_size=total)
         powers = self._on_device(leaf.device, dim)[1].repeat_interleave(batch_size)
         per_bag = lengths.clamp(min=1).to(leaf.dtype).pow(-powers)  # 1 for a sum (power 0)
-        weights = torch.repeat_interleave(torch.cat([per_bag, per_bag.new_zeros(1)]),
-                                          torch.cat([lengths, bags.counts[-1:]]), output_size=total)
-        pooled = F.embedding_bag(index, leaf, offsets, mode="sum", per_sample_weights=weights)
+        weights = torch.cat([per_bag, per_bag.new_zeros(1)]).index_select(0, bag)
+        terms = leaf.index_select(0, index) * weights[:, None]
+        pooled = leaf.new_zeros(bag_count + 1, leaf.shape[1]).index_add(0, bag, terms)[:bag_count]
         return pooled.view(feats.size, batch_size, leaf.shape[1]).transpose(0, 1)
 
     def _on_device(self, device: torch.device, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
