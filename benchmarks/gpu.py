@@ -2,6 +2,9 @@
 against single-process PyTorch on the same GPU. Writes JSON. Needs a CUDA build of torch and at least one GPU;
 measures, in one invocation on one machine and one data set:
 
+* `capture_check`: the captured step (`training.capture`, services/nn_worker/captured.py) against the eager
+  one in this process, on one GPU: dense parameters after 20 steps of both (goal: within 1e-5), a batch with
+  more rows than any before it, and each step's median time (`capture_check` below);
 * `cpu`: the example with `training.backend=gloo` (the accuracy reference);
 * `baselines.pytorch_gpu`: benchmarks/baselines.py's single-process PyTorch baseline (the same function as the
   CPU baseline, with `device="cuda"`) on GPU 0: 26 `nn.EmbeddingBag(mode="sum", sparse=True)` with
@@ -11,6 +14,9 @@ measures, in one invocation on one machine and one data set:
 * `nccl_overlap` and `nccl_sync_copies`: NN workers on GPUs, with `training.overlap_copies` on and off, run
   alternately `--repeats` times; samples/s of each and their ratio (the overlap's gain), eval AUC of each and
   its difference from the CPU run's (the issue's bound: 0.005);
+* `nccl_captured` and `nccl_captured_receiver`: the same with `training.capture` (and the receiver process);
+  `capture_speedup` is the best captured run's samples/s over the best `nccl_overlap` run's. `--runs` picks
+  which of the four run;
 * with `--kill` and at least two GPUs: rank 1 SIGKILLed once rank 0 has trained 30% of its steps, on NCCL; the
   run must replace it (its peer hands over the dense state) and end with 0 skipped batches and 0 lost updates;
 * with `--kill` and one GPU (one NN worker): that rank SIGKILLed after the first interval checkpoint, at 30% of
@@ -36,6 +42,8 @@ NN workers: one per GPU, at most the example's two (`--nn-workers` to choose). T
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import shutil
 import signal
@@ -47,18 +55,36 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import yaml
+from torch import distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.baselines import clear_cache, run_pytorch  # noqa: E402
 from benchmarks.modes import accounting, mlp_core_s_per_1m  # noqa: E402
 from hybridrec.app.run.launcher import rank_step  # noqa: E402
+from hybridrec.core.config import from_dict  # noqa: E402
+from hybridrec.core.model.models import FeatureInfo, build_model  # noqa: E402
+from hybridrec.core.model.pooling import Pooler  # noqa: E402
+from hybridrec.core.model.tasks import Tasks  # noqa: E402
+from hybridrec.core.wire.compress import ValueCodec  # noqa: E402
+from hybridrec.core.wire.frames import DenseBatch, Embeddings  # noqa: E402
+from hybridrec.core.wire.jagged import KeyedBags  # noqa: E402
+from services.nn_worker.captured import CapturedStep  # noqa: E402
+from services.nn_worker.group.distributed import DenseSync, DistEnv, close_groups, open_groups  # noqa: E402
+from services.nn_worker.step import StepMath, make_dense_optimizer  # noqa: E402
 from hybridrec.core.layouts.summary import RunSummary, read_services  # noqa: E402
 
 README_CONFIG = REPO / "examples" / "criteo_synth.yaml"
-NCCL_RUNS = ("nccl_overlap", "nccl_sync_copies")
+NCCL_RUNS = {
+    "nccl_overlap": ["training.overlap_copies=true"],
+    "nccl_sync_copies": ["training.overlap_copies=false"],
+    "nccl_captured": ["training.capture=true"],
+    "nccl_captured_receiver": ["training.capture=true", "training.receiver=true"],
+}
+"""The NN-worker runs on NCCL, each with its settings (`--runs` picks some)."""
 SAMPLE_INTERVAL_S = 0.25
 GOAL_SAMPLES_PER_SEC = 1_000_000
 GOAL_VS_PYTORCH_GPU = 4.0
@@ -298,6 +324,127 @@ def pytorch_gpu(data: Path, device: str = "cuda", **overrides: object) -> dict:
             "gpu_busy": sampler.summary(), "details": res.details}
 
 
+# ------------------------------------------------------------------ the captured step against the eager one
+
+def capture_check(device: str = "cuda", steps: int = 20, timed: int = 30, batch_size: int | None = None,
+                  seed: int = 0) -> dict:
+    """The captured step (services/nn_worker/captured.py) against the eager one, in this process on one rank:
+    the README model, features and batch size; the same initial model on both sides; synthetic batches whose
+    unique rows per feature vary (so they fall into a few buckets), the last one holding more rows than any
+    before it (a bucket of its own). Records:
+
+    * `params_max_diff`: the largest difference of a dense parameter after `steps` steps of both (goal 1e-5),
+      and `grads_max_diff`, of the embedding gradients over the steps (fp16-packed: their units are kappa's);
+    * `eager_step_ms` and `captured_step_ms`: the median wall time of `timed` more steps of each, the device
+      synchronised around each (what a step costs the host and the device together);
+    * `buckets` (captured graphs), `refused` (why the step was not captured, or null).
+
+    On a CPU (`device="cpu"`, the unit test) the padded step runs without a graph."""
+    tree = example_config()
+    tree["training"]["capture"] = True
+    tree["data"] = {"train": ["unused"]}
+    if batch_size is not None:
+        tree["training"]["batch_size"] = batch_size
+    config = from_dict(tree)
+    size = config.training.batch_size
+    backend = "nccl" if device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        timeout = datetime.timedelta(seconds=120)
+        open_groups(backend, dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1,
+                    device=torch.device(device), dense_timeout=timeout, control_timeout=timeout)
+        try:
+            torch.manual_seed(seed)
+            model = build_model(config.model.path, [FeatureInfo(f.name, f.dim) for f in config.features],
+                                config.num_dense, config.model.kwargs)
+            env = DistEnv(rank=0, world_size=1, backend=backend, device=torch.device(device))
+            values = ValueCodec(fp16=config.training.compression.fp16, kappa=config.training.compression.kappa)
+            sides = []
+            for replica in (model, copy.deepcopy(model)):
+                math = StepMath(replica, env, config.training, Tasks.from_config(config),
+                                Pooler(config.features, values))
+                math.optimizer = make_dense_optimizer(math.model, config)
+                math.sync = DenseSync(math.model, env, config.training)
+                sides.append(math)
+            eager, captured = sides
+            eager.captured = None
+            if captured.captured is None:
+                captured.captured = CapturedStep(captured, graphs=device == "cuda")
+            return _compare(eager, captured, config, values, size, steps, timed, np.random.default_rng(seed))
+        finally:
+            close_groups()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _compare(eager, captured, config, values, size: int, steps: int, timed: int, rng) -> dict:
+    grads_diff, losses = 0.0, []
+    for number in range(1, steps + 1):
+        batch, frame = synthetic_batch(rng, config, values, size, more_rows=number == steps)
+        outs = [_step(math, batch, frame, number) for math in (eager, captured)]
+        losses.append([out.loss() for out in outs])
+        for key, want in outs[0].packed().items():
+            got = outs[1].packed()[key]
+            if got.shape != want.shape:
+                raise SystemExit(f"captured step: {key} has {got.shape}, the eager step {want.shape}")
+            grads_diff = max(grads_diff, float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max()))
+    params_diff = max(float((a - b).detach().abs().max()) for a, b in zip(eager.model.parameters(),
+                                                                     captured.model.parameters()))
+    times = {}
+    for name, math in (("eager", eager), ("captured", captured)):
+        spent = []
+        for number in range(steps + 1, steps + 1 + timed):
+            batch, frame = synthetic_batch(rng, config, values, size)
+            emb = math.pooler.decode(frame, size)
+            _synchronize(math)
+            started = time.perf_counter()
+            out = math.train(batch, emb, step=number)
+            if out.event is not None:
+                out.event.synchronize()
+            _synchronize(math)
+            spent.append(time.perf_counter() - started)
+        times[f"{name}_step_ms"] = 1000 * float(np.median(spent))
+    step = captured.captured
+    return {"steps": steps, "batch_size": size, "params_max_diff": params_diff, "grads_max_diff": grads_diff,
+            "losses_first_last": [losses[0], losses[-1]], **times,
+            "buckets": sum(1 for g in step.buckets.values() if g.graph is not None) if step.graphs
+            else len(step.buckets), "refused": step.refusal()}
+
+
+def _step(math, batch, frame: bytes, number: int):
+    out = math.train(batch, math.pooler.decode(frame, batch.labels.shape[0]), step=number)
+    if out.event is not None:
+        out.event.synchronize()
+    return out
+
+
+def _synchronize(math) -> None:
+    if math.env.device.type == "cuda":
+        torch.cuda.synchronize(math.env.device)
+
+
+def synthetic_batch(rng, config, values, size: int, more_rows: bool = False) -> tuple:
+    """A README-like batch: every feature present in about 95% of the samples, its unique rows a random share
+    of them (more with `more_rows`), as the embedding worker would send them (an `Embeddings` frame)."""
+    lengths = (rng.random((len(config.features), size)) < 0.95).astype(np.uint16)
+    pos, counts = [], []
+    for present in lengths.sum(axis=1):
+        low, high = (present // 2, present) if more_rows else (present // 8, present // 3)
+        unique = int(rng.integers(max(low, 1), max(high, 2)))
+        drawn = rng.integers(0, unique, int(present))
+        drawn[:min(unique, int(present))] = np.arange(min(unique, int(present)))
+        pos.append(drawn)
+        counts.append(min(unique, int(present)))
+    rows = {}
+    for dim in sorted({f.dim for f in config.features}):
+        total = sum(c for c, f in zip(counts, config.features) if f.dim == dim)
+        rows[dim] = (0.01 * rng.standard_normal((total, dim))).astype(np.float32)
+    frame = Embeddings(KeyedBags(np.concatenate(pos).astype(np.uint16), lengths), np.array(counts, np.int32),
+                       rows).encode(values)
+    batch = DenseBatch(1, rng.standard_normal((size, config.num_dense)).astype(np.float32),
+                       rng.integers(0, 2, size).astype(np.float32))
+    return batch, frame
+
+
 # ------------------------------------------------------------------ targets and the command line
 
 def goal(value: float | None, met: Callable[[float], bool], text: str) -> dict:
@@ -329,6 +476,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nn-workers", type=int, help="NN workers (default: one per GPU, at most 2)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kill", action="store_true", help="also an NN-worker kill run on NCCL")
+    parser.add_argument("--runs", nargs="+", choices=list(NCCL_RUNS), default=list(NCCL_RUNS),
+                        help="which NCCL runs (default: all)")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -363,20 +512,24 @@ def main() -> None:
         result["targets"] = targets(result)
         args.out.write_text(json.dumps(result, indent=2))
 
+    result["capture_check"] = capture_check()
+    save()
     result["cpu"] = run(config, work / "cpu", ["training.backend=gloo"], nn_workers)
     save()
     result["baselines"] = {"pytorch_gpu": pytorch_gpu(data)}
     save()
-    runs: dict[str, list[dict]] = {name: [] for name in NCCL_RUNS}
+    runs: dict[str, list[dict]] = {name: [] for name in args.runs}
     result.update(runs)
     for repeat in range(args.repeats):
-        for name, overlap in zip(NCCL_RUNS, ("true", "false")):
-            runs[name].append(run(config, work / f"{name}-{repeat}", ["training.backend=nccl",
-                                                                         f"training.overlap_copies={overlap}"],
+        for name in args.runs:
+            runs[name].append(run(config, work / f"{name}-{repeat}", ["training.backend=nccl", *NCCL_RUNS[name]],
                                   nn_workers))
             save()
         best = {name: max(r["samples_per_sec"] for r in rs) for name, rs in runs.items()}
-        result["overlap_speedup"] = best["nccl_overlap"] / best["nccl_sync_copies"]
+        if "nccl_overlap" in best and "nccl_sync_copies" in best:
+            result["overlap_speedup"] = best["nccl_overlap"] / best["nccl_sync_copies"]
+        if "nccl_overlap" in best and "nccl_captured" in best:
+            result["capture_speedup"] = best["nccl_captured"] / best["nccl_overlap"]
         result["auc_vs_cpu"] = {name: [r["auc"] - result["cpu"]["auc"] for r in rs] for name, rs in runs.items()}
         if args.kill and repeat == 0:  # before the second repeat: the kill matters more than a second timing
             result["kill"] = kill_run(config, work, result["cpu"]["steps"], nn_workers)

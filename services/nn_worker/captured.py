@@ -198,6 +198,7 @@ class _Graph:
         self.runs = 0
         self.graph: "torch.cuda.CUDAGraph | None" = None
         self.outputs: dict[str, torch.Tensor] | None = None
+        self.addresses: tuple[int, ...] = ()  # of the parameters and optimizer state the graph reads and writes
 
 
 class CapturedStep:
@@ -291,7 +292,11 @@ class CapturedStep:
             group["lr"] = tensor
 
     def _run(self, graph: _Graph) -> dict[str, torch.Tensor] | None:
-        """The padded step on the bucket's inputs: replayed, captured (after `WARMUP` eager runs) or eager."""
+        """The padded step on the bucket's inputs: replayed, captured (after `WARMUP` eager runs) or eager. A
+        graph whose parameters or optimizer state moved since its capture (a state loaded into the optimizer
+        replaces its tensors) is captured again."""
+        if graph.graph is not None and graph.addresses != self._addresses():
+            graph.graph, graph.outputs, graph.runs = None, None, WARMUP
         if graph.graph is not None:
             graph.graph.replay()
             return graph.outputs
@@ -324,9 +329,20 @@ class CapturedStep:
             self.buckets.clear()
             self._say(self._refused)
             return None
-        graph.graph, graph.outputs = cuda_graph, outputs
+        graph.graph, graph.outputs, graph.addresses = cuda_graph, outputs, self._addresses()
         cuda_graph.replay()
         return outputs
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the dense parameters and the optimizer's state tensors are (a graph holds these addresses)."""
+        optimizer = self.math.optimizer
+        out = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                out.append(param.data_ptr())
+                out.extend(v.data_ptr() for v in optimizer.state.get(param, {}).values()
+                           if isinstance(v, torch.Tensor))
+        return tuple(out)
 
     def compute(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The padded step's math on a bucket's inputs: pooling, forward, loss, backward, the non-finite check,

@@ -110,3 +110,13 @@ def test_the_gpu_form_of_the_baseline_pools_as_the_jagged_form_without_a_host_sy
     torch.testing.assert_close(device_out, jagged_out)
     for table, expected in zip(model.tables, jagged_grads):
         torch.testing.assert_close(table.weight.grad.to_dense(), expected)
+
+
+def test_the_capture_check_runs_on_the_cpu_and_finds_both_steps_alike():
+    """`capture_check` on the CPU (the padded step without a graph): the README model's dense parameters after
+    the steps of both equal, the last batch in a larger bucket, and the timing fields there."""
+    res = gpu.capture_check(device="cpu", steps=6, timed=2, batch_size=512)
+    assert res["refused"] is None and res["params_max_diff"] <= 1e-5
+    assert res["buckets"] >= 2  # the last batch's extra rows: a bucket of its own
+    assert res["grads_max_diff"] < 1.0  # fp16-packed gradients (kappa-scaled: a unit is 1/1024 of a norm)
+    assert res["eager_step_ms"] > 0 and res["captured_step_ms"] > 0
