@@ -14,12 +14,9 @@ same batches, in a real Gloo group of one.
 from __future__ import annotations
 
 import copy
-import datetime
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridrec.core.config import from_dict
 from hybridrec.core.model.models import FeatureInfo, build_model
@@ -29,7 +26,7 @@ from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.wire.frames import DenseBatch, Embeddings
 from hybridrec.core.wire.jagged import KeyedBags
 from services.nn_worker.captured import LADDER_STEP, CapturedStep, Layout, bucket
-from services.nn_worker.group.distributed import DenseSync, DistEnv, close_groups, open_groups
+from services.nn_worker.group.distributed import DenseSync, DistEnv
 from services.nn_worker.lr_decay import LrDecay
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
@@ -39,16 +36,6 @@ FEATURES = [  # width 4: a, c, d (c not next to a); width 8: b
     {"name": "c", "group": 2, "dim": 4, "kind": "list", "pooling": "sqrtn", "max_len": 4},
     {"name": "d", "group": 3, "dim": 4},
 ]
-
-
-@pytest.fixture
-def group_of_one(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    timeout = datetime.timedelta(seconds=30)
-    open_groups("gloo", store, rank=0, world_size=1, device=torch.device("cpu"), dense_timeout=timeout,
-                control_timeout=timeout)
-    yield
-    close_groups()
 
 
 def _config(fp16: bool, features=FEATURES, dense: str = "adam"):

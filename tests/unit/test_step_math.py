@@ -8,12 +8,9 @@ real Gloo group of one.
 """
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridrec.core.wire.compress import ValueCodec
 from hybridrec.core.config import from_dict
@@ -22,7 +19,7 @@ from hybridrec.core.wire.jagged import KeyedBags
 from hybridrec.core.model.models import FeatureInfo, build_model
 from hybridrec.core.model.pooling import Pooler
 from hybridrec.core.model.tasks import Tasks
-from services.nn_worker.group.distributed import DenseSync, DistEnv, close_groups, open_groups
+from services.nn_worker.group.distributed import DenseSync, DistEnv
 from services.nn_worker.lr_decay import LrDecay
 from services.nn_worker.step import StepMath, make_dense_optimizer
 
@@ -67,17 +64,6 @@ def test_owed_update_is_the_loss_gradient_of_the_embedding_rows_and_leaves_the_d
     np.testing.assert_allclose(grads[4], expected, rtol=1e-5, atol=1e-7)
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-@pytest.fixture
-def group_of_one(tmp_path):
-    """A real Gloo group of one rank (`open_groups`), for a real `DenseSync`."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    timeout = datetime.timedelta(seconds=30)
-    open_groups("gloo", store, rank=0, world_size=1, device=torch.device("cpu"), dense_timeout=timeout,
-                control_timeout=timeout)
-    yield
-    close_groups()
 
 
 def test_a_step_trains_the_dense_model_and_packs_the_embedding_gradients(group_of_one):
