@@ -278,8 +278,10 @@ class CapturedStep:
         for i, group in enumerate(optimizer.param_groups):
             if decay is not None:
                 value = float(decay.lr(step))
-            else:  # the rate as it is (this class may have put a tensor there)
-                value = self._lr[i][1] if isinstance(group["lr"], torch.Tensor) else float(group["lr"])
+            elif i in self._lr and group["lr"] is self._lr[i][0]:  # the rate this class put there
+                value = self._lr[i][1]
+            else:
+                value = float(group["lr"])
             if not (self.graphs and isinstance(optimizer, torch.optim.Adam)):
                 group["lr"] = value
                 continue
