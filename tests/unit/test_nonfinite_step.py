@@ -17,7 +17,7 @@ from services.nn_worker.group.distributed import DenseSync
 from services.nn_worker.step import make_dense_optimizer
 from tests.unit.nonfinite_ranks import WORLD, rank_main
 from tests.unit.spawned import run_ranks
-from tests.unit.test_step_math import _setup, group_of_one  # noqa: F401 - the fixture
+from tests.unit.test_step_math import _setup
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
