@@ -197,7 +197,7 @@ class _Graph:
         self.inputs = layout.device_views(self.buffer)
         self.runs = 0
         self.graph: "torch.cuda.CUDAGraph | None" = None
-        self.outputs: dict[str, torch.Tensor] | None = None
+        self.outputs: tuple[dict, dict] | None = None  # (loss, logits, non-finite flag), packed gradients
         self.addresses: tuple[int, ...] = ()  # of the parameters and optimizer state the graph reads and writes
 
 
@@ -235,7 +235,8 @@ class CapturedStep:
         outputs = self._run(graph)
         if outputs is None:
             return None
-        return self.math.finish(batch, outputs, out, real)
+        head, packed = outputs
+        return self.math.finish(batch, head, packed, out, real)
 
     def refusal(self) -> str | None:
         """Why this rank's step cannot be captured (None: it can)."""
@@ -293,7 +294,7 @@ class CapturedStep:
             self._lr[i] = (tensor, value)
             group["lr"] = tensor
 
-    def _run(self, graph: _Graph) -> dict[str, torch.Tensor] | None:
+    def _run(self, graph: _Graph) -> tuple[dict, dict] | None:
         """The padded step on the bucket's inputs: replayed, captured (after `WARMUP` eager runs) or eager. A
         graph whose parameters or optimizer state moved since its capture (a state loaded into the optimizer
         replaces its tensors) is captured again."""
@@ -309,7 +310,7 @@ class CapturedStep:
             return self._on_side_stream(graph.inputs)
         return self._capture(graph)
 
-    def _on_side_stream(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _on_side_stream(self, inputs: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """An eager padded step on a side stream, as warm-up before a capture asks (lazily made handles and
         workspaces are made there, not in the graph)."""
         current = torch.cuda.current_stream(self.device)
@@ -319,7 +320,7 @@ class CapturedStep:
         current.wait_stream(self._side)
         return outputs
 
-    def _capture(self, graph: _Graph) -> dict[str, torch.Tensor] | None:
+    def _capture(self, graph: _Graph) -> tuple[dict, dict] | None:
         """Capture the bucket's step and replay it (capture runs nothing). Other threads' CUDA calls (the copy
         waiter's) stay legal meanwhile ("thread_local"). A failed capture refuses capture from then on."""
         cuda_graph = torch.cuda.CUDAGraph()
@@ -346,9 +347,10 @@ class CapturedStep:
                            if isinstance(v, torch.Tensor))
         return tuple(out)
 
-    def compute(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def compute(self, inputs: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         """The padded step's math on a bucket's inputs: pooling, forward, loss, backward, the non-finite check,
-        the optimizer, the gradients' packing; returns what goes to the host."""
+        the optimizer, the gradients' packing; returns what goes to the host: (loss, logits and the non-finite
+        flag by name, the packed gradients)."""
         math, dims = self.math, self.padding.pooler.dims
         kappa = math.pooler.values.kappa
         rows = {d: (unscale(inputs[f"half.{d}"], inputs[f"norms.{d}"], kappa) if self.padding.fp16
@@ -367,7 +369,7 @@ class CapturedStep:
         math.optimizer.found_inf = found.view(())
         math.optimizer.step()
         packed = Gradients.pack_tensors(math.pooler.values, grads)
-        return {"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found, **packed}
+        return {"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found}, packed
 
     def _say(self, why: str) -> None:
         if why not in self._said:

@@ -103,19 +103,18 @@ class StepMath:
         # the host with them, not before the backward: the progressive window takes them when they are there
         # (`Trainer._record`), so nothing here waits for the device.
         packed = Gradients.pack_tensors(self.pooler.values, grads)
-        return self.finish(batch, {"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found, **packed},
+        return self.finish(batch, {"loss": loss.detach(), "logits": logits.detach(), "nonfinite": found}, packed,
                            out)
 
-    def finish(self, batch: DenseBatch, outputs: dict[str, torch.Tensor], out: Any = None,
-               rows: dict[int, int] | None = None) -> StepOutput:
-        """A step's `outputs` (loss, logits, the non-finite flag and the packed gradients `grad.{width}...`) to
-        the host, and with a receiver's slot `out` on the CPU the gradient frame written there. `rows`: each
+    def finish(self, batch: DenseBatch, head: dict[str, torch.Tensor], packed: dict[str, torch.Tensor],
+               out: Any = None, rows: dict[int, int] | None = None) -> StepOutput:
+        """A step's `head` (loss, logits, the non-finite flag) and `packed` gradients (`Gradients.pack_tensors`)
+        to the host, and with a receiver's slot `out` on the CPU the gradient frame written there. `rows`: each
         width's real row count where the gradients hold padding rows after them (a captured step), dropped."""
-        host, event = self.feed.to_host(outputs)
-        keys = tuple(key for key in outputs if key.startswith("grad."))
+        host, event = self.feed.to_host({**head, **packed})
+        keys = tuple(packed)
         if rows is not None:  # views of the copies: slicing reads nothing before the copy is done
-            for key in keys:
-                host[key] = host[key][:rows[int(key.split(".")[1])]]
+            host.update(Gradients.cut_tensors({key: host[key] for key in keys}, rows))
         written = None
         if out is not None and event is None:
             written = (Gradients.encode_discard_into(out.writable, batch.batch_ref) if bool(host["nonfinite"]) else

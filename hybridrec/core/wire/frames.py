@@ -532,6 +532,12 @@ class Gradients:
         return out
 
     @staticmethod
+    def cut_tensors(tensors: dict, rows: dict[int, int]) -> dict:
+        """`pack_tensors`' tensors of gradients whose rows go on past the real ones (a captured step's padding
+        rows), each cut to the first `rows[width]` rows of its width."""
+        return {key: tensor[:rows[int(key.split(".")[1])]] for key, tensor in tensors.items()}
+
+    @staticmethod
     def encode_packed(batch_ref: int, tensors: dict[str, np.ndarray]) -> bytes:
         """The frame of gradients packed already (`ValueCodec.pack_tensors` on the NN worker's device: `grad.{d}`
         and, as fp16, `grad.{d}.norm`)."""
