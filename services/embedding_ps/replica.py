@@ -35,8 +35,10 @@ restored shard initialises them again from (seed, id), to the same values).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -111,6 +113,8 @@ class Copy:
     seq: int
     pages: list[tuple[int, np.ndarray, np.ndarray]]  # (width, keys, values)
     uids: np.ndarray
+    id: int = 0
+    """Its name for the readers of its later pages (`OpenCopies`)."""
 
     @classmethod
     def take(cls, shard: int, life: int, seq: int, stores: dict[int, EmbeddingStore], uids: np.ndarray) -> "Copy":
@@ -128,7 +132,37 @@ class Copy:
         dim, keys, values = self.pages[i]
         last = i == len(self.pages) - 1
         return ShardRows(self.shard, self.life, self.seq, {dim: (keys, values)}, page=i, pages=len(self.pages),
-                         uids=self.uids if last else None)
+                         uids=self.uids if last else None, copy_id=self.id)
+
+
+class OpenCopies:
+    """The copies of one shard that peers are reading, by id. Two readers at once (a backup catching up and an
+    operator's dump of the same shard, or a reader that started over) each read their own copy to its end;
+    with one copy per shard, the second's page 0 replaced the first's copy under it. At most `KEEP` are held
+    (each is a whole shard in memory): a newer one drops the oldest, whose reader is told to start over."""
+
+    KEEP = 2
+
+    def __init__(self, what: str):
+        self.what = what
+        self._open: OrderedDict[int, Copy] = OrderedDict()
+
+    def open(self, copy: Copy) -> None:
+        copy.id = secrets.randbits(63) | 1  # random: a reader of a PS that restarted never finds its id again
+        self._open[copy.id] = copy
+        while len(self._open) > self.KEEP:
+            self._open.popitem(last=False)
+
+    def page(self, pull: ShardPull, copy_id: int) -> ShardRows:
+        """Page `pull.page` of copy `copy_id` (page 0: the one just opened); the copy goes once read to its end."""
+        copy = self._open.get(copy_id)
+        if copy is None:
+            raise FailedPrecondition(f"no copy {copy_id} of {self.what} is being read (read to its end, replaced "
+                                     f"by newer ones, or this PS restarted): ask for page 0 first")
+        out = copy.page(pull.page)
+        if pull.page == len(copy.pages) - 1:
+            del self._open[copy_id]  # read to its end: its memory goes
+        return out
 
 
 Received = list[tuple[int, int, dict[int, np.ndarray]]]
@@ -162,7 +196,7 @@ class Primary:
         """Held while an update is applied and shipped, and while a copy is taken: one order for both copies."""
         self._channel = rpc.channel(backup_address, reconnect_ms=RECONNECT_MS)
         self._ship = rpc.raw_method(self._channel, "EmbeddingPS", "Replicate")
-        self._copy: Copy | None = None
+        self._copies = OpenCopies(f"shard {shard}")
         self._reachable = True
         self._heartbeat: asyncio.Task | None = None
         self.counters = {"replica_shipments_total": 0, "replica_shipments_failed_total": 0,
@@ -224,15 +258,12 @@ class Primary:
                 log.get().info("replica_reachable", shard=self.shard, backup_ps=self.backup, why="it asked for a copy")
                 self._reachable = True
             async with self.lock:
-                self._copy = await run(Copy.take, self.shard, self.applied.life, self.applied.applied, self.stores,
-                                       self.applied.recent())
+                copy = await run(Copy.take, self.shard, self.applied.life, self.applied.applied, self.stores,
+                                 self.applied.recent())
+            self._copies.open(copy)
             self.counters["replica_copies_served_total"] += 1
-        if self._copy is None:
-            raise FailedPrecondition(f"no copy of shard {self.shard} is being read: ask for page 0 first")
-        out = self._copy.page(pull.page)
-        if pull.page == len(self._copy.pages) - 1:
-            self._copy = None  # read to its end: its memory goes
-        return out
+            return self._copies.page(pull, copy.id)
+        return self._copies.page(pull, pull.copy_id)
 
     async def close(self) -> None:
         if self._heartbeat is not None:
@@ -259,7 +290,7 @@ class Backup:
         self._lock = asyncio.Lock()  # one change at a time: a shipment, a page of a copy, a wipe
         self._channel = rpc.channel(primary_address, reconnect_ms=RECONNECT_MS)
         self._pull = rpc.raw_method(self._channel, "EmbeddingPS", "PullShard")
-        self._serving: Copy | None = None
+        self._serving = OpenCopies(f"shard {shard}'s backup")
         self.counters = {"backup_catch_ups_total": 0}
         self._wipe()
 
@@ -352,8 +383,8 @@ class Backup:
         page = first
         for i in range(first.pages):
             if i:
-                page = ShardRows.decode(await self._pull(ShardPull(self.shard, "primary", i, job=self.job).encode(),
-                                                         timeout=60), widths)
+                pull = ShardPull(self.shard, "primary", i, job=self.job, copy_id=first.copy_id)
+                page = ShardRows.decode(await self._pull(pull.encode(), timeout=60), widths)
                 if (page.life, page.seq) != (first.life, first.seq):
                     return False
             async with self._lock:
@@ -388,14 +419,10 @@ class Backup:
                 raise FailedPrecondition(f"the backup of shard {self.shard} follows life {self.life}, not the "
                                          f"lost life {pull.life}")
             async with self._lock:
-                self._serving = await run(Copy.take, self.shard, self.life, self.seq, self.stores,
-                                          self.applied.recent())
-        if self._serving is None:
-            raise FailedPrecondition(f"no copy of shard {self.shard}'s backup is being read: ask for page 0 first")
-        out = self._serving.page(pull.page)
-        if pull.page == len(self._serving.pages) - 1:
-            self._serving = None
-        return out
+                copy = await run(Copy.take, self.shard, self.life, self.seq, self.stores, self.applied.recent())
+            self._serving.open(copy)
+            return self._serving.page(pull, copy.id)
+        return self._serving.page(pull, pull.copy_id)
 
     def stats(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counters.items()}, "backup_in_sync": float(self.in_sync),
@@ -434,7 +461,8 @@ def restore_from_backup(config: Config, shard: int, stores: dict[int, EmbeddingS
         page = first
         for i in range(first.pages):
             if i:
-                page = ShardRows.decode(call(ShardPull(shard, "backup", i, lost, job).encode(), timeout=60), widths)
+                pull = ShardPull(shard, "backup", i, lost, job, first.copy_id)
+                page = ShardRows.decode(call(pull.encode(), timeout=60), widths)
             for dim, (keys, values) in page.rows.items():
                 stores[dim].load_rows(keys, np.require(values, requirements=["C", "W"]))
             if page.uids is not None:

@@ -104,7 +104,8 @@ async def _copy(channel: grpc.aio.Channel, shard: int, copy: str) -> tuple[int, 
     rows, page = {}, first
     for i in range(first.pages):
         if i:
-            page = ShardRows.decode(await pull(ShardPull(shard, copy, i).encode(), timeout=60), {DIM: ROW_WIDTH})
+            page = ShardRows.decode(await pull(ShardPull(shard, copy, i, copy_id=first.copy_id).encode(), timeout=60),
+                                    {DIM: ROW_WIDTH})
         for keys, values in page.rows.values():
             rows.update(zip(keys.tolist(), values.copy()))
     return first.life, first.seq, rows

@@ -59,8 +59,9 @@ def _cases() -> dict[str, tuple[bytes, callable]]:
         "PSUpdate": (PSUpdate({8: ids}, {8: np.ones((10, 8), np.float32)}, update_id(7 << 56 | 3, 99)).encode(VALUES),
                      lambda b: PSUpdate.decode(b, VALUES, [8])),
         "ShardRows": (ShardRows(1, (1 << 64) - 3, 42, {8: (ids, np.ones((10, 16), np.float32))}, update_id=77, page=2,
-                                pages=3, uids=ids[:4]).encode(), lambda b: ShardRows.decode(b, {8: 16, 4: 5})),
-        "ShardPull": (ShardPull(1, "backup", 2, life=(1 << 64) - 3, job="run-7").encode(), ShardPull.decode),
+                                pages=3, uids=ids[:4], copy_id=(1 << 63) - 1).encode(),
+                      lambda b: ShardRows.decode(b, {8: 16, 4: 5})),
+        "ShardPull": (ShardPull(1, "backup", 2, life=(1 << 64) - 3, job="run-7", copy_id=5).encode(), ShardPull.decode),
     }
 
 

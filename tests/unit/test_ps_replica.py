@@ -1,11 +1,14 @@
-"""The two rules a catching-up PS backup follows (services/embedding_ps/replica.py): a row shipped after the copy
-was taken wins over the copy's, and a missing shipment makes it copy again. The whole flow, with two real PS
-processes, is tests/integration/test_ps_replicas.py."""
+"""The rules a catching-up PS backup follows (services/embedding_ps/replica.py): a row shipped after the copy
+was taken wins over the copy's, a missing shipment makes it copy again, and two readers of a shard at once
+each read their own copy. The whole flow, with two real PS processes, is tests/integration/test_ps_replicas.py."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from services.embedding_ps.replica import backup_host, backup_of, rows_to_keep, seq_after
+from hybridrec.core.runtime.rpc import FailedPrecondition
+from hybridrec.core.wire.frames import ShardPull
+from services.embedding_ps.replica import Copy, OpenCopies, backup_host, backup_of, rows_to_keep, seq_after
 
 LIFE, OTHER = 7, 9
 
@@ -41,3 +44,43 @@ def test_each_shard_is_backed_up_on_the_next_ps():
     assert [backup_host(s, 3) for s in range(3)] == [1, 2, 0]
     assert [backup_of(p, 3) for p in range(3)] == [2, 0, 1]
     assert all(backup_of(backup_host(s, 4), 4) == s for s in range(4))
+
+
+def _copy_of(seq: int, pages: int) -> Copy:
+    keys = [np.arange(i * 10 + 1, i * 10 + 4, dtype=np.uint64) for i in range(pages)]
+    return Copy(0, 1, seq, [(8, k, np.full((3, 16), seq, np.float32)) for k in keys], np.arange(3, dtype=np.uint64))
+
+
+def test_two_readers_at_once_each_read_their_own_copy_to_its_end():
+    """A backup catching up and an operator's dump of the same shard, interleaved page by page: the second's
+    page 0 leaves the first's copy alone, and each reader's pages are of its own copy."""
+    copies = OpenCopies("shard 0")
+    first, second = _copy_of(seq=5, pages=3), _copy_of(seq=9, pages=2)
+    copies.open(first)
+    a0 = copies.page(ShardPull(0, "primary", 0), first.id)
+    copies.open(second)
+    b0 = copies.page(ShardPull(0, "primary", 0), second.id)
+    assert a0.copy_id == first.id != b0.copy_id == second.id
+    read = {a0.copy_id: [a0], b0.copy_id: [b0]}
+    for i in (1, 2):
+        for reader in (a0, b0):
+            if i < reader.pages:
+                read[reader.copy_id].append(copies.page(ShardPull(0, "primary", i, copy_id=reader.copy_id),
+                                                        reader.copy_id))
+    for reader, seq in ((a0, 5), (b0, 9)):
+        pages = read[reader.copy_id]
+        assert [p.page for p in pages] == list(range(reader.pages))
+        assert all(p.seq == seq and (p.rows[8][1] == seq).all() for p in pages)
+        assert pages[-1].uids is not None
+    with pytest.raises(FailedPrecondition, match="read to its end"):  # each went once read to its end
+        copies.page(ShardPull(0, "primary", 1, copy_id=first.id), first.id)
+
+
+def test_open_copies_are_bounded_and_the_oldest_reader_is_told_to_start_over():
+    copies = OpenCopies("shard 0")
+    opened = [_copy_of(seq, pages=2) for seq in range(OpenCopies.KEEP + 1)]
+    for copy in opened:
+        copies.open(copy)
+    with pytest.raises(FailedPrecondition, match="ask for page 0 first"):
+        copies.page(ShardPull(0, "primary", 1, copy_id=opened[0].id), opened[0].id)
+    assert copies.page(ShardPull(0, "primary", 1, copy_id=opened[-1].id), opened[-1].id).seq == OpenCopies.KEEP

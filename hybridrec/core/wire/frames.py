@@ -811,8 +811,8 @@ class ShardRows:
 
     Two uses: a replicated update (EmbeddingPS.Replicate request, primary -> backup: the rows update
     `update_id` changed, `seq` its number) and a page of a whole-shard copy (EmbeddingPS.PullShard reply:
-    `seq` when the copy was taken, page `page` of `pages`; the last page carries `uids`, the update ids the
-    shard remembers, oldest first)."""
+    `seq` when the copy was taken, page `page` of `pages`, `copy_id` the copy's name for the later pages'
+    requests; the last page carries `uids`, the update ids the shard remembers, oldest first)."""
 
     shard: int
     life: int
@@ -824,6 +824,7 @@ class ShardRows:
     uids: np.ndarray | None = None
     job: str = ""
     """The sender's `checkpoint.job_id`: a PS refuses rows of another job."""
+    copy_id: int = 0
 
     def encode(self) -> bytes:
         tensors: dict[str, np.ndarray] = {}
@@ -832,7 +833,8 @@ class ShardRows:
         if self.uids is not None:
             tensors["uids"] = self.uids
         return codec.encode(tensors, {"shard": self.shard, "life": self.life, "seq": self.seq, "job": self.job,
-                                      "update_id": self.update_id, "page": self.page, "pages": self.pages})
+                                      "update_id": self.update_id, "page": self.page, "pages": self.pages,
+                                      "copy_id": self.copy_id})
 
     @classmethod
     def decode(cls, buf: bytes, row_widths: dict[int, int]) -> "ShardRows":
@@ -851,14 +853,16 @@ class ShardRows:
         page = _count(frame, "page", default=0, limit=max(pages - 1, 0))
         uids = frame.get("uids", np.uint64, 1) if "uids" in frame.tensors else None
         return cls(_count(frame, "shard", limit=1 << 20), _count(frame, "life"), _count(frame, "seq"), rows,
-                   _count(frame, "update_id", default=0), page, pages, uids, _text(frame, "job"))
+                   _count(frame, "update_id", default=0), page, pages, uids, _text(frame, "job"),
+                   _count(frame, "copy_id", default=0))
 
 
 @dataclass
 class ShardPull:
     """EmbeddingPS.PullShard request: page `page` of a copy of shard `shard` — its `copy` "primary" (a backup
     catching up), or the "backup" another PS keeps of it (a shard that lost its store, which names the lost
-    `life`: only a copy of that life will do). Page 0 takes the copy; later pages read the same one."""
+    `life`: only a copy of that life will do). Page 0 takes the copy and names it (`ShardRows.copy_id`); later
+    pages name it back in `copy_id`, so that two readers at once each read their own copy."""
 
     shard: int
     copy: str
@@ -866,10 +870,11 @@ class ShardPull:
     life: int = 0
     job: str = ""
     """The asker's `checkpoint.job_id`: a PS gives no copy to another job."""
+    copy_id: int = 0
 
     def encode(self) -> bytes:
         return codec.encode(meta={"shard": self.shard, "copy": self.copy, "page": self.page, "life": self.life,
-                                  "job": self.job})
+                                  "job": self.job, "copy_id": self.copy_id})
 
     @classmethod
     def decode(cls, buf: bytes) -> "ShardPull":
@@ -878,7 +883,7 @@ class ShardPull:
         if copy not in COPIES:
             raise FrameError(f"copy must be one of {COPIES}, got {copy!r}")
         return cls(_count(frame, "shard", limit=1 << 20), copy, _count(frame, "page", default=0, limit=1 << 31),
-                   _count(frame, "life", default=0), _text(frame, "job"))
+                   _count(frame, "life", default=0), _text(frame, "job"), _count(frame, "copy_id", default=0))
 
 
 FRAMES = (SparseBatch, BatchRef, DenseBatch, EndOfPhase, Embeddings, Gradients, Applied, Consumed, Received,
