@@ -41,11 +41,10 @@ import torch
 
 from hybridrec.core.model.pooling import BatchEmbeddings, PaddedBags
 from hybridrec.core.runtime import log
+from hybridrec.core.wire import codec
 from hybridrec.core.wire.compress import Fp16Rows, unscale
 from hybridrec.core.wire.frames import DenseBatch, Gradients
 
-ALIGN = 64
-"""Byte alignment of each array in a bucket's buffer."""
 LADDER_STEP = 256
 """Bucket sizes are multiples of this."""
 GROWTH = 1.25
@@ -87,8 +86,8 @@ class Layout:
         for name, dtype, shape in fields:
             dtype = np.dtype(dtype)
             self.fields[name] = (size, dtype, shape)
-            size += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
-        self.size = max(size, ALIGN)
+            size += codec.align(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        self.size = max(size, codec.ALIGN)
 
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
         """Each array as a numpy view of a uint8 host buffer of `size` bytes."""

@@ -26,11 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from hybridrec.core.wire import codec
 from hybridrec.core.wire.compress import Fp16Rows
 from hybridrec.core.model.pooling import BatchEmbeddings
 
-ALIGN = 64
-"""Byte alignment of each array in the staging buffer (any dtype's view of the device buffer is aligned)."""
 
 
 class DeviceFeed:
@@ -101,7 +100,7 @@ def _pack(arrays: dict[str, np.ndarray], *, pin: bool = True) -> tuple[torch.Ten
     offsets, size = {}, 0
     for name, array in arrays.items():
         offsets[name] = size
-        size += -(-array.nbytes // ALIGN) * ALIGN
+        size += codec.align(array.nbytes)
     pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pin)
     host = pinned.numpy()
     for name, array in arrays.items():
